@@ -1,0 +1,1 @@
+"""vaswani: the Transformer of Vaswani et al. (2017) as a transformers model."""
