@@ -1,0 +1,197 @@
+"""Configuration of the Vaswani Transformer.
+
+The defaults *are* the base model of "Attention Is All You Need" (Vaswani et al., 2017, Table 3, row "base"):
+post-LayerNorm ("Add & Norm" = LayerNorm(x + Sublayer(x)), §3.1), sinusoidal positions (§3.5), a ReLU
+feed-forward network (§3.3), 6 + 6 layers, d_model 512, 8 heads, d_ff 2048, dropout 0.1 (§5.4), token
+embeddings shared between encoder, decoder and the output projection and scaled by √d_model (§3.4), and
+label smoothing 0.1 while training (§5.4).
+
+Every modern variant is one plain field: pre-norm (`norm_first`), RMSNorm (`norm_type`), rotary or learned
+positions (`position_embedding_type`), grouped-query / multi-query attention (`num_key_value_heads`) and gated
+feed-forward networks (`ffn_activation="swiglu"`). Named presets (`base`, `big`, `modern`, `tiny`) are
+classmethods, in the manner of fairseq's `transformer_vaswani_wmt_en_de_big`.
+
+Post-norm vs pre-norm: the paper normalises *after* each residual addition. Placing the norm *before* each
+sublayer (Xiong et al., 2020, "On Layer Normalization in the Transformer Architecture") keeps an identity path
+from input to output, trains stably without a long warm-up and is what modern decoders use; it needs one extra
+norm at the end of each stack, which `norm_first=True` adds.
+"""
+
+from transformers import PreTrainedConfig
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned", "rope")
+FFN_ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "geglu")
+
+
+class VaswaniConfig(PreTrainedConfig):
+    r"""
+    Args:
+        vocab_size: size of the (shared) source/target vocabulary. The paper's En-Fr model used 32k word pieces.
+        d_model: width of every residual stream, embedding and attention output.
+        encoder_layers / decoder_layers: number of blocks in each stack (N in the paper).
+        num_attention_heads: query heads per attention layer (h).
+        num_key_value_heads: key/value heads; `None` means `num_attention_heads` (multi-head attention),
+            a divisor of it gives grouped-query attention (Ainslie et al., 2023), 1 gives multi-query attention
+            (Shazeer, 2019).
+        d_ff: inner width of the position-wise feed-forward network.
+        ffn_activation: `relu` (paper), `gelu`, `silu`, or the gated `swiglu` / `geglu` (Shazeer, 2020), which use
+            `gate_proj`/`up_proj`/`down_proj` instead of `fc1`/`fc2`.
+        dropout: residual and embedding dropout (P_drop).
+        attention_dropout: dropout on attention probabilities.
+        activation_dropout: dropout after the feed-forward activation.
+        norm_first: `False` is the paper's post-norm; `True` is pre-norm with a final norm on each stack.
+        norm_type: `layernorm` (paper) or `rmsnorm` (Zhang & Sennrich, 2019).
+        layer_norm_eps: epsilon of every norm; 1e-5 is PyTorch's `nn.Transformer` default.
+        position_embedding_type: `sinusoidal` (paper, works at any length), `learned` (up to
+            `max_position_embeddings`) or `rope` (Su et al., 2021; applied to self-attention queries and keys).
+        rope_theta: base of the rotary frequencies.
+        max_position_embeddings: table size for learned positions, and the cache size default for static caches.
+        scale_embedding: multiply token embeddings by √d_model (§3.4).
+        share_embeddings: one token embedding for encoder and decoder (needs a joint vocabulary).
+        tie_word_embeddings: the output projection reuses the decoder's token embedding (§3.4).
+        bias: bias terms in every linear layer (and LayerNorm).
+        label_smoothing: ε_ls used by the loss in training mode (§5.4); evaluation reports the plain likelihood.
+        classifier_dropout: dropout before the sequence-classification head (`None`: use `dropout`).
+    """
+
+    model_type = "vaswani"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # Names that generic transformers code (caches, generation, Trainer) looks up.
+    attribute_map = {"hidden_size": "d_model", "num_hidden_layers": "decoder_layers", "intermediate_size": "d_ff"}
+
+    vocab_size: int = 37000
+    d_model: int = 512
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None
+    d_ff: int = 2048
+    ffn_activation: str = "relu"
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    norm_first: bool = False
+    norm_type: str = "layernorm"
+    layer_norm_eps: float = 1e-5
+    position_embedding_type: str = "sinusoidal"
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 1024
+    scale_embedding: bool = True
+    share_embeddings: bool = True
+    tie_word_embeddings: bool = True
+    bias: bool = True
+    label_smoothing: float = 0.1
+    classifier_dropout: float | None = None
+    use_cache: bool = True
+    is_encoder_decoder: bool = True
+    # Special tokens: the layout written by `VaswaniTokenizer`.
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    bos_token_id: int | None = 3
+    decoder_start_token_id: int | None = 3
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+        self._check()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_attention_heads
+
+    def _check(self) -> None:
+        """Fail early, naming the field and the fix, instead of deep inside a matmul."""
+        for name in ("vocab_size", "d_model", "num_attention_heads", "num_key_value_heads", "d_ff",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"VaswaniConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("encoder_layers", "decoder_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"VaswaniConfig.{name} must be a non-negative integer, got {value!r}.")
+        if self.d_model % self.num_attention_heads:
+            raise ValueError(
+                f"VaswaniConfig.d_model ({self.d_model}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}); pick a head count that divides d_model, e.g. "
+                f"{_divisor_near(self.d_model, self.num_attention_heads)}."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"VaswaniConfig.num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads}): each key/value head serves a whole group of query heads."
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"VaswaniConfig.position_embedding_type='rope' rotates pairs of channels, so the head dimension "
+                f"d_model / num_attention_heads must be even, got {self.head_dim}."
+            )
+        if self.position_embedding_type == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"VaswaniConfig.d_model must be even for sinusoidal positions, got {self.d_model}.")
+        for name, allowed in (("norm_type", NORM_TYPES), ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+                              ("ffn_activation", FFN_ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"VaswaniConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"VaswaniConfig.{name} must be in [0, 1), got {value!r}.")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"VaswaniConfig.layer_norm_eps must be positive, got {self.layer_norm_eps!r}.")
+        if not self.rope_theta > 0:
+            raise ValueError(f"VaswaniConfig.rope_theta must be positive, got {self.rope_theta!r}.")
+
+    # Presets. Keyword arguments override any field, e.g. `VaswaniConfig.base(vocab_size=16000)`.
+
+    @classmethod
+    def base(cls, **overrides) -> "VaswaniConfig":
+        """The paper's base model (65M parameters with a 37k vocabulary): exactly the defaults."""
+        return cls(**overrides)
+
+    @classmethod
+    def big(cls, **overrides) -> "VaswaniConfig":
+        """The paper's big model (Table 3): d_model 1024, d_ff 4096, 16 heads, dropout 0.3 (0.1 for En-Fr)."""
+        return cls(**{"d_model": 1024, "d_ff": 4096, "num_attention_heads": 16, "dropout": 0.3, **overrides})
+
+    @classmethod
+    def modern(cls, **overrides) -> "VaswaniConfig":
+        """Today's decoder recipe on the same skeleton: pre-RMSNorm, RoPE, SwiGLU, GQA (2 query heads per K/V
+        head) and no biases. d_ff is 2/3 of 4·d_model, as in LLaMA, so the gated
+        FFN costs about what the ReLU one does."""
+        defaults = {
+            "norm_first": True, "norm_type": "rmsnorm", "layer_norm_eps": 1e-6, "position_embedding_type": "rope",
+            "ffn_activation": "swiglu", "num_key_value_heads": 4, "bias": False, "d_ff": 1376, "dropout": 0.0,
+        }
+        return cls(**{**defaults, **overrides})
+
+    @classmethod
+    def small(cls, **overrides) -> "VaswaniConfig":
+        """A CPU-trainable translation model (about 10M parameters with a 8k vocabulary)."""
+        defaults = {"vocab_size": 8000, "d_model": 256, "encoder_layers": 3, "decoder_layers": 3,
+                    "num_attention_heads": 4, "d_ff": 1024}
+        return cls(**{**defaults, **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides) -> "VaswaniConfig":
+        """For tests: two layers of width 32."""
+        defaults = {"vocab_size": 99, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+                    "num_attention_heads": 4, "d_ff": 64, "max_position_embeddings": 64}
+        return cls(**{**defaults, **overrides})
+
+    PRESETS = ("tiny", "small", "base", "big", "modern")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "VaswaniConfig":
+        if name not in cls.PRESETS:
+            raise ValueError(f"Unknown preset {name!r}; choose one of {', '.join(cls.PRESETS)}.")
+        return getattr(cls, name)(**overrides)
+
+
+def _divisor_near(n: int, k: int) -> int:
+    """The divisor of n closest to k (for a helpful error message)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+__all__ = ["VaswaniConfig"]
