@@ -1,1 +1,47 @@
-"""vaswani: the Transformer of Vaswani et al. (2017) as a transformers model."""
+"""vaswani: the Transformer of "Attention Is All You Need" as a first-class transformers model.
+
+Importing the package registers the classes with the transformers Auto* factories, so checkpoints load with
+`AutoModelForSeq2SeqLM.from_pretrained(path_or_repo)` and no remote code. Every saved checkpoint also carries the
+module files and an `auto_map`, so it loads with `trust_remote_code=True` where this package is not installed.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+)
+
+from .configuration_vaswani import VaswaniConfig
+from .modeling_vaswani import (
+    VaswaniEncoderModel,
+    VaswaniForCausalLM,
+    VaswaniForConditionalGeneration,
+    VaswaniForSequenceClassification,
+    VaswaniModel,
+    VaswaniPreTrainedModel,
+)
+
+AUTO_CLASSES = {
+    "AutoModel": (AutoModel, VaswaniModel),
+    "AutoModelForSeq2SeqLM": (AutoModelForSeq2SeqLM, VaswaniForConditionalGeneration),
+    "AutoModelForCausalLM": (AutoModelForCausalLM, VaswaniForCausalLM),
+    "AutoModelForSequenceClassification": (AutoModelForSequenceClassification, VaswaniForSequenceClassification),
+}
+
+AutoConfig.register(VaswaniConfig.model_type, VaswaniConfig, exist_ok=True)
+VaswaniConfig.register_for_auto_class()
+for _name, (_auto, _model_class) in AUTO_CLASSES.items():
+    _auto.register(VaswaniConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_name)
+
+__all__ = [
+    "VaswaniConfig",
+    "VaswaniPreTrainedModel",
+    "VaswaniModel",
+    "VaswaniForConditionalGeneration",
+    "VaswaniForCausalLM",
+    "VaswaniEncoderModel",
+    "VaswaniForSequenceClassification",
+]

@@ -1,0 +1,867 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), box for box of its Figure 1.
+
+Read top to bottom: positions (sinusoidal §3.5, rotary), the feed-forward network (§3.3), attention (§3.2) with
+its free math function, the encoder and decoder layers ("Add & Norm" around each sublayer, §3.1), the stacks,
+and the models with their heads. One attention class plays the paper's three roles (§3.2.3):
+
+* encoder self-attention: queries, keys and values from the source; only source padding is masked;
+* decoder masked self-attention: from the target; causal + padding mask; keys/values cached while generating;
+* encoder-decoder (cross) attention: queries from the decoder, keys/values from the encoder output, computed once
+  per source and cached; the source padding is masked, and nothing is causal.
+
+Shapes: batch B, source length S, target length T, heads H, key/value heads K, head dim D, width d_model.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithPast,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+    SequenceClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_vaswani import VaswaniConfig
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher forcing: the decoder reads <start> y_1 … y_{T-1} and is trained to predict y_1 … y_T (§3, "shifted
+    right"). Ignored label positions (-100) become padding."""
+    shifted = labels.new_full(labels.shape, pad_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill_(shifted == -100, pad_token_id)
+
+
+# Positions ---------------------------------------------------------------------------------------------------------
+
+
+def _inverse_frequencies(dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """1 / base^(2i/dim) for i = 0 … dim/2 - 1: the wavelengths of both the sinusoids and the rotations."""
+    return 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+
+
+class VaswaniSinusoidalPositionalEmbedding(nn.Module):
+    """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    Computed from the positions on every call rather than stored: it costs one outer product, has no buffer that a
+    checkpoint would have to restore, and extends to any length ("may allow the model to extrapolate", §3.5).
+    """
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        angles = position_ids.float()[..., None] * _inverse_frequencies(self.d_model, 10000.0, position_ids.device)
+        # stack + flatten interleaves: sin on even channels, cos on odd ones, exactly as the paper writes it.
+        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., seq, d_model)
+
+
+class VaswaniRotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al., 2021, RoFormer): rotates query/key channel pairs by position-dependent
+    angles so that q·k depends only on the relative offset. Like the sinusoids, computed on the fly."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[..., None] * _inverse_frequencies(self.head_dim, self.theta, position_ids.device)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (batch, seq, head_dim)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: (batch, 1, seq, head_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# Feed-forward network ----------------------------------------------------------------------------------------------
+
+
+class VaswaniMLP(nn.Module):
+    """§3.3: FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position separately (ReLU, or GELU/SiLU)."""
+
+    def __init__(self, config: VaswaniConfig, activation: str):
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.act = ACT2FN[activation]
+        self.activation_dropout = config.activation_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(self.act(self.fc1(x)), p=self.activation_dropout, training=self.training)
+        return self.fc2(x)
+
+
+class VaswaniGatedMLP(nn.Module):
+    """Gated linear unit FFN (Shazeer, 2020, "GLU Variants Improve Transformer"): down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: VaswaniConfig, activation: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.act = ACT2FN[activation]
+        self.activation_dropout = config.activation_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(F.dropout(x, p=self.activation_dropout, training=self.training))
+
+
+# The variant tables: each config string resolves to a class once, in __init__.
+MLP_CLASSES = {
+    "relu": (VaswaniMLP, "relu"),
+    "gelu": (VaswaniMLP, "gelu"),
+    "silu": (VaswaniMLP, "silu"),
+    "swiglu": (VaswaniGatedMLP, "silu"),
+    "geglu": (VaswaniGatedMLP, "gelu"),
+}
+
+
+def make_mlp(config: VaswaniConfig) -> nn.Module:
+    mlp_class, activation = MLP_CLASSES[config.ffn_activation]
+    return mlp_class(config, activation)
+
+
+def make_norm(config: VaswaniConfig) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+
+
+# Attention ---------------------------------------------------------------------------------------------------------
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, K, L, D) → (B, K·n_rep, L, D): each key/value head serves n_rep query heads (GQA/MQA)."""
+    batch, kv_heads, length, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, length, head_dim)
+    return hidden_states.reshape(batch, kv_heads * n_rep, length, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.2.1, Scaled Dot-Product Attention: softmax(Q Kᵀ / √d_k) V. The reference path; it returns the weights."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, q_len, kv_len)
+    if attention_mask is not None:
+        scores = scores + attention_mask  # additive: 0 where allowed, the dtype's minimum where masked
+    # Softmax in float32: in bf16 the sum over long rows loses the small probabilities.
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, q_len, H, D)
+    return output, weights
+
+
+class VaswaniAttention(nn.Module):
+    """Multi-head attention (§3.2.2) with optional grouped key/value heads, in one of the three roles above.
+
+    It only projects, applies rotary positions, caches and dispatches; the math lives in the attention function
+    chosen by `config._attn_implementation` (eager, sdpa, flash_attention_2, flex_attention).
+    """
+
+    def __init__(self, config: VaswaniConfig, layer_idx: int, is_causal: bool = False, is_cross_attention: bool = False):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        # Read by the sdpa/flash/flex functions: only decoder self-attention is causal, never cross-attention.
+        self.is_causal = is_causal
+        self.is_cross_attention = is_cross_attention
+        self.q_proj = nn.Linear(config.d_model, config.num_attention_heads * self.head_dim, bias=config.bias)
+        self.k_proj = nn.Linear(config.d_model, config.num_key_value_heads * self.head_dim, bias=config.bias)
+        self.v_proj = nn.Linear(config.d_model, config.num_key_value_heads * self.head_dim, bias=config.bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.d_model, bias=config.bias)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, L, heads·D) → (B, heads, L, D)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self._split_heads(self.q_proj(hidden_states))  # (B, H, q_len, D)
+
+        if self.is_cross_attention:
+            cache = past_key_values.cross_attention_cache if past_key_values is not None else None
+            if cache is not None and past_key_values.is_updated.get(self.layer_idx):
+                # The source does not change while decoding: its keys/values were projected on the first step.
+                key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+            else:
+                key = self._split_heads(self.k_proj(key_value_states))  # (B, K, S, D)
+                value = self._split_heads(self.v_proj(key_value_states))
+                if cache is not None:
+                    key, value = cache.update(key, value, self.layer_idx)
+                    past_key_values.is_updated[self.layer_idx] = True
+        else:
+            key = self._split_heads(self.k_proj(hidden_states))
+            value = self._split_heads(self.v_proj(hidden_states))
+            if position_embeddings is not None:
+                query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+            if past_key_values is not None:
+                cache = (
+                    past_key_values.self_attention_cache
+                    if isinstance(past_key_values, EncoderDecoderCache)
+                    else past_key_values
+                )
+                key, value = cache.update(key, value, self.layer_idx)  # (B, K, past + q_len, D)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        output = output.reshape(*hidden_states.shape[:-1], -1)  # (B, q_len, H·D)
+        return self.o_proj(output), weights
+
+
+# Layers ------------------------------------------------------------------------------------------------------------
+
+
+class VaswaniEncoderLayer(GradientCheckpointingLayer):
+    """One encoder block (§3.1): self-attention, then the FFN, each wrapped in residual + norm."""
+
+    def __init__(self, config: VaswaniConfig, layer_idx: int):
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.dropout = config.dropout
+        self.self_attn = VaswaniAttention(config, layer_idx)
+        self.self_attn_layer_norm = make_norm(config)
+        self.mlp = make_mlp(config)
+        self.final_layer_norm = make_norm(config)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs) -> torch.Tensor:
+        x = hidden_states
+        if self.norm_first:  # pre-norm: x + Sublayer(Norm(x))
+            x = x + self._sa_block(self.self_attn_layer_norm(x), attention_mask, position_embeddings, **kwargs)
+            x = x + self._ff_block(self.final_layer_norm(x))
+        else:  # the paper's post-norm: Norm(x + Sublayer(x))
+            x = self.self_attn_layer_norm(x + self._sa_block(x, attention_mask, position_embeddings, **kwargs))
+            x = self.final_layer_norm(x + self._ff_block(x))
+        return x
+
+    def _sa_block(self, x, attention_mask, position_embeddings, **kwargs):
+        x, _ = self.self_attn(x, attention_mask=attention_mask, position_embeddings=position_embeddings, **kwargs)
+        return F.dropout(x, p=self.dropout, training=self.training)  # residual dropout (§5.4)
+
+    def _ff_block(self, x):
+        return F.dropout(self.mlp(x), p=self.dropout, training=self.training)
+
+
+class VaswaniDecoderLayer(GradientCheckpointingLayer):
+    """One decoder block (§3.1): masked self-attention, cross-attention over the encoder output, then the FFN.
+    Without cross-attention (`VaswaniForCausalLM`) it is the GPT-style decoder-only block."""
+
+    def __init__(self, config: VaswaniConfig, layer_idx: int, cross_attention: bool = True):
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.dropout = config.dropout
+        self.self_attn = VaswaniAttention(config, layer_idx, is_causal=True)
+        self.self_attn_layer_norm = make_norm(config)
+        if cross_attention:
+            self.encoder_attn = VaswaniAttention(config, layer_idx, is_cross_attention=True)
+            self.encoder_attn_layer_norm = make_norm(config)
+        else:
+            self.encoder_attn = self.encoder_attn_layer_norm = None
+        self.mlp = make_mlp(config)
+        self.final_layer_norm = make_norm(config)
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        position_embeddings=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        x = hidden_states
+        cross = self.encoder_attn is not None
+        if self.norm_first:
+            x = x + self._sa_block(self.self_attn_layer_norm(x), attention_mask, position_embeddings, past_key_values, **kwargs)
+            if cross:
+                x = x + self._ca_block(
+                    self.encoder_attn_layer_norm(x), encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs
+                )
+            x = x + self._ff_block(self.final_layer_norm(x))
+        else:
+            x = self.self_attn_layer_norm(
+                x + self._sa_block(x, attention_mask, position_embeddings, past_key_values, **kwargs)
+            )
+            if cross:
+                x = self.encoder_attn_layer_norm(
+                    x + self._ca_block(x, encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs)
+                )
+            x = self.final_layer_norm(x + self._ff_block(x))
+        return x
+
+    def _sa_block(self, x, attention_mask, position_embeddings, past_key_values, **kwargs):
+        x, _ = self.self_attn(
+            x,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        return F.dropout(x, p=self.dropout, training=self.training)
+
+    def _ca_block(self, x, encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs):
+        x, _ = self.encoder_attn(
+            x,
+            attention_mask=encoder_attention_mask,
+            key_value_states=encoder_hidden_states,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        return F.dropout(x, p=self.dropout, training=self.training)
+
+    def _ff_block(self, x):
+        return F.dropout(self.mlp(x), p=self.dropout, training=self.training)
+
+
+# Pre-trained model base --------------------------------------------------------------------------------------------
+
+
+class VaswaniPreTrainedModel(PreTrainedModel):
+    config: VaswaniConfig
+    config_class = VaswaniConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    # FSDP auto-wrap and `device_map` keep each block whole.
+    _no_split_modules = ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """All initialisation, in one place. The paper does not state its scheme; we follow its reference code
+        (tensor2tensor) and fairseq: Xavier-uniform linear layers with zero biases, and token embeddings drawn from
+        N(0, d_model^-1/2), so that after the √d_model scaling (§3.4) they have unit variance, like the positions.
+        The padding row starts at zero. Norms start as the identity."""
+        if isinstance(module, nn.Linear):
+            init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            if module.weight is not None:
+                init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+
+
+# Stacks ------------------------------------------------------------------------------------------------------------
+
+
+class VaswaniStack(VaswaniPreTrainedModel):
+    """What the encoder and decoder stacks share: token embedding × √d_model plus positions (§3.4, §3.5), dropout,
+    N layers, and under pre-norm a final norm."""
+
+    def __init__(self, config: VaswaniConfig, num_layers: int):
+        super().__init__(config)
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
+        self.embed_positions = None
+        self.rotary_emb = None
+        if config.position_embedding_type == "sinusoidal":
+            self.embed_positions = VaswaniSinusoidalPositionalEmbedding(config.d_model)
+        elif config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.d_model)
+        else:
+            self.rotary_emb = VaswaniRotaryEmbedding(config.head_dim, config.rope_theta)
+        self.num_layers = num_layers
+        self.layer_norm = make_norm(config) if config.norm_first else None
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def embed(self, input_ids, inputs_embeds, position_ids, past_length: int = 0):
+        """Returns the first layer's input and the rotary (cos, sin) — None unless RoPE."""
+        if inputs_embeds is None:
+            self._check_token_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        seq_length = inputs_embeds.shape[1]
+        if self.config.position_embedding_type == "learned" and past_length + seq_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"Sequence of {past_length + seq_length} positions is longer than the {self.config.max_position_embeddings} "
+                "learned positions of this model; truncate the input (tokenizer(..., truncation=True, max_length=...)) "
+                "or use sinusoidal/rope positions, which extend to any length."
+            )
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device)[None]
+        hidden_states = inputs_embeds * self.embed_scale
+        position_embeddings = None
+        if self.rotary_emb is not None:
+            position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
+        else:
+            hidden_states = hidden_states + self.embed_positions(position_ids).to(hidden_states.dtype)
+        hidden_states = F.dropout(hidden_states, p=self.config.dropout, training=self.training)
+        return hidden_states, position_embeddings
+
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        # An out-of-range id would otherwise surface as an opaque index error (or a device-side assert on CUDA).
+        if input_ids.numel() and not torch.compiler.is_compiling():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"Token id {high if high >= self.config.vocab_size else low} is outside the vocabulary "
+                    f"[0, {self.config.vocab_size}); the tokenizer and the model's vocab_size disagree "
+                    "(after adding tokens, call model.resize_token_embeddings(len(tokenizer)))."
+                )
+
+    def finish(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(hidden_states) if self.layer_norm is not None else hidden_states
+
+
+class VaswaniEncoder(VaswaniStack):
+    """The left half of Figure 1: N encoder layers over the embedded source."""
+
+    _can_record_outputs = {"hidden_states": VaswaniEncoderLayer, "attentions": VaswaniAttention}
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config, config.encoder_layers)
+        self.layers = nn.ModuleList([VaswaniEncoderLayer(config, i) for i in range(config.encoder_layers)])
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, **kwargs) -> BaseModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds to the encoder.")
+        hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids=None)
+        attention_mask = create_bidirectional_mask(
+            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask
+        )
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, position_embeddings, **kwargs)
+        return BaseModelOutput(last_hidden_state=self.finish(hidden_states))
+
+
+class VaswaniDecoder(VaswaniStack):
+    """The right half of Figure 1 (without the output projection): N decoder layers over the shifted target,
+    attending to the encoder output. With `cross_attention=False` it is a decoder-only (GPT-style) stack."""
+
+    _can_record_outputs = {
+        "hidden_states": VaswaniDecoderLayer,
+        "attentions": OutputRecorder(VaswaniAttention, index=1, layer_name="self_attn"),
+        "cross_attentions": OutputRecorder(VaswaniAttention, index=1, layer_name="encoder_attn"),
+    }
+
+    def __init__(self, config: VaswaniConfig, cross_attention: bool = True):
+        super().__init__(config, config.decoder_layers)
+        self.cross_attention = cross_attention
+        self.layers = nn.ModuleList(
+            [VaswaniDecoderLayer(config, i, cross_attention) for i in range(config.decoder_layers)]
+        )
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        position_ids=None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds to the decoder.")
+        if self.cross_attention and encoder_hidden_states is None:
+            raise ValueError("The decoder of an encoder-decoder model needs encoder_hidden_states.")
+        if use_cache and past_key_values is None:
+            past_key_values = (
+                EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+                if self.cross_attention
+                else DynamicCache(config=self.config)
+            )
+        self_attention_cache = (
+            past_key_values.self_attention_cache
+            if isinstance(past_key_values, EncoderDecoderCache)
+            else past_key_values
+        )
+        # Generation feeds one new token per step: its position continues after the cached ones.
+        past_length = self_attention_cache.get_seq_length() if self_attention_cache is not None else 0
+        hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids, past_length)
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + hidden_states.shape[1], device=hidden_states.device)[None]
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            past_key_values=self_attention_cache,
+            position_ids=position_ids,
+        )
+        cross_mask = None
+        if self.cross_attention:
+            cross_mask = create_bidirectional_mask(
+                config=self.config,
+                inputs_embeds=hidden_states,
+                attention_mask=encoder_attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+            )
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                causal_mask,
+                encoder_hidden_states,
+                encoder_attention_mask=cross_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=self.finish(hidden_states), past_key_values=past_key_values
+        )
+
+
+# Models ------------------------------------------------------------------------------------------------------------
+
+
+def _token_loss(logits, labels, label_smoothing: float, num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy over non-ignored (-100) label positions, optionally label-smoothed (§5.4).
+
+    Summed, then divided by `num_items_in_batch` when the Trainer passes it: with gradient accumulation each
+    micro-batch is then weighted by its share of the tokens, so 1×N and N×1 batches give the same update.
+    """
+    loss = F.cross_entropy(
+        logits.float().flatten(0, -2),
+        labels.to(logits.device).flatten(),
+        ignore_index=-100,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != -100).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+class VaswaniModel(VaswaniPreTrainedModel):
+    """The encoder-decoder Transformer without an output head: returns the decoder's last hidden states."""
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config)
+        self.encoder = VaswaniEncoder(config)
+        self.decoder = VaswaniDecoder(config)
+        if config.share_embeddings:
+            # §3.4: one embedding matrix for source and target tokens (a joint subword vocabulary).
+            self.shared = self.encoder.embed_tokens
+            self.decoder.embed_tokens = self.shared
+            self._tied_weights_keys = {
+                "encoder.embed_tokens.weight": "shared.weight",
+                "decoder.embed_tokens.weight": "shared.weight",
+            }
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.encoder.embed_tokens = value
+        if self.config.share_embeddings:
+            self.shared = self.decoder.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
+    """Figure 1 whole: the encoder-decoder plus the output "Linear + Softmax", for translation and `generate()`."""
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config)
+        self.model = VaswaniModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # §3.4: the pre-softmax projection shares the embedding matrix.
+        embedding = "model.shared.weight" if config.share_embeddings else "model.decoder.embed_tokens.weight"
+        self._tied_weights_keys = {"lm_head.weight": embedding}
+        self.post_init()
+
+    def get_encoder(self):
+        return self.model.encoder
+
+    def get_decoder(self):
+        return self.model.decoder
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        labels=None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        r"""`labels` (B, T) are the target ids, not shifted: the model shifts them to make `decoder_input_ids` and
+        predicts `labels` position by position. -100 marks positions to ignore."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:  # generation only needs the last position's distribution
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            smoothing = self.config.label_smoothing if self.training else 0.0
+            loss = _token_loss(logits, labels, smoothing, num_items_in_batch)
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+
+class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
+    """Decoder-only language model (the GPT family): decoder blocks without cross-attention, `decoder_layers`
+    deep. `labels` are the input ids; the model shifts them so position t predicts token t+1."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: VaswaniConfig):
+        config.is_encoder_decoder = False
+        super().__init__(config)
+        self.model = VaswaniDecoder(config, cross_attention=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_decoder(self):
+        return self.model
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            # Position t predicts token t+1; the last position has no target.
+            shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            smoothing = self.config.label_smoothing if self.training else 0.0
+            loss = _token_loss(logits, shifted, smoothing, num_items_in_batch)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class VaswaniEncoderModel(VaswaniPreTrainedModel):
+    """Encoder-only model (the BERT family). It keeps the encoder under `encoder.`, as in the translation model,
+    so the encoder of a trained translator loads into it (and into the classifier below) unchanged."""
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config)
+        self.encoder = VaswaniEncoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.encoder.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, **kwargs) -> BaseModelOutput:
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+
+
+class VaswaniForSequenceClassification(VaswaniPreTrainedModel):
+    """Encoder + mean pooling over non-padding positions + a linear classifier (`config.num_labels`)."""
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config)
+        self.model = VaswaniEncoderModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
+        kwargs.pop("num_items_in_batch", None)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        hidden_states = outputs.last_hidden_state  # (B, S, d_model)
+        if attention_mask is None:
+            pooled = hidden_states.mean(dim=1)
+        else:
+            weights = attention_mask.to(hidden_states.dtype)[..., None]
+            pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+__all__ = [
+    "VaswaniPreTrainedModel",
+    "VaswaniModel",
+    "VaswaniForConditionalGeneration",
+    "VaswaniForCausalLM",
+    "VaswaniEncoderModel",
+    "VaswaniForSequenceClassification",
+]
