@@ -1,0 +1,26 @@
+#!/usr/bin/env python
+"""Train (or fine-tune) a Vaswani En→Fr translator; every Seq2SeqTrainingArguments flag works.
+
+    python scripts/train_translation.py --preset small --output_dir outputs/en-fr --max_train_time 600
+    accelerate launch scripts/train_translation.py ...      # DDP / FSDP through Accelerate
+"""
+
+import json
+
+from transformers import HfArgumentParser
+
+from vaswani.cli import user_errors_exit
+from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, run_training
+
+
+@user_errors_exit
+def main(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    metrics = run_training(model_args, data_args, training_args)
+    if training_args.process_index == 0:
+        print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main()

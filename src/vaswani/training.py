@@ -1,0 +1,328 @@
+"""Training a Vaswani translator with the `transformers` Seq2SeqTrainer.
+
+Arguments follow transformers' `run_translation.py`: a `ModelArguments`, a `DataArguments` and the Trainer's own
+`Seq2SeqTrainingArguments` (extended with a time budget, token-budget batches and the paper's recipe), parsed by
+`HfArgumentParser`, so every Trainer flag (bf16, gradient accumulation, FSDP, `--push_to_hub`, `--report_to`)
+works unchanged, and `accelerate launch` / `torchrun` run the same script with DDP.
+"""
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    TrainerCallback,
+    set_seed,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+from . import data as vdata
+from .configuration_vaswani import VaswaniConfig
+from .evaluation import build_compute_metrics, evaluate_model
+from .modeling_vaswani import VaswaniForConditionalGeneration
+from .tokenization_vaswani import train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    preset: str = field(default="small", metadata={"help": f"Config preset for a new model: {VaswaniConfig.PRESETS}."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Fine-tune this checkpoint (directory or Hub id) instead of a new model."}
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "Comma-separated config fields for a new model, e.g. 'd_model=256,norm_first=true'."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer to use; default: the checkpoint's, or a new one trained on the data."}
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of a newly trained tokenizer."})
+
+
+@dataclass
+class DataArguments:
+    corpus: str | None = field(
+        default=None,
+        metadata={"help": f"fra-eng tsv(.gz) corpus; default: ${vdata.CORPUS_ENV_VAR}, ../shared, or a download."},
+    )
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face dataset instead of the corpus."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Its configuration name."})
+    train_file: str | None = field(default=None, metadata={"help": "Local tsv/csv/jsonl training file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation file."})
+    test_file: str | None = field(default=None, metadata={"help": "Local test file."})
+    source_lang: str = "en"
+    target_lang: str = "fr"
+    max_source_length: int = 128
+    max_target_length: int = 128
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Validation sentences used while training."})
+    max_test_samples: int | None = field(default=None, metadata={"help": "Test sentences for the final evaluation."})
+
+
+@dataclass
+class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
+    max_train_time: float | None = field(
+        default=None, metadata={"help": "Stop training after this many seconds (then evaluate and save)."}
+    )
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": "Length-bucketed batches of at most this many (padded) tokens per device, as in §5.1 of "
+                          "the paper (about 25,000 source + 25,000 target tokens per batch there)."},
+    )
+    paper_recipe: bool = field(
+        default=False,
+        metadata={"help": "§5.3: Adam β=(0.9, 0.98), ε=1e-9, lr = d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) "
+                          "(inverse square root after linear warm-up; --warmup_steps, default 4000)."},
+    )
+    resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in output_dir."})
+
+
+def apply_paper_recipe(args: VaswaniTrainingArguments, d_model: int) -> None:
+    """Set the optimiser and schedule of §5.3. The peak rate d_model^-0.5 · warmup^-0.5 is reached at the end of the
+    warm-up; transformers' `inverse_sqrt` schedule is exactly the paper's curve scaled to that peak."""
+    warmup = args.warmup_steps if args.warmup_steps and args.warmup_steps >= 1 else 4000
+    args.warmup_steps = int(warmup)
+    args.adam_beta1, args.adam_beta2, args.adam_epsilon = 0.9, 0.98, 1e-9
+    args.lr_scheduler_type = "inverse_sqrt"
+    args.learning_rate = d_model**-0.5 * warmup**-0.5
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Stops training once `max_train_time` seconds have passed; the Trainer then runs its final save/evaluation.
+    Under DDP every rank must stop at the same step, so the decision is all-reduced."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = time.monotonic() - self.start >= self.seconds
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor(float(over), device=args.device if args.device.type == "cuda" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            over = bool(flag.item())
+        if over:
+            logger.info("Time budget of %.0f s reached at step %d.", self.seconds, state.global_step)
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
+    """Seq2SeqTrainer with two additions: token-budget batches, and a check that stops on a non-finite loss and
+    names the step (instead of training through NaNs). The check keeps the first bad step on the device, so it adds
+    no host synchronisation per step; it is read at each logging step."""
+
+    def __init__(self, *args, max_tokens_per_batch: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self._first_bad_step = None
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not self.max_tokens_per_batch:
+            return super().get_train_dataloader()
+        dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        lengths = [max(len(s), len(t)) for s, t in zip(dataset["input_ids"], dataset["labels"])]
+        self.batch_sampler = vdata.TokenBatchSampler(lengths, self.max_tokens_per_batch, shuffle=True, seed=self.args.seed)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=self.batch_sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        step = torch.tensor(self.state.global_step + 1, device=loss.device)
+        bad = ~torch.isfinite(loss)
+        if self._first_bad_step is None:
+            self._first_bad_step = torch.full_like(step, -1)
+        self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), step, self._first_bad_step)
+        return loss
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        self.raise_on_nonfinite_loss()
+        super().log(logs, *args, **kwargs)
+
+    def raise_on_nonfinite_loss(self) -> None:
+        if self._first_bad_step is not None and int(self._first_bad_step) >= 0:
+            raise FloatingPointError(
+                f"Training loss became NaN/inf at step {int(self._first_bad_step)}. Lower the learning rate, "
+                "use bf16 instead of fp16, or check the data for empty or corrupted examples."
+            )
+
+
+def parse_overrides(text: str | None) -> dict:
+    """'d_model=256,norm_first=true' → {'d_model': 256, 'norm_first': True} (values parsed as JSON where possible)."""
+    overrides = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"Config override {item!r} is not of the form field=value.")
+        try:
+            overrides[key.strip()] = json.loads(value.strip().lower() if value.strip().lower() in ("true", "false", "null") else value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def load_splits(data_args: DataArguments):
+    """→ DatasetDict with train / validation / test in the data module's schema (source, target[, references])."""
+    if data_args.dataset_name or data_args.train_file:
+        return vdata.load_translation_dataset(
+            dataset_name=data_args.dataset_name,
+            dataset_config=data_args.dataset_config,
+            train_file=data_args.train_file,
+            validation_file=data_args.validation_file,
+            test_file=data_args.test_file,
+            source_lang=data_args.source_lang,
+            target_lang=data_args.target_lang,
+        )
+    return vdata.load_fra_eng(data_args.corpus)
+
+
+def build_model_and_tokenizer(model_args: ModelArguments, train_texts):
+    tokenizer_source = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if tokenizer_source:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    else:
+        tokenizer = train_tokenizer(train_texts(), vocab_size=model_args.vocab_size)
+    if model_args.model_name_or_path:
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path)
+        if model.config.vocab_size < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+        return model, tokenizer
+    config = VaswaniConfig.from_preset(
+        model_args.preset,
+        **{
+            "vocab_size": len(tokenizer),
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "decoder_start_token_id": tokenizer.bos_token_id,
+            **parse_overrides(model_args.config_overrides),
+        },
+    )
+    return VaswaniForConditionalGeneration(config), tokenizer
+
+
+def run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
+    """Train (or fine-tune), evaluate on the test split with sacreBLEU/chrF/TER, save a complete checkpoint
+    (weights, tokenizer, generation config, module files, model card) and optionally push it to the Hub.
+    Returns the final metrics."""
+    set_seed(args.seed)
+    last_checkpoint = _resume_point(args)
+    splits = load_splits(data_args)
+    train = splits["train"]
+    if data_args.max_train_samples:
+        train = train.select(range(min(data_args.max_train_samples, len(train))))
+    validation = splits["validation"]
+    if data_args.max_eval_samples:
+        validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
+
+    def train_texts():
+        for row in train:
+            yield row["source"]
+            yield row["target"]
+
+    model, tokenizer = build_model_and_tokenizer(model_args, train_texts)
+    if args.paper_recipe:
+        apply_paper_recipe(args, model.config.d_model)
+    # Generation settings used for evaluation during training and saved as generation_config.json.
+    model.generation_config.num_beams = args.generation_num_beams or 4
+    model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_target_length
+    model.generation_config.max_length = None
+
+    tokenize = lambda split: vdata.tokenize_for_seq2seq(  # noqa: E731
+        split, tokenizer, data_args.max_source_length, data_args.max_target_length
+    )
+    train_features, validation_features = tokenize(train), tokenize(validation)
+    references = validation["references"] if "references" in validation.column_names else None
+
+    callbacks = [TimeBudgetCallback(args.max_train_time)] if args.max_train_time else []
+    pad_to = 8 if (args.bf16 or args.fp16) else None  # tensor-core friendly shapes
+    trainer = VaswaniSeq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_features,
+        eval_dataset=validation_features if args.eval_strategy != "no" else None,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=pad_to),
+        processing_class=tokenizer,
+        compute_metrics=build_compute_metrics(tokenizer, references) if args.predict_with_generate else None,
+        callbacks=callbacks,
+        max_tokens_per_batch=args.max_tokens_per_batch,
+    )
+    start = time.monotonic()
+    train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+    train_seconds = time.monotonic() - start
+    metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
+    metrics["train_wall_seconds"] = train_seconds
+
+    if trainer.is_world_process_zero():
+        test = splits["test"]
+        if data_args.max_test_samples:
+            test = test.select(range(min(data_args.max_test_samples, len(test))))
+        references = test["references"] if "references" in test.column_names else [[t] for t in test["target"]]
+        model = trainer.model.eval()
+        test_metrics = evaluate_model(
+            model,
+            tokenizer,
+            test["source"],
+            references,
+            num_beams=model.generation_config.num_beams,
+            max_new_tokens=model.generation_config.max_new_tokens,
+            batch_size=args.per_device_eval_batch_size,
+        )
+        metrics.update({f"test_{k}": v for k, v in test_metrics.items() if isinstance(v, (int, float))})
+        metrics["test_sentences"] = len(test)
+        save_final(trainer, tokenizer, args.output_dir, metrics)
+        if args.push_to_hub:
+            from .hub import push_to_hub
+
+            push_to_hub(args.output_dir, args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
+                        token=args.hub_token, private=bool(args.hub_private_repo))
+    return metrics
+
+
+def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
+    """Write the final model through a staging directory: each file is complete before it is moved into
+    `output_dir` (`os.replace` is atomic), so a crash never leaves a truncated weight or config file there."""
+    from .hub import write_model_card
+
+    staging = os.path.join(output_dir, ".final-tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    trainer.save_model(staging)
+    tokenizer.save_pretrained(staging)
+    with open(os.path.join(staging, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    write_model_card(staging, metrics=metrics)
+    for name in os.listdir(staging):
+        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    os.rmdir(staging)
+
+
+def _resume_point(args: VaswaniTrainingArguments) -> str | None:
+    if not args.resume or not os.path.isdir(args.output_dir):
+        return None
+    checkpoint = get_last_checkpoint(args.output_dir)
+    if checkpoint is None:
+        logger.warning("--resume given but %s holds no checkpoint; starting from scratch.", args.output_dir)
+    return checkpoint
+

@@ -1,0 +1,77 @@
+"""Attention heatmaps: what each head of a trained translator looks at.
+
+Three kinds, one per role of the attention operator: encoder self-attention (source × source), decoder masked
+self-attention (target × target, lower triangular) and cross-attention (target × source, zero on source padding).
+The weights come from the eager attention path (`output_attentions=True`), the only one that materialises them.
+"""
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed on servers or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+
+@torch.no_grad()
+def attention_maps(model, tokenizer, source: str, target: str | None = None, max_new_tokens: int = 64) -> dict:
+    """Run one source (and its translation, generated greedily unless given) through the model with
+    `output_attentions=True`. Returns tokens and per-layer weights of shape (heads, query, key)."""
+    model.eval()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        inputs = tokenizer([source], return_tensors="pt").to(model.device)
+        if target is None:
+            generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=max_new_tokens)
+            decoder_input_ids = generated[:, :-1] if generated[0, -1] == model.config.eos_token_id else generated
+        else:
+            labels = tokenizer(text_target=[target], return_tensors="pt")["input_ids"].to(model.device)
+            decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
+        outputs = model(**inputs, decoder_input_ids=decoder_input_ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation(previous)
+    return {
+        "source_tokens": tokenizer.convert_ids_to_tokens(inputs["input_ids"][0]),
+        "target_tokens": tokenizer.convert_ids_to_tokens(decoder_input_ids[0]),
+        "encoder": [a[0].float().cpu() for a in outputs.encoder_attentions],
+        "decoder": [a[0].float().cpu() for a in outputs.decoder_attentions],
+        "cross": [a[0].float().cpu() for a in outputs.cross_attentions],
+    }
+
+
+def plot_attention(maps: dict, output_dir: str, prefix: str = "attention") -> list[str]:
+    """One PNG per (kind, layer), a grid of all heads. Returns the written paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    axes_tokens = {
+        "encoder": (maps["source_tokens"], maps["source_tokens"]),
+        "decoder": (maps["target_tokens"], maps["target_tokens"]),
+        "cross": (maps["target_tokens"], maps["source_tokens"]),
+    }
+    titles = {"encoder": "encoder self-attention", "decoder": "decoder masked self-attention",
+              "cross": "cross-attention (decoder → encoder)"}
+    paths = []
+    for kind, (query_tokens, key_tokens) in axes_tokens.items():
+        for layer, weights in enumerate(maps[kind]):
+            heads = weights.shape[0]
+            cols = min(heads, 4)
+            rows = -(-heads // cols)
+            size = 0.35 * max(len(query_tokens), len(key_tokens)) + 1.5
+            fig, axes = plt.subplots(rows, cols, figsize=(cols * size, rows * size), squeeze=False)
+            for head in range(rows * cols):
+                ax = axes[head // cols][head % cols]
+                if head >= heads:
+                    ax.axis("off")
+                    continue
+                ax.imshow(weights[head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+                ax.set_title(f"head {head}", fontsize=8)
+                ax.set_xticks(range(len(key_tokens)), key_tokens, rotation=90, fontsize=6)
+                ax.set_yticks(range(len(query_tokens)), query_tokens, fontsize=6)
+            fig.suptitle(f"{titles[kind]}, layer {layer}")
+            fig.tight_layout()
+            path = os.path.join(output_dir, f"{prefix}_{kind}_layer{layer}.png")
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+    return paths
