@@ -1,0 +1,516 @@
+"""Parallel corpora -> `datasets.DatasetDict` splits -> tokenized examples -> token-budget batches.
+
+The default corpus is manythings.org's English-French Anki file, built from Tatoeba sentences
+(CC-BY 2.0; attribution: www.manythings.org/anki and tatoeba.org): about 163k lines `english<TAB>french`,
+found through `resolve_corpus_path`. Any Hugging Face translation dataset or local tsv/csv/jsonl file
+can be used instead (`load_translation_dataset`).
+
+Every source gives the same schema:
+  train                 one row per sentence pair:         {"source", "target"}
+  validation and test   one row per distinct source:       {"source", "target", "references"}
+                        `references` holds every translation of that source; `target` is the first.
+
+Tatoeba has many sentences with several translations ("Run!" -> "Cours !", "Courez !"). Splitting by
+pair would put some translations of a sentence in training and others in the test set, so the split is
+decided by a hash of the normalised source sentence: all its translations land in one split, and a
+sentence's split depends on nothing else, so it does not move when the corpus grows.
+"""
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import unicodedata
+import urllib.request
+import zipfile
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset, DatasetDict, Features, List, Value, load_dataset, load_from_disk
+from torch.utils.data import Sampler
+
+from .tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CORPUS_URL = "http://www.manythings.org/anki/fra-eng.zip"
+CORPUS_MEMBER = "fra.txt"  # the member of the zip that holds the sentence pairs
+CORPUS_ENV_VAR = "VASWANI_FRA_ENG"
+# Where this project keeps a copy next to the repository (<repo>/../shared/...), so nothing is downloaded.
+SHARED_CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+# manythings' files put English first and the other language second.
+TSV_LANGUAGES = ("en", "fr")
+
+# Defaults give about 2,300 validation and 3,400 test source sentences out of the corpus' 113,830.
+VALIDATION_FRACTION = 0.02
+TEST_FRACTION = 0.03
+
+EVAL_FEATURES = Features(
+    {"source": Value("string"), "target": Value("string"), "references": List(Value("string"))}
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding the corpus
+
+
+def resolve_corpus_path(path: str | os.PathLike | None = None) -> Path:
+    """The corpus file to read: `path`, else $VASWANI_FRA_ENG, else the shared copy, else a download.
+
+    An explicit path or environment variable that points nowhere is an error rather than a reason to
+    fall through to the next candidate: a typo should not silently train on another corpus.
+    """
+    for candidate, origin in ((path, "the given path"), (os.environ.get(CORPUS_ENV_VAR), f"${CORPUS_ENV_VAR}")):
+        if candidate:
+            candidate = Path(candidate).expanduser()
+            if not candidate.is_file():
+                raise FileNotFoundError(f"Corpus file {candidate} (from {origin}) does not exist or is not a file.")
+            return candidate
+    if SHARED_CORPUS.is_file():
+        return SHARED_CORPUS
+    return download_corpus()
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vaswani" / "fra-eng"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download_corpus(
+    cache_dir: str | os.PathLike | None = None, url: str = CORPUS_URL, expected_sha256: str | None = None
+) -> Path:
+    """Download manythings' zip once, check it, and return the path of the extracted `fra.txt`.
+
+    manythings.org publishes no checksums and updates the file in place, so none can be pinned here. Instead
+    the first download checks the structure (a zip whose `fra.txt` starts with a `english<TAB>french` line)
+    and records the zip's and the extracted file's sha256 in `download.json`; later calls verify the cached
+    file against that record. Pass `expected_sha256` (the zip's, as logged and recorded) to pin a version.
+    Files go to `cache_dir`, by default $XDG_CACHE_HOME/vaswani/fra-eng (~/.cache/vaswani/fra-eng).
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    corpus, record_path = cache_dir / CORPUS_MEMBER, cache_dir / "download.json"
+
+    if corpus.is_file() and record_path.is_file():
+        record = json.loads(record_path.read_text())
+        if _sha256(corpus) != record["sha256"][CORPUS_MEMBER]:
+            raise ValueError(f"{corpus} no longer matches the sha256 recorded when it was downloaded; "
+                             f"delete {cache_dir} to download it again.")
+        if expected_sha256 is not None and record["sha256"]["zip"] != expected_sha256:
+            raise ValueError(f"The corpus cached in {cache_dir} came from a zip with sha256 "
+                             f"{record['sha256']['zip']}, not the expected {expected_sha256}.")
+        return corpus
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    archive = cache_dir / "download.zip.part"
+    logger.info("Downloading %s to %s", url, cache_dir)
+    # manythings.org refuses urllib's default User-Agent.
+    request = urllib.request.Request(url, headers={"User-Agent": "Mozilla/5.0 (vaswani corpus download)"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response, open(archive, "wb") as out:
+            for block in iter(lambda: response.read(1 << 20), b""):
+                out.write(block)
+        zip_sha256 = _sha256(archive)
+        if expected_sha256 is not None and zip_sha256 != expected_sha256:
+            raise ValueError(f"{url} has sha256 {zip_sha256}, not the expected {expected_sha256}.")
+        _extract_corpus(archive, url, corpus)
+    finally:
+        archive.unlink(missing_ok=True)
+
+    record = {"url": url, "sha256": {"zip": zip_sha256, CORPUS_MEMBER: _sha256(corpus)}}
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    logger.info("Downloaded %s (zip sha256 %s); pass expected_sha256 to pin this version.", url, zip_sha256)
+    return corpus
+
+
+def _extract_corpus(archive: Path, url: str, corpus: Path) -> None:
+    """Check that `archive` is manythings' zip and write its sentence file to `corpus`."""
+    try:
+        with zipfile.ZipFile(archive) as bundle:
+            if CORPUS_MEMBER not in bundle.namelist():
+                raise ValueError(f"{url} has no {CORPUS_MEMBER} (it holds {bundle.namelist()}).")
+            data = bundle.read(CORPUS_MEMBER)
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"{url} did not return a zip file ({err}).") from err
+    first_line = data.split(b"\n", 1)[0].decode("utf-8", errors="replace").split("\t")
+    if len(first_line) < 2 or not all(column.strip() for column in first_line[:2]):
+        raise ValueError(f"{CORPUS_MEMBER} from {url} does not start with an `english<TAB>french` line.")
+    partial = corpus.with_name(corpus.name + ".part")
+    partial.write_bytes(data)
+    partial.replace(corpus)  # atomic: a crash never leaves a half-written corpus that looks complete
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading tab-separated sentence pairs
+
+
+@dataclass
+class ReadSummary:
+    """What `read_parallel_tsv` found. Skipped lines are counted by reason; nothing is dropped silently."""
+
+    path: str
+    lines: int = 0
+    pairs: int = 0
+    blank: int = 0  # skipped
+    no_tab: int = 0  # skipped
+    empty_side: int = 0  # skipped: one side is empty or whitespace
+    invalid_utf8: int = 0  # skipped
+    extra_columns: int = 0  # kept: manythings' newer files add an attribution column; the first two are used
+    truncated: bool = False  # the gzip stream ended early; the pairs read before that are kept
+
+    @property
+    def skipped(self) -> int:
+        return self.blank + self.no_tab + self.empty_side + self.invalid_utf8
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)[1:])
+        return f"{self.path}: {counts}"
+
+
+def read_parallel_tsv(path: str | os.PathLike) -> tuple[list[tuple[str, str]], ReadSummary]:
+    """Read `first<TAB>second[<TAB>...]` lines, plain or gzip-compressed (detected by content, not name).
+
+    Malformed lines are skipped and counted in the returned summary, which is also logged. A gzip file cut
+    short ends the reading with the pairs read so far. Only a file that cannot be opened raises.
+    """
+    path = Path(path)
+    summary = ReadSummary(path=str(path))
+    pairs = []
+    with _open_binary(path) as stream:
+        for raw in _lines_until_truncation(stream, summary):
+            summary.lines += 1
+            pair = _parse_line(raw, summary)
+            if pair is not None:
+                pairs.append(pair)
+    summary.pairs = len(pairs)
+    log = logger.warning if summary.skipped or summary.truncated else logger.info
+    log("Read %s", summary)
+    return pairs, summary
+
+
+def _open_binary(path: Path):
+    if not path.exists():
+        raise FileNotFoundError(f"Corpus file {path} does not exist.")
+    if not path.is_file():
+        raise IsADirectoryError(f"Corpus path {path} is not a file.")
+    try:
+        with open(path, "rb") as probe:
+            is_gzip = probe.read(2) == b"\x1f\x8b"
+        return gzip.open(path, "rb") if is_gzip else open(path, "rb")
+    except OSError as err:
+        raise OSError(f"Cannot read corpus file {path}: {err.strerror or err}") from err
+
+
+def _lines_until_truncation(stream, summary: ReadSummary) -> Iterator[bytes]:
+    while True:
+        try:
+            raw = stream.readline()
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            summary.truncated = True
+            logger.warning("%s is damaged or cut short after %d lines (%s); keeping what was read.",
+                           summary.path, summary.lines, err)
+            return
+        if not raw:
+            return
+        yield raw
+
+
+def _parse_line(raw: bytes, summary: ReadSummary) -> tuple[str, str] | None:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        summary.invalid_utf8 += 1
+        return None
+    line = line.rstrip("\r\n")
+    if summary.lines == 1:
+        line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
+    if not line.strip():
+        summary.blank += 1
+        return None
+    columns = line.split("\t")
+    if len(columns) < 2:
+        summary.no_tab += 1
+        return None
+    if len(columns) > 2:
+        summary.extra_columns += 1
+    first, second = columns[0].strip(), columns[1].strip()
+    if not first or not second:
+        summary.empty_side += 1
+        return None
+    return first, second
+
+
+# --------------------------------------------------------------------------------------------------
+# Splits
+
+
+def _split_key(sentence: str) -> str:
+    """Spellings of one sentence that differ only in case, spacing or Unicode form share a split."""
+    return " ".join(unicodedata.normalize("NFKC", sentence).casefold().split())
+
+
+def split_of(source: str, validation_fraction: float, test_fraction: float) -> str:
+    """"train", "validation" or "test", from a hash of the normalised source sentence alone."""
+    digest = hashlib.sha256(_split_key(source).encode("utf-8")).digest()
+    position = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
+    if position < validation_fraction:
+        return "validation"
+    if position < validation_fraction + test_fraction:
+        return "test"
+    return "train"
+
+
+def split_by_source(pairs: Dataset, validation_fraction: float, test_fraction: float) -> DatasetDict:
+    """Split a {"source", "target"} dataset into train / validation / test, keeping each source in one split."""
+    if not (0 <= validation_fraction and 0 <= test_fraction and validation_fraction + test_fraction < 1):
+        raise ValueError(f"validation_fraction={validation_fraction} and test_fraction={test_fraction} must be "
+                         "non-negative and sum to less than 1.")
+    assigned = pairs.map(
+        lambda batch: {"split": [split_of(s, validation_fraction, test_fraction) for s in batch["source"]]},
+        batched=True,
+        desc="assigning splits",
+    )
+
+    def rows_of(name: str) -> Dataset:
+        return assigned.filter(lambda batch: [s == name for s in batch["split"]], batched=True).remove_columns("split")
+
+    return DatasetDict(
+        train=rows_of("train"),
+        validation=group_references(rows_of("validation")),
+        test=group_references(rows_of("test")),
+    )
+
+
+def group_references(pairs: Dataset) -> Dataset:
+    """One row per distinct source, in order of first appearance, with all its distinct translations.
+
+    Translations that differ only in Unicode form (U+202F vs U+00A0 before "!" in Tatoeba) count once.
+    """
+    references: dict[str, list[str]] = {}
+    seen: dict[str, set[str]] = {}
+    # `dataset[column][:]` reads the whole column at once; iterating `dataset[column]` goes row by row.
+    existing = pairs["references"][:] if "references" in pairs.column_names else ([t] for t in pairs["target"][:])
+    for source, translations in zip(pairs["source"][:], existing):
+        for translation in translations:
+            form = unicodedata.normalize("NFKC", translation)
+            if form not in seen.setdefault(source, set()):
+                seen[source].add(form)
+                references.setdefault(source, []).append(translation)
+    return Dataset.from_dict(
+        {
+            "source": list(references),
+            "target": [translations[0] for translations in references.values()],
+            "references": list(references.values()),
+        },
+        features=EVAL_FEATURES,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading any corpus into that schema
+
+
+def load_translation_dataset(
+    dataset_name: str | os.PathLike | None = None,
+    dataset_config: str | None = None,
+    *,
+    data_file: str | os.PathLike | None = None,
+    source_lang: str = "en",
+    target_lang: str = "fr",
+    validation_fraction: float = VALIDATION_FRACTION,
+    test_fraction: float = TEST_FRACTION,
+) -> DatasetDict:
+    """Load a parallel corpus as train / validation / test splits in this module's schema.
+
+    Sources, in order of precedence:
+      dataset_name   a Hugging Face Hub dataset (`load_dataset(dataset_name, dataset_config)`, e.g. "wmt14",
+                     "fr-en") or a directory written by `save_to_disk`. Rows hold a `translation` dict
+                     ({"en": ..., "fr": ...}, as run_translation.py expects), columns named by language, or
+                     `source`/`target` columns.
+      data_file      a local file: .csv, .json or .jsonl (columns as above), or tab-separated text, plain or
+                     gzipped, laid out like manythings' files (English first).
+      neither        the English-French Tatoeba corpus (`resolve_corpus_path()`).
+    Validation and test splits the dataset provides are kept; missing ones are carved out of train by
+    `split_by_source` with the given fractions.
+    """
+    if dataset_name is not None and data_file is not None:
+        raise ValueError("Pass either dataset_name or data_file, not both.")
+    if dataset_name is not None:
+        if Path(dataset_name, "dataset_dict.json").is_file() or Path(dataset_name, "state.json").is_file():
+            loaded = load_from_disk(str(dataset_name))
+        else:
+            loaded = load_dataset(str(dataset_name), dataset_config)
+    else:
+        path = resolve_corpus_path(data_file)
+        loaded = _load_local_file(path, source_lang, target_lang)
+    if isinstance(loaded, Dataset):
+        loaded = DatasetDict(train=loaded)
+    if "train" not in loaded:
+        raise ValueError(f"The dataset has no train split (it has {list(loaded)}).")
+
+    splits = {name: _to_pairs(split, source_lang, target_lang) for name, split in loaded.items()
+              if name in ("train", "validation", "test")}
+    carved = split_by_source(
+        splits["train"],
+        validation_fraction if "validation" not in splits else 0.0,
+        test_fraction if "test" not in splits else 0.0,
+    )
+    return DatasetDict(
+        train=carved["train"],
+        validation=group_references(splits["validation"]) if "validation" in splits else carved["validation"],
+        test=group_references(splits["test"]) if "test" in splits else carved["test"],
+    )
+
+
+def _load_local_file(path: Path, source_lang: str, target_lang: str) -> DatasetDict | Dataset:
+    name = path.name.removesuffix(".gz")
+    if name.endswith(".csv"):
+        return load_dataset("csv", data_files=str(path))
+    if name.endswith((".json", ".jsonl")):
+        return load_dataset("json", data_files=str(path))
+    pairs, _ = read_parallel_tsv(path)
+    first, second = zip(*pairs) if pairs else ((), ())
+    columns = dict(zip(TSV_LANGUAGES, (list(first), list(second))))
+    if source_lang not in columns or target_lang not in columns:
+        raise ValueError(f"Tab-separated files hold {TSV_LANGUAGES[0]!r} then {TSV_LANGUAGES[1]!r}; "
+                         f"cannot read {source_lang!r} -> {target_lang!r} from {path}.")
+    return Dataset.from_dict({"source": columns[source_lang], "target": columns[target_lang]})
+
+
+def _to_pairs(split: Dataset, source_lang: str, target_lang: str) -> Dataset:
+    """Bring a split's columns to {"source", "target"} (plus `references` if it has them), dropping empty pairs."""
+    columns = split.column_names
+    if "translation" in columns:
+        def extract(batch):
+            return {"source": [row[source_lang] for row in batch["translation"]],
+                    "target": [row[target_lang] for row in batch["translation"]]}
+    elif source_lang in columns and target_lang in columns:
+        def extract(batch):
+            return {"source": batch[source_lang], "target": batch[target_lang]}
+    elif "source" in columns and "target" in columns:
+        def extract(batch):
+            return {"source": batch["source"], "target": batch["target"]}
+    else:
+        raise ValueError(f"Cannot find {source_lang!r}/{target_lang!r} sentences in columns {columns}: expected a "
+                         "`translation` dict column, columns named by language, or `source` and `target` columns.")
+    keep = ["references"] if "references" in columns else []
+    pairs = split.map(extract, batched=True, remove_columns=[c for c in columns if c not in keep],
+                      desc="extracting sentence pairs")
+    pairs = pairs.map(lambda batch: {"source": [s.strip() for s in batch["source"]],
+                                     "target": [t.strip() for t in batch["target"]]}, batched=True)
+    kept = pairs.filter(lambda batch: [bool(s and t) for s, t in zip(batch["source"], batch["target"])],
+                        batched=True)
+    if len(kept) < len(pairs):
+        logger.warning("Dropped %d of %d pairs with an empty side.", len(pairs) - len(kept), len(pairs))
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer training and tokenization
+
+
+def train_corpus_tokenizer(
+    vocab_size: int,
+    corpus: str | os.PathLike | None = None,
+    source_lang: str = "en",
+    target_lang: str = "fr",
+) -> VaswaniTokenizer:
+    """Train the joint tokenizer on both sides of the train split only, so test sentences stay unseen."""
+    train = load_translation_dataset(data_file=corpus, source_lang=source_lang, target_lang=target_lang)["train"]
+    return train_tokenizer(chain(train["source"][:], train["target"][:]), vocab_size)
+
+
+def tokenize_translation_dataset(
+    dataset: Dataset | DatasetDict, tokenizer, max_length: int = 256
+) -> Dataset | DatasetDict:
+    """`input_ids`, `attention_mask` and `labels` for seq2seq training; the text columns are dropped.
+
+    Both sides are truncated to `max_length` tokens (including the final </s>).
+    """
+    if isinstance(dataset, DatasetDict):
+        return DatasetDict({name: tokenize_translation_dataset(split, tokenizer, max_length)
+                            for name, split in dataset.items()})
+
+    def encode(batch):
+        return tokenizer(batch["source"], text_target=batch["target"], truncation=True, max_length=max_length)
+
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
+
+
+def example_lengths(tokenized: Dataset) -> list[int]:
+    """Per example, the longer of source and target: what `TokenBatchSampler` needs to bound both sides."""
+    return [max(len(source), len(target)) for source, target in zip(tokenized["input_ids"][:], tokenized["labels"][:])]
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching
+
+
+class TokenBatchSampler(Sampler[list[int]]):
+    """Batches of similar-length examples holding at most `max_tokens` tokens each, padding included.
+
+    The paper batched "sentence pairs ... by approximate sequence length", about 25,000 source and 25,000
+    target tokens per batch (Section 5.1): a budget in tokens rather than sentences keeps the work per step
+    roughly constant, and grouping by length wastes little on padding. With `lengths` from
+    `example_lengths`, `len(batch) * max(lengths in batch) <= max_tokens` bounds both padded sides (a
+    collator's `pad_to_multiple_of` can add to that).
+
+    Examples are sorted by length, ties broken at random, cut greedily into batches, and the batches are
+    shuffled. The order depends only on `seed` and the epoch given to `set_epoch`, so every process of a
+    distributed run and every resumed run sees the same batches. Use as `DataLoader(dataset,
+    batch_sampler=sampler, collate_fn=...)`.
+    """
+
+    def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        too_long = np.flatnonzero(self.lengths > max_tokens)
+        if too_long.size:
+            raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {self.lengths[too_long[0]]} "
+                             f"tokens) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
+        # Batch boundaries depend only on the sorted lengths, which ties do not change: the count is fixed.
+        self._num_batches = len(self._cut(np.argsort(self.lengths, kind="stable")))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _cut(self, order: np.ndarray) -> list[list[int]]:
+        """Greedy cut of indices sorted by length: each new example is the longest of its batch so far."""
+        batches, batch = [], []
+        for index in order.tolist():
+            if batch and (len(batch) + 1) * self.lengths[index] > self.max_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(index)
+        if batch:
+            batches.append(batch)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if not self.shuffle:
+            yield from self._cut(np.argsort(self.lengths, kind="stable"))
+            return
+        rng = np.random.default_rng((self.seed, self.epoch))
+        permutation = rng.permutation(len(self.lengths))
+        order = permutation[np.argsort(self.lengths[permutation], kind="stable")]
+        batches = self._cut(order)
+        for position in rng.permutation(len(batches)).tolist():
+            yield batches[position]
+
+    def __len__(self) -> int:
+        return self._num_batches
+
