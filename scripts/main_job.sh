@@ -19,8 +19,7 @@ python3 scripts/train_translation.py \
   --max_tokens_per_batch 6000 --paper_recipe --warmup_steps 800 \
   --eval_strategy no --save_strategy no --logging_steps 50 --report_to tensorboard \
   --predict_with_generate --generation_num_beams 4 --per_device_eval_batch_size 64 \
-  --max_test_samples "$TEST_SENTENCES" --seed 0 \
-  | tee "$OUTPUT_DIR.metrics.json"
+  --max_test_samples "$TEST_SENTENCES" --seed 0
 
 echo "== Seed sentences =="
 python3 scripts/translate.py --model "$OUTPUT_DIR" --num_beams 4 "I lost." "I'm calm." "I'm home."

@@ -55,17 +55,14 @@ class ModelArguments:
 class DataArguments:
     corpus: str | None = field(
         default=None,
-        metadata={"help": f"fra-eng tsv(.gz) corpus; default: ${vdata.CORPUS_ENV_VAR}, ../shared, or a download."},
+        metadata={"help": "Local parallel corpus (tsv[.gz] English-first, csv, jsonl). Default: the fra-eng corpus "
+                          f"from ${vdata.CORPUS_ENV_VAR}, ../shared/data/fra-eng, or its public download."},
     )
-    dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face dataset instead of the corpus."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Its configuration name."})
-    train_file: str | None = field(default=None, metadata={"help": "Local tsv/csv/jsonl training file."})
-    validation_file: str | None = field(default=None, metadata={"help": "Local validation file."})
-    test_file: str | None = field(default=None, metadata={"help": "Local test file."})
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face dataset instead of a file."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Its configuration name, e.g. 'fr-en'."})
     source_lang: str = "en"
     target_lang: str = "fr"
-    max_source_length: int = 128
-    max_target_length: int = 128
+    max_length: int = field(default=128, metadata={"help": "Truncate sources and targets to this many tokens."})
     max_train_samples: int | None = None
     max_eval_samples: int | None = field(default=None, metadata={"help": "Validation sentences used while training."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Test sentences for the final evaluation."})
@@ -137,8 +134,7 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
         dataset = self._remove_unused_columns(self.train_dataset, description="training")
-        lengths = [max(len(s), len(t)) for s, t in zip(dataset["input_ids"], dataset["labels"])]
-        self.batch_sampler = vdata.TokenBatchSampler(lengths, self.max_tokens_per_batch, shuffle=True, seed=self.args.seed)
+        self.batch_sampler = vdata.TokenBatchSampler(vdata.example_lengths(dataset), self.max_tokens_per_batch, shuffle=True, seed=self.args.seed)
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
@@ -185,17 +181,13 @@ def parse_overrides(text: str | None) -> dict:
 
 def load_splits(data_args: DataArguments):
     """→ DatasetDict with train / validation / test in the data module's schema (source, target[, references])."""
-    if data_args.dataset_name or data_args.train_file:
-        return vdata.load_translation_dataset(
-            dataset_name=data_args.dataset_name,
-            dataset_config=data_args.dataset_config,
-            train_file=data_args.train_file,
-            validation_file=data_args.validation_file,
-            test_file=data_args.test_file,
-            source_lang=data_args.source_lang,
-            target_lang=data_args.target_lang,
-        )
-    return vdata.load_fra_eng(data_args.corpus)
+    return vdata.load_translation_dataset(
+        data_args.dataset_name,
+        data_args.dataset_config,
+        data_file=data_args.corpus,
+        source_lang=data_args.source_lang,
+        target_lang=data_args.target_lang,
+    )
 
 
 def build_model_and_tokenizer(model_args: ModelArguments, train_texts):
@@ -247,13 +239,11 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
         apply_paper_recipe(args, model.config.d_model)
     # Generation settings used for evaluation during training and saved as generation_config.json.
     model.generation_config.num_beams = args.generation_num_beams or 4
-    model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_target_length
+    model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_length
     model.generation_config.max_length = None
 
-    tokenize = lambda split: vdata.tokenize_for_seq2seq(  # noqa: E731
-        split, tokenizer, data_args.max_source_length, data_args.max_target_length
-    )
-    train_features, validation_features = tokenize(train), tokenize(validation)
+    train_features = vdata.tokenize_translation_dataset(train, tokenizer, data_args.max_length)
+    validation_features = vdata.tokenize_translation_dataset(validation, tokenizer, data_args.max_length)
     references = validation["references"] if "references" in validation.column_names else None
 
     callbacks = [TimeBudgetCallback(args.max_train_time)] if args.max_train_time else []

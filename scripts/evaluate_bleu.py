@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""BLEU, chrF and TER (sacreBLEU, multi-reference) of a checkpoint on a held-out split or on files.
+
+    python scripts/evaluate_bleu.py --model outputs/en-fr                      # fra-eng test split
+    python scripts/evaluate_bleu.py --model outputs/en-fr --source_file src.en --reference_file ref1.fr --reference_file ref2.fr
+"""
+
+import argparse
+import json
+
+from vaswani.cli import load_translator, user_errors_exit
+from vaswani.data import load_translation_dataset
+from vaswani.evaluation import evaluate_model
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+@user_errors_exit
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory or Hub id")
+    parser.add_argument("--corpus", help="parallel corpus file (default: the fra-eng corpus)")
+    parser.add_argument("--dataset_name", help="a Hugging Face dataset instead")
+    parser.add_argument("--dataset_config")
+    parser.add_argument("--split", default="test", choices=["test", "validation"])
+    parser.add_argument("--source_file", help="one source sentence per line (instead of a corpus split)")
+    parser.add_argument("--reference_file", action="append", help="references, line-aligned; repeat for more")
+    parser.add_argument("--max_samples", type=int)
+    parser.add_argument("--num_beams", type=int, default=4)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--output_file", help="write metrics and hypotheses as JSON here")
+    args = parser.parse_args(argv)
+
+    if args.source_file:
+        if not args.reference_file:
+            raise ValueError("--source_file needs at least one --reference_file")
+        sources = read_lines(args.source_file)
+        reference_sets = [read_lines(path) for path in args.reference_file]
+        if any(len(refs) != len(sources) for refs in reference_sets):
+            raise ValueError("every --reference_file must have as many lines as --source_file")
+        # Empty lines mean "no such reference" for that sentence (a variable number of references).
+        references = [[refs[i] for refs in reference_sets if refs[i]] for i in range(len(sources))]
+    else:
+        split = load_translation_dataset(args.dataset_name, args.dataset_config, data_file=args.corpus)[args.split]
+        if args.max_samples:
+            split = split.select(range(min(args.max_samples, len(split))))
+        sources, references = split["source"], split["references"]
+    if args.max_samples:
+        sources, references = sources[: args.max_samples], references[: args.max_samples]
+
+    model, tokenizer = load_translator(args.model, args.device)
+    result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams, batch_size=args.batch_size)
+    summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
+                                                                  "signatures": result.get("signatures")}
+    print(json.dumps(summary, indent=2))
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump({**summary, "sources": list(sources), "hypotheses": result["hypotheses"]}, f, ensure_ascii=False, indent=1)
+
+
+if __name__ == "__main__":
+    main()
