@@ -11,6 +11,9 @@ The pipeline, from raw text to ids and back:
               "calme\u202f!" and "calme !" are the same token sequence and decode to "calme !".
   pre-split   on spaces, each word carrying its leading space as "▁" (SentencePiece's convention), so that
               decoding restores every space exactly and never glues punctuation to the preceding word.
+              Punctuation at the edges of a word is split off too ("wants." -> "▁wants" "."), as the Moses
+              tokenisation under Sennrich et al.'s BPE did, so "wants." and "wants" share one subword;
+              apostrophes and hyphens inside words stay ("l'a", "don't", "est-il").
   BPE         with byte fallback (as in Llama): a character the training text never showed becomes its
               UTF-8 bytes, <0x00>..<0xFF>, instead of <unk>, so any input round-trips.
   post-proc   appends </s> to sources and to labels, like Marian and T5; the decoder starts from <s>.
@@ -42,7 +45,13 @@ def _build_backend(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Toke
     backend.normalizer = normalizers.Sequence(
         [normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()]
     )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=WORD_START, prepend_scheme="always", split=True)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Metaspace(replacement=WORD_START, prepend_scheme="always", split=True),
+            # A leading "▁" stays with its punctuation: French "calme !" keeps "▁!" as one token.
+            pre_tokenizers.Split(Regex(rf"^{WORD_START}?\p{{P}}+|\p{{P}}+$"), behavior="isolated"),
+        ]
+    )
     backend.decoder = decoders.Sequence(
         [
             decoders.ByteFallback(),  # <0xC3> <0xA9> -> "é"

@@ -1,0 +1,454 @@
+"""data.py: corpus resolution and download, robust reading, splits, dataset loading, tokenization, batching."""
+
+import gzip
+import hashlib
+import http.server
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from vaswani import data
+from vaswani.data import (
+    ReadSummary,
+    TokenBatchSampler,
+    download_corpus,
+    example_lengths,
+    group_references,
+    load_translation_dataset,
+    read_parallel_tsv,
+    resolve_corpus_path,
+    split_by_source,
+    split_of,
+    tokenize_translation_dataset,
+)
+from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+
+REPO = Path(__file__).parents[1]
+ANIMALS = ["cat", "dog", "bird", "horse", "fish", "cow", "duck", "goat"]
+ANIMAUX = ["chat", "chien", "oiseau", "cheval", "poisson", "vache", "canard", "chèvre"]
+
+
+def made_up_pairs(count: int) -> list[tuple[str, str]]:
+    """Distinct English sentences with one to three French translations each (like Tatoeba's)."""
+    pairs = []
+    for i in range(count):
+        animal, animal_fr = ANIMALS[i % 8], ANIMAUX[i % 8]
+        english = f"The {animal} number {i} is sleeping."
+        for form in ("Le {} numéro {} dort.", "Le {} numéro {} est endormi\u202f!", "Le {} n°{} dort.")[: 1 + i % 3]:
+            pairs.append((english, form.format(animal_fr, i)))
+    return pairs
+
+
+def write_tsv(path: Path, pairs, compress: bool = False) -> Path:
+    text = "".join(f"{a}\t{b}\n" for a, b in pairs).encode("utf-8")
+    path.write_bytes(gzip.compress(text) if compress else text)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def isolated_caches(tmp_path, monkeypatch):
+    """Keep datasets' cache and any download in the test's own directory."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(data.CORPUS_ENV_VAR, raising=False)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer() -> VaswaniTokenizer:
+    return train_tokenizer((s for pair in made_up_pairs(300) for s in pair), vocab_size=400)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def test_reader_skips_and_counts_every_kind_of_bad_line(tmp_path):
+    path = tmp_path / "messy.tsv"
+    path.write_bytes(
+        b"\xef\xbb\xbfHello.\tBonjour.\r\n"  # byte-order mark and Windows line end: kept
+        b"no tab on this line\n"
+        b"\n"
+        b"Go.\tVa !\tCC-BY 2.0 (France) Attribution: tatoeba.org #2877272 (CM)\n"  # 3rd column: kept
+        b"Empty target.\t  \n"
+        b"\tEmpty source.\n"
+        b"Bad \xff\xfe bytes.\tOctets invalides.\n"
+        b"Last.\tDernier.\n"
+    )
+    pairs, summary = read_parallel_tsv(path)
+    assert pairs == [("Hello.", "Bonjour."), ("Go.", "Va !"), ("Last.", "Dernier.")]
+    assert summary == ReadSummary(path=str(path), lines=8, pairs=3, blank=1, no_tab=1, empty_side=2,
+                                  invalid_utf8=1, extra_columns=1, truncated=False)
+    assert summary.skipped == 5
+
+
+def test_reader_detects_gzip_by_content_not_name(tmp_path):
+    pairs = [("One.", "Un."), ("Two.", "Deux.")]
+    assert read_parallel_tsv(write_tsv(tmp_path / "plain.tsv.gz", pairs))[0] == pairs
+    assert read_parallel_tsv(write_tsv(tmp_path / "packed.tsv", pairs, compress=True))[0] == pairs
+
+
+def test_gzip_cut_short_keeps_what_was_read(tmp_path):
+    rng = random.Random(0)  # random words compress badly, so half the file holds many whole lines
+    pairs = [(" ".join(rng.choice(ANIMALS) for _ in range(8)) + f" {i}.", f"Phrase {i}.") for i in range(5000)]
+    whole = write_tsv(tmp_path / "whole.tsv.gz", pairs, compress=True).read_bytes()
+    cut = tmp_path / "cut.tsv.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+
+    read, summary = read_parallel_tsv(cut)
+    assert summary.truncated
+    assert 100 < len(read) < len(pairs)
+    assert read == pairs[: len(read)]
+
+
+def test_missing_and_unreadable_files_raise_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_parallel_tsv(tmp_path / "absent.tsv")
+    with pytest.raises(IsADirectoryError, match="not a file"):
+        read_parallel_tsv(tmp_path)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root can read files without permission")
+def test_file_without_read_permission_raises(tmp_path):
+    path = write_tsv(tmp_path / "locked.tsv", [("a", "b")])
+    path.chmod(0)
+    with pytest.raises(OSError, match="Cannot read corpus file"):
+        read_parallel_tsv(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding and downloading the corpus
+
+
+def test_resolution_order_path_then_env_then_shared_then_download(tmp_path, monkeypatch):
+    explicit = write_tsv(tmp_path / "explicit.tsv", [("a", "b")])
+    from_env = write_tsv(tmp_path / "env.tsv", [("a", "b")])
+    shared = write_tsv(tmp_path / "shared.tsv.gz", [("a", "b")], compress=True)
+    downloaded = tmp_path / "downloaded.txt"
+    monkeypatch.setattr(data, "download_corpus", lambda: downloaded)
+    monkeypatch.setattr(data, "SHARED_CORPUS", tmp_path / "not-there.tsv.gz")
+
+    assert resolve_corpus_path() == downloaded
+    monkeypatch.setattr(data, "SHARED_CORPUS", shared)
+    assert resolve_corpus_path() == shared
+    monkeypatch.setenv(data.CORPUS_ENV_VAR, str(from_env))
+    assert resolve_corpus_path() == from_env
+    assert resolve_corpus_path(explicit) == explicit
+
+
+def test_a_wrong_explicit_path_or_env_var_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="given path"):
+        resolve_corpus_path(tmp_path / "typo.tsv")
+    monkeypatch.setenv(data.CORPUS_ENV_VAR, str(tmp_path / "typo.tsv"))
+    with pytest.raises(FileNotFoundError, match=data.CORPUS_ENV_VAR):
+        resolve_corpus_path()
+
+
+class CountingHandler(http.server.SimpleHTTPRequestHandler):
+    requests = 0
+
+    def do_GET(self):
+        type(self).requests += 1
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def web_root(tmp_path):
+    """A local HTTP server standing in for manythings.org; yields (folder it serves, base URL)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    CountingHandler.requests = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: CountingHandler(*a, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def make_zip(members: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as bundle:
+        for name, text in members.items():
+            bundle.writestr(name, text)
+    return buffer.getvalue()
+
+
+def test_download_extracts_verifies_records_and_reuses_the_cache(web_root, tmp_path):
+    root, base = web_root
+    lines = "Go.\tVa !\tCC-BY 2.0 (France) Attribution: tatoeba.org\nHi.\tSalut !\tCC-BY 2.0\n"
+    archive = make_zip({"fra.txt": lines, "_about.txt": "About."})
+    (root / "fra-eng.zip").write_bytes(archive)
+    cache = tmp_path / "cache"
+
+    corpus = download_corpus(cache, url=f"{base}/fra-eng.zip")
+    assert corpus == cache / "fra.txt" and corpus.read_text() == lines
+    record = json.loads((cache / "download.json").read_text())
+    assert record["sha256"]["zip"] == hashlib.sha256(archive).hexdigest()
+    assert not list(cache.glob("*.part"))
+    pairs, summary = read_parallel_tsv(corpus)
+    assert pairs == [("Go.", "Va !"), ("Hi.", "Salut !")] and summary.extra_columns == 2
+
+    # Pinned to the recorded checksum, the cached copy is used without another request.
+    assert download_corpus(cache, url=f"{base}/fra-eng.zip", expected_sha256=record["sha256"]["zip"]) == corpus
+    assert CountingHandler.requests == 1
+    with pytest.raises(ValueError, match="not the expected"):
+        download_corpus(cache, url=f"{base}/fra-eng.zip", expected_sha256="0" * 64)
+
+    corpus.write_text(lines + "Tampered.\tTrafiqué.\n")
+    with pytest.raises(ValueError, match="no longer matches"):
+        download_corpus(cache, url=f"{base}/fra-eng.zip")
+
+
+@pytest.mark.parametrize(
+    "served, message",
+    [
+        (make_zip({"deu.txt": "Go.\tGeh.\n"}), "has no fra.txt"),
+        (make_zip({"fra.txt": "<html>Not found</html>\n"}), "does not start with"),
+        (b"<html>Forbidden</html>", "did not return a zip"),
+    ],
+    ids=["other-language", "not-sentence-pairs", "not-a-zip"],
+)
+def test_download_rejects_what_is_not_the_corpus(web_root, tmp_path, served, message):
+    root, base = web_root
+    (root / "fra-eng.zip").write_bytes(served)
+    with pytest.raises(ValueError, match=message):
+        download_corpus(tmp_path / "cache", url=f"{base}/fra-eng.zip")
+    assert not (tmp_path / "cache" / "fra.txt").exists() and not list((tmp_path / "cache").iterdir())
+
+
+def test_download_with_a_wrong_pinned_checksum_caches_nothing(web_root, tmp_path):
+    root, base = web_root
+    (root / "fra-eng.zip").write_bytes(make_zip({"fra.txt": "Go.\tVa !\n"}))
+    with pytest.raises(ValueError, match="not the expected"):
+        download_corpus(tmp_path / "cache", url=f"{base}/fra-eng.zip", expected_sha256="0" * 64)
+    assert not list((tmp_path / "cache").iterdir())
+
+
+# --------------------------------------------------------------------------------------------------
+# Splits
+
+
+def test_split_is_decided_by_the_normalised_source_alone():
+    keys = [f"Sentence {i} !" for i in range(200)]
+    reference = [split_of(key, 0.3, 0.3) for key in keys]
+    assert [split_of(f"  SENTENCE {i}\u00a0! ", 0.3, 0.3) for i in range(200)] == reference
+    assert set(reference) == {"train", "validation", "test"}
+    assert {split_of(f"Sentence {i}.", 0.0, 0.0) for i in range(100)} == {"train"}
+    assert {split_of(f"Sentence {i}.", 0.0, 1.0 - 1e-9) for i in range(100)} == {"test"}
+
+
+def test_split_keeps_all_translations_of_a_source_together_and_groups_references():
+    pairs = made_up_pairs(3000)
+    splits = split_by_source(Dataset.from_dict({"source": [p[0] for p in pairs], "target": [p[1] for p in pairs]}),
+                             validation_fraction=0.1, test_fraction=0.2)
+    translations = {}
+    for source, target in pairs:
+        translations.setdefault(source, []).append(target)
+
+    train_sources = set(splits["train"]["source"][:])
+    for name in ("validation", "test"):
+        split = splits[name]
+        assert not train_sources & set(split["source"][:])
+        assert split.column_names == ["source", "target", "references"]
+        for row in split:
+            assert row["references"] == translations[row["source"]] and row["target"] == row["references"][0]
+    assert len(splits["train"]) == sum(len(translations[s]) for s in train_sources)
+    # The fractions are of distinct sources; 3,000 draws keep each within a few points.
+    assert 0.07 < len(splits["validation"]) / 3000 < 0.13 and 0.17 < len(splits["test"]) / 3000 < 0.23
+    assert not set(splits["validation"]["source"][:]) & set(splits["test"]["source"][:])
+
+
+def test_split_is_deterministic_and_ignores_row_order():
+    pairs = made_up_pairs(500)
+    as_dataset = lambda rows: Dataset.from_dict({"source": [p[0] for p in rows], "target": [p[1] for p in rows]})
+    first = split_by_source(as_dataset(pairs), 0.1, 0.1)
+    again = split_by_source(as_dataset(list(reversed(pairs))), 0.1, 0.1)
+    for name in ("train", "validation", "test"):
+        assert sorted(first[name]["source"][:]) == sorted(again[name]["source"][:])
+
+
+def test_bad_fractions_are_refused():
+    pairs = Dataset.from_dict({"source": ["a"], "target": ["b"]})
+    with pytest.raises(ValueError, match="sum to less than 1"):
+        split_by_source(pairs, 0.6, 0.5)
+
+
+def test_references_differing_only_in_unicode_spaces_count_once():
+    pairs = Dataset.from_dict({"source": ["Run!", "Run!", "Run!"], "target": ["Cours\u202f!", "Cours\xa0!", "Courez !"]})
+    assert group_references(pairs)[0]["references"] == ["Cours\u202f!", "Courez !"]
+
+
+def test_real_corpus_splits():
+    if not data.SHARED_CORPUS.is_file():
+        pytest.skip(f"the English-French corpus is not at {data.SHARED_CORPUS}")
+    splits = load_translation_dataset()
+    assert 150_000 < len(splits["train"]) < 160_000
+    assert 2_000 < len(splits["validation"]) < 2_600 and 3_000 < len(splits["test"]) < 3_800
+    assert any(len(refs) > 1 for refs in splits["test"]["references"][:])
+    train = set(splits["train"]["source"][:])
+    assert not train & set(splits["validation"]["source"][:]) and not train & set(splits["test"]["source"][:])
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading other corpora
+
+
+def test_tsv_file_in_either_direction(tmp_path):
+    path = write_tsv(tmp_path / "pairs.tsv.gz", made_up_pairs(200), compress=True)
+    en_fr = load_translation_dataset(data_file=path, validation_fraction=0.2, test_fraction=0.2)
+    fr_en = load_translation_dataset(data_file=path, source_lang="fr", target_lang="en",
+                                     validation_fraction=0.2, test_fraction=0.2)
+    assert en_fr["train"][0] == {"source": "The cat number 0 is sleeping.", "target": "Le chat numéro 0 dort."}
+    assert set(fr_en["train"]["target"][:]) | set(fr_en["validation"]["target"][:]) | set(
+        fr_en["test"]["target"][:]) == {p[0] for p in made_up_pairs(200)}
+    with pytest.raises(ValueError, match="cannot read 'de'"):
+        load_translation_dataset(data_file=path, source_lang="de")
+
+
+def test_csv_and_jsonl_files(tmp_path):
+    pairs = made_up_pairs(100)
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("en,fr\n" + "".join(f'"{en}","{fr}"\n' for en, fr in pairs), encoding="utf-8")
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps({"translation": {"en": en, "fr": fr}}) + "\n" for en, fr in pairs))
+    for path in (csv, jsonl):
+        splits = load_translation_dataset(data_file=path, validation_fraction=0.2, test_fraction=0.2)
+        total = len(splits["train"]) + sum(len(r) for r in splits["validation"]["references"][:]) + sum(
+            len(r) for r in splits["test"]["references"][:])
+        assert total == len(pairs)
+        assert splits["train"].column_names == ["source", "target"]
+
+
+def test_saved_hugging_face_dataset_keeps_its_own_splits(tmp_path):
+    def translations(rows):
+        return Dataset.from_dict({"translation": [{"en": en, "fr": fr, "de": "-"} for en, fr in rows], "id": list(range(len(rows)))})
+
+    pairs = made_up_pairs(60)
+    DatasetDict(train=translations(pairs[:80]), validation=translations(pairs[80:100] + [("Extra.", "  ")]),
+                test=translations(pairs[100:])).save_to_disk(tmp_path / "saved")
+    splits = load_translation_dataset(tmp_path / "saved")
+    assert len(splits["train"]) == 80
+    assert sum(len(r) for r in splits["validation"]["references"][:]) == 20  # the empty pair is dropped
+    assert sum(len(r) for r in splits["test"]["references"][:]) == len(pairs) - 100
+    assert splits["test"].column_names == ["source", "target", "references"]
+
+
+def test_single_saved_dataset_gets_carved_and_bad_columns_are_explained(tmp_path):
+    pairs = made_up_pairs(300)
+    Dataset.from_dict({"en": [p[0] for p in pairs], "fr": [p[1] for p in pairs]}).save_to_disk(tmp_path / "flat")
+    splits = load_translation_dataset(tmp_path / "flat", validation_fraction=0.2, test_fraction=0.2)
+    assert len(splits["validation"]) > 20 and len(splits["test"]) > 20
+
+    Dataset.from_dict({"english": ["a"], "french": ["b"]}).save_to_disk(tmp_path / "odd")
+    with pytest.raises(ValueError, match="Cannot find 'en'/'fr'"):
+        load_translation_dataset(tmp_path / "odd")
+    with pytest.raises(ValueError, match="either"):
+        load_translation_dataset(tmp_path / "odd", data_file=tmp_path / "x.tsv")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenization and batching
+
+
+def test_tokenize_translation_dataset(small_tokenizer):
+    pairs = made_up_pairs(20)
+    splits = DatasetDict(train=Dataset.from_dict({"source": [p[0] for p in pairs], "target": [p[1] for p in pairs]}))
+    splits["test"] = group_references(splits["train"])
+    tokenized = tokenize_translation_dataset(splits, small_tokenizer, max_length=6)
+    for split in tokenized.values():
+        assert split.column_names == ["input_ids", "attention_mask", "labels"]
+    row = tokenize_translation_dataset(splits["train"], small_tokenizer)[0]
+    assert row["labels"] == small_tokenizer(text_target=pairs[0][1])["input_ids"]
+    assert small_tokenizer.decode(row["input_ids"], skip_special_tokens=True) == pairs[0][0]
+    assert max(example_lengths(tokenized["train"])) == 6
+    assert all(ids[-1] == small_tokenizer.eos_token_id for ids in tokenized["train"]["labels"][:])
+
+
+def random_lengths(count: int = 2000, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, 60) for _ in range(count)]
+
+
+def test_batches_respect_the_token_budget_and_cover_every_example_once():
+    lengths = random_lengths()
+    sampler = TokenBatchSampler(lengths, max_tokens=256, seed=3)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler)
+        assert all(len(b) * max(lengths[i] for i in b) <= 256 for b in batches)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    # Grouping by length is the point: padding should be a small share of what is computed.
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert sum(lengths) / padded > 0.9
+
+
+def test_batches_are_deterministic_per_seed_and_epoch():
+    lengths = random_lengths()
+
+    def batches(seed, epoch):
+        sampler = TokenBatchSampler(lengths, max_tokens=256, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert batches(0, 0) == batches(0, 0)
+    assert batches(0, 0) != batches(0, 1)
+    assert batches(0, 0) != batches(1, 0)
+    ordered = list(TokenBatchSampler(lengths, max_tokens=256, shuffle=False))
+    flat = [i for b in ordered for i in b]
+    assert [lengths[i] for i in flat] == sorted(lengths)
+
+
+def test_an_example_longer_than_the_budget_is_refused():
+    with pytest.raises(ValueError, match="longer than max_tokens=50"):
+        TokenBatchSampler([10, 51, 20], max_tokens=50)
+
+
+def test_sampler_drives_a_dataloader(small_tokenizer):
+    pairs = made_up_pairs(100)
+    tokenized = tokenize_translation_dataset(
+        Dataset.from_dict({"source": [p[0] for p in pairs], "target": [p[1] for p in pairs]}), small_tokenizer
+    )
+    sampler = TokenBatchSampler(example_lengths(tokenized), max_tokens=128)
+
+    def collate(rows):
+        return small_tokenizer.pad([{"input_ids": r["input_ids"]} for r in rows], return_tensors="pt")
+
+    loader = torch.utils.data.DataLoader(tokenized, batch_sampler=sampler, collate_fn=collate)
+    shapes = [batch["input_ids"].shape for batch in loader]
+    assert len(shapes) == len(sampler) and sum(s[0] for s in shapes) == len(pairs)
+    assert all(s[0] * s[1] <= 128 for s in shapes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Script
+
+
+def test_train_tokenizer_script(tmp_path):
+    corpus = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(300))
+    out = tmp_path / "tokenizer"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--corpus", str(corpus),
+         "--vocab_size", "400", "--output_dir", str(out)],
+        capture_output=True, text=True, env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf")},
+    )
+    assert result.returncode == 0, result.stderr
+    tokenizer = VaswaniTokenizer.from_pretrained(out)
+    assert len(tokenizer) == 400
+    assert tokenizer.decode(tokenizer("Le chat numéro 7 dort !")["input_ids"], skip_special_tokens=True) == (
+        "Le chat numéro 7 dort !"
+    )
