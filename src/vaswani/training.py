@@ -264,6 +264,7 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
     train_seconds = time.monotonic() - start
     metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
     metrics["train_wall_seconds"] = train_seconds
+    metrics["train_world_size"] = args.world_size
 
     if trainer.is_world_process_zero():
         test = splits["test"]
@@ -300,6 +301,10 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     trainer.save_model(staging)
     tokenizer.save_pretrained(staging)
+    # The Trainer pickles its arguments; a published model directory should hold no pickles, so keep them as JSON.
+    os.remove(os.path.join(staging, "training_args.bin"))
+    with open(os.path.join(staging, "training_args.json"), "w") as f:
+        f.write(trainer.args.to_json_string())
     with open(os.path.join(staging, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     write_model_card(staging, metrics=metrics)
