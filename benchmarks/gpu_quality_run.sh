@@ -23,7 +23,7 @@ COMMAND=(python3 scripts/train_translation.py --preset base --vocab_size 16000 -
   --warmup_steps "$WARMUP" --adam_beta2 0.98 --adam_epsilon 1e-9 --weight_decay 0.0
   --eval_strategy no --save_strategy no --logging_steps 100 --report_to tensorboard
   --predict_with_generate --generation_num_beams 4 --per_device_eval_batch_size 256
-  --dataloader_num_workers 2 --seed 0)
+  --dataloader_num_workers 2 --include_num_input_tokens_seen non_padding --seed 0)
 "${COMMAND[@]}"
 
 python3 - "$OUTPUT_DIR" "benchmarks/results/gpu_quality_${STAMP}.json" "${COMMAND[*]}" <<'PY'

@@ -46,7 +46,7 @@ SHARED_CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "data" /
 # manythings' files put English first and the other language second.
 TSV_LANGUAGES = ("en", "fr")
 
-# Defaults give about 2,300 validation and 3,400 test source sentences out of the corpus' 113,830.
+# On the 2019 Tatoeba file (113,830 distinct English sentences) these give 2,257 validation and 3,437 test sources.
 VALIDATION_FRACTION = 0.02
 TEST_FRACTION = 0.03
 
@@ -167,7 +167,7 @@ class ReadSummary:
     empty_side: int = 0  # skipped: one side is empty or whitespace
     invalid_utf8: int = 0  # skipped
     extra_columns: int = 0  # kept: manythings' newer files add an attribution column; the first two are used
-    truncated: bool = False  # the gzip stream ended early; the pairs read before that are kept
+    truncated: bool = False  # the gzip stream is cut short or corrupt; the pairs read before the damage are kept
 
     @property
     def skipped(self) -> int:

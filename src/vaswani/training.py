@@ -265,6 +265,8 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
     metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
     metrics["train_wall_seconds"] = train_seconds
     metrics["train_world_size"] = args.world_size
+    if trainer.state.num_input_tokens_seen:  # with --include_num_input_tokens_seen non_padding
+        metrics["train_source_tokens_per_second"] = trainer.state.num_input_tokens_seen / train_seconds
 
     if trainer.is_world_process_zero():
         test = splits["test"]
