@@ -1,0 +1,41 @@
+"""Shared fixtures for the model tests: tiny configs and padded batches.
+
+Token ids follow `VaswaniConfig`'s special-token layout (pad 0, eos 1, bos/decoder start 3); ordinary tokens are
+drawn from [4, vocab_size) so that no test input accidentally contains a special token.
+"""
+
+import pytest
+import torch
+
+from vaswani import VaswaniConfig
+
+FIRST_ORDINARY_ID = 4
+
+
+def tiny_config(**overrides) -> VaswaniConfig:
+    """`VaswaniConfig.tiny` without dropout: most tests compare two forward passes for (near) equality."""
+    return VaswaniConfig.tiny(**{"dropout": 0.0, **overrides})
+
+
+def random_ids(config: VaswaniConfig, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_ORDINARY_ID, config.vocab_size, (batch, length), generator=generator)
+
+
+def padded_batch(config: VaswaniConfig, lengths: list[int], seed: int = 0, side: str = "right"):
+    """(input_ids, attention_mask) for sequences of the given lengths, padded to the longest with pad_token_id."""
+    longest = max(lengths)
+    input_ids = random_ids(config, len(lengths), longest, seed)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        if side == "right":
+            attention_mask[row, :length] = 1
+        else:
+            attention_mask[row, longest - length :] = 1
+    return input_ids.masked_fill(attention_mask == 0, config.pad_token_id), attention_mask
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every test starts from the same random state, so weight initialisation is reproducible test by test."""
+    torch.manual_seed(0)

@@ -1,0 +1,510 @@
+"""The model, flag by flag: configuration, every variant on every head, attention back-ends, masking, the loss.
+
+Each variant flag is exercised alone (in the manner of x-transformers' per-flag tests) on every model class:
+forward, backward (every parameter receives a gradient), save → reload (safetensors only, bit-identical outputs)
+and, for the generative heads, `generate`.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from conftest import padded_batch, random_ids, tiny_config
+from vaswani import (
+    VaswaniConfig,
+    VaswaniEncoderModel,
+    VaswaniForCausalLM,
+    VaswaniForConditionalGeneration,
+    VaswaniForSequenceClassification,
+    VaswaniModel,
+)
+
+# Configuration -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, overrides",
+    [
+        ("d_model", {"d_model": 30}),  # not divisible by 4 heads
+        ("num_key_value_heads", {"num_key_value_heads": 3}),  # does not divide 4 heads
+        ("num_key_value_heads", {"num_key_value_heads": 0}),
+        ("norm_type", {"norm_type": "batchnorm"}),
+        ("ffn_activation", {"ffn_activation": "tanh"}),
+        ("position_embedding_type", {"position_embedding_type": "alibi"}),
+        ("position_embedding_type", {"position_embedding_type": "rope", "d_model": 12}),  # odd head_dim 3
+        ("vocab_size", {"vocab_size": -1}),
+        ("d_model", {"d_model": 0}),
+        ("d_ff", {"d_ff": -5}),
+        ("num_attention_heads", {"num_attention_heads": 0}),
+        ("encoder_layers", {"encoder_layers": -1}),
+        ("decoder_layers", {"decoder_layers": -2}),
+        ("max_position_embeddings", {"max_position_embeddings": 0}),
+        ("dropout", {"dropout": 1.0}),
+        ("dropout", {"dropout": -0.1}),
+        ("attention_dropout", {"attention_dropout": 1.5}),
+        ("activation_dropout", {"activation_dropout": -0.1}),
+        ("label_smoothing", {"label_smoothing": 1.0}),
+        ("classifier_dropout", {"classifier_dropout": 2.0}),
+        ("layer_norm_eps", {"layer_norm_eps": 0.0}),
+        ("rope_theta", {"rope_theta": -1.0}),
+    ],
+)
+def test_config_rejects_impossible_values_naming_the_field(field, overrides):
+    with pytest.raises(ValueError, match=f"VaswaniConfig.{field}"):
+        VaswaniConfig.tiny(**overrides)
+
+
+def test_config_validates_when_loaded_from_a_dict():
+    """A hand-edited config.json must fail as early as a constructor call."""
+    with pytest.raises(ValueError, match="norm_type"):
+        VaswaniConfig.from_dict({**VaswaniConfig.tiny().to_dict(), "norm_type": "scalenorm"})
+
+
+def test_presets_have_the_papers_values():
+    base = VaswaniConfig.base()
+    assert (base.d_model, base.encoder_layers, base.decoder_layers, base.num_attention_heads, base.d_ff) == (
+        512, 6, 6, 8, 2048,
+    )
+    assert base.num_key_value_heads == 8
+    assert not base.norm_first and base.norm_type == "layernorm"
+    assert base.position_embedding_type == "sinusoidal" and base.ffn_activation == "relu"
+    assert base.share_embeddings and base.tie_word_embeddings and base.scale_embedding and base.bias
+    assert base.dropout == 0.1 and base.label_smoothing == 0.1
+    assert base.to_dict() == VaswaniConfig().to_dict()  # the defaults *are* the base model
+
+    big = VaswaniConfig.big()
+    assert (big.d_model, big.d_ff, big.num_attention_heads, big.encoder_layers, big.dropout) == (1024, 4096, 16, 6, 0.3)
+
+    modern = VaswaniConfig.modern()
+    assert modern.norm_first and modern.norm_type == "rmsnorm" and modern.position_embedding_type == "rope"
+    assert modern.ffn_activation == "swiglu" and modern.num_key_value_heads == 4 and not modern.bias
+
+    assert VaswaniConfig.big(dropout=0.1).dropout == 0.1  # overrides win over preset values
+    for name in VaswaniConfig.PRESETS:
+        assert isinstance(VaswaniConfig.from_preset(name), VaswaniConfig)
+    with pytest.raises(ValueError, match="preset"):
+        VaswaniConfig.from_preset("huge")
+
+
+def test_base_model_has_the_papers_parameter_count():
+    """Table 3 lists 65M parameters for the base model (with the 37k-token shared En-De vocabulary)."""
+    with torch.device("meta"):
+        model = VaswaniForConditionalGeneration(VaswaniConfig.base())
+    count = sum(p.numel() for p in model.parameters())
+    assert 60e6 < count < 66e6, count
+
+
+# The variant matrix ------------------------------------------------------------------------------------------------
+
+VARIANTS = {
+    "paper": {},
+    "norm_first": {"norm_first": True},
+    "rmsnorm": {"norm_type": "rmsnorm"},
+    "rmsnorm_pre": {"norm_type": "rmsnorm", "norm_first": True},
+    "learned_positions": {"position_embedding_type": "learned"},
+    "rope": {"position_embedding_type": "rope"},
+    "gqa": {"num_key_value_heads": 2},
+    "mqa": {"num_key_value_heads": 1},
+    "gelu": {"ffn_activation": "gelu"},
+    "silu": {"ffn_activation": "silu"},
+    "swiglu": {"ffn_activation": "swiglu"},
+    "geglu": {"ffn_activation": "geglu"},
+    "no_bias": {"bias": False},
+    "unscaled_embeddings": {"scale_embedding": False},
+    "layers_1_3": {"encoder_layers": 1, "decoder_layers": 3},
+    "no_encoder_layers": {"encoder_layers": 0},
+    "no_encoder_layers_pre": {"encoder_layers": 0, "norm_first": True},
+    "unshared": {"share_embeddings": False},
+    "untied": {"tie_word_embeddings": False},
+    "unshared_untied": {"share_embeddings": False, "tie_word_embeddings": False},
+    "dropouts": {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1},
+    "modern": "modern",
+}
+HEADS = [
+    VaswaniModel,
+    VaswaniForConditionalGeneration,
+    VaswaniForCausalLM,
+    VaswaniEncoderModel,
+    VaswaniForSequenceClassification,
+]
+GENERATIVE = (VaswaniForConditionalGeneration, VaswaniForCausalLM)
+
+
+def variant_config(name: str) -> VaswaniConfig:
+    if VARIANTS[name] == "modern":
+        # The modern preset at tiny width: pre-RMSNorm, RoPE, SwiGLU, GQA (2 query heads per K/V head), no biases.
+        return VaswaniConfig.modern(
+            vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, d_ff=64, max_position_embeddings=64,
+        )
+    return tiny_config(**VARIANTS[name])
+
+
+def model_inputs(model_class, config: VaswaniConfig) -> dict:
+    """A padded batch with labels for every head: seq2seq gets a shorter, padded target."""
+    input_ids, attention_mask = padded_batch(config, [7, 5, 3], seed=1)
+    if model_class in (VaswaniModel, VaswaniForConditionalGeneration):
+        labels, label_mask = padded_batch(config, [4, 6, 2], seed=2)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if model_class is VaswaniModel:
+            from vaswani.modeling_vaswani import shift_tokens_right
+
+            decoder_input_ids = shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id)
+            return {**inputs, "decoder_input_ids": decoder_input_ids}
+        return {**inputs, "labels": labels.masked_fill(label_mask == 0, -100)}
+    if model_class is VaswaniForCausalLM:
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+    if model_class is VaswaniForSequenceClassification:
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": torch.tensor([0, 1, 1])}
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def main_output(model_class, outputs) -> torch.Tensor:
+    return outputs.last_hidden_state if model_class in (VaswaniModel, VaswaniEncoderModel) else outputs.logits
+
+
+def scalar_objective(model_class, outputs) -> torch.Tensor:
+    if outputs.get("loss") is not None:
+        return outputs.loss
+    # A fixed random projection: the plain sum of a post-LayerNorm output has an (analytically) zero gradient.
+    hidden = outputs.last_hidden_state
+    return (hidden * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0))).sum()
+
+
+@pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__.removeprefix("Vaswani"))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_forward_backward_save_reload_generate(variant, model_class, tmp_path):
+    config = variant_config(variant)
+    model = model_class(config)
+    inputs = model_inputs(model_class, config)
+    batch, length = inputs["input_ids"].shape
+
+    # Forward: shapes of the head's main output.
+    model.eval()
+    with torch.no_grad():
+        outputs = model(**inputs)
+    expected = {
+        VaswaniModel: lambda: (batch, inputs["decoder_input_ids"].shape[1], config.d_model),
+        VaswaniForConditionalGeneration: lambda: (batch, inputs["labels"].shape[1], config.vocab_size),
+        VaswaniForCausalLM: lambda: (batch, length, config.vocab_size),
+        VaswaniEncoderModel: lambda: (batch, length, config.d_model),
+        VaswaniForSequenceClassification: lambda: (batch, config.num_labels),
+    }[model_class]()
+    assert main_output(model_class, outputs).shape == expected
+    assert torch.isfinite(main_output(model_class, outputs)).all()
+
+    # Backward, in training mode (dropout and label smoothing on): every parameter takes part.
+    model.train()
+    scalar_objective(model_class, model(**inputs)).backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, f"{name} received no gradient"
+        assert parameter.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
+        assert torch.isfinite(parameter.grad).all(), name
+
+    # Save → reload: safetensors only (no pickles), bit-identical outputs, same tying.
+    model.eval()
+    model.save_pretrained(tmp_path)
+    files = set(os.listdir(tmp_path))
+    assert "model.safetensors" in files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt"))], files
+    reloaded = model_class.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(main_output(model_class, model(**inputs)), main_output(model_class, reloaded(**inputs)))
+    assert_same_sharing(model, reloaded)
+
+    if model_class in GENERATIVE:
+        generate_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        if model_class is VaswaniForCausalLM:  # prompts are left-padded for generation
+            generate_inputs = dict(zip(("input_ids", "attention_mask"), padded_batch(config, [7, 5, 3], 1, "left")))
+        tokens = model.generate(**generate_inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        prompt_length = 1 if config.is_encoder_decoder else length  # seq2seq outputs start with decoder_start
+        assert tokens.shape == (batch, prompt_length + 4)
+        assert torch.equal(tokens, reloaded.generate(**generate_inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False))
+
+
+def assert_same_sharing(model, reloaded):
+    """Which parameters are one and the same tensor must survive a save/reload."""
+
+    def groups(m):
+        by_tensor = {}
+        for name, parameter in m.named_parameters(remove_duplicate=False):
+            by_tensor.setdefault(id(parameter), []).append(name)
+        return sorted(sorted(names) for names in by_tensor.values() if len(names) > 1)
+
+    assert groups(model) == groups(reloaded)
+
+
+@pytest.mark.parametrize(
+    "overrides, shared, tied",
+    [({}, True, True), ({"share_embeddings": False}, False, True), ({"tie_word_embeddings": False}, True, False),
+     ({"share_embeddings": False, "tie_word_embeddings": False}, False, False)],
+)
+def test_embedding_sharing_and_tying_follow_the_config(overrides, shared, tied):
+    model = VaswaniForConditionalGeneration(tiny_config(**overrides))
+    encoder, decoder = model.model.encoder.embed_tokens.weight, model.model.decoder.embed_tokens.weight
+    assert (encoder is decoder) == shared
+    assert (model.lm_head.weight is decoder) == tied  # §3.4: the output projection reuses the decoder embedding
+    causal = VaswaniForCausalLM(tiny_config(**overrides))
+    assert (causal.lm_head.weight is causal.model.embed_tokens.weight) == tied
+
+
+@pytest.mark.parametrize("field", ["dropout", "attention_dropout", "activation_dropout"])
+def test_each_dropout_acts_in_training_only(field):
+    model = VaswaniForConditionalGeneration(tiny_config(**{field: 0.5}))
+    inputs = model_inputs(VaswaniForConditionalGeneration, model.config)
+    model.train()
+    assert not torch.equal(model(**inputs).logits, model(**inputs).logits)
+    model.eval()
+    assert torch.equal(model(**inputs).logits, model(**inputs).logits)
+
+
+# Attention implementations -----------------------------------------------------------------------------------------
+
+
+def _flex_attention_runs_here() -> bool:
+    """FlexAttention needs torch.compile; on CPU it supports inference only. Probe torch itself, not our model, so
+    that a bug of ours cannot turn into a skip."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q = torch.randn(1, 1, 16, 8)
+        with torch.no_grad():
+            torch.compile(flex_attention)(q, q, q)
+        return True
+    except Exception:
+        return False
+
+
+FLEX = pytest.param(
+    "flex_attention",
+    marks=pytest.mark.skipif(not _flex_attention_runs_here(), reason="flex_attention does not run on this machine"),
+)
+FLASH = pytest.param(
+    "flash_attention_2",
+    marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+        reason="flash_attention_2 needs CUDA and the flash_attn package",
+    ),
+)
+
+
+def _device_and_dtype(implementation: str):
+    # Flash attention runs in half precision on a GPU only; compare there with a looser tolerance.
+    if implementation == "flash_attention_2":
+        return torch.device("cuda"), torch.bfloat16, 2e-2
+    return torch.device("cpu"), torch.float32, 1e-5
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", FLEX, FLASH])
+@pytest.mark.parametrize("variant", ["paper", "gqa", "mqa", "modern"])
+def test_attention_implementations_match_eager(variant, implementation):
+    device, dtype, atol = _device_and_dtype(implementation)
+    config = variant_config(variant)
+    source, source_mask = padded_batch(config, [9, 6, 4], seed=1)
+    target, target_mask = padded_batch(config, [5, 7, 3], seed=2)
+    source, source_mask, target, target_mask = (t.to(device) for t in (source, source_mask, target, target_mask))
+
+    for model_class, inputs, valid in [
+        (VaswaniForConditionalGeneration,
+         {"input_ids": source, "attention_mask": source_mask, "decoder_input_ids": target,
+          "decoder_attention_mask": target_mask}, target_mask),
+        (VaswaniForCausalLM, {"input_ids": target, "attention_mask": target_mask}, target_mask),
+        (VaswaniForSequenceClassification, {"input_ids": source, "attention_mask": source_mask}, None),
+    ]:
+        model = model_class(variant_config(variant)).to(device, dtype).eval()
+        with torch.no_grad():
+            model.set_attn_implementation("eager")
+            reference = model(**inputs).logits
+            model.set_attn_implementation(implementation)
+            assert model.config._attn_implementation == implementation
+            logits = model(**inputs).logits
+        if valid is not None:  # padded query rows are never read; compare real positions only
+            reference, logits = reference[valid.bool()], logits[valid.bool()]
+        torch.testing.assert_close(logits.float(), reference.float(), atol=atol, rtol=0)
+
+
+def test_output_attentions_shapes_and_masks():
+    config = tiny_config(num_key_value_heads=2)  # weights are per query head, also under GQA
+    model = VaswaniForConditionalGeneration(config).eval()
+    model.set_attn_implementation("eager")
+    source, source_mask = padded_batch(config, [8, 5], seed=1)
+    target = random_ids(config, 2, 6, seed=2)
+    with torch.no_grad():
+        outputs = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target, output_attentions=True)
+    heads = config.num_attention_heads
+    assert len(outputs.encoder_attentions) == config.encoder_layers
+    assert len(outputs.decoder_attentions) == len(outputs.cross_attentions) == config.decoder_layers
+    padding = source_mask == 0
+    for weights in outputs.encoder_attentions:
+        assert weights.shape == (2, heads, 8, 8)
+        assert (weights.masked_select(padding[:, None, None, :]) == 0).all()  # nobody attends to source padding
+    for weights in outputs.decoder_attentions:
+        assert weights.shape == (2, heads, 6, 6)
+        assert torch.equal(weights, weights.tril())  # masked self-attention: no peeking at later target tokens
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, heads, 6))
+    for weights in outputs.cross_attentions:
+        assert weights.shape == (2, heads, 6, 8)
+        assert (weights.masked_select(padding[:, None, None, :]) == 0).all()
+        assert (weights[0] > 0).all()  # the full-length source row: every source position is attended (not causal)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, heads, 6))
+    hidden = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target, output_hidden_states=True)
+    assert len(hidden.encoder_hidden_states) == config.encoder_layers + 1  # embeddings + each layer
+    assert len(hidden.decoder_hidden_states) == config.decoder_layers + 1
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", FLEX])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "mask"])
+def test_encoder_and_cross_attention_are_not_causal(implementation, with_mask):
+    """A later source token must influence earlier encoder outputs and the first decoder position. With no mask,
+    SDPA's `is_causal` default would silently make encoder attention causal if the module flag were wrong."""
+    config = tiny_config()
+    model = VaswaniForConditionalGeneration(config).eval()
+    model.set_attn_implementation(implementation)
+    source = random_ids(config, 1, 8, seed=1)
+    changed = source.clone()
+    changed[0, -1] = 4 if source[0, -1] != 4 else 5
+    target = random_ids(config, 1, 3, seed=2)
+    mask = {"attention_mask": torch.ones_like(source)} if with_mask else {}
+    with torch.no_grad():
+        a = model(input_ids=source, decoder_input_ids=target, **mask)
+        b = model(input_ids=changed, decoder_input_ids=target, **mask)
+    assert not torch.allclose(a.encoder_last_hidden_state[0, 0], b.encoder_last_hidden_state[0, 0])
+    assert not torch.allclose(a.logits[0, 0], b.logits[0, 0])  # via cross-attention, at the very first position
+
+
+# Causality and padding invariance ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("variant", ["paper", "learned_positions", "modern"])
+def test_future_target_tokens_never_change_earlier_outputs(variant, implementation):
+    config = variant_config(variant)
+    for model_class in (VaswaniForConditionalGeneration, VaswaniForCausalLM):
+        model = model_class(variant_config(variant)).eval()
+        model.set_attn_implementation(implementation)
+        target = random_ids(config, 2, 7, seed=3)
+        extra = {"input_ids": random_ids(config, 2, 5, seed=4)} if model_class is VaswaniForConditionalGeneration else {}
+        key = "decoder_input_ids" if extra else "input_ids"
+        with torch.no_grad():
+            reference = model(**extra, **{key: target}).logits
+            for t in range(1, 7):
+                changed = target.clone()
+                changed[:, t:] = random_ids(config, 2, 7 - t, seed=10 + t)
+                logits = model(**extra, **{key: changed}).logits
+                torch.testing.assert_close(logits[:, :t], reference[:, :t], atol=1e-6, rtol=0)
+                assert not torch.allclose(logits[:, t], reference[:, t])
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("variant", ["paper", "learned_positions", "modern"])
+def test_extra_padding_never_changes_outputs(variant, implementation):
+    config = variant_config(variant)
+    model = VaswaniForConditionalGeneration(config).eval()
+    model.set_attn_implementation(implementation)
+    source, source_mask = padded_batch(config, [6, 4], seed=1)
+    target, target_mask = padded_batch(config, [5, 3], seed=2)
+    pad = lambda t, n, value: F.pad(t, (0, n), value=value)  # noqa: E731
+    with torch.no_grad():
+        reference = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target,
+                          decoder_attention_mask=target_mask)
+        padded = model(input_ids=pad(source, 5, 0), attention_mask=pad(source_mask, 5, 0),
+                       decoder_input_ids=pad(target, 2, 0), decoder_attention_mask=pad(target_mask, 2, 0))
+    valid = target_mask.bool()
+    torch.testing.assert_close(padded.logits[:, :5][valid], reference.logits[valid], atol=1e-5, rtol=0)
+    source_valid = source_mask.bool()
+    torch.testing.assert_close(padded.encoder_last_hidden_state[:, :6][source_valid],
+                               reference.encoder_last_hidden_state[source_valid], atol=1e-5, rtol=0)
+
+    causal = VaswaniForCausalLM(variant_config(variant)).eval()
+    causal.set_attn_implementation(implementation)
+    with torch.no_grad():
+        reference = causal(input_ids=target, attention_mask=target_mask).logits
+        padded = causal(input_ids=pad(target, 4, 0), attention_mask=pad(target_mask, 4, 0)).logits
+    torch.testing.assert_close(padded[:, :5][valid], reference[valid], atol=1e-5, rtol=0)
+
+
+# The loss ----------------------------------------------------------------------------------------------------------
+
+
+def test_loss_ignores_minus_100_and_smooths_labels_only_in_training():
+    config = tiny_config()
+    assert VaswaniConfig().label_smoothing == 0.1  # §5.4: ε_ls = 0.1
+    model = VaswaniForConditionalGeneration(config)
+    source, source_mask = padded_batch(config, [6, 4], seed=1)
+    labels = random_ids(config, 2, 5, seed=2)
+    labels[0, 3:] = -100
+    labels[1, 1] = -100  # an ignored position in the middle, too
+
+    for training, smoothing in [(True, 0.1), (False, 0.0)]:
+        model.train(training)
+        outputs = model(input_ids=source, attention_mask=source_mask, labels=labels)
+        expected = F.cross_entropy(outputs.logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                   label_smoothing=smoothing)
+        torch.testing.assert_close(outputs.loss, expected)
+        kept = labels != -100
+        plain = F.cross_entropy(outputs.logits[kept], labels[kept], label_smoothing=smoothing)
+        torch.testing.assert_close(outputs.loss, plain)
+
+    causal = VaswaniForCausalLM(config)
+    ids, mask = padded_batch(config, [6, 4], seed=3)
+    causal_labels = ids.masked_fill(mask == 0, -100)
+    for training, smoothing in [(True, 0.1), (False, 0.0)]:
+        causal.train(training)
+        outputs = causal(input_ids=ids, attention_mask=mask, labels=causal_labels)
+        expected = F.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), causal_labels[:, 1:].flatten(),
+                                   ignore_index=-100, label_smoothing=smoothing)
+        torch.testing.assert_close(outputs.loss, expected)
+
+
+def test_loss_divides_by_num_items_in_batch_when_given():
+    """The Trainer passes the token count of the whole accumulated batch; the loss is then sum / that count."""
+    config = tiny_config()
+    model = VaswaniForConditionalGeneration(config).eval()
+    source = random_ids(config, 2, 5, seed=1)
+    labels = random_ids(config, 2, 4, seed=2)
+    mean = model(input_ids=source, labels=labels).loss
+    torch.testing.assert_close(model(input_ids=source, labels=labels, num_items_in_batch=20).loss, mean * 8 / 20)
+
+
+def _successor_model(model_class, config):
+    """A model whose answer is known: it predicts "the token after the current input token" (id + 1).
+
+    Pre-norm residual blocks with zeroed output projections are the identity, so the final hidden state at position
+    t is LayerNorm(one-hot(x_t)) (embeddings are the identity matrix, RoPE adds nothing to the residual stream); the
+    untied output projection maps token i to i + 1, times a large gain.
+    """
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if any(part in name for part in ("o_proj", "fc2", "down_proj")):
+                parameter.zero_()
+        identity = torch.eye(config.vocab_size)
+        model.get_input_embeddings().weight.copy_(identity)
+        if model_class is VaswaniForConditionalGeneration:
+            model.model.decoder.embed_tokens.weight.copy_(identity)
+        model.lm_head.weight.copy_(100 * identity.roll(1, dims=0))  # logit of (i + 1) reads channel i
+    return model
+
+
+def test_labels_are_predicted_position_by_position_no_double_shift():
+    config = tiny_config(vocab_size=32, d_model=32, norm_first=True, position_embedding_type="rope",
+                         share_embeddings=False, tie_word_embeddings=False, scale_embedding=False,
+                         decoder_start_token_id=3)
+    # Seq2seq: labels 4 5 6 7 8; the decoder reads <start>=3 4 5 6 7, so "id + 1" is exactly right at every position.
+    model = _successor_model(VaswaniForConditionalGeneration, config)
+    labels = torch.arange(4, 9)[None]
+    outputs = model(input_ids=random_ids(config, 1, 5), labels=labels)
+    assert torch.equal(outputs.logits.argmax(-1), labels)
+    assert outputs.loss < 1e-3
+    assert model(input_ids=random_ids(config, 1, 5), labels=labels + 1).loss > 10  # one shift too many: wrong
+
+    # Causal LM: labels are the inputs; position t is scored against token t + 1, which is x_t + 1.
+    causal = _successor_model(VaswaniForCausalLM, config)
+    ids = torch.arange(4, 12)[None]
+    outputs = causal(input_ids=ids, labels=ids)
+    assert torch.equal(outputs.logits.argmax(-1)[:, :-1], ids[:, 1:])
+    assert outputs.loss < 1e-3
