@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-import vaswani  # noqa: F401  (registers the Vaswani classes with the Auto* factories)
+import vaswani  # importing the package registers its classes with the Auto* factories
 from vaswani.tokenization_vaswani import BYTE_TOKENS, VaswaniTokenizer, train_tokenizer
 
 CORPUS = Path(os.environ.get("VASWANI_FRA_ENG") or Path(__file__).parents[2] / "shared/data/fra-eng/fra_eng.tsv.gz")
