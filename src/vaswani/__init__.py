@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoTokenizer,
 )
 
 from .configuration_vaswani import VaswaniConfig
@@ -22,6 +23,7 @@ from .modeling_vaswani import (
     VaswaniModel,
     VaswaniPreTrainedModel,
 )
+from .tokenization_vaswani import VaswaniTokenizer
 
 AUTO_CLASSES = {
     "AutoModel": (AutoModel, VaswaniModel),
@@ -35,6 +37,7 @@ VaswaniConfig.register_for_auto_class()
 for _name, (_auto, _model_class) in AUTO_CLASSES.items():
     _auto.register(VaswaniConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_name)
+AutoTokenizer.register(VaswaniConfig, tokenizer_class=VaswaniTokenizer, exist_ok=True)
 
 __all__ = [
     "VaswaniConfig",
@@ -44,4 +47,5 @@ __all__ = [
     "VaswaniForCausalLM",
     "VaswaniEncoderModel",
     "VaswaniForSequenceClassification",
+    "VaswaniTokenizer",
 ]
