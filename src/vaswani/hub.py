@@ -1,0 +1,250 @@
+"""Publishing a trained checkpoint: the translation pipeline's code, the model card, and the upload to the Hub.
+
+The card carries the attribution that the training data's licence requires (the fra-eng pairs are Tatoeba
+sentences, CC-BY 2.0 France), so `push_to_hub` never uploads a checkpoint without one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import sacrebleu
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_FILE = Path(__file__).with_name("pipeline_vaswani.py")
+# What `Pipeline.save_pretrained` would record for VaswaniTranslationPipeline: "impl" is "<module file>.<class>"
+# inside the checkpoint, "pt" names transformers classes that can load the model.
+TRANSLATION_PIPELINE_ENTRY = {
+    "impl": f"{PIPELINE_FILE.stem}.VaswaniTranslationPipeline",
+    "pt": ["AutoModelForSeq2SeqLM"],
+    "type": "text",
+}
+
+TATOEBA_DATASET_NAME = "Tatoeba English-French sentence pairs (fra-eng, manythings.org)"
+TATOEBA_ATTRIBUTION = (
+    "Tatoeba via manythings.org, CC-BY 2.0 — Attribution: www.manythings.org/anki and tatoeba.org"
+)
+# Stands for the repository id in a card written before the id is known; `push_to_hub` fills it in.
+REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
+
+# Top-level files of a checkpoint directory that belong on the Hub. Anything in subdirectories (Trainer
+# `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states, `training_args.bin`) stay local.
+UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model"]
+LOCAL_ONLY_PATTERNS = ["*/*"]
+
+_REPORTED_METRICS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}
+
+
+def attach_translation_pipeline(model, save_directory: str | Path) -> None:
+    """Make the checkpoint about to be saved in `save_directory` usable as
+    `pipeline("translation", model=<dir or repo>, trust_remote_code=True)`.
+
+    Records the pipeline in `model.config.custom_pipelines` (written to config.json by the next save) and copies
+    pipeline_vaswani.py into `save_directory`. Call it just before `model.save_pretrained(save_directory)` or
+    `trainer.save_model(save_directory)`: the model's own save copies only the modeling and configuration files.
+    """
+    model.config.custom_pipelines = {"translation": dict(TRANSLATION_PIPELINE_ENTRY)}
+    Path(save_directory).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(PIPELINE_FILE, Path(save_directory) / PIPELINE_FILE.name)
+
+
+def write_model_card(
+    output_dir: str | Path,
+    *,
+    metrics: Mapping[str, object] | None = None,
+    repo_id: str | None = None,
+    model_name: str | None = None,
+    languages: Sequence[str] = ("en", "fr"),
+    dataset_name: str = TATOEBA_DATASET_NAME,
+    dataset_type: str = "tatoeba",
+    dataset_attribution: str = TATOEBA_ATTRIBUTION,
+    dataset_ids: Sequence[str] = (),
+    metrics_split: str = "test",
+    training_command: str | None = None,
+) -> Path:
+    """Write `output_dir/README.md`: YAML metadata, what the model is, how to load it, data attribution, scores.
+
+    `metrics` may be `evaluation.evaluate_model`'s result or the training script's metrics: BLEU/chrF/TER are
+    read from `test_bleu`, `test_chrf`, `test_ter` (or `bleu`, `chrf`, `ter`) and also go into the `model-index`
+    metadata that the Hub displays; every other number is listed in a table. `languages` is (source, target).
+    `model_name` (default: the repository's name, else `vaswani-<source>-<target>`) titles the card; without
+    `repo_id`, the loading examples name a placeholder that `push_to_hub` replaces.
+    `dataset_ids` are Hub dataset ids for the `datasets` metadata field (the manythings.org corpus has none).
+    Code and weights are licensed Apache-2.0; the card states the data's own licence and attribution.
+    """
+    source, target = languages
+    repo = repo_id or REPO_ID_PLACEHOLDER
+    model_name = model_name or (repo_id.split("/")[-1] if repo_id else f"vaswani-{source}-{target}")
+    metrics = dict(metrics or {})
+    scores = {}
+    for name in _REPORTED_METRICS:
+        value = metrics.get(f"test_{name}", metrics.get(name))
+        if isinstance(value, (int, float)):
+            scores[name] = float(value)
+    task_name = f"Translation {source}→{target}"
+    eval_results = [
+        EvalResult(task_type="translation", task_name=task_name, dataset_type=dataset_type, dataset_name=dataset_name,
+                   dataset_split=metrics_split, metric_type=name, metric_name=_REPORTED_METRICS[name],
+                   metric_value=round(value, 2))
+        for name, value in scores.items()
+    ]
+    card_data = ModelCardData(
+        language=list(languages),
+        license="apache-2.0",
+        library_name="transformers",
+        pipeline_tag="translation",
+        tags=["translation", "transformer", "vaswani", "encoder-decoder"],
+        datasets=list(dataset_ids) or None,
+        metrics=[name for name in scores] or None,
+        model_name=model_name,
+        eval_results=eval_results or None,
+    )
+    sections = [
+        f"# {model_name}\n",
+        f"An encoder-decoder Transformer ({_PAPER}) that translates {source} to {target}, implemented in the "
+        "`vaswani` package as a transformers model.\n",
+        _how_to_load(repo),
+        "## Training data\n",
+        f"{dataset_name}.\n\n{dataset_attribution}\n\nThe sentence pairs are licensed CC-BY 2.0 France, which asks "
+        "for this attribution wherever the data or work derived from it is shared. The model's code and weights "
+        "are released under Apache-2.0.\n",
+    ]
+    if training_command:
+        sections.append(f"## Training\n\n```bash\n{training_command}\n```\n")
+    if scores:
+        sections.append(_scores_section(scores, metrics_split))
+    others = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and _bare(k) not in _REPORTED_METRICS}
+    if others:
+        rows = "\n".join(f"| {name} | {_format(value)} |" for name, value in sorted(others.items()))
+        sections.append(f"## All recorded metrics\n\n| metric | value |\n|---|---|\n{rows}\n")
+    card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(sections))
+    path = Path(output_dir) / "README.md"
+    card.save(path)
+    return path
+
+
+def missing_checkpoint_files(model_dir: str | Path) -> list[str]:
+    """Files a loadable checkpoint needs that `model_dir` lacks: config, weights (every shard), tokenizer config,
+    and every module file that config.json or tokenizer_config.json names for remote code."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        return ["config.json"]
+    missing = []
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing += [shard for shard in shards if not (model_dir / shard).is_file()]
+    elif not (model_dir / "model.safetensors").is_file():
+        missing.append("model.safetensors")
+    if not (model_dir / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json")
+    missing += [name for name in sorted(_code_files(model_dir)) if not (model_dir / name).is_file()]
+    return missing
+
+
+def push_to_hub(
+    output_dir: str | Path,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload Vaswani Transformer translation model",
+) -> str:
+    """Create `repo_id` if needed and upload the checkpoint in `output_dir` in one commit; returns the commit URL.
+
+    Uploads the top-level weights, configs, tokenizer files, module files and README.md, nothing from
+    subdirectories (see `UPLOAD_PATTERNS`). Raises FileNotFoundError if the directory or a needed file is
+    missing. Without a README.md, a model card without scores is written first, for the data attribution; a card
+    written before the repository id was known gets it filled in. `token` defaults to the logged-in user's.
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {output_dir}")
+    missing = missing_checkpoint_files(output_dir)
+    if missing:
+        raise FileNotFoundError(f"{output_dir} is not a complete checkpoint; missing: {', '.join(missing)}")
+    readme = output_dir / "README.md"
+    if not readme.is_file():
+        logger.info("No README.md in %s: writing a model card without scores.", output_dir)
+        write_model_card(output_dir, repo_id=repo_id)
+    elif REPO_ID_PLACEHOLDER in (text := readme.read_text(encoding="utf-8")):
+        readme.write_text(text.replace(REPO_ID_PLACEHOLDER, repo_id), encoding="utf-8")
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=output_dir,
+        commit_message=commit_message,
+        allow_patterns=UPLOAD_PATTERNS,
+        ignore_patterns=LOCAL_ONLY_PATTERNS,
+    )
+    return commit.commit_url
+
+
+_PAPER = "[Vaswani et al., 2017, *Attention Is All You Need*](https://arxiv.org/abs/1706.03762)"
+
+
+def _how_to_load(repo: str) -> str:
+    return f"""## How to use
+
+With the `vaswani` package installed, importing it registers the model with transformers:
+
+```python
+import vaswani
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+
+model = AutoModelForSeq2SeqLM.from_pretrained("{repo}")
+tokenizer = AutoTokenizer.from_pretrained("{repo}")
+inputs = tokenizer(["How are you?"], return_tensors="pt")
+print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
+```
+
+Without it, the model, tokenizer and translation pipeline code that ship in this repository are used
+(read them first, as with any remote code):
+
+```python
+from transformers import AutoModelForSeq2SeqLM, pipeline
+
+model = AutoModelForSeq2SeqLM.from_pretrained("{repo}", trust_remote_code=True)
+translator = pipeline("translation", model="{repo}", trust_remote_code=True)
+print(translator("How are you?", num_beams=4))  # [{{'translation_text': '...'}}]
+```
+"""
+
+
+def _scores_section(scores: dict[str, float], split: str) -> str:
+    rows = "\n".join(f"| {_REPORTED_METRICS[name]} | {value:.2f} |" for name, value in scores.items())
+    return (
+        f"## Evaluation\n\nCorpus-level scores on the {split} split, computed with sacreBLEU {sacrebleu.__version__} "
+        "at its default settings (BLEU: 13a tokenization, exponential smoothing; chrF: character 6-grams, β=2; "
+        "TER: lower is better), against all available references of each sentence.\n\n"
+        f"| metric | score |\n|---|---|\n{rows}\n"
+    )
+
+
+def _code_files(model_dir: Path) -> set[str]:
+    """Module files named by `auto_map` / `custom_pipelines` entries ("module.Class"); entries pointing into
+    another repository ("owner/repo--module.Class") are fetched from there and need no local file."""
+    references = []
+    for name in ("config.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            for value in config.get("auto_map", {}).values():
+                references += value if isinstance(value, list) else [value]
+            references += [entry["impl"] for entry in config.get("custom_pipelines", {}).values()]
+    return {f"{ref.rsplit('.', 1)[0]}.py" for ref in references if ref and "--" not in ref}
+
+
+def _bare(metric_name: str) -> str:
+    return metric_name.removeprefix("test_")
+
+
+def _format(value: float) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,77 @@
+"""A `pipeline("translation")` for encoder-decoder models; transformers v5 removed its built-in one.
+
+This file ships next to every checkpoint (Hub custom code), so it imports only torch and transformers. It is
+reachable two ways:
+
+* after `import vaswani`, which calls `register_pipeline()`:
+  `pipeline("translation", model=model, tokenizer=tokenizer)` or `pipeline("translation", model="user/repo")`;
+* without this package, from a checkpoint saved by `vaswani.hub.save_translation_checkpoint`, whose config.json
+  names this file under `custom_pipelines`: `pipeline("translation", model="user/repo", trust_remote_code=True)`.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoModelForSeq2SeqLM, GenerationConfig, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY, REMOVED_TASKS
+
+TASK = "translation"
+
+
+class VaswaniTranslationPipeline(Pipeline):
+    """Text in one language to text in another: `pipe("a sentence")` or `pipe(["one", "two"], batch_size=2)`.
+
+    Returns `[{"translation_text": ...}]` for a string (one entry per returned sequence) and a list of those for a
+    list of strings, flattened to one dict per input when a single sequence is returned per input, as the
+    pipeline of transformers v4 did. Keyword arguments that `generate` understands (`num_beams`,
+    `max_new_tokens`, ...) are passed to it, at construction or per call; `truncation` (default True) truncates
+    inputs to the tokenizer's `model_max_length`.
+    """
+
+    _pipeline_calls_generate = True
+    _load_tokenizer = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_video_processor = False
+    _load_feature_extractor = False
+    # Only applies when neither the call nor the model's generation config sets a length; 20 tokens, generate()'s
+    # own default, would cut most sentences short.
+    _default_generation_config = GenerationConfig(max_new_tokens=256)
+
+    def _sanitize_parameters(self, truncation=None, **generate_kwargs):
+        preprocess_params = {} if truncation is None else {"truncation": truncation}
+        return preprocess_params, generate_kwargs, {}
+
+    def __call__(self, inputs, **kwargs):
+        results = super().__call__(inputs, **kwargs)
+        if isinstance(inputs, list) and all(len(result) == 1 for result in results):
+            return [result[0] for result in results]
+        return results
+
+    def preprocess(self, text: str, truncation: bool = True) -> dict:
+        encoded = self.tokenizer(text, truncation=truncation, return_tensors="pt")
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+    def _forward(self, model_inputs: dict, **generate_kwargs) -> dict:
+        batch_size = model_inputs["input_ids"].shape[0]
+        output_ids = self.model.generate(**model_inputs, **self._prepare_generate_kwargs(generate_kwargs))
+        # (batch * num_return_sequences, length) -> (batch, num_return_sequences, length), so that the pipeline's
+        # un-batching hands each input all of its sequences.
+        return {"output_ids": output_ids.reshape(batch_size, -1, output_ids.shape[-1])}
+
+    def postprocess(self, model_outputs: dict) -> list[dict[str, str]]:
+        texts = self.tokenizer.batch_decode(model_outputs["output_ids"][0], skip_special_tokens=True)
+        return [{"translation_text": text.strip()} for text in texts]
+
+
+def register_pipeline() -> None:
+    """Make `pipeline("translation", ...)` build a `VaswaniTranslationPipeline` in this process.
+
+    transformers v5 lists "translation" among removed tasks and rejects it before consulting the registry, so the
+    entry is also taken out of `REMOVED_TASKS`; no other task is affected. Calling this twice is harmless.
+    """
+    registered = PIPELINE_REGISTRY.supported_tasks.get(TASK, {})
+    if registered.get("impl") is not VaswaniTranslationPipeline:
+        PIPELINE_REGISTRY.register_pipeline(
+            TASK, pipeline_class=VaswaniTranslationPipeline, pt_model=AutoModelForSeq2SeqLM, type="text"
+        )
+    REMOVED_TASKS.pop(TASK, None)

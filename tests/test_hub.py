@@ -1,0 +1,153 @@
+"""Model card contents, checkpoint completeness checks, and a real push → download round trip through huggingface_hub's
+own client against a local stand-in for the Hub (tests/hub_stub.py)."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from hub_stub import HubStub
+from huggingface_hub import ModelCard
+from tiny_translation_model import SOURCES, build_model_and_tokenizer
+
+from vaswani.hub import (
+    REPO_ID_PLACEHOLDER,
+    TATOEBA_ATTRIBUTION,
+    attach_translation_pipeline,
+    missing_checkpoint_files,
+    push_to_hub,
+    write_model_card,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ID = "someone/vaswani-tiny-en-fr"
+TOKEN = "hf_stand_in_token"
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return build_model_and_tokenizer()
+
+
+@pytest.fixture
+def checkpoint(model_and_tokenizer, tmp_path):
+    """A saved checkpoint as training leaves it, including files that must stay local."""
+    model, tokenizer = model_and_tokenizer
+    directory = tmp_path / "en-fr"
+    attach_translation_pipeline(model, directory)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    write_model_card(directory, metrics={"test_bleu": 12.345, "test_chrf": 30.1, "test_ter": 80.0, "epoch": 3.0})
+    (directory / "optimizer.pt").write_bytes(b"optimizer state")
+    (directory / "checkpoint-10").mkdir()
+    (directory / "checkpoint-10" / "config.json").write_text("{}")
+    return directory
+
+
+@pytest.fixture
+def push_cli():
+    """scripts/push_to_hub.py's `main`, run in this process (its `__main__` guard is not triggered)."""
+    return runpy.run_path(str(REPO_ROOT / "scripts" / "push_to_hub.py"))["main"]
+
+
+def test_model_card_metadata_and_text(tmp_path):
+    path = write_model_card(
+        tmp_path,
+        metrics={"test_bleu": 41.237, "test_chrf": 60.5, "test_ter": 45.0, "train_runtime": 120.5},
+        repo_id="someone/model",
+        training_command="python scripts/train_translation.py --preset base",
+    )
+    card = ModelCard.load(path)
+    assert card.data.language == ["en", "fr"] and card.data.license == "apache-2.0"
+    assert card.data.pipeline_tag == "translation" and "translation" in card.data.tags
+    results = {result.metric_type: result for result in card.data.eval_results}
+    assert {name: result.metric_value for name, result in results.items()} == {"bleu": 41.24, "chrf": 60.5, "ter": 45.0}
+    assert results["bleu"].task_type == "translation" and results["bleu"].dataset_split == "test"
+    assert TATOEBA_ATTRIBUTION in card.text and "CC-BY 2.0" in card.text
+    assert 'AutoModelForSeq2SeqLM.from_pretrained("someone/model", trust_remote_code=True)' in card.text
+    assert 'pipeline("translation", model="someone/model", trust_remote_code=True)' in card.text
+    assert "python scripts/train_translation.py --preset base" in card.text
+    assert "| train_runtime | 120.5 |" in card.text
+
+
+def test_model_card_without_metrics_has_no_model_index(tmp_path):
+    card = ModelCard.load(write_model_card(tmp_path))
+    assert card.data.eval_results is None and "## Evaluation" not in card.text
+    assert REPO_ID_PLACEHOLDER in card.text  # filled in by push_to_hub once the repository is known
+
+
+def test_incomplete_checkpoints_are_refused(checkpoint, tmp_path):
+    assert missing_checkpoint_files(checkpoint) == []
+    (checkpoint / "tokenizer_config.json").unlink()
+    (checkpoint / "pipeline_vaswani.py").unlink()  # named by config.json's custom_pipelines
+    assert missing_checkpoint_files(checkpoint) == ["tokenizer_config.json", "pipeline_vaswani.py"]
+    with pytest.raises(FileNotFoundError, match="missing: tokenizer_config.json, pipeline_vaswani.py"):
+        push_to_hub(checkpoint, REPO_ID)
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        push_to_hub(tmp_path / "nowhere", REPO_ID)
+
+
+def test_push_cli_reports_a_missing_directory_in_one_line(push_cli, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        push_cli(["--model_dir", str(tmp_path / "nowhere"), "--repo_id", REPO_ID])
+    assert exit_info.value.code != 0
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and "model directory not found" in stderr
+
+
+def test_push_then_load_back_through_the_hub_stand_in(checkpoint, model_and_tokenizer, push_cli, monkeypatch, capsys):
+    model, tokenizer = model_and_tokenizer
+    with HubStub() as hub:
+        # HfApi reads the endpoint when constructed and the Xet switch when uploading, so patching both suffices
+        # for the upload; the download below runs in a fresh process configured through the environment.
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        push_cli(["--model_dir", str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN, "--private"])
+        assert capsys.readouterr().out.strip().startswith(f"{hub.endpoint}/{REPO_ID}/commit/")
+
+        assert hub.unhandled == []
+        assert hub.authorizations == {f"Bearer {TOKEN}"}
+        assert hub.repos[REPO_ID]["private"] and len(hub.commits) == 1
+        uploaded = hub.files(REPO_ID)
+        local = {path.name: path.read_bytes() for path in checkpoint.iterdir() if path.is_file()}
+        del local["optimizer.pt"]  # training state stays local, as does checkpoint-10/
+        readme = local.pop("README.md").decode().replace(REPO_ID_PLACEHOLDER, REPO_ID).encode()
+        assert uploaded.pop("README.md") == readme
+        assert uploaded == local
+        assert {"config.json", "model.safetensors", "tokenizer.json", "pipeline_vaswani.py"} <= set(uploaded)
+
+        inputs = tokenizer(SOURCES, padding=True, return_tensors="pt")
+        decoder_input_ids = torch.tensor([[model.config.decoder_start_token_id, 5, 6, 7]] * len(SOURCES))
+        with torch.no_grad():
+            expected_logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+        expected_ids = model.generate(**inputs, num_beams=1, max_new_tokens=8)
+        script = f"""
+import json, torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+model = AutoModelForSeq2SeqLM.from_pretrained({REPO_ID!r}, trust_remote_code=True).eval()
+tokenizer = AutoTokenizer.from_pretrained({REPO_ID!r}, trust_remote_code=True)
+inputs = tokenizer({SOURCES!r}, padding=True, return_tensors="pt")
+with torch.no_grad():
+    logits = model(**inputs, decoder_input_ids=torch.tensor({decoder_input_ids.tolist()!r})).logits
+generated = model.generate(**inputs, num_beams=1, max_new_tokens=8)
+translator = pipeline("translation", model={REPO_ID!r}, trust_remote_code=True, device="cpu")
+print(json.dumps({{"input_ids": inputs["input_ids"].tolist(), "logits": logits.tolist(),
+                   "generated": generated.tolist(), "pipeline_module": type(translator).__module__}}))
+"""
+        hub_home = checkpoint.parent / "fresh_hf_home"  # empty cache: every file must come from the stand-in
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(hub_home)}
+        env.pop("HF_HUB_OFFLINE", None), env.pop("HF_TOKEN", None)
+        completed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        assert hub.unhandled == []
+
+    loaded = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert loaded["input_ids"] == inputs["input_ids"].tolist()
+    assert torch.equal(torch.tensor(loaded["logits"]), expected_logits)
+    assert loaded["generated"] == expected_ids.tolist()
+    assert loaded["pipeline_module"].startswith("transformers_modules.")
