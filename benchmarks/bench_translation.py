@@ -1,0 +1,302 @@
+"""Translation throughput: sentences/s and output tokens/s of greedy and beam search, Vaswani vs Marian (same
+weight shapes), and CTranslate2 running that Marian model (fp32 and int8 on CPU).
+
+Identical work across engines: the same English sentences from the real corpus, tokenized once by the project's
+joint BPE, sorted by length and cut into the same batches; every engine generates exactly `--new_tokens` tokens per
+sentence. Random weights would otherwise stop at arbitrary points, so the end-of-sentence token is suppressed
+until then (`min_new_tokens` = `max_new_tokens` in transformers, `min_decoding_length` = `max_decoding_length` in
+CTranslate2) and the count is checked on every output. Only warm runs are timed.
+
+    python benchmarks/bench_translation.py                     # GPU defaults: 3,000 sentences, batch 1/32/256
+    python benchmarks/bench_translation.py --device cpu --batch_sizes 32 --num_sentences 320
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    ENGINE_LABELS,
+    Column,
+    PeakMemory,
+    loaded,
+    add_common_arguments,
+    build_seq2seq,
+    command_line,
+    corpus_and_tokenizer,
+    count_parameters,
+    csv_of,
+    pick_device,
+    sample_sentences,
+    timed,
+    vaswani_config,
+    write_report,
+)
+
+# About the 95th percentile of the French reference length in tokens (mean 8) under the 32k joint BPE.
+DEFAULT_NEW_TOKENS = 16
+
+
+class TorchEngine:
+    """A transformers model translating through `generate()`, as a user would call it."""
+
+    def __init__(self, name, config, tokenizer, device, seed):
+        self.model = build_seq2seq(name, config, device, device.dtype, seed).eval()
+        self.device, self.pad = device, self.model.config.pad_token_id
+        self.parameters = count_parameters(self.model)
+
+    def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
+        width = max(map(len, batch))
+        ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=ids != self.pad,
+                num_beams=beams,
+                do_sample=False,
+                min_new_tokens=new_tokens,
+                max_new_tokens=new_tokens,
+            )
+        return [out.shape[1] - 1] * len(batch)  # the first column is the decoder start token
+
+    def close(self):
+        del self.model
+
+
+class CT2Engine:
+    """CTranslate2 running the Marian twin (converted once, quantized at load time for int8)."""
+
+    def __init__(self, name, config, tokenizer, device, seed, threads, workdir: Path):
+        import ctranslate2
+        from ctranslate2.converters import TransformersConverter
+
+        compute_type = name.removeprefix("ct2-")
+        model_dir = workdir / "ct2-marian"
+        if not (model_dir / "model.bin").is_file():
+            marian = build_seq2seq("marian", config, pick_device("cpu"), torch.float32, seed)
+            config_dir = workdir / "marian-config"
+            marian.config.save_pretrained(config_dir)
+
+            class InMemoryConverter(TransformersConverter):
+                """Converts the model object we already have, with our tokenizer's vocabulary."""
+
+                def load_model(self, model_class, model_name_or_path, **kwargs):
+                    return marian
+
+                def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+                    return _MarianVocabulary(tokenizer)
+
+            InMemoryConverter(str(config_dir)).convert(str(model_dir), force=True)
+        self.parameters = None  # the Marian row's count
+        self.translator = ctranslate2.Translator(
+            str(model_dir),
+            device=device.device.type,
+            compute_type=compute_type,
+            intra_threads=threads or torch.get_num_threads(),
+            inter_threads=1,
+        )
+        self.tokens = tokenizer.convert_ids_to_tokens
+
+    def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
+        results = self.translator.translate_batch(
+            [self.tokens(s) for s in batch],
+            beam_size=beams,
+            num_hypotheses=1,
+            min_decoding_length=new_tokens,
+            max_decoding_length=new_tokens,
+            max_input_length=0,
+        )
+        return [len(r.hypotheses[0]) for r in results]
+
+    def close(self):
+        del self.translator
+
+
+class _MarianVocabulary:
+    """What CTranslate2's Marian converter reads from a tokenizer: our vocabulary plus Marian's last-row `<pad>`,
+    which the converter drops again (it decodes from a zero embedding instead). Our own `<pad>` (id 0) is renamed
+    to keep token strings unique; CTranslate2 pads internally, so no input ever contains it."""
+
+    def __init__(self, tokenizer):
+        vocab = {token: index for token, index in tokenizer.get_vocab().items() if token != "<pad>"}
+        self.vocab = {"<unused-pad>": tokenizer.pad_token_id, **vocab, "<pad>": len(tokenizer)}
+        self.eos_token, self.unk_token = tokenizer.eos_token, tokenizer.unk_token
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def run(args: argparse.Namespace, argv) -> Path:
+    device = pick_device(args.device, args.threads)
+    names = args.engines or (["vaswani", "marian"] if device.is_cuda else ["vaswani", "marian", "ct2-float32", "ct2-int8"])
+    corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+    sentences = sample_sentences(pairs, args.num_sentences, args.seed)
+    source_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
+    # Sorted by length so that batches pad little; every engine gets exactly these batches.
+    source_ids.sort(key=len)
+    rows = []
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
+        for size in args.sizes:
+            config = vaswani_config(size, len(tokenizer))
+            engines, load_mib = {}, {}
+            for name in names:
+                if name.startswith("ct2-"):
+                    build = lambda: CT2Engine(name, config, tokenizer, device, args.seed, args.threads, Path(workdir) / size)  # noqa: E731
+                else:
+                    build = lambda: TorchEngine(name, config, tokenizer, device, args.seed)  # noqa: E731
+                engines[name], load_mib[name] = loaded(device, build)
+            for batch_size in args.batch_sizes:
+                batches = [source_ids[i : i + batch_size] for i in range(0, len(source_ids), batch_size)]
+                for beams in args.beams:
+                    for row in measure(engines, batches, beams, args, device):
+                        row.update(size=size, batch_size=batch_size, load_mib=load_mib[row["engine"]])
+                        row["peak_mib"] = _sum_or_none(row["load_mib"], row["work_mib"])
+                        rows.append(row)
+                        print(_progress(row), flush=True)
+            for engine in engines.values():
+                engine.close()
+
+    settings = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "engines": names,
+        "corpus": str(corpus),
+        "vocab_size_actual": len(tokenizer),
+        "source_tokens_total": sum(map(len, source_ids)),
+        "source_tokens_mean": sum(map(len, source_ids)) / len(source_ids),
+    }
+    notes = [
+        f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from {corpus.name}, tokenized by "
+        f"the project's joint BPE ({len(tokenizer)} tokens; mean source length "
+        f"{settings['source_tokens_mean']:.1f} tokens incl. </s>), sorted by length and batched identically "
+        "for every engine.",
+        f"Identical work: every engine generates exactly {args.new_tokens} tokens per sentence (EOS suppressed "
+        "until then: min_new_tokens = max_new_tokens in transformers, min_decoding_length = max_decoding_length "
+        "in CTranslate2), verified on every output. Output tokens/s = sentences × new tokens / seconds.",
+        "Random weights (speed does not depend on their values once the output length is fixed). Marian and "
+        "CTranslate2 run the same Marian weights; Vaswani has the same weight shapes (Marian adds its own last "
+        "<pad> row, from which it starts decoding).",
+        "Warm runs only: every engine first translates the shortest and the longest batch once, untimed. Engines "
+        "are then interleaved batch by batch (the order rotating), so a change in machine load hits all of them "
+        f"alike; seconds = sum over batches of the fastest of {args.repeats} repeat(s). Input tensors are built "
+        "inside the timed call.",
+        f"Precision {str(device.dtype).removeprefix('torch.')}; PyTorch engines call `generate()` with the "
+        "default attention implementation (sdpa). CTranslate2 int8 = int8 weights, dynamically quantized "
+        "activations; inter_threads 1, intra_threads = torch threads.",
+        "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
+        "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
+    ]
+    if args.notes:
+        notes.append(args.notes)
+    columns = [
+        Column("size", "size"),
+        Column("engine_label", "engine"),
+        Column("batch_size", "batch"),
+        Column("beams", "beams"),
+        Column("sentences", "sentences"),
+        Column("seconds", "seconds", "{:.2f}"),
+        Column("sentences_per_s", "sentences/s", "{:.1f}"),
+        Column("tokens_per_s", "output tokens/s", "{:.0f}"),
+        Column("vs_marian", "× Marian", "{:.2f}"),
+        Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
+        Column("peak_mib", "peak MiB", "{:.0f}"),
+        Column("load_average", "load avg", "{:.1f}"),
+    ]
+    _add_ratios(rows)
+    name = args.output_name or f"translation-{device.tag}"
+    json_path, _ = write_report(
+        name, "Translation throughput", command_line(__file__, argv), device, settings, rows, columns, notes,
+        args.results_dir,
+    )
+    return json_path
+
+
+def measure(engines: dict, batches: list, beams: int, args, device) -> list[dict]:
+    """Time every engine on the same batches, interleaved; return one row per engine."""
+    for engine in engines.values():
+        for warmup in {0, len(batches) - 1}:
+            engine.translate(batches[warmup], beams, args.new_tokens)
+    names = list(engines)
+    best = {name: [float("inf")] * len(batches) for name in names}
+    for _ in range(args.repeats):
+        for i, batch in enumerate(batches):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                produced, seconds = timed(device, lambda: engines[name].translate(batch, beams, args.new_tokens))
+                if set(produced) != {args.new_tokens}:
+                    raise RuntimeError(
+                        f"{name} produced {sorted(set(produced))} tokens per sentence instead of exactly "
+                        f"{args.new_tokens}; the comparison would not be of identical work."
+                    )
+                best[name][i] = min(best[name][i], seconds)
+    load_average = os.getloadavg()[0]
+    sentences = sum(map(len, batches))
+    rows = []
+    for name in names:
+        with PeakMemory(device) as memory:
+            engines[name].translate(max(batches, key=lambda b: len(b) * max(map(len, b))), beams, args.new_tokens)
+        seconds = sum(best[name])
+        rows.append({
+            "engine": name,
+            "engine_label": ENGINE_LABELS.get(name, name),
+            "parameters": engines[name].parameters,
+            "beams": beams,
+            "sentences": sentences,
+            "new_tokens_per_sentence": args.new_tokens,
+            "seconds": seconds,
+            "sentences_per_s": sentences / seconds,
+            "tokens_per_s": sentences * args.new_tokens / seconds,
+            "work_mib": memory.added_mib,
+            "load_average": load_average,
+        })
+    return rows
+
+
+def _sum_or_none(*values):
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """× Marian: this engine's tokens/s over HF Marian's; Vaswani ×: Vaswani's tokens/s over this engine's."""
+    key = lambda r: (r["size"], r["batch_size"], r["beams"])  # noqa: E731
+    by_engine = {(key(r), r["engine"]): r["tokens_per_s"] for r in rows}
+    for r in rows:
+        marian = by_engine.get((key(r), "marian"))
+        vaswani = by_engine.get((key(r), "vaswani"))
+        r["vs_marian"] = r["tokens_per_s"] / marian if marian and r["engine"] != "marian" else None
+        r["vaswani_vs"] = vaswani / r["tokens_per_s"] if vaswani and r["engine"] != "vaswani" else None
+
+
+def _progress(row: dict) -> str:
+    return (
+        f"{row['size']:>5} {row['engine_label']:>12} batch {row['batch_size']:>4} beams {row['beams']}: "
+        f"{row['sentences_per_s']:8.1f} sentences/s {row['tokens_per_s']:9.0f} tokens/s"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
+    parser.add_argument("--engines", type=csv_of(str), default=None,
+                        help="vaswani, marian, ct2-<compute type> (ct2-float32, ct2-int8, ct2-bfloat16 …); "
+                        "default: vaswani,marian on CUDA, plus ct2-float32,ct2-int8 on CPU")
+    parser.add_argument("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
+    parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
+    parser.add_argument("--num_sentences", type=int, default=3000)
+    parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per sentence")
+    parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
+    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
+    return parser
+
+
+def main(argv=None) -> Path:
+    return run(build_parser().parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    main()

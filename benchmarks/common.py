@@ -1,0 +1,462 @@
+"""What the benchmarks share: the device and its timing/memory probes, the real corpus and its tokenizer, the
+Vaswani / Marian twins at one size, and the JSON + Markdown report with the environment and the exact command.
+
+Every benchmark compares engines on *identical work*: the same token ids, the same batches, the same precision
+(bf16 on CUDA, fp32 on CPU) and, for generation, the same number of decoding steps. Nothing here changes a model;
+it only builds, feeds and times them.
+"""
+
+import argparse
+import ctypes
+import gc
+import gzip
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import MarianConfig, MarianMTModel
+
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCHMARKS_DIR.parent
+RESULTS_DIR = BENCHMARKS_DIR / "results"
+CACHE_DIR = BENCHMARKS_DIR / ".cache"  # gitignored: tokenizers and converted CTranslate2 models
+CORPUS_ENV_VAR = "VASWANI_FRA_ENG"
+SHARED_CORPUS = REPO_ROOT.parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+# The paper's En-Fr vocabulary: 32,000 word pieces (§5.1).
+DEFAULT_VOCAB_SIZE = 32000
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from the vendor data sheets, matched against
+# torch.cuda.get_device_name() in this order (so "H100 PCIe" wins over "H100", "L40S" over "L4").
+BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
+
+
+# Device, timing, memory -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Device:
+    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (the issue's rule)."""
+
+    device: torch.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.is_cuda else torch.float32
+
+    @property
+    def tag(self) -> str:
+        """A short name for result files: `cpu`, or the GPU's model, e.g. `cuda-h100-80gb-hbm3`."""
+        if not self.is_cuda:
+            return "cpu"
+        name = torch.cuda.get_device_name(self.device).lower().replace("nvidia", "")
+        return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+    def sync(self) -> None:
+        """Wait for queued kernels, so that wall-clock time covers the work and not just its launch."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def bf16_peak_tflops(self, override: float | None = None) -> float | None:
+        if override:
+            return override
+        if not self.is_cuda:
+            return None
+        name = torch.cuda.get_device_name(self.device)
+        return next((peak for key, peak in BF16_PEAK_TFLOPS if key in name), None)
+
+
+def pick_device(name: str = "auto", threads: int | None = None) -> Device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if threads:
+        torch.set_num_threads(threads)
+    if name.startswith("cuda"):
+        # TF32 matmuls for any fp32 leftovers (bf16 autocast covers the model itself).
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return Device(torch.device(name))
+
+
+def timed(device: Device, fn: Callable[[], object]) -> tuple[object, float]:
+    """Run fn once and return (its result, seconds), synchronising CUDA on both sides."""
+    device.sync()
+    start = time.perf_counter()
+    result = fn()
+    device.sync()
+    return result, time.perf_counter() - start
+
+
+def _cpu_peak_rss_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def _cpu_rss_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def _release_memory(device: Device) -> None:
+    """Free what earlier measurements left, so that the next peak is its own."""
+    gc.collect()
+    if device.is_cuda:
+        torch.cuda.empty_cache()
+    elif sys.platform.startswith("linux"):
+        try:  # glibc keeps freed small blocks; hand them back so the RSS baseline is honest
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+
+def resident_mib(device: Device) -> float | None:
+    """Memory in use now: CUDA tensors, or the process' resident set on CPU (None off Linux)."""
+    if device.is_cuda:
+        return torch.cuda.memory_allocated(device.device) / 2**20
+    try:
+        return _cpu_rss_bytes() / 2**20
+    except (OSError, AttributeError):
+        return None
+
+
+class PeakMemory:
+    """How much memory one measurement adds at its peak over what was resident when it started (`added_mib`).
+
+    CUDA: `torch.cuda.max_memory_allocated` (tensors only). CPU: the process' peak resident set size, VmHWM, which
+    Linux lets us reset by writing 5 to /proc/self/clear_refs; it counts everything, tensors and allocator slack
+    alike. Other engines may be resident at the same time, so only the increase is attributed to this one; a
+    model's own footprint is measured separately when it is loaded (`resident_mib` before and after).
+    Elsewhere the CPU figure is None.
+    """
+
+    def __init__(self, device: Device):
+        self.device = device
+        self.added_mib: float | None = None
+        self._baseline: float | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        _release_memory(self.device)
+        if self.device.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                return self
+        self._baseline = resident_mib(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._baseline is None:
+            return
+        if self.device.is_cuda:
+            peak = torch.cuda.max_memory_allocated(self.device.device) / 2**20
+        else:
+            peak = _cpu_peak_rss_bytes() / 2**20
+        self.added_mib = max(peak - self._baseline, 0.0)
+
+
+def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float | None]:
+    """Build something (a model, a translator) and return it with the memory it added while staying resident."""
+    _release_memory(device)
+    before = resident_mib(device)
+    thing = build()
+    _release_memory(device)
+    after = resident_mib(device)
+    return thing, (after - before if before is not None and after is not None else None)
+
+
+# Corpus and tokenizer --------------------------------------------------------------------------------------------
+
+
+def resolve_corpus(path: str | None = None) -> Path:
+    """--corpus, else $VASWANI_FRA_ENG, else the shared copy next to the repository. Never downloaded."""
+    candidate = path or os.environ.get(CORPUS_ENV_VAR) or SHARED_CORPUS
+    candidate = Path(candidate).expanduser()
+    if not candidate.is_file():
+        raise FileNotFoundError(
+            f"English-French corpus {candidate} not found: pass --corpus PATH or set ${CORPUS_ENV_VAR} to a "
+            "(gzipped) `english<TAB>french` file."
+        )
+    return candidate
+
+
+def load_pairs(path: Path) -> list[tuple[str, str]]:
+    """All (english, french) pairs of a `english<TAB>french` file, gzipped or not, in file order."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    pairs = []
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for line in lines:
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) >= 2 and fields[0].strip() and fields[1].strip():
+                pairs.append((fields[0], fields[1]))
+    return pairs
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+
+
+def get_tokenizer(corpus: Path, pairs: Sequence[tuple[str, str]], vocab_size: int, cache_dir: Path) -> VaswaniTokenizer:
+    """The project's joint En-Fr BPE (`train_tokenizer`) trained on the whole corpus, cached per corpus file."""
+    directory = cache_dir / f"tokenizer-{vocab_size}-{_file_key(corpus)}"
+    if (directory / "tokenizer.json").is_file():
+        return VaswaniTokenizer.from_pretrained(directory)
+    tokenizer = train_tokenizer((text for pair in pairs for text in pair), vocab_size)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) -> list[tuple[str, str]]:
+    """`count` pairs drawn uniformly (seeded) from the whole corpus, whose file is sorted by length."""
+    return random.Random(seed).sample(list(pairs), min(count, len(pairs)))
+
+
+# The twin models ------------------------------------------------------------------------------------------------
+
+ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2-float32": "CT2 fp32", "ct2-int8": "CT2 int8"}
+
+
+def vaswani_config(size: str, vocab_size: int, **overrides) -> VaswaniConfig:
+    """A preset (tiny, small, base, big, modern) with the tokenizer's vocabulary."""
+    return VaswaniConfig.from_preset(size, vocab_size=vocab_size, **overrides)
+
+
+def marian_twin_config(config: VaswaniConfig, max_positions: int = 1024) -> MarianConfig:
+    """The MarianConfig with the same weight shapes: post-norm, sinusoidal positions, √d_model-scaled shared
+    embeddings tied to the output, the same widths, heads, depth, activation, dropouts and eos id.
+
+    One difference is Marian's own convention (Opus-MT's, which CTranslate2's converter expects): one extra, last
+    vocabulary row for its `<pad>`, from which decoding starts (a zero embedding). That is 1 row in 32,000, so the
+    work is the same. `forced_eos_token_id` is off so that nothing forces an early end.
+    """
+    pad = config.vocab_size
+    return MarianConfig(
+        vocab_size=config.vocab_size + 1,
+        d_model=config.d_model,
+        encoder_layers=config.encoder_layers,
+        decoder_layers=config.decoder_layers,
+        encoder_attention_heads=config.num_attention_heads,
+        decoder_attention_heads=config.num_attention_heads,
+        encoder_ffn_dim=config.d_ff,
+        decoder_ffn_dim=config.d_ff,
+        activation_function=config.ffn_activation,
+        dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        activation_dropout=config.activation_dropout,
+        max_position_embeddings=max_positions,
+        scale_embedding=config.scale_embedding,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+        pad_token_id=pad,
+        eos_token_id=config.eos_token_id,
+        bos_token_id=None,
+        decoder_start_token_id=pad,
+        forced_eos_token_id=None,
+    )
+
+
+def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: torch.dtype, seed: int = 0):
+    """A freshly initialised Vaswani or Marian translation model on `device` in `dtype` (random weights: speed
+    does not depend on their values once the number of generated tokens is fixed)."""
+    torch.manual_seed(seed)
+    if engine == "vaswani":
+        model = VaswaniForConditionalGeneration(config)
+    elif engine == "marian":
+        model = MarianMTModel(marian_twin_config(config))
+    else:
+        raise ValueError(f"Unknown PyTorch engine {engine!r}; choose vaswani or marian.")
+    return model.to(device=device.device, dtype=dtype)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct trainable parameters (tied matrices once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# Reports ----------------------------------------------------------------------------------------------------------
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command as run (`argv` None means this process' own arguments), with the script relative to the
+    repository root, so that it can be pasted there to reproduce the result."""
+    path = Path(script).resolve()
+    if path.is_relative_to(REPO_ROOT):
+        path = path.relative_to(REPO_ROOT)
+    return shlex.join(["python", str(path), *(sys.argv[1:] if argv is None else argv)])
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        return match.group(1).strip() if match else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def environment(device: Device) -> dict:
+    """The device, the library versions and the model code's revision (uncommitted edits are flagged)."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("ctranslate2", "tokenizers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    modeling = REPO_ROOT / "src" / "vaswani" / "modeling_vaswani.py"
+    env = {
+        "device": device.tag,
+        "device_name": torch.cuda.get_device_name(device.device) if device.is_cuda else _cpu_name(),
+        "dtype": str(device.dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
+        "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,
+    }
+    if device.is_cuda:
+        env["cuda"] = torch.version.cuda
+        env["bf16_peak_tflops"] = device.bf16_peak_tflops()
+    return env
+
+
+@dataclass
+class Column:
+    key: str
+    header: str
+    fmt: str = "{}"
+
+    def render(self, row: dict) -> str:
+        value = row.get(self.key)
+        if value is None:
+            return "–"
+        return self.fmt.format(value) if not isinstance(value, str) else value
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c.render(row) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(
+    name: str,
+    title: str,
+    command: str,
+    device: Device,
+    settings: dict,
+    rows: Sequence[dict],
+    columns: Sequence[Column],
+    notes: Sequence[str],
+    results_dir: Path,
+    extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
+) -> tuple[Path, Path]:
+    """Write `<name>.json` (everything) and `<name>.md` (the tables, the command, the environment, the notes),
+    and print the main table."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    payload = {
+        "benchmark": title,
+        "command": command,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": env,
+        "settings": settings,
+        "results": list(rows),
+        "notes": list(notes),
+    }
+    for heading, extra_rows, _ in extra_tables:
+        payload[heading] = list(extra_rows)
+    json_path = results_dir / f"{name}.json"
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+    table = markdown_table(rows, columns)
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    md = [
+        f"# {title}",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
+        f"Versions: {versions}. Model code: commit {env['git_commit']}"
+        + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
+        + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).",
+        "",
+        table,
+    ]
+    for heading, extra_rows, extra_columns in extra_tables:
+        md += ["", f"## {heading}", "", markdown_table(extra_rows, extra_columns)]
+    if notes:
+        md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
+    md_path = results_dir / f"{name}.md"
+    md_path.write_text("\n".join(md) + "\n")
+    print(table)
+    print(f"\nwrote {json_path} and {md_path}")
+    return json_path, md_path
+
+
+# Command line ---------------------------------------------------------------------------------------------------
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
+    parser.add_argument("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
+    parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR} or {SHARED_CORPUS}")
+    parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
+    parser.add_argument("--cache_dir", type=Path, default=CACHE_DIR, help="tokenizers and converted models")
+    parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--output_name", default=None, help="result file stem; default <benchmark>-<device>")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def csv_of(cast: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type for comma-separated lists: `--sizes tiny,base`."""
+    return lambda text: [cast(item) for item in text.split(",") if item]
+
+
+
+
+def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
+    corpus = resolve_corpus(args.corpus)
+    pairs = load_pairs(corpus)
+    return corpus, pairs, get_tokenizer(corpus, pairs, args.vocab_size, args.cache_dir)
