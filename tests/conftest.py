@@ -39,3 +39,13 @@ def padded_batch(config: VaswaniConfig, lengths: list[int], seed: int = 0, side:
 def _seed():
     """Every test starts from the same random state, so weight initialisation is reproducible test by test."""
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test on one intra-op thread. For these tiny models, thread synchronisation costs more than it saves, and
+    on a shared (oversubscribed) CI machine two spinning threads made a training step 30x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
