@@ -15,7 +15,7 @@ from vaswani import VaswaniModel
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
     # nn.Transformer's encoder fast path packs padded batches into (prototype) nested tensors; not our concern.
-    pytest.mark.filterwarnings("ignore:.*nested tensor:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*nested.tensor:UserWarning"),
 ]
 
 
