@@ -8,14 +8,9 @@
 import argparse
 import json
 
-from vaswani.cli import load_translator, user_errors_exit
+from vaswani.cli import generation_limits, load_translator, read_lines, user_errors_exit, write_atomically
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import evaluate_model
-
-
-def read_lines(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
 
 
 @user_errors_exit
@@ -34,6 +29,9 @@ def main(argv=None):
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output_file", help="write metrics and hypotheses as JSON here")
     args = parser.parse_args(argv)
+    for name in ("max_samples", "num_beams", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive")
 
     if args.source_file:
         if not args.reference_file:
@@ -51,15 +49,19 @@ def main(argv=None):
         sources, references = split["source"], split["references"]
     if args.max_samples:
         sources, references = sources[: args.max_samples], references[: args.max_samples]
+    if not sources:
+        raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
     model, tokenizer = load_translator(args.model, args.device)
-    result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams, batch_size=args.batch_size)
+    max_source_length, max_new_tokens = generation_limits(model, None)
+    result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams, batch_size=args.batch_size,
+                            max_source_length=max_source_length, max_new_tokens=max_new_tokens)
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
                                                                   "signatures": result.get("signatures")}
     print(json.dumps(summary, indent=2))
     if args.output_file:
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump({**summary, "sources": list(sources), "hypotheses": result["hypotheses"]}, f, ensure_ascii=False, indent=1)
+        report = {**summary, "sources": list(sources), "hypotheses": result["hypotheses"]}
+        write_atomically(args.output_file, json.dumps(report, ensure_ascii=False, indent=1))
 
 
 if __name__ == "__main__":

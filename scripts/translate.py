@@ -3,12 +3,15 @@
 
     python scripts/translate.py --model outputs/en-fr "I lost." "I'm calm."
     cat english.txt | python scripts/translate.py --model outputs/en-fr --num_beams 4 > french.txt
+
+One output line per input line: an empty input line gives an empty output line. With learned positions, sources
+longer than the model's `max_position_embeddings` are truncated (a warning on stderr says how many).
 """
 
 import argparse
 import sys
 
-from vaswani.cli import load_translator, user_errors_exit
+from vaswani.cli import decode_lines, generation_limits, load_translator, read_lines, user_errors_exit
 from vaswani.evaluation import translate
 
 
@@ -27,27 +30,41 @@ def main(argv=None):
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
     args = parser.parse_args(argv)
+    for name in ("num_beams", "batch_size", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive")
 
     if args.input_file:
-        with open(args.input_file, encoding="utf-8") as f:
-            sentences = [line.rstrip("\n") for line in f]
+        sentences = read_lines(args.input_file)
     elif args.sentences:
         sentences = args.sentences
     else:
-        sentences = [line.rstrip("\n") for line in sys.stdin]
+        sentences = decode_lines(sys.stdin.buffer.read(), "stdin")
     model, tokenizer = load_translator(args.model, args.device)
+    nonempty = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+    max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
+    if max_source_length is not None:
+        lengths = [len(ids) for ids in tokenizer([sentences[i] for i in nonempty])["input_ids"]] if nonempty else []
+        truncated = sum(length > max_source_length for length in lengths)
+        if truncated:
+            print(f"warning: {truncated} sentence(s) longer than the model's {max_source_length} learned positions "
+                  "were truncated.", file=sys.stderr)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     translations = translate(
         model,
         tokenizer,
-        sentences,
+        [sentences[i] for i in nonempty],
         batch_size=args.batch_size,
         num_beams=1 if args.do_sample else args.num_beams,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new_tokens,
+        max_source_length=max_source_length,
         **(sampling if args.do_sample else {}),
-    )
-    for translation in translations:
-        print(translation)
+    ) if nonempty else []
+    output = [""] * len(sentences)
+    for index, translation in zip(nonempty, translations):
+        output[index] = translation
+    for line in output:
+        print(line)
 
 
 if __name__ == "__main__":

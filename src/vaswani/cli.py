@@ -1,13 +1,19 @@
-"""What every command-line tool shares: loading a checkpoint for inference, and turning user errors into one line."""
+"""What every command-line tool shares: loading a checkpoint for inference, reading input files, writing output
+files, and turning user errors into one line."""
 
 import functools
+import json
+import os
 import sys
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-# Errors a user can fix from the message alone; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, KeyError)
+# Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
+# training loss (FloatingPointError) is here because its message names the step and the fix.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+               PermissionError, KeyError, FloatingPointError)
 
 
 def user_errors_exit(main):
@@ -32,11 +38,97 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None):
-    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it."""
+    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it.
+
+    Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
+    only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
+    weights are missing, unexpected, mismatched, truncated or corrupted, is a `ValueError` naming the problem.
+    """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 
+    _check_checkpoint_dir(model_dir)
     device = pick_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        model, info = AutoModelForSeq2SeqLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,
+            trust_remote_code=False, output_loading_info=True,
+        )
+    except SafetensorError as error:
+        raise ValueError(f"The weights in {model_dir} are truncated or corrupted ({error}); copy or download the "
+                         "checkpoint again.") from error
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise ValueError(f"Some tensors in {model_dir} do not have the shapes its config.json gives (see the load "
+                         "report above); the weights and the config come from different models.") from error
+    except OSError as error:  # no weights file, or neither a directory nor a reachable Hub repository
+        raise FileNotFoundError(f"Cannot load a model from {model_dir}: {str(error).splitlines()[0]}") from error
+    problems = {kind: sorted(keys) for kind, keys in info.items() if kind != "error_msgs" and keys}
+    if problems:
+        listed = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(keys[:5])}{' …' if len(keys) > 5 else ''}"
+                           for kind, keys in problems.items())
+        raise ValueError(f"{model_dir} does not hold this model's weights ({listed}); it would run with random "
+                         "weights in their place. Use the checkpoint's own directory, or re-save it.")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     return model.to(device).eval(), tokenizer
+
+
+def _check_checkpoint_dir(model_dir: str) -> None:
+    """A local path must be a Vaswani checkpoint directory (anything else is tried as a Hub repository id)."""
+    if not os.path.exists(model_dir):
+        if os.path.isabs(model_dir) or model_dir.startswith(".") or model_dir.count("/") > 1:
+            raise FileNotFoundError(f"Model directory {model_dir} does not exist.")
+        return
+    if not os.path.isdir(model_dir):
+        raise NotADirectoryError(f"--model {model_dir} is a file; give the checkpoint directory.")
+    config = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{model_dir} has no config.json, so it is not a (complete) checkpoint directory.")
+    try:
+        with open(config, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config} is not valid JSON ({error}).") from error
+    if model_type != "vaswani":
+        raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani one; these tools load Vaswani "
+                         "checkpoints only.")
+
+
+def read_lines(path: str) -> list[str]:
+    """The lines of a UTF-8 text file, without their line ends; a decoding error names the file and the line."""
+    with open(path, "rb") as f:
+        return decode_lines(f.read(), path)
+
+
+def decode_lines(raw: bytes, name: str) -> list[str]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ValueError(f"{name} is not UTF-8 text (line {line}: {error.reason}); convert it, e.g. with "
+                         "`iconv -t utf-8`.") from error
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # not splitlines(): U+2028 is not a line end
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary sibling and a rename: the file is complete or absent."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
+    """(max_source_length, max_new_tokens) that a model with learned positions can take: sources are truncated to
+    its `max_position_embeddings` and the output stops there. Sinusoidal and rotary positions have no limit."""
+    config = model.config
+    if config.position_embedding_type != "learned":
+        return None, max_new_tokens
+    limit = config.max_position_embeddings - 1  # the decoder's start token takes position 0
+    return config.max_position_embeddings, limit if max_new_tokens is None else min(max_new_tokens, limit)

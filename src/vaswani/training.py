@@ -25,7 +25,8 @@ from transformers import (
     TrainerCallback,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
 from .configuration_vaswani import VaswaniConfig
@@ -34,6 +35,10 @@ from .modeling_vaswani import VaswaniForConditionalGeneration
 from .tokenization_vaswani import train_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Checkpoints are written under this prefix and renamed into place when complete. The name must not match
+# `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
+STAGING_PREFIX = ".tmp-"
 
 
 @dataclass
@@ -49,6 +54,14 @@ class ModelArguments:
         default=None, metadata={"help": "Tokenizer to use; default: the checkpoint's, or a new one trained on the data."}
     )
     vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of a newly trained tokenizer."})
+
+    def __post_init__(self):
+        # Checked at parse time, before any data is read or anything is written.
+        if self.preset not in VaswaniConfig.PRESETS:
+            raise ValueError(f"Unknown --preset {self.preset!r}; choose one of {', '.join(VaswaniConfig.PRESETS)}.")
+        if self.vocab_size < 1:
+            raise ValueError(f"--vocab_size must be positive, got {self.vocab_size}.")
+        VaswaniConfig.from_preset(self.preset, **parse_overrides(self.config_overrides))  # raises on a bad value
 
 
 @dataclass
@@ -67,6 +80,12 @@ class DataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Validation sentences used while training."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Test sentences for the final evaluation."})
 
+    def __post_init__(self):
+        for name in ("max_length", "max_train_samples", "max_eval_samples", "max_test_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be a positive number, got {value}.")
+
 
 @dataclass
 class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
@@ -84,6 +103,22 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "(inverse square root after linear warm-up; --warmup_steps, default 4000)."},
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in output_dir."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train a new model in an output_dir that already holds one: its checkpoints are deleted at "
+                          "the start, its final model is replaced at the end. Without this flag (or --resume), such "
+                          "an output_dir is refused."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("--resume continues the model in output_dir and --overwrite_output_dir replaces it; "
+                             "pass one of them.")
+        for name in ("max_train_time", "max_tokens_per_batch"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name} must be positive, got {value}.")
 
 
 def apply_paper_recipe(args: VaswaniTrainingArguments, d_model: int) -> None:
@@ -121,14 +156,22 @@ class TimeBudgetCallback(TrainerCallback):
 
 
 class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
-    """Seq2SeqTrainer with two additions: token-budget batches, and a check that stops on a non-finite loss and
-    names the step (instead of training through NaNs). The check keeps the first bad step on the device, so it adds
-    no host synchronisation per step; it is read at each logging step."""
+    """Seq2SeqTrainer with three additions:
+
+    * token-budget batches (`max_tokens_per_batch`);
+    * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
+      step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
+      step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
+    * checkpoints that are never visible half-written: each is written into a hidden staging directory beside it
+      (`.tmp-checkpoint-N`) and renamed to `checkpoint-N` once complete. A crash leaves only the staging directory,
+      which `--resume` ignores and removes. The pickled `training_args.bin` is replaced by `training_args.json`.
+    """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_tokens_per_batch = max_tokens_per_batch
         self._first_bad_step = None
+        self._staging_run_dir = None
 
     def get_train_dataloader(self) -> DataLoader:
         if not self.max_tokens_per_batch:
@@ -164,14 +207,52 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
                 "use bf16 instead of fp16, or check the data for empty or corrupted examples."
             )
 
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_run_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.raise_on_nonfinite_loss()
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING_PREFIX + name)
+        if self.args.should_save:
+            shutil.rmtree(staging_root, ignore_errors=True)  # the remains of a crash at this very step
+        self.accelerator.wait_for_everyone()
+        # The Trainer writes `<run_dir>/checkpoint-N`; pointing it at the staging root makes that the staged copy.
+        self._staging_run_dir = staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_run_dir = None
+        # The Trainer looked for the best checkpoint among the staged ones, where only this step's can be.
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
+        if self.args.should_save:
+            staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+            replace_pickled_arguments(staged, self.args)
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the corrected best path
+            if os.path.isdir(final):  # left by an earlier run at the same step (see prepare_output_dir)
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            shutil.rmtree(staging_root)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+
 
 def parse_overrides(text: str | None) -> dict:
-    """'d_model=256,norm_first=true' → {'d_model': 256, 'norm_first': True} (values parsed as JSON where possible)."""
+    """'d_model=256,norm_first=true' → {'d_model': 256, 'norm_first': True} (values parsed as JSON where possible).
+    An unknown field is an error: `VaswaniConfig` would keep it as an unused attribute, silently."""
     overrides = {}
     for item in filter(None, (text or "").split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"Config override {item!r} is not of the form field=value.")
+        if key.strip() not in VaswaniConfig.__annotations__:
+            raise ValueError(f"Config override {key.strip()!r} is not a VaswaniConfig field; known fields: "
+                             f"{', '.join(VaswaniConfig.__annotations__)}.")
         try:
             overrides[key.strip()] = json.loads(value.strip().lower() if value.strip().lower() in ("true", "false", "null") else value)
         except json.JSONDecodeError:
@@ -190,14 +271,15 @@ def load_splits(data_args: DataArguments):
     )
 
 
-def build_model_and_tokenizer(model_args: ModelArguments, train_texts):
-    tokenizer_source = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+def build_model_and_tokenizer(model_args: ModelArguments, train_texts, checkpoint: str | None = None):
+    """A resumed run takes the tokenizer its checkpoint was trained with; its weights are loaded by the Trainer."""
+    tokenizer_source = checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if tokenizer_source:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     else:
         tokenizer = train_tokenizer(train_texts(), vocab_size=model_args.vocab_size)
     if model_args.model_name_or_path:
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path)
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, use_safetensors=True)
         if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
         return model, tokenizer
@@ -218,9 +300,19 @@ def build_model_and_tokenizer(model_args: ModelArguments, train_texts):
 def run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
     """Train (or fine-tune), evaluate on the test split with sacreBLEU/chrF/TER, save a complete checkpoint
     (weights, tokenizer, generation config, module files, model card) and optionally push it to the Hub.
-    Returns the final metrics."""
+    Returns the final metrics. A run that fails leaves no output_dir behind unless it got as far as a checkpoint."""
+    created = not os.path.exists(args.output_dir)
+    try:
+        return _run_training(model_args, data_args, args)
+    except BaseException:
+        if created and args.should_save and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
+            os.rmdir(args.output_dir)  # the Trainer creates it on start
+        raise
+
+
+def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
+    last_checkpoint = prepare_output_dir(args)  # refuses a bad output_dir before anything is read or written
     set_seed(args.seed)
-    last_checkpoint = _resume_point(args)
     splits = load_splits(data_args)
     train = splits["train"]
     if data_args.max_train_samples:
@@ -234,7 +326,9 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
             yield row["source"]
             yield row["target"]
 
-    model, tokenizer = build_model_and_tokenizer(model_args, train_texts)
+    model, tokenizer = build_model_and_tokenizer(model_args, train_texts, last_checkpoint)
+    if last_checkpoint:
+        check_checkpoint_matches(last_checkpoint, model.config)
     if args.paper_recipe:
         apply_paper_recipe(args, model.config.d_model)
     # Generation settings used for evaluation during training and saved as generation_config.json.
@@ -296,30 +390,130 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 
 def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
     """Write the final model through a staging directory: each file is complete before it is moved into
-    `output_dir` (`os.replace` is atomic), so a crash never leaves a truncated weight or config file there."""
+    `output_dir` (`os.replace` is atomic), and `config.json`, without which nothing loads, is removed first and
+    moved in last. So a crash never leaves a truncated file, nor the weights of one model beside the config of
+    another: a directory with a `config.json` holds one complete model."""
     from .hub import write_model_card
 
-    staging = os.path.join(output_dir, ".final-tmp")
+    staging = os.path.join(output_dir, STAGING_PREFIX + "final")
     shutil.rmtree(staging, ignore_errors=True)
     trainer.save_model(staging)
     tokenizer.save_pretrained(staging)
-    # The Trainer pickles its arguments; a published model directory should hold no pickles, so keep them as JSON.
-    os.remove(os.path.join(staging, "training_args.bin"))
-    with open(os.path.join(staging, "training_args.json"), "w") as f:
-        f.write(trainer.args.to_json_string())
+    replace_pickled_arguments(staging, trainer.args)
     with open(os.path.join(staging, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     write_model_card(staging, metrics=metrics)
-    for name in os.listdir(staging):
+    config = os.path.join(output_dir, "config.json")
+    if os.path.exists(config):
+        os.remove(config)
+    for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
         os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
     os.rmdir(staging)
 
 
-def _resume_point(args: VaswaniTrainingArguments) -> str | None:
-    if not args.resume or not os.path.isdir(args.output_dir):
-        return None
-    checkpoint = get_last_checkpoint(args.output_dir)
-    if checkpoint is None:
-        logger.warning("--resume given but %s holds no checkpoint; starting from scratch.", args.output_dir)
-    return checkpoint
+def replace_pickled_arguments(directory: str, args) -> None:
+    """The Trainer pickles its arguments (`training_args.bin`), and nothing reads them back; a model or checkpoint
+    directory should hold no pickle that a user might load, so keep them as JSON instead."""
+    pickled = os.path.join(directory, TRAINING_ARGS_NAME)
+    if os.path.exists(pickled):
+        os.remove(pickled)
+    with open(os.path.join(directory, "training_args.json"), "w") as f:
+        f.write(args.to_json_string())
 
+
+# What output_dir may already hold -----------------------------------------------------------------------------------
+
+
+def checkpoints_in(output_dir: str) -> list[str]:
+    """The `checkpoint-N` directories of `output_dir`, oldest step first."""
+    steps = []
+    for name in os.listdir(output_dir):
+        prefix, _, step = name.partition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+            steps.append(int(step))
+    return [os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") for step in sorted(steps)]
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """The Trainer writes `trainer_state.json` last. Our checkpoints appear only complete (see
+    `VaswaniSeq2SeqTrainer`); this also rejects a directory cut short by another writer."""
+    return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+
+
+def holds_final_model(output_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(output_dir, name)) for name in ("config.json", "model.safetensors"))
+
+
+def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
+    """Decide, before anything is read or written, what to do with what `output_dir` already holds, and return the
+    checkpoint to resume from (or None).
+
+    * nothing there (or only other files, e.g. logs): train;
+    * a model or checkpoints, and neither flag: refused, naming both flags;
+    * `--resume`: the last complete checkpoint; incomplete ones and staging directories are skipped (the
+      staging directories, remains of a crash, are deleted). A finished model without checkpoints is refused;
+    * `--resume_from_checkpoint PATH` (the Trainer's flag): that checkpoint, which must be complete;
+    * `--overwrite_output_dir`: earlier checkpoints are deleted (they would mix with the new run's in rotation
+      and resumption); the final model files are replaced when the new one is saved.
+    """
+    output_dir = args.output_dir
+    if args.resume_from_checkpoint:
+        if not os.path.isdir(args.resume_from_checkpoint) or not is_complete_checkpoint(args.resume_from_checkpoint):
+            raise FileNotFoundError(f"--resume_from_checkpoint {args.resume_from_checkpoint} is not a complete "
+                                    f"checkpoint directory (it needs {TRAINER_STATE_NAME}).")
+        return args.resume_from_checkpoint
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise NotADirectoryError(f"--output_dir {output_dir} is a file; give a directory.")
+    if not os.path.isdir(output_dir):
+        if args.resume:
+            logger.warning("--resume given but %s does not exist; starting from scratch.", output_dir)
+        return None
+    checkpoints = checkpoints_in(output_dir)
+    staging = [os.path.join(output_dir, name) for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX)]
+    if args.overwrite_output_dir:
+        if args.should_save:
+            for path in checkpoints + staging:
+                shutil.rmtree(path)
+        return None
+    if args.resume:
+        if args.should_save:
+            for path in staging:
+                logger.warning("Removing %s, a checkpoint that was being written when training stopped.", path)
+                shutil.rmtree(path, ignore_errors=True)
+        complete = [path for path in checkpoints if is_complete_checkpoint(path)]
+        for path in sorted(set(checkpoints) - set(complete)):
+            logger.warning("Ignoring %s: it has no %s, so it is incomplete.", path, TRAINER_STATE_NAME)
+        if complete:
+            logger.info("Resuming from %s.", complete[-1])
+            return complete[-1]
+        if holds_final_model(output_dir):
+            raise FileExistsError(
+                f"--resume: {output_dir} holds a finished model but no checkpoint to resume from. Pass "
+                f"--model_name_or_path {output_dir} with another --output_dir to fine-tune it, or "
+                "--overwrite_output_dir to train a new one there."
+            )
+        logger.warning("--resume given but %s holds no complete checkpoint; starting from scratch.", output_dir)
+        return None
+    if checkpoints or holds_final_model(output_dir):
+        raise FileExistsError(
+            f"--output_dir {output_dir} already holds a model or checkpoints. Pass --resume to continue its "
+            "training, --overwrite_output_dir to replace it, or choose another --output_dir."
+        )
+    return None
+
+
+def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:
+    """A resumed run must build the model its checkpoint holds; otherwise loading the weights fails deep inside
+    torch (shape mismatch) or, worse, succeeds with a different configuration."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type != config.model_type:
+        raise ValueError(f"{checkpoint} holds a {model_type!r} model, not a Vaswani one; choose another "
+                         "--output_dir or pass --overwrite_output_dir.")
+    saved = VaswaniConfig.from_pretrained(checkpoint)
+    differences = [f"{name}={getattr(saved, name)!r} (this run: {getattr(config, name)!r})"
+                   for name in VaswaniConfig.__annotations__
+                   if name != "use_cache" and getattr(saved, name) != getattr(config, name)]  # the Trainer turns the cache off
+    if differences:
+        raise ValueError(f"{checkpoint} was trained with {', '.join(differences)}; resume with the arguments of the "
+                         "original run, or pass --overwrite_output_dir to start a new model.")
