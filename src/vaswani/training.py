@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
+    ProgressCallback,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
     TrainerCallback,
@@ -354,7 +355,14 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         max_tokens_per_batch=args.max_tokens_per_batch,
     )
     start = time.monotonic()
-    train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+    try:
+        train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+    except BaseException:
+        # An open progress bar would redraw itself after the error message, at exit; close it first.
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.close()
+        raise
     train_seconds = time.monotonic() - start
     metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
     metrics["train_wall_seconds"] = train_seconds
