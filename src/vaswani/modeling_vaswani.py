@@ -386,6 +386,35 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # Every Auto class a Vaswani checkpoint opens with (the table `__init__.py` registers). transformers' own
+    # `save_pretrained` writes only the saved class into `auto_map`, so a translation checkpoint loaded through
+    # `trust_remote_code` would open with AutoModelForSeq2SeqLM but not with AutoModel; `save_pretrained` below
+    # writes them all.
+    _auto_map = {
+        "AutoModel": "VaswaniModel",
+        "AutoModelForSeq2SeqLM": "VaswaniForConditionalGeneration",
+        "AutoModelForCausalLM": "VaswaniForCausalLM",
+        "AutoModelForSequenceClassification": "VaswaniForSequenceClassification",
+    }
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if self._auto_class is not None:  # registered for the Auto classes, so the module files are shipped too
+            module = self.__class__.__module__.rsplit(".", 1)[-1]  # "modeling_vaswani", also when loaded as remote code
+            auto_map = {name: f"{module}.{class_name}" for name, class_name in self._auto_map.items()}
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """The vocabulary is joint, but with `share_embeddings=False` the decoder has its own table, which the generic
+        implementation (it knows one input embedding: the encoder's) would leave at the old size."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        decoder = getattr(self.base_model, "decoder", None)  # present in VaswaniModel and the translation model
+        if decoder is not None and decoder.embed_tokens is not embeddings:
+            decoder.embed_tokens = self._get_resized_embeddings(
+                decoder.embed_tokens, embeddings.num_embeddings, mean_resizing=mean_resizing
+            )
+            self.tie_weights()  # the output projection follows the (new) decoder table
+        return embeddings
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -615,9 +644,11 @@ class VaswaniModel(VaswaniPreTrainedModel):
             # §3.4: one embedding matrix for source and target tokens (a joint subword vocabulary).
             self.shared = self.encoder.embed_tokens
             self.decoder.embed_tokens = self.shared
+            # The encoder's table is the one stored in checkpoints (`model.encoder.embed_tokens.weight`), so that
+            # VaswaniEncoderModel and the classifier, which have no `shared`, load a translator's embeddings too.
             self._tied_weights_keys = {
-                "encoder.embed_tokens.weight": "shared.weight",
-                "decoder.embed_tokens.weight": "shared.weight",
+                "shared.weight": "encoder.embed_tokens.weight",
+                "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
             }
         self.post_init()
 
@@ -678,7 +709,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         self.model = VaswaniModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # §3.4: the pre-softmax projection shares the embedding matrix.
-        embedding = "model.shared.weight" if config.share_embeddings else "model.decoder.embed_tokens.weight"
+        embedding = "model.encoder.embed_tokens.weight" if config.share_embeddings else "model.decoder.embed_tokens.weight"
         self._tied_weights_keys = {"lm_head.weight": embedding}
         self.post_init()
 
