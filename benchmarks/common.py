@@ -136,8 +136,11 @@ def _release_memory(device: Device) -> None:
             pass
 
 
-def resident_mib(device: Device) -> float | None:
-    """Memory in use now: CUDA tensors, or the process' resident set on CPU (None off Linux)."""
+def resident_mib(device: Device, settle: bool = False) -> float | None:
+    """Memory in use now: CUDA tensors, or the process' resident set on CPU (None off Linux). `settle` first frees
+    what earlier measurements left behind."""
+    if settle:
+        _release_memory(device)
     if device.is_cuda:
         return torch.cuda.memory_allocated(device.device) / 2**20
     try:
@@ -156,21 +159,26 @@ class PeakMemory:
     Elsewhere the CPU figure is None.
     """
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, baseline_mib: float | None = None):
+        """`baseline_mib`: count from this level (e.g. measured before a model was built) instead of from what is
+        resident on entry."""
         self.device = device
         self.added_mib: float | None = None
-        self._baseline: float | None = None
+        self._baseline: float | None = baseline_mib
 
     def __enter__(self) -> "PeakMemory":
-        _release_memory(self.device)
+        if self._baseline is None:  # with a given baseline the caller has just settled memory
+            _release_memory(self.device)
         if self.device.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device.device)
         else:
             try:
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:
+                self._baseline = None
                 return self
-        self._baseline = resident_mib(self.device)
+        if self._baseline is None:
+            self._baseline = resident_mib(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -185,11 +193,9 @@ class PeakMemory:
 
 def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float | None]:
     """Build something (a model, a translator) and return it with the memory it added while staying resident."""
-    _release_memory(device)
-    before = resident_mib(device)
+    before = resident_mib(device, settle=True)
     thing = build()
-    _release_memory(device)
-    after = resident_mib(device)
+    after = resident_mib(device, settle=True)
     return thing, (after - before if before is not None and after is not None else None)
 
 

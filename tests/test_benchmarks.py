@@ -1,0 +1,121 @@
+"""Smoke runs of every benchmark script at the tiny size on a small synthetic corpus: each must finish in seconds
+and write its JSON and Markdown reports with the fields the issue asks for (device, versions, exact command)."""
+
+import gzip
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    english = "the a cat dog sees likes small big red house tree runs".split()
+    french = "le la chat chien voit aime petit grand rouge maison arbre court".split()
+    path = tmp_path_factory.mktemp("corpus") / "pairs.tsv.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for _ in range(400):
+            words = rng.choices(range(len(english)), k=rng.randint(2, 9))
+            f.write(" ".join(english[w] for w in words) + ".\t" + " ".join(french[w] for w in words) + " .\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """The benchmarks set torch's thread count (here to 1, which is fastest for tiny models on a busy machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def common_args(corpus: Path, tmp_path: Path) -> list[str]:
+    return ["--device", "cpu", "--threads", "1", "--corpus", str(corpus), "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"),
+            "--results_dir", str(tmp_path / "results")]
+
+
+def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
+    report = json.loads(json_path.read_text())
+    assert report["command"].startswith(f"python benchmarks/{script}.py ")
+    assert report["environment"]["device"] == "cpu"
+    assert report["environment"]["dtype"] == "float32"
+    assert {"torch", "transformers"} <= set(report["environment"]["versions"])
+    assert report["results"], "no result rows"
+    for row in report["results"]:
+        assert row_fields <= set(row), f"missing {row_fields - set(row)}"
+    markdown = json_path.with_suffix(".md").read_text()
+    assert report["command"] in markdown and "|---|" in markdown
+    return report
+
+
+def test_translation_benchmark(corpus, tmp_path):
+    engines = "vaswani,marian"
+    if importlib.util.find_spec("ctranslate2"):
+        engines += ",ct2-float32,ct2-int8"
+    path = load("bench_translation").main(
+        common_args(corpus, tmp_path)
+        + ["--sizes", "tiny", "--engines", engines, "--batch_sizes", "4", "--beams", "1,2", "--num_sentences", "8",
+           "--new_tokens", "3"]
+    )
+    report = check_report(path, "bench_translation", {"engine", "batch_size", "beams", "sentences_per_s", "tokens_per_s"})
+    assert len(report["results"]) == 2 * len(engines.split(","))
+    assert all(row["sentences"] == 8 for row in report["results"])
+    assert {row["vs_marian"] is None for row in report["results"] if row["engine"] == "marian"} == {True}
+
+
+def test_training_benchmark(corpus, tmp_path):
+    path = load("bench_training").main(
+        common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64", "--steps", "1", "--warmup_steps", "0"]
+    )
+    report = check_report(path, "bench_training", {"engine", "tokens_per_s", "model_tflops_per_s", "peak_mib", "mfu"})
+    assert {row["engine"] for row in report["results"]} == {"vaswani", "marian"}
+    assert all(row["mfu"] is None for row in report["results"])  # no MFU without a GPU peak
+
+
+def test_scaling_benchmark(corpus, tmp_path):
+    path = load("bench_scaling").main(
+        common_args(corpus, tmp_path)
+        + ["--preset", "tiny", "--kv_heads", "4,2", "--cache_kv_heads", "4,2,1", "--lengths", "16,32", "--steps", "1",
+           "--batch_tokens", "64", "--decode_tokens", "2"]
+    )
+    report = check_report(path, "bench_scaling", {"mode", "attention", "length", "tokens_per_s", "peak_mib"})
+    assert len(report["results"]) == 2 * 3 * 2  # attention variants × modes × lengths
+    cache = {row["kv_heads"]: row["bytes_per_token"] for row in report["KV cache per token"]}
+    assert cache[4] == 2 * cache[2] == 4 * cache[1]
+
+
+def test_model_flops_counts_both_stacks():
+    from vaswani import VaswaniConfig
+
+    training = load("bench_training")
+    config = VaswaniConfig.tiny()
+    one = training.model_flops(config, [5], [7])
+    assert training.model_flops(config, [5, 5], [7, 7]) == 2 * one
+    assert training.model_flops(config, [6], [7]) > one and training.model_flops(config, [5], [8]) > one
+
+
+def test_length_buckets_respect_the_token_budget():
+    training = load("bench_training")
+    rng = random.Random(1)
+    sources = [[1] * rng.randint(1, 30) for _ in range(500)]
+    targets = [[1] * rng.randint(1, 30) for _ in range(500)]
+    batches = training.bucket_batches(sources, targets, 100, seed=0)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    for batch in batches:
+        width = max(max(len(sources[i]), len(targets[i])) for i in batch)
+        assert width * len(batch) <= 100
