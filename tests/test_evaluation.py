@@ -74,9 +74,9 @@ def test_compute_metrics_decodes_generated_ids_and_labels(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     hypotheses = ["the cat sat on a mat", "a dog ran", "le chat"]
     labels_text = ["the cat sat on the mat", "a dog ran", "le chien"]
-    # Generated ids start with the decoder start token and are padded with pad (within a batch) and -100 (between
-    # batches); labels are padded with -100.
-    generated = [[tokenizer.pad_token_id] + ids for ids in tokenizer(hypotheses)["input_ids"]]
+    # Generated ids start with the decoder start token (<s>) and are padded with pad (within a batch) and -100
+    # (between batches); labels are padded with -100.
+    generated = [[tokenizer.bos_token_id] + ids for ids in tokenizer(hypotheses)["input_ids"]]
     predictions = np.full((3, 9), -100)
     for row, ids in enumerate(generated):
         predictions[row, : len(ids)] = ids
@@ -119,6 +119,12 @@ def test_translate_batches_by_length_and_restores_input_order(model_and_tokenize
     source_widths.clear(), limits.clear()
     translate(model, tokenizer, SOURCES, batch_size=2, num_beams=1)
     assert limits == [width + 50 for width in source_widths]  # the paper's "input length + 50" default
+
+
+def test_translate_handles_empty_input(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    assert translate(model, tokenizer, []) == []
+    assert len(translate(model, tokenizer, ["", "cat"], num_beams=1, max_new_tokens=4)) == 2
 
 
 def test_translate_disables_dropout_and_restores_training_mode(model_and_tokenizer):

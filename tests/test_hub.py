@@ -56,9 +56,11 @@ def push_cli():
 
 
 def test_model_card_metadata_and_text(tmp_path):
+    signatures = {"bleu": "nrefs:var|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
     path = write_model_card(
         tmp_path,
-        metrics={"test_bleu": 41.237, "test_chrf": 60.5, "test_ter": 45.0, "train_runtime": 120.5},
+        metrics={"test_bleu": 41.237, "test_chrf": 60.5, "test_ter": 45.0, "train_runtime": 120.5,
+                 "test_signatures": signatures},
         repo_id="someone/model",
         training_command="python scripts/train_translation.py --preset base",
     )
@@ -72,6 +74,7 @@ def test_model_card_metadata_and_text(tmp_path):
     assert 'AutoModelForSeq2SeqLM.from_pretrained("someone/model", trust_remote_code=True)' in card.text
     assert 'pipeline("translation", model="someone/model", trust_remote_code=True)' in card.text
     assert "python scripts/train_translation.py --preset base" in card.text
+    assert r"| BLEU | 41.24 | `nrefs:var\|case:mixed\|eff:no\|tok:13a\|smooth:exp\|version:2.6.0` |" in card.text
     assert "| train_runtime | 120.5 |" in card.text
 
 
@@ -127,9 +130,10 @@ def test_push_then_load_back_through_the_hub_stand_in(checkpoint, model_and_toke
             expected_logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
         expected_ids = model.generate(**inputs, num_beams=1, max_new_tokens=8)
         script = f"""
-import json, torch
+import json, sys, torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 model = AutoModelForSeq2SeqLM.from_pretrained({REPO_ID!r}, trust_remote_code=True).eval()
+assert "vaswani" not in sys.modules, "the shipped model code must not import the vaswani package"
 tokenizer = AutoTokenizer.from_pretrained({REPO_ID!r}, trust_remote_code=True)
 inputs = tokenizer({SOURCES!r}, padding=True, return_tensors="pt")
 with torch.no_grad():
@@ -137,7 +141,8 @@ with torch.no_grad():
 generated = model.generate(**inputs, num_beams=1, max_new_tokens=8)
 translator = pipeline("translation", model={REPO_ID!r}, trust_remote_code=True, device="cpu")
 print(json.dumps({{"input_ids": inputs["input_ids"].tolist(), "logits": logits.tolist(),
-                   "generated": generated.tolist(), "pipeline_module": type(translator).__module__}}))
+                   "generated": generated.tolist(), "model_module": type(model).__module__,
+                   "tokenizer_module": type(tokenizer).__module__, "pipeline_module": type(translator).__module__}}))
 """
         hub_home = checkpoint.parent / "fresh_hf_home"  # empty cache: every file must come from the stand-in
         env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(hub_home)}
@@ -150,4 +155,5 @@ print(json.dumps({{"input_ids": inputs["input_ids"].tolist(), "logits": logits.t
     assert loaded["input_ids"] == inputs["input_ids"].tolist()
     assert torch.equal(torch.tensor(loaded["logits"]), expected_logits)
     assert loaded["generated"] == expected_ids.tolist()
-    assert loaded["pipeline_module"].startswith("transformers_modules.")
+    # All three came from the code files in the repository, not from an installed package.
+    assert all(loaded[f"{kind}_module"].startswith("transformers_modules.") for kind in ("model", "tokenizer", "pipeline"))

@@ -111,6 +111,8 @@ def translate(
     to the per-sentence rule. `max_source_length` truncates inputs (default: the tokenizer's `model_max_length`).
     `device` moves the model there first; by default the model's own device is used.
     """
+    if not sentences:
+        return []  # the tokenizer refuses an empty batch
     if device is not None:
         model.to(device)
     was_training = model.training

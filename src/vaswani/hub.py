@@ -27,14 +27,14 @@ TRANSLATION_PIPELINE_ENTRY = {
 }
 
 TATOEBA_DATASET_NAME = "Tatoeba English-French sentence pairs (fra-eng, manythings.org)"
-TATOEBA_ATTRIBUTION = (
-    "Tatoeba via manythings.org, CC-BY 2.0 — Attribution: www.manythings.org/anki and tatoeba.org"
-)
+TATOEBA_ATTRIBUTION = "Tatoeba via manythings.org, CC-BY 2.0 — Attribution: www.manythings.org/anki and tatoeba.org"
 # Stands for the repository id in a card written before the id is known; `push_to_hub` fills it in.
 REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
 
-# Top-level files of a checkpoint directory that belong on the Hub. Anything in subdirectories (Trainer
-# `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states, `training_args.bin`) stay local.
+# Top-level files of a checkpoint directory that belong on the Hub: configs and metrics (json), weights, module
+# files, the card, and vocabularies of other tokenizer types (txt, SentencePiece .model). Anything in
+# subdirectories (Trainer `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states,
+# `training_args.bin`) stay local.
 UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model"]
 LOCAL_ONLY_PATTERNS = ["*/*"]
 
@@ -72,7 +72,8 @@ def write_model_card(
 
     `metrics` may be `evaluation.evaluate_model`'s result or the training script's metrics: BLEU/chrF/TER are
     read from `test_bleu`, `test_chrf`, `test_ter` (or `bleu`, `chrf`, `ter`) and also go into the `model-index`
-    metadata that the Hub displays; every other number is listed in a table. `languages` is (source, target).
+    metadata that the Hub displays, with sacreBLEU's signatures from `test_signatures` (or `signatures`) if given;
+    every other number is listed in a table. `languages` is (source, target).
     `model_name` (default: the repository's name, else `vaswani-<source>-<target>`) titles the card; without
     `repo_id`, the loading examples name a placeholder that `push_to_hub` replaces.
     `dataset_ids` are Hub dataset ids for the `datasets` metadata field (the manythings.org corpus has none).
@@ -111,14 +112,14 @@ def write_model_card(
         "`vaswani` package as a transformers model.\n",
         _how_to_load(repo),
         "## Training data\n",
-        f"{dataset_name}.\n\n{dataset_attribution}\n\nThe sentence pairs are licensed CC-BY 2.0 France, which asks "
-        "for this attribution wherever the data or work derived from it is shared. The model's code and weights "
-        "are released under Apache-2.0.\n",
+        f"{dataset_name}.\n\n{dataset_attribution}\n\nThe sentence pairs are licensed CC-BY 2.0 France, and are "
+        "credited here as that licence asks. The model's code and weights are released under Apache-2.0.\n",
     ]
     if training_command:
         sections.append(f"## Training\n\n```bash\n{training_command}\n```\n")
     if scores:
-        sections.append(_scores_section(scores, metrics_split))
+        signatures = metrics.get("test_signatures", metrics.get("signatures"))
+        sections.append(_scores_section(scores, metrics_split, signatures if isinstance(signatures, dict) else {}))
     others = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and _bare(k) not in _REPORTED_METRICS}
     if others:
         rows = "\n".join(f"| {name} | {_format(value)} |" for name, value in sorted(others.items()))
@@ -168,15 +169,16 @@ def push_to_hub(
     missing = missing_checkpoint_files(output_dir)
     if missing:
         raise FileNotFoundError(f"{output_dir} is not a complete checkpoint; missing: {', '.join(missing)}")
+
+    api = HfApi(token=token)
+    # The Hub puts a bare name ("en-fr") under the token owner's namespace; the card should name the full id.
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     readme = output_dir / "README.md"
     if not readme.is_file():
         logger.info("No README.md in %s: writing a model card without scores.", output_dir)
         write_model_card(output_dir, repo_id=repo_id)
     elif REPO_ID_PLACEHOLDER in (text := readme.read_text(encoding="utf-8")):
         readme.write_text(text.replace(REPO_ID_PLACEHOLDER, repo_id), encoding="utf-8")
-
-    api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True)
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=output_dir,
@@ -203,6 +205,9 @@ model = AutoModelForSeq2SeqLM.from_pretrained("{repo}")
 tokenizer = AutoTokenizer.from_pretrained("{repo}")
 inputs = tokenizer(["How are you?"], return_tensors="pt")
 print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
+
+translator = pipeline("translation", model=model, tokenizer=tokenizer)
+print(translator(["How are you?", "I am calm."], num_beams=4))
 ```
 
 Without it, the model, tokenizer and translation pipeline code that ship in this repository are used
@@ -218,13 +223,18 @@ print(translator("How are you?", num_beams=4))  # [{{'translation_text': '...'}}
 """
 
 
-def _scores_section(scores: dict[str, float], split: str) -> str:
-    rows = "\n".join(f"| {_REPORTED_METRICS[name]} | {value:.2f} |" for name, value in scores.items())
+def _scores_section(scores: dict[str, float], split: str, signatures: dict[str, str]) -> str:
+    """The scores table; with sacreBLEU's signatures (as `score_corpus` returns them), the exact settings too."""
+    # A signature's "|" separators would end the table cell unless escaped (GitHub-flavoured Markdown tables).
+    cells = {name: f"`{signature}`".replace("|", "\\|") for name, signature in signatures.items()}
+    rows = "\n".join(
+        f"| {_REPORTED_METRICS[name]} | {value:.2f} | {cells.get(name, '')} |" for name, value in scores.items()
+    )
     return (
         f"## Evaluation\n\nCorpus-level scores on the {split} split, computed with sacreBLEU {sacrebleu.__version__} "
         "at its default settings (BLEU: 13a tokenization, exponential smoothing; chrF: character 6-grams, β=2; "
         "TER: lower is better), against all available references of each sentence.\n\n"
-        f"| metric | score |\n|---|---|\n{rows}\n"
+        f"| metric | score | sacreBLEU signature |\n|---|---|---|\n{rows}\n"
     )
 
 
@@ -247,4 +257,4 @@ def _bare(metric_name: str) -> str:
 
 
 def _format(value: float) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
