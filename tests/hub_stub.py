@@ -16,8 +16,11 @@ called by `from_pretrained`) without the network. Only what huggingface_hub 2.x 
 
 `GET /api/agent-harnesses` (a best-effort client telemetry lookup, whose failure the client ignores) answers 404 on
 purpose: serving it would make the client cache the answer under the real HF_HOME. Anything else answers 404 and is
-recorded in `unhandled`, so a test can tell an endpoint it forgot from a file that is really missing. Clients must run with `HF_HUB_DISABLE_XET=1`: with hf_xet installed, upload_folder otherwise
-takes the Xet upload path, which needs a content-addressed storage server this stand-in does not imitate.
+recorded in `unhandled`, so a test can tell an endpoint it forgot from a file that is really missing.
+
+Clients must run with Xet disabled (`HF_HUB_DISABLE_XET=1`, or `huggingface_hub.constants.HF_HUB_DISABLE_XET`
+patched): with hf_xet installed, upload_folder otherwise takes the Xet upload path, which needs a
+content-addressed storage server that this stand-in does not imitate. Checked against huggingface_hub 2.4.
 
 The server binds 127.0.0.1 on a free port and shuts itself down after `lifetime_s` even if a test forgets to.
 """

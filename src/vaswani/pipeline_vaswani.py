@@ -3,10 +3,12 @@
 This file ships next to every checkpoint (Hub custom code), so it imports only torch and transformers. It is
 reachable two ways:
 
-* after `import vaswani`, which calls `register_pipeline()`:
-  `pipeline("translation", model=model, tokenizer=tokenizer)` or `pipeline("translation", model="user/repo")`;
-* without this package, from a checkpoint saved by `vaswani.hub.save_translation_checkpoint`, whose config.json
-  names this file under `custom_pipelines`: `pipeline("translation", model="user/repo", trust_remote_code=True)`.
+* after `import vaswani`, which calls `register_pipeline()`: `pipeline("translation", model=model,
+  tokenizer=tokenizer)`;
+* from a checkpoint saved after `vaswani.hub.attach_translation_pipeline`, whose config.json names this file under
+  `custom_pipelines`: `pipeline("translation", model="user/repo", trust_remote_code=True)`, which needs no
+  `vaswani` package. transformers insists on `trust_remote_code=True` for such a checkpoint even when the package
+  is imported, unless the class is given: `pipeline(..., pipeline_class=VaswaniTranslationPipeline)`.
 """
 
 from __future__ import annotations
