@@ -5,7 +5,9 @@
     accelerate launch scripts/train_translation.py ...      # DDP / FSDP through Accelerate
 """
 
+import contextlib
 import json
+import sys
 
 from transformers import HfArgumentParser
 
@@ -17,7 +19,9 @@ from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArgum
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    metrics = run_training(model_args, data_args, training_args)
+    # The Trainer prints its progress logs on stdout; keep stdout for the final metrics, which scripts parse.
+    with contextlib.redirect_stdout(sys.stderr):
+        metrics = run_training(model_args, data_args, training_args)
     if training_args.process_index == 0:
         print(json.dumps(metrics, indent=2))
 

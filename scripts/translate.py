@@ -59,7 +59,7 @@ def main(argv=None):
         max_new_tokens=max_new_tokens,
         max_source_length=max_source_length,
         **(sampling if args.do_sample else {}),
-    ) if nonempty else []
+    )
     output = [""] * len(sentences)
     for index, translation in zip(nonempty, translations):
         output[index] = translation

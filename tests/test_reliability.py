@@ -228,8 +228,6 @@ def test_empty_batches_are_a_value_error(shape):
         model(input_ids=torch.zeros(shape, dtype=torch.long), decoder_input_ids=torch.full((shape[0], 1), 3))
 
 
-@pytest.mark.xfail(strict=True, reason="needs fix in evaluation.py: translate() must return [] for no sentences "
-                                       "(today the tokenizer raises IndexError on an empty list)")
 def test_translating_no_sentences_gives_no_translations(good_checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(good_checkpoint)
     model = VaswaniForConditionalGeneration(tiny_config(vocab_size=len(tokenizer)))
@@ -315,6 +313,15 @@ def corpus(tmp_path):
 def test_bad_training_arguments_are_one_line_and_write_nothing(corpus, tmp_path, capsys, extra, message):
     output_dir = tmp_path / "out"
     fails_with_one_line(script_main("train_translation"), train_args(corpus, output_dir, *extra), capsys, message)
+    assert not output_dir.exists()
+
+
+def test_corpus_too_small_for_its_splits_is_one_line_before_training(tmp_path, capsys):
+    corpus = tmp_path / "one-sentence.tsv"
+    corpus.write_text("I have one cat.\tJ'ai un chat.\n" * 20)  # one source: all of it lands in the train split
+    output_dir = tmp_path / "out"
+    fails_with_one_line(script_main("train_translation"), train_args(corpus, output_dir), capsys,
+                        "The test split of the corpus is empty; use a larger corpus")
     assert not output_dir.exists()
 
 

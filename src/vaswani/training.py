@@ -321,6 +321,12 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     validation = splits["validation"]
     if data_args.max_eval_samples:
         validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
+    # Found now rather than as an obscure error at the first evaluation, or after training.
+    for name, split, needed in (("train", train, True), ("validation", validation, args.eval_strategy != "no"),
+                                ("test", splits["test"], True)):
+        if needed and len(split) == 0:
+            raise ValueError(f"The {name} split of the corpus is empty; use a larger corpus"
+                             f"{' or --eval_strategy no' if name == 'validation' else ''}.")
 
     def train_texts():
         for row in train:
