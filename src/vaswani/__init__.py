@@ -23,6 +23,7 @@ from .modeling_vaswani import (
     VaswaniModel,
     VaswaniPreTrainedModel,
 )
+from .pipeline_vaswani import VaswaniTranslationPipeline, register_pipeline
 from .tokenization_vaswani import VaswaniTokenizer
 
 AUTO_CLASSES = {
@@ -38,6 +39,7 @@ for _name, (_auto, _model_class) in AUTO_CLASSES.items():
     _auto.register(VaswaniConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_name)
 AutoTokenizer.register(VaswaniConfig, tokenizer_class=VaswaniTokenizer, exist_ok=True)
+register_pipeline()  # pipeline("translation", model=..., tokenizer=...)
 
 __all__ = [
     "VaswaniConfig",
@@ -48,4 +50,5 @@ __all__ = [
     "VaswaniEncoderModel",
     "VaswaniForSequenceClassification",
     "VaswaniTokenizer",
+    "VaswaniTranslationPipeline",
 ]
