@@ -190,8 +190,14 @@ def test_checkpoint_of_another_model_type_is_refused_by_from_pretrained(bert_che
 
 
 def test_missing_or_incomplete_model_directory_is_one_line(good_checkpoint, tmp_path, capsys):
+    nowhere = str(tmp_path / "nowhere")
+    fails_with_one_line(script_main("evaluate_bleu"), ["--model", nowhere, "--corpus", str(tmp_path / "none.tsv")],
+                        capsys, "does not exist")  # the corpus is read first
+    fails_with_one_line(script_main("visualize_attention"), ["--model", nowhere, "--source", "hi", "--output_dir",
+                                                             str(tmp_path / "maps")], capsys, "does not exist")
+    assert not (tmp_path / "maps").exists()
     translate_main = script_main("translate")
-    fails_with_one_line(translate_main, ["--model", str(tmp_path / "nowhere"), "hi"], capsys, "does not exist")
+    fails_with_one_line(translate_main, ["--model", nowhere, "hi"], capsys, "does not exist")
     (tmp_path / "empty").mkdir()
     fails_with_one_line(translate_main, ["--model", str(tmp_path / "empty"), "hi"], capsys, "has no config.json")
     no_weights = damaged_copy(good_checkpoint, tmp_path, lambda p: (p / "model.safetensors").unlink())
