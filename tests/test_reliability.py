@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer
 
@@ -145,20 +146,20 @@ def test_unexpected_tensor_is_refused_by_the_cli(good_checkpoint, tmp_path):
         load_translator(str(path), "cpu")
 
 
-def test_mismatched_tensor_shape_is_an_error(good_checkpoint, tmp_path):
-    path = damaged_copy(good_checkpoint, tmp_path, misshape_tensor)
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        VaswaniForConditionalGeneration.from_pretrained(path)
-    with pytest.raises(ValueError, match="do not have the shapes its config.json gives"):
-        load_translator(str(path), "cpu")
-
-
-@pytest.mark.parametrize("damage", [truncate_weights, corrupt_weights], ids=["truncated", "corrupted"])
-def test_truncated_or_corrupted_weights_are_an_error(good_checkpoint, tmp_path, damage):
+@pytest.mark.parametrize(
+    "damage, library_error, library_message, cli_message",
+    [
+        (misshape_tensor, RuntimeError, "ignore_mismatched_sizes", "do not have the shapes its config.json gives"),
+        (truncate_weights, SafetensorError, "incomplete metadata", "truncated or corrupted"),
+        (corrupt_weights, SafetensorError, "deserializing header", "truncated or corrupted"),
+    ],
+    ids=["mismatched-shape", "truncated", "corrupted"],
+)
+def test_damaged_weights_are_an_error(good_checkpoint, tmp_path, damage, library_error, library_message, cli_message):
     path = damaged_copy(good_checkpoint, tmp_path, damage)
-    with pytest.raises(Exception, match="deserializing header"):  # safetensors' SafetensorError
+    with pytest.raises(library_error, match=library_message):
         VaswaniForConditionalGeneration.from_pretrained(path)
-    with pytest.raises(ValueError, match="truncated or corrupted"):
+    with pytest.raises(ValueError, match=cli_message):
         load_translator(str(path), "cpu")
 
 
@@ -378,6 +379,20 @@ def test_resume_ignores_incomplete_checkpoints_and_removes_staging_directories(t
     assert not (output_dir / ".tmp-checkpoint-20").exists()
 
 
+def test_resume_from_checkpoint_path_must_be_a_complete_checkpoint(tmp_path):
+    fake_finished_model(tmp_path / "out", 10)
+    (tmp_path / "out" / "checkpoint-15").mkdir()
+    for step, expected in ((10, str(tmp_path / "out" / "checkpoint-10")), (15, None), (99, None)):
+        checkpoint = str(tmp_path / "out" / f"checkpoint-{step}")
+        args = VaswaniTrainingArguments(output_dir=str(tmp_path / "new"), resume_from_checkpoint=checkpoint,
+                                        report_to="none")
+        if expected:
+            assert prepare_output_dir(args) == expected
+        else:
+            with pytest.raises(FileNotFoundError, match="is not a complete checkpoint directory"):
+                prepare_output_dir(args)
+
+
 def test_overwrite_output_dir_deletes_old_checkpoints_only(tmp_path):
     output_dir = tmp_path / "out"
     fake_finished_model(output_dir, 5, 10)
@@ -401,7 +416,7 @@ def test_resume_with_another_configuration_is_refused(tmp_path):
         check_checkpoint_matches(str(checkpoint), VaswaniConfig.tiny())
 
 
-# Trainer faults (in this process, on a tiny fixed-length dataset) ------------------------------------------------------
+# Trainer faults (in this process, on a tiny fixed-length dataset) -------------------------------------------------
 
 
 def tiny_trainer(output_dir: Path, **overrides) -> VaswaniSeq2SeqTrainer:
@@ -588,7 +603,7 @@ def test_nothing_in_the_package_loads_pickles():
                 callee = ast.unparse(node.func)
                 keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
                 if callee.endswith("torch.load"):
-                    assert keywords.get("weights_only") == "True", f"{path.name}:{node.lineno}: {callee} without weights_only=True"
+                    assert keywords.get("weights_only") == "True", f"{path.name}:{node.lineno}: {callee}"
                 if callee.endswith("np.load") or callee.endswith("numpy.load"):
                     assert keywords.get("allow_pickle") in (None, "False"), f"{path.name}:{node.lineno}"
 

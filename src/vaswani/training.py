@@ -525,9 +525,9 @@ def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:
         raise ValueError(f"{checkpoint} holds a {model_type!r} model, not a Vaswani one; choose another "
                          "--output_dir or pass --overwrite_output_dir.")
     saved = VaswaniConfig.from_pretrained(checkpoint)
+    compared = [name for name in VaswaniConfig.__annotations__ if name != "use_cache"]  # the Trainer turns it off
     differences = [f"{name}={getattr(saved, name)!r} (this run: {getattr(config, name)!r})"
-                   for name in VaswaniConfig.__annotations__
-                   if name != "use_cache" and getattr(saved, name) != getattr(config, name)]  # the Trainer turns the cache off
+                   for name in compared if getattr(saved, name) != getattr(config, name)]
     if differences:
         raise ValueError(f"{checkpoint} was trained with {', '.join(differences)}; resume with the arguments of the "
                          "original run, or pass --overwrite_output_dir to start a new model.")
