@@ -64,7 +64,7 @@ def test_training_writes_a_complete_checkpoint(trained):
     _, output_dir, result = trained
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "configuration_vaswani.py", "modeling_vaswani.py", "README.md",
-                 "metrics.json", "training_args.json"):
+                 "metrics.json", "training_args.json", "pipeline_vaswani.py", "tokenization_vaswani.py"):
         assert (output_dir / name).is_file(), name
     assert not any(p.suffix in (".bin", ".pt", ".pth") for p in output_dir.iterdir())
     metrics = json.loads((output_dir / "metrics.json").read_text())
