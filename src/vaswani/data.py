@@ -209,7 +209,8 @@ def _open_binary(path: Path):
             is_gzip = probe.read(2) == b"\x1f\x8b"
         return gzip.open(path, "rb") if is_gzip else open(path, "rb")
     except OSError as err:
-        raise OSError(f"Cannot read corpus file {path}: {err.strerror or err}") from err
+        # Same exception type (PermissionError stays PermissionError), so the scripts report it in one line.
+        raise type(err)(f"Cannot read corpus file {path}: {err.strerror or err}") from err
 
 
 def _lines_until_truncation(stream, summary: ReadSummary) -> Iterator[bytes]:
