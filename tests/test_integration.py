@@ -327,3 +327,26 @@ def test_trainer_gradient_accumulation_equals_one_big_batch(model_class, tmp_pat
     with torch.no_grad():
         naive = {name: p - 0.5 * p.grad for name, p in model.named_parameters()}
     assert any(not torch.allclose(naive[name], expected[name], atol=1e-4) for name in expected)
+
+
+# torch.compile -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", [{}, {"position_embedding_type": "learned"}, {
+    "norm_first": True, "norm_type": "rmsnorm", "position_embedding_type": "rope", "ffn_activation": "swiglu",
+    "num_key_value_heads": 2}], ids=["paper", "learned_positions", "modern"])
+@pytest.mark.parametrize("model_class", [VaswaniForConditionalGeneration, VaswaniForCausalLM])
+def test_forward_compiles_without_graph_breaks(model_class, variant):
+    """`_can_compile_fullgraph = True` is a promise: the whole forward must trace as one graph, also while decoding
+    with a static cache. The "eager" backend runs dynamo's tracing without inductor's code generation (seconds, not
+    minutes, on CPU); a graph break raises under fullgraph=True."""
+    config = tiny_config(**variant)
+    model = model_class(config).eval()
+    ids, mask = padded_batch(config, [6, 4], seed=1, side="left" if model_class is VaswaniForCausalLM else "right")
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                              do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                            do_sample=False, cache_implementation="static")
+    assert torch.equal(tokens, expected)

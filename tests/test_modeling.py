@@ -529,3 +529,61 @@ def test_labels_are_predicted_position_by_position_no_double_shift():
     outputs = causal(input_ids=ids, labels=ids)
     assert torch.equal(outputs.logits.argmax(-1)[:, :-1], ids[:, 1:])
     assert outputs.loss < 1e-3
+
+
+# Paper fidelity of the embedding layer -----------------------------------------------------------------------------
+
+
+def test_embedding_is_scaled_tokens_plus_the_papers_sinusoids():
+    """§3.4: token embeddings × √d_model; §3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+    config = tiny_config()
+    model = VaswaniModel(config).eval()
+    ids = random_ids(config, 2, 11)
+    position = torch.arange(11, dtype=torch.float64)[:, None]
+    i = torch.arange(config.d_model // 2, dtype=torch.float64)[None]
+    angle = position / 10000 ** (2 * i / config.d_model)
+    table = torch.zeros(11, config.d_model, dtype=torch.float64)
+    table[:, 0::2], table[:, 1::2] = angle.sin(), angle.cos()
+    expected = model.encoder.embed_tokens.weight[ids].double() * config.d_model**0.5 + table
+    with torch.no_grad():
+        for stack in (model.encoder, model.decoder):  # the decoder shares the table and the positions
+            embedded, rotary = stack.embed(ids, None, None)
+            assert rotary is None
+            torch.testing.assert_close(embedded.double(), expected, atol=1e-5, rtol=0)
+
+
+# Heads -------------------------------------------------------------------------------------------------------------
+
+
+def test_sequence_classification_loss_and_padding_invariance():
+    config = tiny_config(num_labels=3)
+    model = VaswaniForSequenceClassification(config).eval()
+    ids, mask = padded_batch(config, [6, 3], seed=1)
+    labels = torch.tensor([2, 0])
+    outputs = model(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(outputs.loss, F.cross_entropy(outputs.logits, labels))
+    with torch.no_grad():  # mean pooling covers real tokens only: appended padding changes nothing
+        padded = model(input_ids=F.pad(ids, (0, 4)), attention_mask=F.pad(mask, (0, 4))).logits
+    torch.testing.assert_close(padded, outputs.logits.detach(), atol=1e-5, rtol=0)
+
+
+def test_causal_lm_leaves_the_callers_config_alone():
+    """A decoder-only model turns `is_encoder_decoder` off on its own copy; a translation model built from the
+    same config object must still run its encoder in generate()."""
+    config = tiny_config()
+    translator = VaswaniForConditionalGeneration(config)
+    language_model = VaswaniForCausalLM(config)
+    assert config.is_encoder_decoder and translator.config.is_encoder_decoder
+    assert not language_model.config.is_encoder_decoder
+    tokens = translator.generate(input_ids=random_ids(config, 1, 4), max_new_tokens=2, min_new_tokens=2)
+    assert tokens.shape == (1, 3)
+
+
+def test_zero_decoder_layers_still_generate():
+    """`decoder_layers=0` is allowed by the config (an embedding-only bigram model); it must not break caching."""
+    for model_class in GENERATIVE:
+        model = model_class(tiny_config(decoder_layers=0)).eval()
+        ids = random_ids(model.config, 2, 4)
+        assert model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3).shape[1] == (
+            4 if model.config.is_encoder_decoder else 7
+        )

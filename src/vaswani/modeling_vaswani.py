@@ -12,6 +12,7 @@ and the models with their heads. One attention class plays the paper's three rol
 Shapes: batch B, source length S, target length T, heads H, key/value heads K, head dim D, width d_model.
 """
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -54,6 +55,13 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
 def _inverse_frequencies(dim: int, base: float, device: torch.device) -> torch.Tensor:
     """1 / base^(2i/dim) for i = 0 … dim/2 - 1: the wavelengths of both the sinusoids and the rotations."""
     return 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+
+
+def positions_after(past_length: int | torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+    """Position ids past_length … past_length + length - 1, shape (1, length). Written as arange + offset, not
+    arange(past, past + length): a static cache reports past_length as a tensor, and under torch.compile only the
+    former keeps the length static."""
+    return (torch.arange(length, device=device) + past_length)[None]
 
 
 class VaswaniSinusoidalPositionalEmbedding(nn.Module):
@@ -471,14 +479,19 @@ class VaswaniStack(VaswaniPreTrainedModel):
             self._check_token_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)
         seq_length = inputs_embeds.shape[1]
-        if self.config.position_embedding_type == "learned" and past_length + seq_length > self.config.max_position_embeddings:
+        # Skipped under torch.compile: with a static cache past_length is a tensor, and the test a data-dependent branch.
+        if (
+            self.config.position_embedding_type == "learned"
+            and not torch.compiler.is_compiling()
+            and past_length + seq_length > self.config.max_position_embeddings
+        ):
             raise ValueError(
                 f"Sequence of {past_length + seq_length} positions is longer than the {self.config.max_position_embeddings} "
                 "learned positions of this model; truncate the input (tokenizer(..., truncation=True, max_length=...)) "
                 "or use sinusoidal/rope positions, which extend to any length."
             )
         if position_ids is None:
-            position_ids = torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device)[None]
+            position_ids = positions_after(past_length, seq_length, inputs_embeds.device)
         hidden_states = inputs_embeds * self.embed_scale
         position_embeddings = None
         if self.rotary_emb is not None:
@@ -576,9 +589,10 @@ class VaswaniDecoder(VaswaniStack):
         )
         # Generation feeds one new token per step: its position continues after the cached ones.
         past_length = self_attention_cache.get_seq_length() if self_attention_cache is not None else 0
-        hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids, past_length)
         if position_ids is None:
-            position_ids = torch.arange(past_length, past_length + hidden_states.shape[1], device=hidden_states.device)[None]
+            tokens = input_ids if input_ids is not None else inputs_embeds
+            position_ids = positions_after(past_length, tokens.shape[1], tokens.device)
+        hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids, past_length)
 
         causal_mask = create_causal_mask(
             config=self.config,
@@ -784,6 +798,9 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: VaswaniConfig):
+        # generate() reads is_encoder_decoder, which must be False here. Flip it on a copy: the caller's config may
+        # also serve a translation model, whose generate() would otherwise stop running the encoder.
+        config = copy.deepcopy(config)
         config.is_encoder_decoder = False
         super().__init__(config)
         self.model = VaswaniDecoder(config, cross_attention=False)
