@@ -223,7 +223,7 @@ def test_variant_forward_backward_save_reload_generate(variant, model_class, tmp
         if model_class is VaswaniForCausalLM:  # prompts are left-padded for generation
             generate_inputs = dict(zip(("input_ids", "attention_mask"), padded_batch(config, [7, 5, 3], 1, "left")))
         tokens = model.generate(**generate_inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        prompt_length = 1 if config.is_encoder_decoder else length  # seq2seq outputs start with decoder_start
+        prompt_length = 1 if model.config.is_encoder_decoder else length  # seq2seq outputs start with decoder_start
         assert tokens.shape == (batch, prompt_length + 4)
         assert torch.equal(tokens, reloaded.generate(**generate_inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False))
 
