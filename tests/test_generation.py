@@ -113,7 +113,9 @@ def test_stepwise_cache_api_matches_full_forward(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("strategy", [{"do_sample": False}, {"do_sample": False, "num_beams": 4}], ids=["greedy", "beam4"])
+@pytest.mark.parametrize(
+    "strategy", [{"do_sample": False}, {"do_sample": False, "num_beams": 4}], ids=["greedy", "beam4"]
+)
 def test_causal_lm_left_padded_batch_equals_one_prompt_at_a_time(variant, strategy):
     model, inputs = causal(variant)
     batched = model.generate(**inputs, **strategy, **FIXED_LENGTH)
@@ -136,8 +138,9 @@ def test_seq2seq_padded_batch_equals_one_source_at_a_time():
 def test_cross_attention_keys_and_values_are_projected_once(strategy, cache_implementation):
     model, inputs = seq2seq("paper")
     calls = []
-    hooks = [layer.encoder_attn.k_proj.register_forward_hook(lambda *_: calls.append(1)) for layer in model.model.decoder.layers]
-    hooks += [layer.encoder_attn.v_proj.register_forward_hook(lambda *_: calls.append(1)) for layer in model.model.decoder.layers]
+    projections = [layer.encoder_attn.k_proj for layer in model.model.decoder.layers]
+    projections += [layer.encoder_attn.v_proj for layer in model.model.decoder.layers]
+    hooks = [projection.register_forward_hook(lambda *_: calls.append(1)) for projection in projections]
     out = model.generate(**inputs, do_sample=False, **strategy, **FIXED_LENGTH,
                          cache_implementation=cache_implementation, return_dict_in_generate=True)
     for hook in hooks:

@@ -147,7 +147,8 @@ def test_translation_checkpoint_encoder_loads_into_the_encoder_heads(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"tie_word_embeddings": False}, {"share_embeddings": False}, {"share_embeddings": False, "tie_word_embeddings": False}],
+    [{}, {"tie_word_embeddings": False}, {"share_embeddings": False},
+     {"share_embeddings": False, "tie_word_embeddings": False}],
     ids=["shared_tied", "shared_untied", "unshared_tied", "unshared_untied"],
 )
 def test_resize_token_embeddings_seq2seq(overrides):
@@ -192,8 +193,12 @@ def test_out_of_vocabulary_ids_raise_a_helpful_error():
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
-@pytest.mark.parametrize("model_class", [VaswaniForConditionalGeneration, VaswaniForCausalLM, VaswaniForSequenceClassification])
-@pytest.mark.parametrize("variant", [{}, {"norm_first": True, "position_embedding_type": "rope"}], ids=["paper", "pre_rope"])
+@pytest.mark.parametrize(
+    "model_class", [VaswaniForConditionalGeneration, VaswaniForCausalLM, VaswaniForSequenceClassification]
+)
+@pytest.mark.parametrize(
+    "variant", [{}, {"norm_first": True, "position_embedding_type": "rope"}], ids=["paper", "pre_rope"]
+)
 def test_gradient_checkpointing_gives_the_same_gradients(model_class, variant):
     config = tiny_config(**variant)
     source, source_mask = padded_batch(config, [7, 5], seed=1)

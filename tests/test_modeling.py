@@ -222,10 +222,11 @@ def test_variant_forward_backward_save_reload_generate(variant, model_class, tmp
         generate_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
         if model_class is VaswaniForCausalLM:  # prompts are left-padded for generation
             generate_inputs = dict(zip(("input_ids", "attention_mask"), padded_batch(config, [7, 5, 3], 1, "left")))
-        tokens = model.generate(**generate_inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        greedy = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+        tokens = model.generate(**generate_inputs, **greedy)
         prompt_length = 1 if model.config.is_encoder_decoder else length  # seq2seq outputs start with decoder_start
         assert tokens.shape == (batch, prompt_length + 4)
-        assert torch.equal(tokens, reloaded.generate(**generate_inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False))
+        assert torch.equal(tokens, reloaded.generate(**generate_inputs, **greedy))
 
 
 def assert_same_sharing(model, reloaded):
@@ -408,8 +409,9 @@ def test_future_target_tokens_never_change_earlier_outputs(variant, implementati
         model = model_class(variant_config(variant)).eval()
         model.set_attn_implementation(implementation)
         target = random_ids(config, 2, 7, seed=3)
-        extra = {"input_ids": random_ids(config, 2, 5, seed=4)} if model_class is VaswaniForConditionalGeneration else {}
-        key = "decoder_input_ids" if extra else "input_ids"
+        seq2seq = model_class is VaswaniForConditionalGeneration
+        extra = {"input_ids": random_ids(config, 2, 5, seed=4)} if seq2seq else {}
+        key = "decoder_input_ids" if seq2seq else "input_ids"
         with torch.no_grad():
             reference = model(**extra, **{key: target}).logits
             for t in range(1, 7):

@@ -96,7 +96,8 @@ def exact_match(model, kind: str) -> float:
         else:
             prompts = [prompt(s) for s in sequences]
             prompt_ids = pad(prompts, PAD, left=True)  # batched prompts of different lengths: left padding
-            generated = model.generate(input_ids=prompt_ids, attention_mask=pad([torch.ones_like(p) for p in prompts], 0, left=True),
+            prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, left=True)
+            generated = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                        max_new_tokens=MAX_LENGTH + 1, do_sample=False)[:, prompt_ids.shape[1]:]
     hits = 0
     for digits, tokens in zip(sequences, generated):

@@ -479,7 +479,7 @@ class VaswaniStack(VaswaniPreTrainedModel):
             self._check_token_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)
         seq_length = inputs_embeds.shape[1]
-        # Skipped under torch.compile: with a static cache past_length is a tensor, and the test a data-dependent branch.
+        # Skipped under torch.compile: a static cache's past_length is a tensor, making this a data-dependent branch.
         if (
             self.config.position_embedding_type == "learned"
             and not torch.compiler.is_compiling()
@@ -723,8 +723,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         self.model = VaswaniModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # §3.4: the pre-softmax projection shares the embedding matrix.
-        embedding = "model.encoder.embed_tokens.weight" if config.share_embeddings else "model.decoder.embed_tokens.weight"
-        self._tied_weights_keys = {"lm_head.weight": embedding}
+        embedding = "model.encoder" if config.share_embeddings else "model.decoder"
+        self._tied_weights_keys = {"lm_head.weight": f"{embedding}.embed_tokens.weight"}
         self.post_init()
 
     def get_encoder(self):
