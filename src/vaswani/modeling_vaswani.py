@@ -722,9 +722,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = VaswaniModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        # §3.4: the pre-softmax projection shares the embedding matrix.
-        embedding = "model.encoder" if config.share_embeddings else "model.decoder"
-        self._tied_weights_keys = {"lm_head.weight": f"{embedding}.embed_tokens.weight"}
+        # §3.4: the pre-softmax projection shares the decoder's embedding matrix; with shared embeddings that is the
+        # encoder's, the copy stored in checkpoints.
+        side = "encoder" if config.share_embeddings else "decoder"
+        self._tied_weights_keys = {"lm_head.weight": f"model.{side}.embed_tokens.weight"}
         self.post_init()
 
     def get_encoder(self):
