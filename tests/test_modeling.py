@@ -374,6 +374,7 @@ def test_encoder_and_cross_attention_are_not_causal(implementation, with_mask):
 
 
 @pytest.mark.slow  # FlexAttention is compiled by inductor: ~10 s per distinct mask and shape on CPU
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit / create_block_mask(_compile=) inside libraries
 def test_flex_attention_matches_eager_and_is_not_causal():
     """One padded GQA batch through all three attention roles; then a later source token of the full-length row
     is changed (same shapes, so no recompilation) and must reach earlier encoder outputs and the first decoder
