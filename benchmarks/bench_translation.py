@@ -3,9 +3,10 @@ weight shapes), and CTranslate2 running that Marian model (fp32 and int8 on CPU)
 
 Identical work across engines: the same English sentences from the real corpus, tokenized once by the project's
 joint BPE, sorted by length and cut into the same batches; every engine generates exactly `--new_tokens` tokens per
-sentence. Random weights would otherwise stop at arbitrary points, so the end-of-sentence token is suppressed
-until then (`min_new_tokens` = `max_new_tokens` in transformers, `min_decoding_length` = `max_decoding_length` in
-CTranslate2) and the count is checked on every output. Only warm runs are timed.
+sentence. Random weights would otherwise stop at arbitrary points, so nothing stops at the end-of-sentence token:
+transformers runs `max_new_tokens` steps with `eos_token_id=None` (no stopping criterion and no logits processor,
+so no extra work), CTranslate2 gets `min_decoding_length` = `max_decoding_length` (it masks EOS in place, a
+negligible cost), and the count is checked on every output. Only warm runs are timed.
 
     python benchmarks/bench_translation.py                     # GPU defaults: 3,000 sentences, batch 1/32/256
     python benchmarks/bench_translation.py --device cpu --batch_sizes 32 --num_sentences 320
@@ -59,8 +60,8 @@ class TorchEngine:
                 attention_mask=ids != self.pad,
                 num_beams=beams,
                 do_sample=False,
-                min_new_tokens=new_tokens,
                 max_new_tokens=new_tokens,
+                eos_token_id=None,  # no stopping on EOS: exactly new_tokens steps (see the module docstring)
             )
         return [out.shape[1] - 1] * len(batch)  # the first column is the decoder start token
 
@@ -175,9 +176,10 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"the project's joint BPE ({len(tokenizer)} tokens; mean source length "
         f"{settings['source_tokens_mean']:.1f} tokens incl. </s>), sorted by length and batched identically "
         "for every engine.",
-        f"Identical work: every engine generates exactly {args.new_tokens} tokens per sentence (EOS suppressed "
-        "until then: min_new_tokens = max_new_tokens in transformers, min_decoding_length = max_decoding_length "
-        "in CTranslate2), verified on every output. Output tokens/s = sentences × new tokens / seconds.",
+        f"Identical work: every engine generates exactly {args.new_tokens} tokens per sentence, verified on every "
+        "output: transformers with max_new_tokens and eos_token_id=None (no EOS stopping, no logits processor), "
+        "CTranslate2 with min_decoding_length = max_decoding_length (EOS masked in place). Output tokens/s = "
+        "sentences × new tokens / seconds.",
         "Random weights (speed does not depend on their values once the output length is fixed). Marian and "
         "CTranslate2 run the same Marian weights; Vaswani has the same weight shapes (Marian adds its own last "
         "<pad> row, from which it starts decoding).",
