@@ -65,6 +65,15 @@ def test_config_validates_when_loaded_from_a_dict():
         VaswaniConfig.from_dict({**VaswaniConfig.tiny().to_dict(), "norm_type": "scalenorm"})
 
 
+def test_config_of_another_model_type_is_refused(tmp_path):
+    """transformers only warns and would build a randomly initialised model from, say, a BERT config.json."""
+    with pytest.raises(ValueError, match="model_type"):
+        VaswaniConfig.from_dict({"model_type": "bert", "hidden_size": 32})
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 32}')
+    with pytest.raises(ValueError, match="model_type"):
+        VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+
+
 def test_presets_have_the_papers_values():
     base = VaswaniConfig.base()
     assert (base.d_model, base.encoder_layers, base.decoder_layers, base.num_attention_heads, base.d_ff) == (
@@ -482,6 +491,17 @@ def test_loss_ignores_minus_100_and_smooths_labels_only_in_training():
         expected = F.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), causal_labels[:, 1:].flatten(),
                                    ignore_index=-100, label_smoothing=smoothing)
         torch.testing.assert_close(outputs.loss, expected)
+
+
+def test_bad_inputs_are_value_errors_that_say_what_is_wrong():
+    model = VaswaniForConditionalGeneration(tiny_config())
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # an input id
+        model(input_ids=torch.tensor([[5, 99]]), decoder_input_ids=torch.tensor([[3]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # a label id (-100 is fine)
+        model(input_ids=torch.tensor([[5, 6]]), labels=torch.tensor([[7, -100, 120]]))
+    for shape in [(0, 5), (2, 0)]:
+        with pytest.raises(ValueError, match="empty batch"):
+            model(input_ids=torch.zeros(shape, dtype=torch.long), decoder_input_ids=torch.full((shape[0], 1), 3))
 
 
 def test_loss_divides_by_num_items_in_batch_when_given():

@@ -97,6 +97,17 @@ class VaswaniConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self._check()
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # transformers only warns about another model_type and would then build a randomly initialised Vaswani model.
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(
+                f"This is a `{model_type}` checkpoint, not a `{cls.model_type}` one (config.json's model_type); load it "
+                "with its own model class."
+            )
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_attention_heads

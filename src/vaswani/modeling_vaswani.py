@@ -475,6 +475,9 @@ class VaswaniStack(VaswaniPreTrainedModel):
 
     def embed(self, input_ids, inputs_embeds, position_ids, past_length: int = 0):
         """Returns the first layer's input and the rotary (cos, sin) — None unless RoPE."""
+        batch_size, seq_length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if batch_size == 0 or seq_length == 0:  # would fail later in a reshape that does not say why
+            raise ValueError(f"Got an empty batch of shape ({batch_size}, {seq_length}): pass at least one token.")
         if inputs_embeds is None:
             self._check_token_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)
@@ -633,6 +636,14 @@ def _token_loss(logits, labels, label_smoothing: float, num_items_in_batch=None)
     Summed, then divided by `num_items_in_batch` when the Trainer passes it: with gradient accumulation each
     micro-batch is then weighted by its share of the tokens, so 1×N and N×1 batches give the same update.
     """
+    if not torch.compiler.is_compiling():
+        # Otherwise torch's "Target … is out of bounds" (or a device-side assert on CUDA) names neither cause.
+        out_of_range = (labels != -100) & ((labels < 0) | (labels >= logits.shape[-1]))
+        if out_of_range.any():
+            raise ValueError(
+                f"Label id {int(labels[out_of_range][0])} is outside the vocabulary [0, {logits.shape[-1]}); only -100 "
+                "may mark ignored positions, and the tokenizer and the model's vocab_size must agree."
+            )
     loss = F.cross_entropy(
         logits.float().flatten(0, -2),
         labels.to(logits.device).flatten(),
