@@ -21,6 +21,7 @@ from vaswani import (
     VaswaniForSequenceClassification,
     VaswaniModel,
 )
+from vaswani.modeling_vaswani import shift_tokens_right
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -161,8 +162,6 @@ def model_inputs(model_class, config: VaswaniConfig) -> dict:
         labels, label_mask = padded_batch(config, [4, 6, 2], seed=2)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if model_class is VaswaniModel:
-            from vaswani.modeling_vaswani import shift_tokens_right
-
             decoder_input_ids = shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id)
             return {**inputs, "decoder_input_ids": decoder_input_ids}
         return {**inputs, "labels": labels.masked_fill(label_mask == 0, -100)}
@@ -172,6 +171,19 @@ def model_inputs(model_class, config: VaswaniConfig) -> dict:
     if model_class is VaswaniForSequenceClassification:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": torch.tensor([0, 1, 1])}
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def expected_shape(model_class, config: VaswaniConfig, inputs: dict) -> tuple:
+    batch, length = inputs["input_ids"].shape
+    if model_class is VaswaniModel:
+        return batch, inputs["decoder_input_ids"].shape[1], config.d_model
+    if model_class is VaswaniForConditionalGeneration:
+        return batch, inputs["labels"].shape[1], config.vocab_size
+    if model_class is VaswaniForCausalLM:
+        return batch, length, config.vocab_size
+    if model_class is VaswaniEncoderModel:
+        return batch, length, config.d_model
+    return batch, config.num_labels
 
 
 def main_output(model_class, outputs) -> torch.Tensor:
@@ -198,14 +210,7 @@ def test_variant_forward_backward_save_reload_generate(variant, model_class, tmp
     model.eval()
     with torch.no_grad():
         outputs = model(**inputs)
-    expected = {
-        VaswaniModel: lambda: (batch, inputs["decoder_input_ids"].shape[1], config.d_model),
-        VaswaniForConditionalGeneration: lambda: (batch, inputs["labels"].shape[1], config.vocab_size),
-        VaswaniForCausalLM: lambda: (batch, length, config.vocab_size),
-        VaswaniEncoderModel: lambda: (batch, length, config.d_model),
-        VaswaniForSequenceClassification: lambda: (batch, config.num_labels),
-    }[model_class]()
-    assert main_output(model_class, outputs).shape == expected
+    assert main_output(model_class, outputs).shape == expected_shape(model_class, config, inputs)
     assert torch.isfinite(main_output(model_class, outputs)).all()
 
     # Backward, in training mode (dropout and label smoothing on): every parameter takes part.
