@@ -276,8 +276,9 @@ def _collate(examples: list[dict]) -> dict:
         longest = max(len(e[key]) for e in examples)
         return torch.stack([torch.nn.functional.pad(e[key], (0, longest - len(e[key])), value=value) for e in examples])
 
+    lengths = torch.tensor([len(e["input_ids"]) for e in examples])
     input_ids = pad("input_ids", 0)
-    attention_mask = pad("input_ids", -1).ne(-1).long()
+    attention_mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": pad("labels", -100)}
 
 
