@@ -182,9 +182,6 @@ def test_checkpoint_of_another_model_type_is_refused_by_the_cli(bert_checkpoint)
         load_translator(str(bert_checkpoint), "cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="needs fix in configuration_vaswani.py: VaswaniConfig.from_dict must raise "
-                                       "ValueError when config_dict['model_type'] is not 'vaswani' (transformers only "
-                                       "warns, then every weight is newly initialised)")
 def test_checkpoint_of_another_model_type_is_refused_by_from_pretrained(bert_checkpoint):
     with pytest.raises(ValueError, match="model_type"):
         VaswaniForConditionalGeneration.from_pretrained(bert_checkpoint)
@@ -216,18 +213,12 @@ def test_token_ids_outside_the_vocabulary_are_a_value_error(bad_id):
         model(input_ids=input_ids, decoder_input_ids=torch.tensor([[3]]))
 
 
-@pytest.mark.xfail(strict=True, reason="needs fix in modeling_vaswani.py: _token_loss must check labels (other than "
-                                       "-100) against vocab_size and raise ValueError; today torch's cross_entropy "
-                                       "raises 'IndexError: Target 120 is out of bounds'")
 def test_labels_outside_the_vocabulary_are_a_value_error():
     model = VaswaniForConditionalGeneration(tiny_config())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model(input_ids=torch.tensor([[5, 6]]), labels=torch.tensor([[7, 120]]))
 
 
-@pytest.mark.xfail(strict=True, reason="needs fix in modeling_vaswani.py: VaswaniStack.embed must raise ValueError "
-                                       "for an empty batch or a zero-length sequence; today _split_heads fails in "
-                                       "torch with 'cannot reshape tensor of 0 elements'")
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0)], ids=["no-rows", "no-tokens"])
 def test_empty_batches_are_a_value_error(shape):
     model = VaswaniForConditionalGeneration(tiny_config())
