@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     sample_sentences,
     timed,
     vaswani_config,
+    settings_of,
     write_report,
 )
 
@@ -100,14 +101,14 @@ def run(args: argparse.Namespace, argv) -> Path:
     for r in cache_rows:
         r["vs_mha"] = r["bytes_per_token"] / base if base else None
 
-    settings = {
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "batch_tokens": batch_tokens,
-        "sequences_per_batch": batch_of,
-        "peak_tflops": peak_tflops,
-        "corpus": str(corpus),
-        "vocab_size_actual": len(tokenizer),
-    }
+    settings = settings_of(
+        args,
+        batch_tokens=batch_tokens,
+        sequences_per_batch=batch_of,
+        peak_tflops=peak_tflops,
+        corpus=str(corpus),
+        vocab_size_actual=len(tokenizer),
+    )
     config = vaswani_config(args.preset, len(tokenizer))
     notes = [
         f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
@@ -256,7 +257,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode_batch", type=int, default=None, help="default 8 CUDA, 1 CPU")
     parser.add_argument("--decode_tokens", type=int, default=32)
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU")
-    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
     return parser
 
 

@@ -35,6 +35,7 @@ from common import (  # noqa: E402
     pick_device,
     timed,
     vaswani_config,
+    settings_of,
     write_report,
 )
 
@@ -185,17 +186,17 @@ def run(args: argparse.Namespace, argv) -> Path:
 
     _add_ratios(rows)
     padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
-    settings = {
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "batch_tokens": batch_tokens,
-        "steps": steps,
-        "warmup_steps": warmup,
-        "peak_tflops": peak_tflops,
-        "corpus": str(corpus),
-        "vocab_size_actual": len(tokenizer),
-        "batch_sizes_sentences": [len(s) for s, _ in timed_batches],
-        "padding_fraction": 1 - (source_tokens + target_tokens) / padded,
-    }
+    settings = settings_of(
+        args,
+        batch_tokens=batch_tokens,
+        steps=steps,
+        warmup_steps=warmup,
+        peak_tflops=peak_tflops,
+        corpus=str(corpus),
+        vocab_size_actual=len(tokenizer),
+        batch_sizes_sentences=[len(s) for s, _ in timed_batches],
+        padding_fraction=1 - (source_tokens + target_tokens) / padded,
+    )
     notes = [
         f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
         f"tokens), bucketed by length into batches of at most {batch_tokens} padded tokens per side, shuffled "
@@ -260,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--peak_tflops", type=float, default=None,
                         help="the device's dense bf16 peak, for MFU on GPUs not in common.BF16_PEAK_TFLOPS")
-    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
     return parser
 
 

@@ -36,6 +36,7 @@ from common import (  # noqa: E402
     sample_sentences,
     timed,
     vaswani_config,
+    settings_of,
     write_report,
 )
 
@@ -163,14 +164,14 @@ def run(args: argparse.Namespace, argv) -> Path:
             for engine in engines.values():
                 engine.close()
 
-    settings = {
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "engines": names,
-        "corpus": str(corpus),
-        "vocab_size_actual": len(tokenizer),
-        "source_tokens_total": sum(map(len, source_ids)),
-        "source_tokens_mean": sum(map(len, source_ids)) / len(source_ids),
-    }
+    settings = settings_of(
+        args,
+        engines=names,
+        corpus=str(corpus),
+        vocab_size_actual=len(tokenizer),
+        source_tokens_total=sum(map(len, source_ids)),
+        source_tokens_mean=sum(map(len, source_ids)) / len(source_ids),
+    )
     notes = [
         f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from {corpus.name}, tokenized by "
         f"the project's joint BPE ({len(tokenizer)} tokens; mean source length "
@@ -292,7 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_sentences", type=int, default=3000)
     parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per sentence")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
-    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
     return parser
 
 

@@ -453,6 +453,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--output_name", default=None, help="result file stem; default <benchmark>-<device>")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
+
+
+def settings_of(args: argparse.Namespace, **extra) -> dict:
+    """The run's arguments (paths as strings) and whatever else the report should record."""
+    return {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **extra}
 
 
 def csv_of(cast: Callable[[str], object]) -> Callable[[str], list]:

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     pick_device,
     sample_sentences,
     vaswani_config,
+    settings_of,
     write_report,
 )
 
@@ -292,11 +293,11 @@ def run(args: argparse.Namespace, argv) -> Path:
     gemm = gemm_gflops([(args.batch_size, config.d_model, config.d_ff), (rows_m, config.d_model, config.d_ff),
                         (args.batch_size, config.d_model, config.vocab_size), (rows_m, config.d_model, config.vocab_size),
                         (args.batch_tokens, config.d_model, config.d_ff)])
-    settings = {
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "source_lengths": source_lengths, "train_batch_sentences": len(train_batch[1][0]),
-        "gemm_gflops": gemm, "load_average_end": os.getloadavg()[0],
-    }
+    settings = settings_of(
+        args,
+        source_lengths=source_lengths, train_batch_sentences=len(train_batch[1][0]),
+        gemm_gflops=gemm, load_average_end=os.getloadavg()[0],
+    )
     notes = [
         f"One batch of {args.batch_size} sentences (the middle batch of the translation benchmark's length-sorted "
         f"{args.num_sentences}-sentence sample; source lengths {min(source_lengths)}–{max(source_lengths)}), "
