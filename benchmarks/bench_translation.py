@@ -40,7 +40,8 @@ from common import (  # noqa: E402
     write_report,
 )
 
-# About the 95th percentile of the French reference length in tokens (mean 8) under the 32k joint BPE.
+# The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
+# percentile 14, 99th 18.
 DEFAULT_NEW_TOKENS = 16
 
 
