@@ -1,5 +1,6 @@
 """Translation throughput: sentences/s and output tokens/s of greedy and beam search, Vaswani vs Marian (same
-weight shapes), and CTranslate2 running that Marian model (fp32 and int8 on CPU).
+weight shapes), and on CPU Vaswani's opt-in int8 path (`vaswani.inference.quantize_for_cpu`) and CTranslate2
+running that Marian model (fp32 and int8).
 
 Identical work across engines: the same English sentences from the real corpus, tokenized once by the project's
 joint BPE, sorted by length and cut into the same batches; every engine generates exactly `--new_tokens` tokens per
@@ -19,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from vaswani.inference import quantize_for_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -40,18 +43,24 @@ from common import (  # noqa: E402
     write_report,
 )
 
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-int8": "Vaswani int8"}
+
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
 DEFAULT_NEW_TOKENS = 16
 
 
 class TorchEngine:
-    """A transformers model translating through `generate()`, as a user would call it."""
+    """A transformers model translating through `generate()`, as a user would call it; `vaswani-int8` is the
+    Vaswani model after `quantize_for_cpu` (fp32 weights quantized once at load, as `--int8` does in the scripts)."""
 
     def __init__(self, name, config, tokenizer, device, seed):
-        self.model = build_seq2seq(name, config, device, device.dtype, seed).eval()
+        int8 = name == "vaswani-int8"
+        self.model = build_seq2seq("vaswani" if int8 else name, config, device, device.dtype, seed).eval()
+        self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
+        if int8:
+            self.model = quantize_for_cpu(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
-        self.parameters = count_parameters(self.model)
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
         width = max(map(len, batch))
@@ -136,7 +145,7 @@ class _MarianVocabulary:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    names = args.engines or (["vaswani", "marian"] if device.is_cuda else ["vaswani", "marian", "ct2-float32", "ct2-int8"])
+    names = args.engines or (["vaswani", "marian"] if device.is_cuda else ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8"])
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     sentences = sample_sentences(pairs, args.num_sentences, args.seed)
     source_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
@@ -190,8 +199,10 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"alike; seconds = sum over batches of the fastest of {args.repeats} repeat(s). Input tensors are built "
         "inside the timed call.",
         f"Precision {str(device.dtype).removeprefix('torch.')}; PyTorch engines call `generate()` with the "
-        "default attention implementation (sdpa). CTranslate2 int8 = int8 weights, dynamically quantized "
-        "activations; inter_threads 1, intra_threads = torch threads.",
+        "default attention implementation (sdpa). Vaswani int8 = the same fp32 model after "
+        "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
+        "int8 weights per output channel, activations quantized per call). CTranslate2 int8 = int8 weights, "
+        "dynamically quantized activations; inter_threads 1, intra_threads = torch threads.",
         "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
         "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
     ]
@@ -208,6 +219,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("tokens_per_s", "output tokens/s", "{:.0f}"),
         Column("vs_marian", "× Marian", "{:.2f}"),
         Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
+        Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"),
         Column("peak_mib", "peak MiB", "{:.0f}"),
         Column("load_average", "load avg", "{:.1f}"),
     ]
@@ -265,14 +277,17 @@ def _sum_or_none(*values):
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """× Marian: this engine's tokens/s over HF Marian's; Vaswani ×: Vaswani's tokens/s over this engine's."""
+    """× Marian: this engine's tokens/s over HF Marian's; Vaswani ×: Vaswani's (fp32) tokens/s over this engine's;
+    × CT2 int8: this engine's tokens/s over CTranslate2 int8's."""
     key = lambda r: (r["size"], r["batch_size"], r["beams"])  # noqa: E731
     by_engine = {(key(r), r["engine"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         marian = by_engine.get((key(r), "marian"))
         vaswani = by_engine.get((key(r), "vaswani"))
+        ct2_int8 = by_engine.get((key(r), "ct2-int8"))
         r["vs_marian"] = r["tokens_per_s"] / marian if marian and r["engine"] != "marian" else None
         r["vaswani_vs"] = vaswani / r["tokens_per_s"] if vaswani and r["engine"] != "vaswani" else None
+        r["vs_ct2_int8"] = r["tokens_per_s"] / ct2_int8 if ct2_int8 and r["engine"] != "ct2-int8" else None
 
 
 def _progress(row: dict) -> str:
@@ -287,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani, marian, ct2-<compute type> (ct2-float32, ct2-int8, ct2-bfloat16 …); "
-                        "default: vaswani,marian on CUDA, plus ct2-float32,ct2-int8 on CPU")
+                        help="vaswani, vaswani-int8 (CPU only), marian, ct2-<compute type> (ct2-float32, ct2-int8, "
+                        "ct2-bfloat16 …); default: vaswani,marian on CUDA, plus vaswani-int8,ct2-float32,ct2-int8 on CPU")
     parser.add_argument("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     parser.add_argument("--num_sentences", type=int, default=3000)

@@ -2,6 +2,7 @@
 """BLEU, chrF and TER (sacreBLEU, multi-reference) of a checkpoint on a held-out split or on files.
 
     python scripts/evaluate_bleu.py --model outputs/en-fr                      # fra-eng test split
+    python scripts/evaluate_bleu.py --model outputs/en-fr --device cpu --int8          # int8 CPU decoding
     python scripts/evaluate_bleu.py --model outputs/en-fr --source_file src.en --reference_file ref1.fr --reference_file ref2.fr
 """
 
@@ -11,6 +12,7 @@ import json
 from vaswani.cli import generation_limits, load_translator, read_lines, user_errors_exit, write_atomically
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import evaluate_model
+from vaswani.inference import quantize_for_cpu
 
 
 @user_errors_exit
@@ -27,6 +29,8 @@ def main(argv=None):
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers "
+                        "(CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--output_file", help="write metrics and hypotheses as JSON here")
     args = parser.parse_args(argv)
     for name in ("max_samples", "num_beams", "batch_size"):
@@ -53,10 +57,13 @@ def main(argv=None):
         raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
     model, tokenizer = load_translator(args.model, args.device)
+    if args.int8:
+        model = quantize_for_cpu(model)
     max_source_length, max_new_tokens = generation_limits(model, None)
     result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams, batch_size=args.batch_size,
                             max_source_length=max_source_length, max_new_tokens=max_new_tokens)
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
+                                                                  "int8": args.int8,
                                                                   "signatures": result.get("signatures")}
     print(json.dumps(summary, indent=2))
     if args.output_file:

@@ -3,6 +3,7 @@
 
     python scripts/translate.py --model outputs/en-fr "I lost." "I'm calm."
     cat english.txt | python scripts/translate.py --model outputs/en-fr --num_beams 4 > french.txt
+    python scripts/translate.py --model outputs/en-fr --device cpu --int8 "I lost."     # int8 CPU decoding
 
 One output line per input line: an empty input line gives an empty output line. With learned positions, sources
 longer than the model's `max_position_embeddings` are truncated (a warning on stderr says how many).
@@ -13,6 +14,7 @@ import sys
 
 from vaswani.cli import decode_lines, generation_limits, load_translator, read_lines, user_errors_exit
 from vaswani.evaluation import translate
+from vaswani.inference import quantize_for_cpu
 
 
 @user_errors_exit
@@ -25,6 +27,8 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers "
+                        "(CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--do_sample", action="store_true", help="sample instead of beam search")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=None)
@@ -41,6 +45,8 @@ def main(argv=None):
     else:
         sentences = decode_lines(sys.stdin.buffer.read(), "stdin")
     model, tokenizer = load_translator(args.model, args.device)
+    if args.int8:
+        model = quantize_for_cpu(model)
     nonempty = [i for i, sentence in enumerate(sentences) if sentence.strip()]
     max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
     if max_source_length is not None:

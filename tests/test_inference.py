@@ -1,0 +1,152 @@
+"""The opt-in int8 CPU decoding path: `vaswani.inference.quantize_for_cpu`, the scripts' `--int8` flag and the
+benchmark's `vaswani-int8` engine, on the tiny trained-ish model of tiny_translation_model.py."""
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+from tiny_translation_model import SOURCES, build_model_and_tokenizer
+
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.inference import quantize_for_cpu
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_main(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def trained():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_model_and_tokenizer()
+    torch.set_num_threads(threads)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained, tmp_path_factory):
+    model, tokenizer = trained
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def plain_linears(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if type(module) is nn.Linear]
+
+
+def test_every_linear_is_replaced_and_the_fp32_embeddings_are_untouched(trained):
+    model, _ = trained
+    original = copy.deepcopy(model.state_dict())
+    linears = plain_linears(model)
+    assert "lm_head" in linears and len(linears) > 10
+
+    quantized = quantize_for_cpu(copy.deepcopy(model))
+
+    assert plain_linears(quantized) == []
+    modules = dict(quantized.named_modules())
+    assert all(isinstance(modules[name], DynamicQuantizedLinear) for name in linears)
+    lm_head = modules["lm_head"].weight()
+    assert lm_head.q_per_channel_scales().numel() == lm_head.shape[0]  # one scale per vocabulary row
+    # The output projection's tied table stays an fp32 embedding, shared by encoder and decoder as before.
+    embeddings = quantized.model.encoder.embed_tokens.weight
+    assert embeddings.dtype == torch.float32 and embeddings is quantized.model.decoder.embed_tokens.weight
+    assert torch.equal(embeddings, original["model.encoder.embed_tokens.weight"])
+    # Quantizing a copy leaves the fp32 model as it was.
+    assert plain_linears(model) == linears
+    assert all(torch.equal(value, original[key]) for key, value in model.state_dict().items())
+
+
+def test_in_place_and_returns_the_model():
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=64))
+    assert quantize_for_cpu(model) is model and plain_linears(model) == []
+
+
+def test_int8_logits_and_greedy_translations_agree_with_fp32(trained):
+    model, tokenizer = trained
+    quantized = quantize_for_cpu(copy.deepcopy(model))
+    batch = tokenizer(SOURCES, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        fp32_ids = model.generate(**batch, num_beams=1, max_new_tokens=16)
+        int8_ids = quantized.generate(**batch, num_beams=1, max_new_tokens=16)
+        # Teacher-forced on the fp32 output, so that both score the same prefixes.
+        fp32 = model(**batch, decoder_input_ids=fp32_ids[:, :-1]).logits
+        int8 = quantized(**batch, decoder_input_ids=fp32_ids[:, :-1]).logits
+    # int8 rounds each weight to 1/127 of its row's largest magnitude and each activation to 1/255 of its range,
+    # an error of a few tenths of a percent per product that grows through 2+2 layers and the √d_model-scaled
+    # tied projection; 10 % of the logits' range bounds it with room (observed: ~4 % here).
+    assert (fp32 - int8).abs().max() < 0.1 * fp32.abs().max()
+    mask = batch["attention_mask"].new_ones(fp32.shape[:2], dtype=torch.bool)
+    agreement = (fp32.argmax(-1) == int8.argmax(-1))[mask].float().mean()
+    assert agreement >= 0.9
+    assert (fp32_ids == int8_ids).float().mean() >= 0.9
+
+
+def test_refuses_a_model_off_the_cpu():
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=64)).to("meta")
+    with pytest.raises(ValueError, match="runs on CPU only, but the model is on meta"):
+        quantize_for_cpu(model)
+
+
+def test_refuses_a_model_not_in_fp32():
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=64)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="starts from fp32 weights"):
+        quantize_for_cpu(model)
+
+
+def test_translate_script_int8(checkpoint, capsys):
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--num_beams", "2", "--max_new_tokens", "12", *SOURCES[:3]]
+    script_main("translate")(argv)
+    fp32 = capsys.readouterr().out.splitlines()
+    script_main("translate")([*argv, "--int8"])
+    int8 = capsys.readouterr().out.splitlines()
+    assert len(int8) == 3 and all(int8)
+    assert sum(a == b for a, b in zip(fp32, int8)) >= 2
+
+
+def test_evaluate_bleu_script_int8(checkpoint, tmp_path, capsys):
+    (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
+    (tmp_path / "ref.fr").write_text("le chat\nun chien\nl'oiseau\nchat\nle chien\n")
+    script_main("evaluate_bleu")(["--model", str(checkpoint), "--device", "cpu", "--int8", "--num_beams", "2",
+                                  "--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr")])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["int8"] is True and summary["sentences"] == 5
+
+
+def test_scripts_refuse_int8_off_the_cpu_in_one_line(checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script_main("translate")(["--model", str(checkpoint), "--device", "meta", "--int8", "a dog ran"])
+    assert exit_info.value.code == 2
+    # Like every user error of the scripts (tests/test_reliability.py): stderr ends with one `error:` line, after
+    # transformers' loading progress bar, and no traceback.
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1
+    assert err.strip().splitlines()[-1].startswith("error: int8 quantization runs on CPU only")
+
+
+def test_benchmark_int8_engine(trained, tmp_path):
+    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
+    from bench_translation import TorchEngine
+
+    from common import pick_device
+
+    _, tokenizer = trained
+    config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
+    threads = torch.get_num_threads()
+    engine = TorchEngine("vaswani-int8", config, tokenizer, pick_device("cpu", 1), seed=0)
+    torch.set_num_threads(threads)
+    assert plain_linears(engine.model) == [] and engine.parameters > 0
+    assert engine.translate(tokenizer(SOURCES[:2])["input_ids"], beams=2, new_tokens=3) == [3, 3]
