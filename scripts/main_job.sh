@@ -8,17 +8,21 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/en-fr-small}
-TRAIN_SECONDS=${TRAIN_SECONDS:-480}
+TRAIN_SECONDS=${TRAIN_SECONDS:-600}
 TEST_SENTENCES=${TEST_SENTENCES:-1000}
 rm -rf "$OUTPUT_DIR"
 
+# On two CPU cores a 2,000-token batch takes about a second, so the budget allows some 500 steps (about 0.6 epoch):
+# a short warm-up to a fixed peak (the paper's schedule shape with Adam β2 0.98, §5.3) and no dropout, which only
+# slows a model that sees each sentence less than once. Label smoothing 0.1 stays (§5.4).
 python3 scripts/train_translation.py \
-  --preset small --vocab_size 8000 \
+  --preset small --vocab_size 8000 --config_overrides dropout=0.0 \
   --output_dir "$OUTPUT_DIR" \
-  --max_train_time "$TRAIN_SECONDS" --num_train_epochs 50 \
-  --max_tokens_per_batch 6000 --paper_recipe --warmup_steps 800 \
+  --max_train_time "$TRAIN_SECONDS" --num_train_epochs 10 \
+  --max_tokens_per_batch 2000 --learning_rate 1e-3 --lr_scheduler_type inverse_sqrt --warmup_steps 100 \
+  --adam_beta2 0.98 --adam_epsilon 1e-9 --weight_decay 0.0 \
   --eval_strategy no --save_strategy no --logging_steps 50 --report_to tensorboard \
-  --predict_with_generate --generation_num_beams 4 --per_device_eval_batch_size 64 \
+  --generation_num_beams 4 --per_device_eval_batch_size 64 \
   --max_test_samples "$TEST_SENTENCES" --seed 0
 
 echo "== Seed sentences =="

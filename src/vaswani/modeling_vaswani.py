@@ -658,6 +658,18 @@ def _token_loss(logits, labels, label_smoothing: float, num_items_in_batch=None)
     return loss / num_items_in_batch
 
 
+def _logits_and_loss(model, hidden_states, labels, logits_to_keep: int, num_items_in_batch):
+    """The output "Linear" of Figure 1 (its softmax lives in the loss and in generation), and the loss of a language
+    model head. `labels` are already aligned with the positions; smoothing applies in training mode only."""
+    if logits_to_keep:  # generation only needs the last position's distribution
+        hidden_states = hidden_states[:, -logits_to_keep:]
+    logits = model.lm_head(hidden_states)
+    if labels is None:
+        return logits, None
+    smoothing = model.config.label_smoothing if model.training else 0.0
+    return logits, _token_loss(logits, labels, smoothing, num_items_in_batch)
+
+
 class VaswaniModel(VaswaniPreTrainedModel):
     """The encoder-decoder Transformer without an output head: returns the decoder's last hidden states."""
 
@@ -782,14 +794,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:  # generation only needs the last position's distribution
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            smoothing = self.config.label_smoothing if self.training else 0.0
-            loss = _token_loss(logits, labels, smoothing, num_items_in_batch)
+        logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, num_items_in_batch)
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -844,16 +849,9 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = self.lm_head(hidden_states)
-        loss = None
         if labels is not None:
-            # Position t predicts token t+1; the last position has no target.
-            shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
-            smoothing = self.config.label_smoothing if self.training else 0.0
-            loss = _token_loss(logits, shifted, smoothing, num_items_in_batch)
+            labels = F.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts token t+1; the last has no target
+        logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, num_items_in_batch)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
