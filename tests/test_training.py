@@ -138,3 +138,17 @@ def test_ddp_with_two_cpu_processes(tmp_path):
     assert (output_dir / "model.safetensors").is_file()
     model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     assert torch.isfinite(next(model.parameters())).all()
+
+
+def test_time_budget_stops_training_then_evaluates_and_saves(tmp_path):
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv")
+    output_dir = tmp_path / "budget"
+    args = train_args(corpus, output_dir, "--max_steps", "100000", "--max_train_time", "3")
+    result = run_script("train_translation.py", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    runtime = json.loads(result.stdout)["train_runtime"]
+    assert 3 <= metrics["train_wall_seconds"] < 60 and runtime < 60
+    assert "test_bleu" in metrics and (output_dir / "model.safetensors").is_file()
+    # --save_strategy no: the budget ends in the final model only, not in an extra resumable checkpoint.
+    assert not list(output_dir.glob("checkpoint-*"))

@@ -135,7 +135,7 @@ def apply_paper_recipe(args: VaswaniTrainingArguments, d_model: int) -> None:
 
 
 class TimeBudgetCallback(TrainerCallback):
-    """Stops training once `max_train_time` seconds have passed; the Trainer then runs its final save/evaluation.
+    """Stops training once `max_train_time` seconds have passed; the final evaluation and save follow.
     Under DDP every rank must stop at the same step, so the decision is all-reduced."""
 
     def __init__(self, seconds: float):
@@ -154,7 +154,8 @@ class TimeBudgetCallback(TrainerCallback):
         if over:
             logger.info("Time budget of %.0f s reached at step %d.", self.seconds, state.global_step)
             control.should_training_stop = True
-            control.should_save = True
+            # A last checkpoint (for --resume) only where checkpoints were asked for; the final model is saved anyway.
+            control.should_save = args.save_strategy != "no"
         return control
 
 
