@@ -5,15 +5,10 @@ Importing the package registers the classes with the transformers Auto* factorie
 module files and an `auto_map`, so it loads with `trust_remote_code=True` where this package is not installed.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-)
+import transformers
+from transformers import AutoConfig, AutoTokenizer
 
+from . import modeling_vaswani
 from .configuration_vaswani import VaswaniConfig
 from .modeling_vaswani import (
     VaswaniEncoderModel,
@@ -26,11 +21,11 @@ from .modeling_vaswani import (
 from .pipeline_vaswani import VaswaniTranslationPipeline, register_pipeline
 from .tokenization_vaswani import VaswaniTokenizer
 
+# Which class each Auto factory builds: the table the shipped model file writes into every checkpoint's auto_map,
+# so registration here and remote-code loading elsewhere cannot disagree.
 AUTO_CLASSES = {
-    "AutoModel": (AutoModel, VaswaniModel),
-    "AutoModelForSeq2SeqLM": (AutoModelForSeq2SeqLM, VaswaniForConditionalGeneration),
-    "AutoModelForCausalLM": (AutoModelForCausalLM, VaswaniForCausalLM),
-    "AutoModelForSequenceClassification": (AutoModelForSequenceClassification, VaswaniForSequenceClassification),
+    name: (getattr(transformers, name), getattr(modeling_vaswani, class_name))
+    for name, class_name in VaswaniPreTrainedModel._auto_map.items()
 }
 
 AutoConfig.register(VaswaniConfig.model_type, VaswaniConfig, exist_ok=True)
