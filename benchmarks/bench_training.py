@@ -39,7 +39,12 @@ from common import (  # noqa: E402
     write_report,
 )
 
-ENGINES = ("vaswani", "marian")
+ENGINES = ("vaswani", "vaswani-compiled", "marian")
+# `<engine>-compiled`: the same model under `torch.compile` (inductor, automatic dynamic shapes), which is what
+# `TrainingArguments(torch_compile=True)` / `train_translation.py --torch_compile` does; it fuses the elementwise
+# work (residual dropout + add + LayerNorm, the label-smoothed cross-entropy over the vocabulary) and drops the
+# host syncs of the eager path. `marian-compiled` is offered so that the comparison can be made compiled vs compiled.
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-compiled": "Vaswani compiled", "marian-compiled": "Marian compiled"}
 
 
 def bucket_batches(source_ids, target_ids, batch_tokens: int, seed: int) -> list[list[int]]:
@@ -84,8 +89,9 @@ class Trainee:
 
     def __init__(self, name, config, device, batches, seed, lr):
         self.name = name
-        self.model = build_seq2seq(name, config, device, torch.float32, seed).train()
+        self.model = build_seq2seq(name.removesuffix("-compiled"), config, device, torch.float32, seed).train()
         self.parameters = count_parameters(self.model)
+        self.forward = torch.compile(self.model) if name.endswith("-compiled") else self.model
         # The paper's Adam (§5.3); the learning-rate schedule does not change the cost of a step.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
         pad = self.model.config.pad_token_id
@@ -98,7 +104,7 @@ class Trainee:
     def step(self, index: int) -> None:
         batch = {k: v.to(self.device.device, non_blocking=True) for k, v in self.batches[index].items()}
         with self.autocast:
-            loss = self.model(**batch).loss
+            loss = self.forward(**batch).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -143,17 +149,20 @@ def run(args: argparse.Namespace, argv) -> Path:
         trainees = [Trainee(name, config, device, batches, args.seed, args.lr) for name in args.engines]
         memory = {}
         for trainee in trainees:
+            # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
+            for i in range(1, 1 + warmup):
+                trainee.step(i)
             with PeakMemory(device) as peak:
                 trainee.step(0)
             memory[trainee.name] = (trainee.state_mib(), peak.added_mib)
-            for i in range(1, 1 + warmup):
-                trainee.step(i)
         seconds = {t.name: 0.0 for t in trainees}
+        compiles_before = _compilations()
         for i in range(1 + warmup, len(batches)):
             rotation = i % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee.name] += elapsed
+        compiles_timed = _compilations() - compiles_before
         load_average = os.getloadavg()[0]
         source_tokens = sum(len(s) for sources, _ in timed_batches for s in sources)
         target_tokens = sum(len(t) for _, targets in timed_batches for t in targets)
@@ -180,6 +189,7 @@ def run(args: argparse.Namespace, argv) -> Path:
                 "step_added_mib": added,
                 "peak_mib": state + added if added is not None else None,
                 "load_average": load_average,
+                "compilations_while_timed": compiles_timed,
             })
             print(_progress(rows[-1]), flush=True)
         del trainees
@@ -209,7 +219,10 @@ def run(args: argparse.Namespace, argv) -> Path:
         (f"Precision: bf16 autocast with fp32 weights on CUDA; MFU against a dense bf16 peak of {peak_tflops} "
          "TFLOP/s." if device.is_cuda else "Precision fp32 on CPU; model TFLOP/s is reported, MFU only on GPU."),
         "Memory: peak = weights + Adam state (resident between steps) + the peak a step adds on top (measured on "
-        "one extra untimed step; on CPU as a process RSS increment, which includes the gradients).",
+        "one extra untimed step after the warm-up; on CPU as a process RSS increment, which includes the gradients).",
+        "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes) called like the "
+        "eager model; compilation happens in the warm-up steps, and the "
+        "graphs built during the timed steps (column `recompiles`).",
         "Dropout as configured (0.1; big: 0.3), attention implementation: the transformers default (sdpa).",
     ]
     if args.notes:
@@ -227,6 +240,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("mfu", "MFU", "{:.1%}"),
         Column("peak_mib", "peak MiB", "{:.0f}"),
         Column("load_average", "load avg", "{:.1f}"),
+        Column("compilations_while_timed", "recompiles"),
     ]
     name = args.output_name or f"training-{device.tag}"
     json_path, _ = write_report(
@@ -234,6 +248,13 @@ def run(args: argparse.Namespace, argv) -> Path:
         args.results_dir,
     )
     return json_path
+
+
+def _compilations() -> int:
+    """Graphs torch.compile has built so far in this process (any inside the timed steps would be counted in them)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _add_ratios(rows: list[dict]) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vaswani.inference import quantize_for_cpu
+from vaswani.inference import compile_for_generation, quantize_for_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -43,7 +43,7 @@ from common import (  # noqa: E402
     write_report,
 )
 
-ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-int8": "Vaswani int8"}
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-int8": "Vaswani int8", "vaswani-compiled": "Vaswani compiled"}
 
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
@@ -52,14 +52,18 @@ DEFAULT_NEW_TOKENS = 16
 
 class TorchEngine:
     """A transformers model translating through `generate()`, as a user would call it; `vaswani-int8` is the
-    Vaswani model after `quantize_for_cpu` (fp32 weights quantized once at load, as `--int8` does in the scripts)."""
+    Vaswani model after `quantize_for_cpu` (fp32 weights quantized once at load, as `--int8` does in the scripts);
+    `vaswani-compiled` is the model after `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV
+    cache and the decoding step under torch.compile (CUDA graphs on GPU), greedy and beam search alike."""
 
     def __init__(self, name, config, tokenizer, device, seed):
-        int8 = name == "vaswani-int8"
-        self.model = build_seq2seq("vaswani" if int8 else name, config, device, device.dtype, seed).eval()
+        base = name.removesuffix("-int8").removesuffix("-compiled")
+        self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
-        if int8:
+        if name.endswith("-int8"):
             self.model = quantize_for_cpu(self.model)
+        if name.endswith("-compiled"):
+            self.model = compile_for_generation(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
@@ -145,12 +149,12 @@ class _MarianVocabulary:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    names = args.engines or (["vaswani", "marian"] if device.is_cuda else ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8"])
+    names = args.engines or (["vaswani", "vaswani-compiled", "marian"] if device.is_cuda else ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8"])
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     sentences = sample_sentences(pairs, args.num_sentences, args.seed)
-    source_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
+    sampled_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
     # Sorted by length so that batches pad little; every engine gets exactly these batches.
-    source_ids.sort(key=len)
+    source_ids = sorted(sampled_ids, key=len)
     rows = []
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
@@ -164,7 +168,10 @@ def run(args: argparse.Namespace, argv) -> Path:
                     build = lambda: TorchEngine(name, config, tokenizer, device, args.seed)  # noqa: E731
                 engines[name], load_mib[name] = loaded(device, build)
             for batch_size in args.batch_sizes:
-                batches = [source_ids[i : i + batch_size] for i in range(0, len(source_ids), batch_size)]
+                chosen = source_ids
+                if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
+                    chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
+                batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
                 for beams in args.beams:
                     for row in measure(engines, batches, beams, args, device):
                         row.update(size=size, batch_size=batch_size, load_mib=load_mib[row["engine"]])
@@ -307,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     parser.add_argument("--num_sentences", type=int, default=3000)
+    parser.add_argument("--batch1_sentences", type=int, default=None,
+                        help="at batch size 1 translate only the first N sentences of the sample (its uniform draws "
+                        "are unordered, so any prefix is itself a uniform sample); default: all")
     parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per sentence")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
     return parser

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -506,14 +506,13 @@ class VaswaniStack(VaswaniPreTrainedModel):
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         # An out-of-range id would otherwise surface as an opaque index error (or a device-side assert on CUDA).
-        if input_ids.numel() and not torch.compiler.is_compiling():
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"Token id {high if high >= self.config.vocab_size else low} is outside the vocabulary "
-                    f"[0, {self.config.vocab_size}); the tokenizer and the model's vocab_size disagree "
-                    "(after adding tokens, call model.resize_token_embeddings(len(tokenizer)))."
-                )
+        vocab_size = self.config.vocab_size
+        check_ids(
+            input_ids,
+            (input_ids < 0) | (input_ids >= vocab_size),
+            lambda bad: f"Token id {bad} is outside the vocabulary [0, {vocab_size}); the tokenizer and the model's "
+            "vocab_size disagree (after adding tokens, call model.resize_token_embeddings(len(tokenizer))).",
+        )
 
     def finish(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(hidden_states) if self.layer_norm is not None else hidden_states
@@ -630,20 +629,34 @@ class VaswaniDecoder(VaswaniStack):
 # Models ------------------------------------------------------------------------------------------------------------
 
 
+def check_ids(ids: torch.Tensor, invalid: torch.Tensor, message: Callable[[int], str]) -> None:
+    """Raise ValueError(message(first bad id)) where `invalid` holds. On the CPU that check is free. On an accelerator
+    reading the answer back would make the host wait for the device once per forward (each training step, each
+    decoding step), so there it is an asynchronous device-side assertion with the same message; under
+    torch.compile it is left out."""
+    if torch.compiler.is_compiling() or not ids.numel():
+        return
+    if ids.device.type == "cpu":
+        if invalid.any():
+            raise ValueError(message(int(ids[invalid][0])))
+    else:
+        torch._assert_async(~invalid.any(), message("out of range"))
+
+
 def _token_loss(logits, labels, label_smoothing: float, num_items_in_batch=None) -> torch.Tensor:
     """Cross-entropy over non-ignored (-100) label positions, optionally label-smoothed (§5.4).
 
     Summed, then divided by `num_items_in_batch` when the Trainer passes it: with gradient accumulation each
     micro-batch is then weighted by its share of the tokens, so 1×N and N×1 batches give the same update.
     """
-    if not torch.compiler.is_compiling():
-        # Otherwise torch's "Target … is out of bounds" (or a device-side assert on CUDA) names neither cause.
-        out_of_range = (labels != -100) & ((labels < 0) | (labels >= logits.shape[-1]))
-        if out_of_range.any():
-            raise ValueError(
-                f"Label id {int(labels[out_of_range][0])} is outside the vocabulary [0, {logits.shape[-1]}); only -100 "
-                "may mark ignored positions, and the tokenizer and the model's vocab_size must agree."
-            )
+    # Otherwise torch's "Target … is out of bounds" (or a device-side assert on CUDA) names neither cause.
+    vocab_size = logits.shape[-1]
+    check_ids(
+        labels,
+        (labels != -100) & ((labels < 0) | (labels >= vocab_size)),
+        lambda bad: f"Label id {bad} is outside the vocabulary [0, {vocab_size}); only -100 may mark ignored "
+        "positions, and the tokenizer and the model's vocab_size must agree.",
+    )
     loss = F.cross_entropy(
         logits.float().flatten(0, -2),
         labels.to(logits.device).flatten(),
@@ -656,6 +669,26 @@ def _token_loss(logits, labels, label_smoothing: float, num_items_in_batch=None)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+def reorder_self_attention_cache(past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+    """Beam search: after each step, row i of the cache must hold the history of the beam that row i now continues.
+
+    Only the decoder's self-attention cache is reordered. The cross-attention keys/values are the same for every beam
+    of a sentence (the encoder output is repeated per beam, and beams never move across sentences), so reordering them,
+    as the generic `Cache.reorder_cache` does, copies every layer's source projections once per step for nothing.
+    A static cache is reordered in place, so its tensors keep their addresses (what a compiled, CUDA-graphed decoding
+    step reads from); a dynamic one is replaced, as it is anyway at every step.
+    """
+    cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer) and layer.is_initialized:  # fixed storage
+            index = beam_idx.to(layer.keys.device)
+            layer.keys.copy_(layer.keys.index_select(0, index))
+            layer.values.copy_(layer.values.index_select(0, index))
+        else:
+            layer.reorder_cache(beam_idx)
+    return past_key_values
 
 
 def _logits_and_loss(model, hidden_states, labels, logits_to_keep: int, num_items_in_batch):
@@ -760,6 +793,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
+    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+        return reorder_self_attention_cache(past_key_values, beam_idx)  # called by generate()'s beam search
+
     def forward(
         self,
         input_ids=None,
@@ -823,6 +859,9 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         self.model = VaswaniDecoder(config, cross_attention=False)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
+
+    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+        return reorder_self_attention_cache(past_key_values, beam_idx)
 
     def get_decoder(self):
         return self.model

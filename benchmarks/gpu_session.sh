@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU measurements of benchmarks/README.md, in stages that each fit a 10-minute slot on a lent GPU machine:
+#
+#   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a minute
+#   bash benchmarks/gpu_session.sh training     # bench_training.py: tiny, base, big; Vaswani eager and compiled, Marian
+#   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 32 and 256 over all 3,000 sentences,
+#                                               #   batch 1 over the first 300 draws; greedy and beam 4
+#   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
+#
+# Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
+# On a machine whose Python lacks this project's pinned packages, put wheels in .whl/ (see /work/.library/device
+# notes): they are installed into a scratch directory first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
+mkdir -p "$RESULTS_DIR"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+
+run() {  # run a command, logging its output; return its own exit status
+    "$@" 2>&1 | tee -a "$log"
+    return "${PIPESTATUS[0]}"
+}
+
+status=0
+for stage in "$@"; do
+    log="$RESULTS_DIR/gpu-$stage.log"
+    echo "== $stage" | tee "$log"
+    case $stage in
+        tests) run python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
+        training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
+        translation) run python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" --batch_sizes 256,32,1 \
+                         --batch1_sentences 300 ;;
+        scaling) run python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" ;;
+        *) echo "unknown stage $stage" | tee -a "$log"; false ;;
+    esac || status=1
+done
+exit $status

@@ -1,0 +1,163 @@
+"""The speed paths compute what the reference path computes (issue 4: "outputs stay identical to the reference path
+(eager, no packing) within dtype tolerance").
+
+* Training under `torch.compile` (what `--torch_compile` and the benchmark's `vaswani-compiled` run): the same loss
+  and the same gradients as the eager model, across batches of different shapes (automatic dynamic shapes).
+* Generation after `vaswani.inference.compile_for_generation` (static KV cache + compiled decoding step, CUDA
+  graphs on GPU): the same tokens as eager `generate()`, greedy and beam search; beam search reorders only the
+  self-attention cache, in place when static.
+* Input checks that cost no host sync on accelerators still catch bad ids.
+
+Each runs on the CPU (compilation makes them slow: a minute or so in all) and, where CUDA is available, on the GPU too.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from vaswani import VaswaniConfig, VaswaniForCausalLM, VaswaniForConditionalGeneration
+from vaswani.inference import compile_for_generation
+from vaswani.modeling_vaswani import check_ids
+
+from conftest import padded_batch
+
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+DEVICES = ["cpu", CUDA]
+
+
+def _config(**overrides) -> VaswaniConfig:
+    return VaswaniConfig.tiny(dropout=0.0, **overrides)
+
+
+def _translation_batch(config, source_lengths, target_lengths, seed, device):
+    source, source_mask = padded_batch(config, source_lengths, seed=seed)
+    labels, target_mask = padded_batch(config, target_lengths, seed=seed + 1)
+    labels = labels.masked_fill(target_mask == 0, -100)
+    return {"input_ids": source.to(device), "attention_mask": source_mask.to(device), "labels": labels.to(device)}
+
+
+@pytest.fixture
+def exact_matmuls():
+    """fp32 comparisons on CUDA: no TF32 in either path."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["paper", "modern"])
+def test_compiled_training_step_matches_eager(device, variant, exact_matmuls, single_thread):
+    config = _config() if variant == "paper" else _config(
+        norm_first=True, norm_type="rmsnorm", position_embedding_type="rope", ffn_activation="swiglu", num_key_value_heads=2
+    )
+    config.label_smoothing = 0.1
+    eager = VaswaniForConditionalGeneration(config).to(device).train()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model)
+    # Three shapes: the first compiles, the second recompiles with dynamic sizes, the third reuses that graph.
+    for step, (sources, targets) in enumerate([([7, 5, 3], [6, 4, 2]), ([9, 8, 2, 4], [5, 7, 3, 3]), ([4, 11], [9, 2])]):
+        batch = _translation_batch(config, sources, targets, seed=10 * step, device=device)
+        expected = eager(**batch).loss
+        actual = compiled(**batch).loss
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        expected.backward()
+        actual.backward()
+        for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+            p.grad = q.grad = None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_compiled_generation_matches_eager(device, num_beams, exact_matmuls, single_thread):
+    from torch._dynamo.utils import counters
+
+    config = _config()
+    model = VaswaniForConditionalGeneration(config).to(device).eval()
+    fast = compile_for_generation(copy.deepcopy(model))
+    assert fast.generation_config.cache_implementation == "static"
+    kwargs = {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 7, "eos_token_id": None}
+    torch._dynamo.reset()  # forget graphs compiled by earlier tests, which could otherwise be reused
+    graphs = counters["stats"]["unique_graphs"]
+    # Batches of different shapes: the compiled step must serve all of them (recompiling, then dynamic).
+    for step, lengths in enumerate([[9, 6, 4], [5, 12], [3, 8, 8, 2]]):
+        source, mask = padded_batch(config, lengths, seed=step)
+        source, mask = source.to(device), mask.to(device)
+        expected = model.generate(input_ids=source, attention_mask=mask, **kwargs)
+        actual = fast.generate(input_ids=source, attention_mask=mask, **kwargs)
+        assert torch.equal(actual, expected)
+    assert counters["stats"]["unique_graphs"] > graphs, "generate() did not go through the compiled forward"
+
+
+def test_beam_search_reorders_only_self_attention_in_place():
+    """Cross-attention keys/values are equal across the beams of a sentence, so they are never reordered; a static
+    self-attention cache is reordered in place (same storage: what a CUDA graph reads)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
+
+    config = _config()
+    model = VaswaniForConditionalGeneration(config).eval()
+    beam_idx = torch.tensor([1, 0, 0, 1])
+    for self_cache in (DynamicCache(config=config), StaticCache(config=config, max_cache_len=6)):
+        cache = EncoderDecoderCache(self_cache, DynamicCache(config=config))
+        keys = torch.randn(4, config.num_key_value_heads, 3, config.head_dim)
+        cache.self_attention_cache.update(keys, keys + 1, 0, {"cache_position": torch.arange(3)})
+        cross = torch.randn(4, config.num_key_value_heads, 5, config.head_dim)
+        cache.cross_attention_cache.update(cross, cross, 0)
+        before = cache.self_attention_cache.layers[0].keys
+        pointer = before.data_ptr()
+        expected = before.index_select(0, beam_idx).clone()
+        model._reorder_cache(cache, beam_idx)
+        layer = cache.self_attention_cache.layers[0]
+        assert torch.equal(layer.keys[:, :, :3], expected[:, :, :3])
+        assert torch.equal(layer.values[:, :, :3], expected[:, :, :3] + 1)
+        assert torch.equal(cache.cross_attention_cache.layers[0].keys, cross)  # untouched
+        if isinstance(self_cache, StaticCache):
+            assert layer.keys.data_ptr() == pointer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_sdpa_matches_fp32_eager(device):
+    """The GPU training/translation precision (bf16, sdpa) against the fp32 eager reference, within bf16 tolerance."""
+    config = _config()
+    reference = VaswaniForConditionalGeneration(config).to(device).eval()
+    reference.config._attn_implementation = "eager"
+    fast = copy.deepcopy(reference).to(torch.bfloat16)
+    fast.config._attn_implementation = "sdpa"
+    batch = _translation_batch(config, [9, 6, 4], [5, 7, 3], seed=3, device=device)
+    with torch.no_grad():
+        expected = reference(**batch).logits
+        actual = fast(**batch).logits.float()
+    valid = batch["labels"] != -100
+    error = (actual - expected)[valid].norm() / expected[valid].norm()
+    assert error < 2e-2, f"relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_checks_do_not_read_back_on_accelerators(device, monkeypatch):
+    """On the CPU a bad id raises a ValueError naming it. On CUDA the check is a device-side assertion instead (a
+    failing one would poison the CUDA context, so here only: it is queued, and a valid batch never syncs for it)."""
+    config = _config()
+    model = VaswaniForCausalLM(config).to(device)
+    ids, mask = padded_batch(config, [5, 3], seed=0)
+    ids, mask = ids.to(device), mask.to(device)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=f"Token id {config.vocab_size} is outside the vocabulary"):
+            model(input_ids=ids.masked_fill(mask == 0, config.vocab_size))
+        with pytest.raises(ValueError, match=f"Label id {config.vocab_size + 2} is outside the vocabulary"):
+            model(input_ids=ids, labels=ids.masked_fill(mask == 0, config.vocab_size + 2))
+        return
+    torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation raises
+    try:
+        check_ids(ids, ids >= config.vocab_size, lambda bad: f"Token id {bad}")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    asserted = []
+    monkeypatch.setattr(torch, "_assert_async", lambda *args: asserted.append(args))
+    model(input_ids=ids, attention_mask=mask, labels=ids)
+    assert len(asserted) == 2  # the input ids and the labels
