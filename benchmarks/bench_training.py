@@ -163,6 +163,9 @@ def run(args: argparse.Namespace, argv) -> Path:
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee.name] += elapsed
         compiles_timed = _compilations() - compiles_before
+        if args.profile:
+            for trainee in trainees:
+                _profile(trainee, range(1 + warmup, len(batches)), size, device, args.profile_rows)
         load_average = os.getloadavg()[0]
         source_tokens = sum(len(s) for sources, _ in timed_batches for s in sources)
         target_tokens = sum(len(t) for _, targets in timed_batches for t in targets)
@@ -250,6 +253,21 @@ def run(args: argparse.Namespace, argv) -> Path:
     return json_path
 
 
+def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
+    """Print where a step's time goes: operators and kernels by self device time (self CPU time on CPU) over the
+    given steps, after the timed run (so nothing here changes the numbers above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
+    with profile(activities=activities) as prof:
+        for i in steps:
+            trainee.step(i)
+        device.sync()
+    key = "self_cuda_time_total" if device.is_cuda else "self_cpu_time_total"
+    print(f"\n## Profile: {size} {ENGINE_LABELS[trainee.name]}, {len(steps)} steps, by {key}")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+
+
 def _compilations() -> int:
     """Graphs torch.compile has built so far in this process (any inside the timed steps would be counted in them)."""
     from torch._dynamo.utils import counters
@@ -280,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
     parser.add_argument("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile the timed steps of each engine and print the top operators")
+    parser.add_argument("--profile_rows", type=int, default=25)
     parser.add_argument("--peak_tflops", type=float, default=None,
                         help="the device's dense bf16 peak, for MFU on GPUs not in common.BF16_PEAK_TFLOPS")
     return parser

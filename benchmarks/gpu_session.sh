@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 32 and 256 over all 3,000 sentences,
 #                                               #   batch 1 over the first 300 draws; greedy and beam 4
 #   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
+#   bash benchmarks/gpu_session.sh profile      # where a training step's GPU time goes (tiny, base; every engine)
 #
 # Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
 # On a machine whose Python lacks this project's pinned packages, put wheels in .whl/ (see /work/.library/device
@@ -32,7 +33,9 @@ for stage in "$@"; do
     log="$RESULTS_DIR/gpu-$stage.log"
     echo "== $stage" | tee "$log"
     case $stage in
-        tests) run python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
+        tests) run python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
+        profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
+                     --sizes tiny,base --steps 3 --profile ;;
         training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
         translation) run python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" --batch_sizes 256,32,1 \
                          --batch1_sentences 300 ;;
