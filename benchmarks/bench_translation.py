@@ -54,7 +54,7 @@ class TorchEngine:
     """A transformers model translating through `generate()`, as a user would call it; `vaswani-int8` is the
     Vaswani model after `quantize_for_cpu` (fp32 weights quantized once at load, as `--int8` does in the scripts);
     `vaswani-compiled` is the model after `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV
-    cache and the decoding step under torch.compile (CUDA graphs on GPU), greedy and beam search alike."""
+    cache and the decoding step under torch.compile, greedy and beam search alike."""
 
     def __init__(self, name, config, tokenizer, device, seed):
         base = name.removesuffix("-int8").removesuffix("-compiled")

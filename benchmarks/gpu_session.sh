@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a minute
 #   bash benchmarks/gpu_session.sh training     # bench_training.py: tiny, base, big; Vaswani eager and compiled, Marian
 #   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 32 and 256 over all 3,000 sentences,
-#                                               #   batch 1 over the first 300 draws; greedy and beam 4
+#                                               #   batch 1 over the first 100 draws; greedy and beam 4
 #   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
 #   bash benchmarks/gpu_session.sh profile      # where a training step's GPU time goes (tiny, base; every engine)
 #
@@ -33,13 +33,14 @@ for stage in "$@"; do
     log="$RESULTS_DIR/gpu-$stage.log"
     echo "== $stage" | tee "$log"
     case $stage in
-        tests) run python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
+        tests) run timeout 150 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
         profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
                      --sizes tiny,base --steps 3 --profile ;;
         training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
-        translation) run python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" --batch_sizes 256,32,1 \
-                         --batch1_sentences 300 ;;
-        scaling) run python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" ;;
+        translation) run timeout 330 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
+                         --batch_sizes 256,32,1 --batch1_sentences 100 ;;
+        scaling) run timeout 150 python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
+                     --lengths 64,256,1024,4096 --steps 3 ;;
         *) echo "unknown stage $stage" | tee -a "$log"; false ;;
     esac || status=1
 done

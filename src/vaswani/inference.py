@@ -1,5 +1,5 @@
 """Opt-in fast decoding paths: `compile_for_generation(model)` (a static KV cache and a compiled decoding step, for any
-device and decoding method; CUDA graphs on GPUs) and, for CPUs, int8 weights with `quantize_for_cpu(model)`.
+device and decoding method) and, for CPUs, int8 weights with `quantize_for_cpu(model)`.
 
 Why: on a CPU, `generate()` is bound by fp32 matrix multiplications — the linear layers and the vocabulary-sized
 output projection take 71–78 % of its time (benchmarks/README.md, "Profile"). Dynamic int8 quantization stores
@@ -24,21 +24,20 @@ def compile_for_generation(model: nn.Module) -> nn.Module:
     * `generation_config.cache_implementation = "static"`: the self-attention keys/values are pre-allocated for
       `max_length` positions and written in place (beam search reorders them in place too, see
       `reorder_self_attention_cache`), so every decoding step has the same shapes and tensor addresses.
-    * `model.forward` goes through `torch.compile(fullgraph=True)`: on CUDA in mode "reduce-overhead", where each
-      step replays as one CUDA graph, so a step costs its kernels rather than Python and launch overhead; elsewhere
-      plain inductor. transformers compiles greedy and sampling decoding by itself once the cache is static, but not
-      beam search; compiling `forward` covers all of them, so its own compilation is switched off to avoid doing it
-      twice.
+    * `model.forward` goes through `torch.compile(fullgraph=True)` (inductor: the elementwise work of a step fused
+      into a few kernels, no Python between them). transformers compiles greedy and sampling decoding by itself once
+      the cache is static, but not beam search; compiling `forward` covers all of them, so its own compilation is
+      switched off to avoid doing it twice. CUDA graphs ("reduce-overhead") are not used: with torch 2.11 and
+      transformers 5.23 the static cache's in-place length counter makes inductor skip them, and recording one
+      crashed (benchmarks/results/gpu-notes.md).
 
     Outputs are those of the eager model (tests/test_fast_paths.py). The first call with a new batch size or source
     length compiles (seconds) and dimensions that keep changing become dynamic; on CUDA every new shape records one
-    more CUDA graph. Worth it for batch translation; for a single call, use the model as it is.
+    more set of kernels. Worth it for batch translation; for a single call, use the model as it is.
     """
-    device = next(model.parameters()).device
     model.generation_config.cache_implementation = "static"
     model.generation_config.disable_compile = True  # ours below covers beam search too
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    model.forward = torch.compile(model.forward, fullgraph=True, mode=mode)
+    model.forward = torch.compile(model.forward, fullgraph=True)
     return model
 
 
