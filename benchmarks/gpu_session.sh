@@ -33,11 +33,11 @@ for stage in "$@"; do
     log="$RESULTS_DIR/gpu-$stage.log"
     echo "== $stage" | tee "$log"
     case $stage in
-        tests) run timeout 150 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
+        tests) run timeout 100 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
         profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
                      --sizes tiny,base --steps 3 --profile ;;
         training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
-        translation) run timeout 330 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
+        translation) run timeout 300 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
                          --batch_sizes 256,32,1 --batch1_sentences 100 ;;
         scaling) run timeout 150 python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
                      --lengths 64,256,1024,4096 --steps 3 ;;
