@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     sample_sentences,
     timed,
     vaswani_config,
+    sdpa_backend,
     settings_of,
     write_report,
 )
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         config = vaswani_config(args.preset, len(tokenizer), num_key_value_heads=kv_heads, dropout=0.0)
         for mode in args.modes:
             for length in args.lengths:
-                row = measure(mode, config, length, batch_of[length], stream, args, device)
+                with sdpa_backend(args.sdpa_backend):
+                    row = measure(mode, config, length, batch_of[length], stream, args, device)
                 row.update(preset=args.preset, kv_heads=kv_heads, attention=attention_name(config), mode=mode, length=length)
                 if row.get("flops"):
                     row["model_tflops_per_s"] = row["flops"] / row["seconds"] / 1e12

@@ -35,6 +35,7 @@ from common import (  # noqa: E402
     pick_device,
     timed,
     vaswani_config,
+    sdpa_backend,
     settings_of,
     write_report,
 )
@@ -87,7 +88,7 @@ def model_flops(config, source_lengths: list[int], target_lengths: list[int]) ->
 class Trainee:
     """One engine's model, optimizer and its copy of the batches (each model has its own padding id)."""
 
-    def __init__(self, name, config, device, batches, seed, lr):
+    def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None):
         self.name = name
         self.model = build_seq2seq(name.removesuffix("-compiled"), config, device, torch.float32, seed).train()
         self.parameters = count_parameters(self.model)
@@ -100,10 +101,11 @@ class Trainee:
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if device.is_cuda else contextlib.nullcontext()
         )
+        self.attention_kernel = attention_kernel
 
     def step(self, index: int) -> None:
         batch = {k: v.to(self.device.device, non_blocking=True) for k, v in self.batches[index].items()}
-        with self.autocast:
+        with self.autocast, sdpa_backend(self.attention_kernel):
             loss = self.forward(**batch).loss
         loss.backward()
         self.optimizer.step()
@@ -146,7 +148,9 @@ def run(args: argparse.Namespace, argv) -> Path:
     rows = []
     for size in args.sizes:
         config = vaswani_config(size, len(tokenizer))
-        trainees = [Trainee(name, config, device, batches, args.seed, args.lr) for name in args.engines]
+        trainees = [
+            Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend) for name in args.engines
+        ]
         memory = {}
         for trainee in trainees:
             # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
@@ -226,7 +230,9 @@ def run(args: argparse.Namespace, argv) -> Path:
         "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes) called like the "
         "eager model; compilation happens in the warm-up steps, and the "
         "graphs built during the timed steps (column `recompiles`).",
-        "Dropout as configured (0.1; big: 0.3), attention implementation: the transformers default (sdpa).",
+        "Dropout as configured (0.1; big: 0.3), attention implementation: the transformers default (sdpa), "
+        + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
+           if args.sdpa_backend else "with torch's own choice of kernel."),
     ]
     if args.notes:
         notes.append(args.notes)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vaswani.inference import compile_for_generation, quantize_for_cpu
+from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     sample_sentences,
     timed,
     vaswani_config,
+    sdpa_backend,
     settings_of,
     write_report,
 )
@@ -56,7 +57,8 @@ class TorchEngine:
     `vaswani-compiled` is the model after `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV
     cache and the decoding step under torch.compile, greedy and beam search alike."""
 
-    def __init__(self, name, config, tokenizer, device, seed):
+    def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None):
+        self.attention_kernel = attention_kernel
         base = name.removesuffix("-int8").removesuffix("-compiled")
         self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
@@ -69,7 +71,7 @@ class TorchEngine:
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
         width = max(map(len, batch))
         ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_backend(self.attention_kernel):
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=ids != self.pad,
@@ -149,6 +151,8 @@ class _MarianVocabulary:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
+    if args.keep_freed_memory and not keep_freed_cpu_memory():
+        raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
     names = args.engines or (["vaswani", "vaswani-compiled", "marian"] if device.is_cuda else ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8"])
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     sentences = sample_sentences(pairs, args.num_sentences, args.seed)
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace, argv) -> Path:
                 if name.startswith("ct2-"):
                     build = lambda: CT2Engine(name, config, tokenizer, device, args.seed, args.threads, Path(workdir) / size)  # noqa: E731
                 else:
-                    build = lambda: TorchEngine(name, config, tokenizer, device, args.seed)  # noqa: E731
+                    build = lambda: TorchEngine(name, config, tokenizer, device, args.seed, args.sdpa_backend)  # noqa: E731
                 engines[name], load_mib[name] = loaded(device, build)
             for batch_size in args.batch_sizes:
                 chosen = source_ids
@@ -210,7 +214,10 @@ def run(args: argparse.Namespace, argv) -> Path:
         "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
         "int8 weights per output channel, activations quantized per call). CTranslate2 int8 = int8 weights, "
         "dynamically quantized activations; inter_threads 1, intra_threads = torch threads.",
-        "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
+        ("The process ran with vaswani.inference.keep_freed_cpu_memory() (glibc malloc reuses freed memory instead "
+         "of mapping fresh pages per large tensor), which applies to every PyTorch engine alike. "
+         if args.keep_freed_memory else "")
+        + "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
         "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
     ]
     if args.notes:
@@ -318,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="at batch size 1 translate only the first N sentences of the sample (its uniform draws "
                         "are unordered, so any prefix is itself a uniform sample); default: all")
     parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per sentence")
+    parser.add_argument("--keep_freed_memory", action="store_true",
+                        help="vaswani.inference.keep_freed_cpu_memory() for the whole process (what --int8 does in the "
+                        "scripts): every PyTorch engine, Marian included, reuses freed memory; CTranslate2 has its own "
+                        "caching allocator anyway")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
     return parser
 

@@ -454,6 +454,24 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_name", default=None, help="result file stem; default <benchmark>-<device>")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
+    parser.add_argument("--sdpa_backend", default=None, choices=sorted(SDPA_BACKENDS),
+                        help="restrict torch's scaled_dot_product_attention to one kernel, for every engine alike; "
+                        "default: torch's own choice")
+
+
+# torch.nn.attention.SDPBackend members by short name (efficient and cudnn exist on CUDA only).
+SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def sdpa_backend(name: str | None):
+    """A context manager that makes SDPA use one kernel (`None`: torch's default choice, no restriction)."""
+    import contextlib
+
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
 
 def settings_of(args: argparse.Namespace, **extra) -> dict:

@@ -7,6 +7,7 @@
 #                                               #   batch 1 over the first 100 draws; greedy and beam 4
 #   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
 #   bash benchmarks/gpu_session.sh profile      # where a training step's GPU time goes (tiny, base; every engine)
+#   bash benchmarks/gpu_session.sh attention    # base training under each SDPA kernel: efficient, cudnn, math
 #
 # Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
 # On a machine whose Python lacks this project's pinned packages, put wheels in .whl/ (see /work/.library/device
@@ -33,12 +34,17 @@ for stage in "$@"; do
     log="$RESULTS_DIR/gpu-$stage.log"
     echo "== $stage" | tee "$log"
     case $stage in
-        tests) run timeout 100 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
+        tests) run timeout 240 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py -p no:cacheprovider ;;
         profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
                      --sizes tiny,base --steps 3 --profile ;;
         training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
         translation) run timeout 300 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
                          --batch_sizes 256,32,1 --batch1_sentences 100 ;;
+        attention)  # the same base training step under each SDPA kernel (the profile's largest item)
+            for kernel in efficient cudnn math; do
+                run timeout 180 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \
+                    --sdpa_backend $kernel --output_name training-sdpa-$kernel || false
+            done ;;
         scaling) run timeout 150 python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
                      --lengths 64,256,1024,4096 --steps 3 ;;
         *) echo "unknown stage $stage" | tee -a "$log"; false ;;

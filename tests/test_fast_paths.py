@@ -161,3 +161,54 @@ def test_token_checks_do_not_read_back_on_accelerators(device, monkeypatch):
     monkeypatch.setattr(torch, "_assert_async", lambda *args: asserted.append(args))
     model(input_ids=ids, attention_mask=mask, labels=ids)
     assert len(asserted) == 2  # the input ids and the labels
+
+
+def test_eager_attention_takes_sdpa_boolean_masks():
+    """A CPU decoding step under sdpa runs `eager_attention_forward` with the boolean mask built for sdpa."""
+    from torch.nn import functional as F
+
+    from vaswani.modeling_vaswani import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 1, False
+    query, key, value = torch.randn(3, 2, 1, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    allowed = torch.ones(3, 1, 1, 6, dtype=torch.bool)
+    allowed[0, ..., 4:] = allowed[2, ..., :2] = False
+    output, _ = eager_attention_forward(module, query, key, value, allowed, scaling=8**-0.5)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed).transpose(1, 2)
+    torch.testing.assert_close(output, expected)
+
+
+def test_single_query_cpu_steps_use_the_plain_path(monkeypatch):
+    """sdpa stays the implementation for prompts and training; one-token decoding steps on a CPU take the
+    matmul-softmax-matmul path, with the same tokens as an all-eager model."""
+    import vaswani.modeling_vaswani as modeling
+
+    config = _config()
+    model = VaswaniForConditionalGeneration(config).eval()
+    reference = copy.deepcopy(model)
+    reference.config._attn_implementation = "eager"
+    query_lengths = []
+    original = modeling.eager_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        query_lengths.append(query.shape[2])
+        return original(module, query, *args, **kwargs)
+
+    source, mask = padded_batch(config, [7, 4], seed=5)
+    kwargs = {"num_beams": 2, "do_sample": False, "max_new_tokens": 5, "eos_token_id": None}
+    expected = reference.generate(input_ids=source, attention_mask=mask, **kwargs)
+    monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+    actual = model.generate(input_ids=source, attention_mask=mask, **kwargs)
+    assert torch.equal(actual, expected)
+    assert query_lengths and set(query_lengths) == {1}  # only decoding steps; the encoder ran sdpa
+
+
+def test_keep_freed_cpu_memory_on_glibc():
+    import platform
+
+    from vaswani.inference import keep_freed_cpu_memory
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert keep_freed_cpu_memory() is True

@@ -186,7 +186,9 @@ def eager_attention_forward(
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, q_len, kv_len)
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa's mask: True where allowed
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif attention_mask is not None:
         scores = scores + attention_mask  # additive: 0 where allowed, the dtype's minimum where masked
     # Softmax in float32: in bf16 the sum over long rows loses the small probabilities.
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -256,9 +258,12 @@ class VaswaniAttention(nn.Module):
                 )
                 key, value = cache.update(key, value, self.layer_idx)  # (B, K, past + q_len, D)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        implementation = self.config._attn_implementation
+        if implementation == "sdpa" and query.shape[2] == 1 and query.device.type == "cpu" and not self.training:
+            # A decoding step on a CPU: for one query over a few dozen keys, torch's SDPA kernel costs about twice
+            # the plain matmul-softmax-matmul below (benchmarks/README.md, "Profile"). Same result.
+            implementation = "eager"
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         output, weights = attention_interface(
             self,
             query,
