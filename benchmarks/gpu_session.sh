@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of benchmarks/README.md, in stages that each fit a 10-minute slot on a lent GPU machine:
 #
-#   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a minute
+#   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a few minutes (compilation)
 #   bash benchmarks/gpu_session.sh training     # bench_training.py: tiny, base, big; Vaswani eager and compiled, Marian
 #   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 32 and 256 over all 3,000 sentences,
 #                                               #   batch 1 over the first 100 draws; greedy and beam 4
@@ -10,8 +10,8 @@
 #   bash benchmarks/gpu_session.sh attention    # base training under each SDPA kernel: efficient, cudnn, math
 #
 # Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
-# On a machine whose Python lacks this project's pinned packages, put wheels in .whl/ (see /work/.library/device
-# notes): they are installed into a scratch directory first.
+# On a machine whose Python lacks some of this project's packages (or has older ones), put their wheels in .whl/:
+# they are installed into a scratch directory first. The corpus path comes from $VASWANI_FRA_ENG as usual.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -80,11 +80,15 @@ def test_translation_benchmark(corpus, tmp_path):
 
 def test_training_benchmark(corpus, tmp_path):
     path = load("bench_training").main(
-        common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64", "--steps", "1", "--warmup_steps", "0"]
+        common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64", "--steps", "1", "--warmup_steps", "0",
+                                         "--engines", "vaswani,vaswani-compiled,marian"]
     )
-    report = check_report(path, "bench_training", {"engine", "tokens_per_s", "model_tflops_per_s", "peak_mib", "mfu"})
-    assert {row["engine"] for row in report["results"]} == {"vaswani", "marian"}
+    report = check_report(path, "bench_training", {"engine", "tokens_per_s", "model_tflops_per_s", "peak_mib", "mfu",
+                                                   "compilations_while_timed"})
+    assert {row["engine"] for row in report["results"]} == {"vaswani", "vaswani-compiled", "marian"}
     assert all(row["mfu"] is None for row in report["results"])  # no MFU without a GPU peak
+    # Without warm-up the compiled engine compiles inside the timed step, and the report says so.
+    assert {row["compilations_while_timed"] for row in report["results"]} == {1}
 
 
 def test_scaling_benchmark(corpus, tmp_path):

@@ -50,8 +50,8 @@ def keep_freed_cpu_memory(largest_block_mib: int = 32) -> bool:
     By default glibc maps every block of more than a few hundred KiB fresh from the kernel and unmaps it when it is
     freed. Decoding allocates several vocabulary-sized tensors per step (the logits, their float copy, the
     log-probabilities: 16 MiB each for 32 sentences × 4 beams × 32k tokens), so every step pays page faults on
-    fresh memory. On this project's CPU machine that made beam search's log-softmax 8× slower inside `generate()`
-    than in isolation. This raises the mapping threshold to `largest_block_mib` (glibc's maximum is 32 MiB on 64-bit)
+    fresh memory: on this project's CPU machine, beam search's log-softmax over 128 × 32,000 took 5.5 ms per step
+    inside `generate()` and 3.3 ms with freed memory reused (benchmarks/README.md). This raises the mapping threshold to `largest_block_mib` (glibc's maximum is 32 MiB on 64-bit)
     and keeps freed memory in the heap, which is what a caching allocator (CTranslate2's, or jemalloc/tcmalloc
     preloaded) gives. The cost: the process keeps its peak heap instead of returning it. Not glibc (musl, macOS):
     returns False and changes nothing.
