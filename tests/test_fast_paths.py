@@ -212,3 +212,16 @@ def test_keep_freed_cpu_memory_on_glibc():
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert keep_freed_cpu_memory() is True
+
+
+@pytest.mark.slow
+def test_compiled_causal_lm_beam_search_matches_eager(single_thread):
+    """The decoder-only model: a static cache reordered in place by beam search, under the compiled step."""
+    config = _config(norm_first=True, position_embedding_type="rope", num_key_value_heads=2)
+    model = VaswaniForCausalLM(config).eval()
+    fast = compile_for_generation(copy.deepcopy(model))
+    prompt, mask = padded_batch(config, [6, 3], seed=7, side="left")
+    kwargs = {"num_beams": 3, "do_sample": False, "max_new_tokens": 6, "eos_token_id": None}
+    expected = model.generate(input_ids=prompt, attention_mask=mask, **kwargs)
+    actual = fast.generate(input_ids=prompt, attention_mask=mask, **kwargs)
+    assert torch.equal(actual, expected)
