@@ -7,6 +7,7 @@ it only builds, feeds and times them.
 """
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import gzip
@@ -465,8 +466,6 @@ SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFIC
 
 def sdpa_backend(name: str | None):
     """A context manager that makes SDPA use one kernel (`None`: torch's default choice, no restriction)."""
-    import contextlib
-
     if name is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -9,10 +9,16 @@
 import argparse
 import json
 
-from vaswani.cli import generation_limits, load_translator, read_lines, user_errors_exit, write_atomically
+from vaswani.cli import (
+    add_int8_argument,
+    generation_limits,
+    load_translator,
+    read_lines,
+    user_errors_exit,
+    write_atomically,
+)
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import evaluate_model
-from vaswani.inference import keep_freed_cpu_memory, quantize_for_cpu
 
 
 @user_errors_exit
@@ -29,8 +35,7 @@ def main(argv=None):
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, "
-                        "and a malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
+    add_int8_argument(parser)
     parser.add_argument("--output_file", help="write metrics and hypotheses as JSON here")
     args = parser.parse_args(argv)
     for name in ("max_samples", "num_beams", "batch_size"):
@@ -56,10 +61,7 @@ def main(argv=None):
     if not sources:
         raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
-    model, tokenizer = load_translator(args.model, args.device)
-    if args.int8:
-        model = quantize_for_cpu(model)
-        keep_freed_cpu_memory()
+    model, tokenizer = load_translator(args.model, args.device, int8=args.int8)
     max_source_length, max_new_tokens = generation_limits(model, None)
     result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams, batch_size=args.batch_size,
                             max_source_length=max_source_length, max_new_tokens=max_new_tokens)

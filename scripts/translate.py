@@ -12,9 +12,15 @@ longer than the model's `max_position_embeddings` are truncated (a warning on st
 import argparse
 import sys
 
-from vaswani.cli import decode_lines, generation_limits, load_translator, read_lines, user_errors_exit
+from vaswani.cli import (
+    add_int8_argument,
+    decode_lines,
+    generation_limits,
+    load_translator,
+    read_lines,
+    user_errors_exit,
+)
 from vaswani.evaluation import translate
-from vaswani.inference import keep_freed_cpu_memory, quantize_for_cpu
 
 
 @user_errors_exit
@@ -27,8 +33,7 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, "
-                        "and a malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
+    add_int8_argument(parser)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of beam search")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=None)
@@ -44,10 +49,7 @@ def main(argv=None):
         sentences = args.sentences
     else:
         sentences = decode_lines(sys.stdin.buffer.read(), "stdin")
-    model, tokenizer = load_translator(args.model, args.device)
-    if args.int8:
-        model = quantize_for_cpu(model)
-        keep_freed_cpu_memory()
+    model, tokenizer = load_translator(args.model, args.device, int8=args.int8)
     nonempty = [i for i, sentence in enumerate(sentences) if sentence.strip()]
     max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
     if max_source_length is not None:

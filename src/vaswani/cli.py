@@ -1,6 +1,7 @@
 """What every command-line tool shares: loading a checkpoint for inference, reading input files, writing output
 files, and turning user errors into one line."""
 
+import argparse
 import functools
 import json
 import os
@@ -9,6 +10,8 @@ import sys
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from .inference import keep_freed_cpu_memory, quantize_for_cpu
 
 # Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
 # training loss (FloatingPointError) is here because its message names the step and the fix.
@@ -37,8 +40,16 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
-def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None):
-    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it.
+def add_int8_argument(parser: argparse.ArgumentParser) -> None:
+    """`--int8`, for scripts that decode (passed on to `load_translator`)."""
+    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
+                        "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
+
+
+def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
+                    int8: bool = False):
+    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it;
+    with `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory reused).
 
     Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
     only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
@@ -71,7 +82,11 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
         raise ValueError(f"{model_dir} does not hold this model's weights ({listed}); it would run with random "
                          "weights in their place. Use the checkpoint's own directory, or re-save it.")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if int8:
+        model = quantize_for_cpu(model)
+        keep_freed_cpu_memory()
+    return model, tokenizer
 
 
 def _check_checkpoint_dir(model_dir: str) -> None:

@@ -52,17 +52,16 @@ def keep_freed_cpu_memory(largest_block_mib: int = 32) -> bool:
     freed. Decoding allocates several vocabulary-sized tensors per step (the logits, their float copy, the
     log-probabilities: 16 MiB each for 32 sentences × 4 beams × 32k tokens), so every step pays page faults on
     fresh memory: on this project's CPU machine, beam search's log-softmax over 128 × 32,000 took 5.5 ms per step
-    inside `generate()` and 3.3 ms with freed memory reused (benchmarks/README.md). This raises the mapping threshold to `largest_block_mib` (glibc's maximum is 32 MiB on 64-bit)
-    and keeps freed memory in the heap, which is what a caching allocator (CTranslate2's, or jemalloc/tcmalloc
-    preloaded) gives. The cost: the process keeps its peak heap instead of returning it. Not glibc (musl, macOS):
-    returns False and changes nothing.
+    inside `generate()` and 3.3 ms with freed memory reused (benchmarks/README.md). This raises the mapping threshold
+    to `largest_block_mib` (glibc's maximum is 32 MiB on 64-bit) and keeps freed memory in the heap, which is what a
+    caching allocator (CTranslate2's, or jemalloc/tcmalloc preloaded) gives. The cost: the process keeps its peak
+    heap instead of returning it. Not glibc (musl, macOS): returns False and changes nothing.
     """
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # no C library to load, or one without mallopt
+        mallopt = None
     if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>

@@ -417,6 +417,9 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+        return reorder_self_attention_cache(past_key_values, beam_idx)  # called by generate()'s beam search
+
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """The vocabulary is joint, but with `share_embeddings=False` the decoder has its own table, which the generic
         implementation (it knows one input embedding: the encoder's) would leave at the old size."""
@@ -682,8 +685,8 @@ def reorder_self_attention_cache(past_key_values: Cache, beam_idx: torch.LongTen
     Only the decoder's self-attention cache is reordered. The cross-attention keys/values are the same for every beam
     of a sentence (the encoder output is repeated per beam, and beams never move across sentences), so reordering them,
     as the generic `Cache.reorder_cache` does, copies every layer's source projections once per step for nothing.
-    A static cache is reordered in place, so its tensors keep their addresses (what a compiled, CUDA-graphed decoding
-    step reads from); a dynamic one is replaced, as it is anyway at every step.
+    A static cache is reordered in place, so its tensors keep the addresses that a compiled decoding step was traced
+    with; a dynamic one is replaced, as it is anyway at every step.
     """
     cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
     for layer in cache.layers:
@@ -798,9 +801,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
-    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
-        return reorder_self_attention_cache(past_key_values, beam_idx)  # called by generate()'s beam search
-
     def forward(
         self,
         input_ids=None,
@@ -864,9 +864,6 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         self.model = VaswaniDecoder(config, cross_attention=False)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
-
-    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
-        return reorder_self_attention_cache(past_key_values, beam_idx)
 
     def get_decoder(self):
         return self.model
