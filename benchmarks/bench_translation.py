@@ -1,6 +1,7 @@
 """Translation throughput: sentences/s and output tokens/s of greedy and beam search, Vaswani vs Marian (same
-weight shapes), and on CPU Vaswani's opt-in int8 path (`vaswani.inference.quantize_for_cpu`) and CTranslate2
-running that Marian model (fp32 and int8).
+weight shapes), and on CPU Vaswani's opt-in int8 path (`vaswani.inference.quantize_for_cpu`), CTranslate2
+running that Marian model (fp32 and int8), and CTranslate2 running the Vaswani model after
+`vaswani.export.export_to_ctranslate2` (int8).
 
 Identical work across engines: the same English sentences from the real corpus, tokenized once by the project's
 joint BPE, sorted by length and cut into the same batches; every engine generates exactly `--new_tokens` tokens per
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vaswani.export import export_to_ctranslate2
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +46,8 @@ from common import (  # noqa: E402
     write_report,
 )
 
-ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-int8": "Vaswani int8", "vaswani-compiled": "Vaswani compiled"}
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-int8": "Vaswani int8", "vaswani-compiled": "Vaswani compiled",
+                 "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32"}
 
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
@@ -87,15 +90,21 @@ class TorchEngine:
 
 
 class CT2Engine:
-    """CTranslate2 running the Marian twin (converted once, quantized at load time for int8)."""
+    """CTranslate2 (quantized at load time for int8) running either the Marian twin (`ct2-<compute type>`, converted
+    by CTranslate2's own Marian converter) or the Vaswani model (`vaswani-ct2-<compute type>`, exported by
+    `vaswani.export.export_to_ctranslate2`). Both are converted once per size into `workdir`."""
 
     def __init__(self, name, config, tokenizer, device, seed, threads, workdir: Path):
         import ctranslate2
         from ctranslate2.converters import TransformersConverter
 
-        compute_type = name.removeprefix("ct2-")
-        model_dir = workdir / "ct2-marian"
-        if not (model_dir / "model.bin").is_file():
+        compute_type = name.rpartition("ct2-")[2]
+        source = "vaswani" if name.startswith("vaswani-") else "marian"
+        model_dir = workdir / f"ct2-{source}"
+        if not (model_dir / "model.bin").is_file() and source == "vaswani":
+            vaswani = build_seq2seq("vaswani", config, pick_device("cpu"), torch.float32, seed)
+            export_to_ctranslate2(vaswani, model_dir, tokenizer=tokenizer, force=True)
+        elif not (model_dir / "model.bin").is_file():
             marian = build_seq2seq("marian", config, pick_device("cpu"), torch.float32, seed)
             config_dir = workdir / "marian-config"
             marian.config.save_pretrained(config_dir)
@@ -153,7 +162,8 @@ def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
     if args.keep_freed_memory and not keep_freed_cpu_memory():
         raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
-    names = args.engines or (["vaswani", "vaswani-compiled", "marian"] if device.is_cuda else ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8"])
+    names = args.engines or (["vaswani", "vaswani-compiled", "marian"] if device.is_cuda else
+                             ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8", "vaswani-ct2-int8"])
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     sentences = sample_sentences(pairs, args.num_sentences, args.seed)
     sampled_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
@@ -166,7 +176,7 @@ def run(args: argparse.Namespace, argv) -> Path:
             config = vaswani_config(size, len(tokenizer))
             engines, load_mib = {}, {}
             for name in names:
-                if name.startswith("ct2-"):
+                if name.startswith(("ct2-", "vaswani-ct2-")):
                     build = lambda: CT2Engine(name, config, tokenizer, device, args.seed, args.threads, Path(workdir) / size)  # noqa: E731
                 else:
                     build = lambda: TorchEngine(name, config, tokenizer, device, args.seed, args.sdpa_backend)  # noqa: E731
@@ -316,8 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani, vaswani-int8 (CPU only), marian, ct2-<compute type> (ct2-float32, ct2-int8, "
-                        "ct2-bfloat16 …); default: vaswani,marian on CUDA, plus vaswani-int8,ct2-float32,ct2-int8 on CPU")
+                        help="vaswani, vaswani-int8 (CPU only), vaswani-compiled, marian, ct2-<compute type> (CTranslate2 "
+                        "running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), vaswani-ct2-<compute type> "
+                        "(CTranslate2 running the exported Vaswani model); default: vaswani,vaswani-compiled,marian "
+                        "on CUDA; vaswani,vaswani-int8,marian,ct2-float32,ct2-int8,vaswani-ct2-int8 on CPU")
     parser.add_argument("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     parser.add_argument("--num_sentences", type=int, default=3000)

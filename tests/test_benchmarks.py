@@ -66,7 +66,7 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
 def test_translation_benchmark(corpus, tmp_path):
     engines = "vaswani,marian"
     if importlib.util.find_spec("ctranslate2"):
-        engines += ",ct2-float32,ct2-int8"
+        engines += ",ct2-float32,ct2-int8,vaswani-ct2-int8"
     path = load("bench_translation").main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", engines, "--batch_sizes", "4", "--beams", "1,2", "--num_sentences", "8",

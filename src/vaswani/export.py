@@ -1,0 +1,173 @@
+"""Export a Vaswani translation model to CTranslate2, the C++ inference engine people deploy seq2seq models with on
+CPUs (`pip install "vaswani[ct2]"` or `ctranslate2`; not a dependency of the model itself).
+
+    export_to_ctranslate2("path/or/repo", "model-ct2", quantization="int8")
+    translator = ctranslate2.Translator("model-ct2", device="cpu", compute_type="int8")
+
+CTranslate2's own `TransformerSpec` describes the architecture: encoder and decoder layers of self-attention,
+cross-attention and FFN, post- or pre-norm, shared embeddings scaled by √d_model. What CTranslate2 does not derive
+from a config, the exporter passes as weights: our interleaved sinusoid table of §3.5 (CTranslate2's built-in one
+puts all sines before all cosines), or the learned position table. The result translates exactly like the PyTorch
+model (tests/test_export.py compares greedy and beam-search outputs token for token) at CTranslate2's speed, with
+its int8/int16/bf16 weight formats and its batching and beam search in C++ (benchmarks/README.md).
+
+Supported: every seq2seq variant that CTranslate2's encoder-decoder spec can express, that is post-norm and
+pre-norm, LayerNorm and RMSNorm, ReLU/GELU/SiLU and the gated SwiGLU/GEGLU FFNs, sinusoidal and learned positions,
+multi-head and multi-query attention. Not supported (a clear error): RoPE and grouped-query attention with more
+than one key/value head, which CTranslate2 offers only for decoder-only models.
+"""
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from .cli import load_translator
+from .configuration_vaswani import VaswaniConfig
+from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
+
+# Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
+FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("SWISH", False),
+                   "swiglu": ("SWISH", True), "geglu": ("GELU", True)}
+
+
+def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: str | None = None,
+                          max_positions: int | None = None, force: bool = False) -> str:
+    """Write `model` (a VaswaniForConditionalGeneration, or a path or Hub id to load one from) as a CTranslate2
+    model directory; return its path.
+
+    `tokenizer` (or the one saved with the model) gives the shared vocabulary, in id order, and the special tokens.
+    `quantization` is CTranslate2's weight format on disk (int8, int8_float32, int16, float16, bfloat16, float32;
+    None keeps fp32); `ctranslate2.Translator(compute_type=...)` can convert again at load time. `max_positions` is
+    how many positions the sinusoid table covers (default: the config's `max_position_embeddings`); CTranslate2
+    cannot compute them on the fly, so longer inputs must be truncated to it.
+    """
+    from ctranslate2.converters import Converter
+
+    if os.path.exists(output_dir) and not force:
+        raise FileExistsError(f"{output_dir} already exists; choose another directory or pass force=True (--force).")
+    if isinstance(model, (str, os.PathLike)):
+        model, saved_tokenizer = load_translator(str(model), device="cpu")
+        tokenizer = tokenizer or saved_tokenizer
+    if not isinstance(model, VaswaniForConditionalGeneration):
+        raise ValueError(f"Expected a VaswaniForConditionalGeneration, got {type(model).__name__}.")
+    if tokenizer is None:
+        raise ValueError("Pass the tokenizer: CTranslate2 stores the vocabulary with the model.")
+
+    class VaswaniConverter(Converter):
+        def _load(self):
+            return model_spec(model, tokenizer, max_positions)
+
+    return VaswaniConverter().convert(str(output_dir), quantization=quantization, force=True)
+
+
+def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions: int | None = None):
+    """The `ctranslate2.specs.TransformerSpec` of `model`, weights and vocabulary filled in."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    config: VaswaniConfig = model.config
+    check_exportable(config)
+    activation, gated = FFN_ACTIVATIONS[config.ffn_activation]
+    spec = transformer_spec.TransformerSpec.from_config(
+        (config.encoder_layers, config.decoder_layers),
+        config.num_attention_heads,
+        pre_norm=config.norm_first,
+        activation=getattr(common_spec.Activation, activation),
+        ffn_glu=gated,
+        rms_norm=config.norm_type == "rmsnorm",
+        multi_query_attention=config.num_key_value_heads == 1 < config.num_attention_heads,
+    )
+    spec.config.layer_norm_epsilon = config.layer_norm_eps
+    base = model.model
+    for stack_spec, stack in ((spec.encoder, base.encoder), (spec.decoder, base.decoder)):
+        set_stack(stack_spec, stack, position_table(stack, max_positions or config.max_position_embeddings), config)
+    for layer_spec, layer in zip(spec.encoder.layer, base.encoder.layers):
+        set_attention(layer_spec.self_attention, layer.self_attn, layer.self_attn_layer_norm, fused_qkv=True)
+        set_ffn(layer_spec.ffn, layer.mlp, layer.final_layer_norm)
+    for layer_spec, layer in zip(spec.decoder.layer, base.decoder.layers):
+        set_attention(layer_spec.self_attention, layer.self_attn, layer.self_attn_layer_norm, fused_qkv=True)
+        set_attention(layer_spec.attention, layer.encoder_attn, layer.encoder_attn_layer_norm, fused_qkv=False)
+        set_ffn(layer_spec.ffn, layer.mlp, layer.final_layer_norm)
+    set_linear(spec.decoder.projection, model.lm_head)
+
+    tokens = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
+    if len(tokens) != config.vocab_size or None in tokens:
+        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model {config.vocab_size}: export the "
+                         "tokenizer the model was trained with.")
+    spec.register_source_vocabulary(tokens)
+    spec.register_target_vocabulary(tokens)
+    # Sources are passed as the tokenizer makes them (with </s>); decoding starts from decoder_start_token_id.
+    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = (
+        tokens[config.bos_token_id], tokens[config.eos_token_id], tokenizer.unk_token)
+    spec.config.decoder_start_token = tokens[config.decoder_start_token_id]
+    return spec
+
+
+def check_exportable(config: VaswaniConfig) -> None:
+    if config.position_embedding_type == "rope":
+        raise ValueError("CTranslate2's encoder-decoder models have no rotary positions; export a model with "
+                         "position_embedding_type='sinusoidal' or 'learned'.")
+    if config.num_key_value_heads not in (1, config.num_attention_heads):
+        raise ValueError(f"CTranslate2's encoder-decoder models support multi-head or multi-query attention, not "
+                         f"{config.num_key_value_heads} key/value heads for {config.num_attention_heads} query heads.")
+    if not config.share_embeddings or not config.tie_word_embeddings:
+        raise ValueError("The exporter writes one shared vocabulary; export a model with share_embeddings=True and "
+                         "tie_word_embeddings=True.")
+
+
+def position_table(stack, length: int) -> torch.Tensor:
+    """(length, d_model): the position encodings the encoder or decoder adds to its scaled token embeddings (the
+    sinusoids, or its own learned table)."""
+    positions = stack.embed_positions
+    if isinstance(positions, VaswaniSinusoidalPositionalEmbedding):
+        return positions(torch.arange(length))
+    return positions.weight[:length]
+
+
+def set_stack(spec, stack, positions: torch.Tensor, config: VaswaniConfig) -> None:
+    embeddings = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings
+    embeddings.weight = to_numpy(stack.embed_tokens.weight)
+    spec.scale_embeddings = math.sqrt(config.d_model) if config.scale_embedding else False
+    spec.position_encodings.encodings = to_numpy(positions)
+    if stack.layer_norm is not None:  # pre-norm stacks end with a norm
+        set_norm(spec.layer_norm, stack.layer_norm)
+
+
+def set_attention(spec, attention, norm, fused_qkv: bool) -> None:
+    """CTranslate2 fuses the projections: self-attention's q, k, v into one matrix; cross-attention's k, v."""
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    groups = [projections] if fused_qkv else [projections[:1], projections[1:]]
+    for linear_spec, group in zip(spec.linear, groups):
+        linear_spec.weight = to_numpy(torch.cat([p.weight for p in group]))
+        if group[0].bias is not None:
+            linear_spec.bias = to_numpy(torch.cat([p.bias for p in group]))
+    set_linear(spec.linear[-1], attention.o_proj)
+    set_norm(spec.layer_norm, norm)
+
+
+def set_ffn(spec, mlp, norm) -> None:
+    if hasattr(mlp, "gate_proj"):  # CTranslate2's gated FFN: linear_1(act(linear_0(x)) * linear_0_noact(x))
+        set_linear(spec.linear_0, mlp.gate_proj)
+        set_linear(spec.linear_0_noact, mlp.up_proj)
+        set_linear(spec.linear_1, mlp.down_proj)
+    else:
+        set_linear(spec.linear_0, mlp.fc1)
+        set_linear(spec.linear_1, mlp.fc2)
+    set_norm(spec.layer_norm, norm)
+
+
+def set_linear(spec, linear) -> None:
+    spec.weight = to_numpy(linear.weight)
+    if linear.bias is not None:
+        spec.bias = to_numpy(linear.bias)
+
+
+def set_norm(spec, norm) -> None:
+    spec.gamma = to_numpy(norm.weight)
+    if hasattr(spec, "beta"):  # LayerNorm; a bias-free one (bias=False) is a zero beta
+        spec.beta = to_numpy(norm.bias) if norm.bias is not None else np.zeros_like(spec.gamma)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float32).cpu().numpy()

@@ -1,0 +1,136 @@
+"""The CTranslate2 exporter (`vaswani.export`, `scripts/export_ctranslate2.py`): the exported model must score and
+translate exactly like the PyTorch model, for every architecture variant CTranslate2 can express."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_translation_model import SOURCES, TARGETS, build_model_and_tokenizer, build_tokenizer
+
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.export import export_to_ctranslate2
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return build_model_and_tokenizer()
+
+
+def tokens(tokenizer, texts, target=False):
+    """What a CTranslate2 user passes: the tokenizer's tokens, the source with its </s>; a target without it (the
+    translator appends </s> when scoring)."""
+    if target:
+        return [tokenizer.convert_ids_to_tokens(tokenizer(text_target=t)["input_ids"])[:-1] for t in texts]
+    return [tokenizer.convert_ids_to_tokens(tokenizer(s)["input_ids"]) for s in texts]
+
+
+def torch_log_probs(model, tokenizer, sources, targets) -> list[torch.Tensor]:
+    """Each target token's log-probability under teacher forcing, </s> included."""
+    batch = tokenizer(sources, text_target=targets, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        log_probs = model(**batch).logits.float().log_softmax(-1)
+    labels = batch["labels"]
+    picked = log_probs.gather(-1, labels[..., None])[..., 0]
+    return [row[label != tokenizer.pad_token_id] for row, label in zip(picked, labels)]
+
+
+VARIANTS = {
+    "paper": {},
+    "pre-norm": {"norm_first": True},
+    "rmsnorm-swiglu-no-bias": {"norm_first": True, "norm_type": "rmsnorm", "ffn_activation": "swiglu", "bias": False},
+    "gelu-learned-positions": {"ffn_activation": "gelu", "position_embedding_type": "learned"},
+    "geglu-mqa-unscaled": {"ffn_activation": "geglu", "num_key_value_heads": 1, "scale_embedding": False},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_exported_model_scores_every_token_like_pytorch(variant, tmp_path):
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer), **VARIANTS[variant])).eval()
+    translator = ctranslate2.Translator(export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer))
+
+    scored = translator.score_batch(tokens(tokenizer, SOURCES), tokens(tokenizer, TARGETS, target=True))
+
+    for expected, result in zip(torch_log_probs(model, tokenizer, SOURCES, TARGETS), scored):
+        assert len(result.log_probs) == len(expected)
+        torch.testing.assert_close(torch.tensor(result.log_probs), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_exported_model_translates_like_generate(trained, tmp_path, beams):
+    model, tokenizer = trained
+    translator = ctranslate2.Translator(export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer))
+    batch = tokenizer(SOURCES, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        expected = tokenizer.batch_decode(model.generate(**batch, num_beams=beams, max_new_tokens=16),
+                                          skip_special_tokens=True)
+
+    results = translator.translate_batch(tokens(tokenizer, SOURCES), beam_size=beams, max_decoding_length=16)
+
+    hypotheses = [tokenizer.convert_tokens_to_string(r.hypotheses[0]) for r in results]
+    assert hypotheses == expected
+    assert len(set(hypotheses)) > 1  # the model's translations depend on the input
+
+
+def test_int8_export_from_a_checkpoint_directory(trained, tmp_path):
+    model, tokenizer = trained
+    model.save_pretrained(tmp_path / "checkpoint")
+    tokenizer.save_pretrained(tmp_path / "checkpoint")
+
+    output = export_to_ctranslate2(tmp_path / "checkpoint", tmp_path / "ct2", quantization="int8")
+
+    fp32_bytes = sum(p.numel() * 4 for p in model.parameters() if p is not model.lm_head.weight)
+    assert (Path(output) / "model.bin").stat().st_size < 0.6 * fp32_bytes  # int8 matrices, fp32 norms and biases
+    translator = ctranslate2.Translator(output, compute_type="int8")
+    results = translator.translate_batch(tokens(tokenizer, SOURCES), max_decoding_length=16)
+    with torch.inference_mode():
+        fp32 = model.generate(**tokenizer(SOURCES, return_tensors="pt", padding=True), max_new_tokens=16)
+    expected = tokenizer.batch_decode(fp32, skip_special_tokens=True)
+    agree = sum(tokenizer.convert_tokens_to_string(r.hypotheses[0]) == e for r, e in zip(results, expected))
+    assert agree >= 4  # int8 rounding may flip a near-tie in one of five sentences
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"position_embedding_type": "rope"}, "no rotary positions"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 2}, "2 key/value heads for 4 query heads"),
+    ],
+)
+def test_refuses_what_ctranslate2_cannot_express(tmp_path, overrides, message):
+    tokenizer = build_tokenizer()
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer), **overrides))
+    with pytest.raises(ValueError, match=message):
+        export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    assert not (tmp_path / "ct2").exists()
+
+
+def test_refuses_a_tokenizer_of_another_size(tmp_path):
+    tokenizer = build_tokenizer()
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer) + 5))
+    with pytest.raises(ValueError, match="export the tokenizer the model was trained with"):
+        export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+
+
+def test_export_script(trained, tmp_path, capsys):
+    model, tokenizer = trained
+    model.save_pretrained(tmp_path / "checkpoint")
+    tokenizer.save_pretrained(tmp_path / "checkpoint")
+    spec = importlib.util.spec_from_file_location("export_script", SCRIPTS / "export_ctranslate2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    script.main(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2"),
+                 "--quantization", "int8"])
+
+    assert (tmp_path / "ct2" / "model.bin").is_file() and (tmp_path / "ct2" / "shared_vocabulary.json").is_file()
+    assert str(tmp_path / "ct2") in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # an existing directory is a user error without --force
+        script.main(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2")])
+    assert exit_info.value.code == 2
