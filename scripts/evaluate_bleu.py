@@ -3,6 +3,7 @@
 
     python scripts/evaluate_bleu.py --model outputs/en-fr                      # fra-eng test split
     python scripts/evaluate_bleu.py --model outputs/en-fr --device cpu --int8          # int8 CPU decoding
+    python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --ctranslate2 --compute_type int8  # an exported model
     python scripts/evaluate_bleu.py --model outputs/en-fr --source_file src.en --reference_file ref1.fr --reference_file ref2.fr
 """
 
@@ -18,7 +19,8 @@ from vaswani.cli import (
     write_atomically,
 )
 from vaswani.data import load_translation_dataset
-from vaswani.evaluation import evaluate_model
+from vaswani.evaluation import evaluate_model, score_corpus
+from vaswani.export import load_ctranslate2, translate_ctranslate2
 
 
 @user_errors_exit
@@ -36,6 +38,10 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--device", default="auto")
     add_int8_argument(parser)
+    parser.add_argument("--ctranslate2", action="store_true",
+                        help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 decodes")
+    parser.add_argument("--compute_type", default="default",
+                        help="with --ctranslate2: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--output_file", help="write metrics and hypotheses as JSON here")
     args = parser.parse_args(argv)
     for name in ("max_samples", "num_beams", "batch_size"):
@@ -61,12 +67,22 @@ def main(argv=None):
     if not sources:
         raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
-    model, tokenizer = load_translator(args.model, args.device, int8=args.int8)
-    max_source_length, max_new_tokens = generation_limits(model, None)
-    result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams, batch_size=args.batch_size,
-                            max_source_length=max_source_length, max_new_tokens=max_new_tokens)
+    if args.ctranslate2:
+        if args.int8:
+            raise ValueError("--int8 is the PyTorch path; with --ctranslate2 use --compute_type int8")
+        translator, tokenizer = load_ctranslate2(args.model, device=args.device, compute_type=args.compute_type)
+        hypotheses = translate_ctranslate2(translator, tokenizer, sources, num_beams=args.num_beams,
+                                           batch_size=args.batch_size)
+        result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
+    else:
+        model, tokenizer = load_translator(args.model, args.device, int8=args.int8)
+        max_source_length, max_new_tokens = generation_limits(model, None)
+        result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams,
+                                batch_size=args.batch_size, max_source_length=max_source_length,
+                                max_new_tokens=max_new_tokens)
+    engine = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else "pytorch"
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
-                                                                  "int8": args.int8,
+                                                                  "int8": args.int8, "engine": engine,
                                                                   "signatures": result.get("signatures")}
     print(json.dumps(summary, indent=2))
     if args.output_file:

@@ -3,12 +3,16 @@
 
     python scripts/export_ctranslate2.py --model outputs/en-fr --output_dir outputs/en-fr-ct2 --quantization int8
 
-Then, in Python (sources as the tokenizer's tokens, </s> included):
+The directory holds the CTranslate2 model and the tokenizer. Score it, or translate with it from Python:
 
-    translator = ctranslate2.Translator("outputs/en-fr-ct2", device="cpu", compute_type="int8")
-    tokens = tokenizer.convert_ids_to_tokens(tokenizer("I lost.")["input_ids"])
-    result = translator.translate_batch([tokens], beam_size=4)
-    print(tokenizer.convert_tokens_to_string(result[0].hypotheses[0]))
+    python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --ctranslate2 --compute_type int8
+
+    from vaswani.export import load_ctranslate2, translate_ctranslate2
+    translator, tokenizer = load_ctranslate2("outputs/en-fr-ct2", compute_type="int8")
+    translate_ctranslate2(translator, tokenizer, ["I lost.", "I'm calm."], num_beams=4)
+
+or with CTranslate2 alone: `ctranslate2.Translator(dir).translate_batch(sources)`, where a source is the tokenizer's
+tokens, </s> included.
 """
 
 import argparse

@@ -2,6 +2,7 @@
 translate exactly like the PyTorch model, for every architecture variant CTranslate2 can express."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -9,11 +10,19 @@ import torch
 from tiny_translation_model import SOURCES, TARGETS, build_model_and_tokenizer, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani.export import export_to_ctranslate2
+from vaswani.evaluation import translate
+from vaswani.export import export_to_ctranslate2, load_ctranslate2, translate_ctranslate2
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_main(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +131,64 @@ def test_export_script(trained, tmp_path, capsys):
     model, tokenizer = trained
     model.save_pretrained(tmp_path / "checkpoint")
     tokenizer.save_pretrained(tmp_path / "checkpoint")
-    spec = importlib.util.spec_from_file_location("export_script", SCRIPTS / "export_ctranslate2.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    export = script_main("export_ctranslate2")
 
-    script.main(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2"),
+    export(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2"),
                  "--quantization", "int8"])
 
     assert (tmp_path / "ct2" / "model.bin").is_file() and (tmp_path / "ct2" / "shared_vocabulary.json").is_file()
     assert str(tmp_path / "ct2") in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:  # an existing directory is a user error without --force
-        script.main(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2")])
+        export(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2")])
     assert exit_info.value.code == 2
+
+
+def test_the_exported_directory_translates_like_evaluation_translate(trained, tmp_path):
+    model, tokenizer = trained
+    export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    translator, saved_tokenizer = load_ctranslate2(str(tmp_path / "ct2"))  # the tokenizer travels with the export
+
+    got = translate_ctranslate2(translator, saved_tokenizer, SOURCES, batch_size=2, num_beams=4)
+
+    assert got == translate(model, tokenizer, SOURCES, batch_size=2, num_beams=4)
+
+
+def test_evaluate_bleu_script_with_ctranslate2(trained, tmp_path, capsys):
+    model, tokenizer = trained
+    export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    model.save_pretrained(tmp_path / "checkpoint")
+    tokenizer.save_pretrained(tmp_path / "checkpoint")
+    (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
+    (tmp_path / "ref.fr").write_text("\n".join(TARGETS) + "\n")
+    files = ["--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr"), "--device", "cpu"]
+    evaluate = script_main("evaluate_bleu")
+
+    evaluate(["--model", str(tmp_path / "checkpoint"), *files])
+    pytorch = json.loads(capsys.readouterr().out)
+    evaluate(["--model", str(tmp_path / "ct2"), "--ctranslate2", *files])
+    exported = json.loads(capsys.readouterr().out)
+
+    assert exported["engine"] == "ctranslate2 default" and pytorch["engine"] == "pytorch"
+    assert exported["bleu"] == pytorch["bleu"] and exported["chrf"] == pytorch["chrf"]
+    with pytest.raises(SystemExit):  # a checkpoint that is no CTranslate2 export is a one-line user error
+        evaluate(["--model", str(tmp_path / "checkpoint"), "--ctranslate2", *files])
+    assert "not a CTranslate2 model directory" in capsys.readouterr().err
+
+
+def test_sources_and_outputs_stay_inside_the_exported_position_table(trained, tmp_path):
+    model, tokenizer = trained
+    export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer, max_positions=24)
+    translator, saved_tokenizer = load_ctranslate2(str(tmp_path / "ct2"))
+    calls = []
+
+    class Recording:  # CTranslate2 fails past the table ("No position encodings are defined for positions >= 24")
+        def translate_batch(self, sources, **options):
+            calls.append(([len(s) for s in sources], options["max_decoding_length"]))
+            return translator.translate_batch(sources, **options)
+
+    long_source = " ".join(SOURCES * 4)  # about 90 tokens
+    got = translate_ctranslate2(Recording(), saved_tokenizer, [long_source, SOURCES[0]], num_beams=2,
+                                max_new_tokens=100)
+
+    assert len(got) == 2 and all(got)
+    assert calls == [([24, 7], 24)]

@@ -1,14 +1,16 @@
 """Export a Vaswani translation model to CTranslate2, the C++ inference engine people deploy seq2seq models with on
 CPUs (`pip install "vaswani[ct2]"` or `ctranslate2`; not a dependency of the model itself).
 
-    export_to_ctranslate2("path/or/repo", "model-ct2", quantization="int8")
-    translator = ctranslate2.Translator("model-ct2", device="cpu", compute_type="int8")
+    export_to_ctranslate2("path/or/repo", "model-ct2", quantization="int8")   # or scripts/export_ctranslate2.py
+    translator, tokenizer = load_ctranslate2("model-ct2", compute_type="int8")
+    translate_ctranslate2(translator, tokenizer, ["I'm calm."], num_beams=4)   # like vaswani.evaluation.translate
 
 CTranslate2's own `TransformerSpec` describes the architecture: encoder and decoder layers of self-attention,
 cross-attention and FFN, post- or pre-norm, shared embeddings scaled by √d_model. What CTranslate2 does not derive
 from a config, the exporter passes as weights: our interleaved sinusoid table of §3.5 (CTranslate2's built-in one
 puts all sines before all cosines), or the learned position table. The result translates exactly like the PyTorch
-model (tests/test_export.py compares greedy and beam-search outputs token for token) at CTranslate2's speed, with
+model in fp32 (tests/test_export.py compares log-probabilities, and greedy and beam-search outputs token for token)
+at CTranslate2's speed, with
 its int8/int16/bf16 weight formats and its batching and beam search in C++ (benchmarks/README.md).
 
 Supported: every seq2seq variant that CTranslate2's encoder-decoder spec can express, that is post-norm and
@@ -17,6 +19,7 @@ multi-head and multi-query attention. Not supported (a clear error): RoPE and gr
 than one key/value head, which CTranslate2 offers only for decoder-only models.
 """
 
+import json
 import math
 import os
 
@@ -26,6 +29,7 @@ import torch
 from .cli import load_translator
 from .configuration_vaswani import VaswaniConfig
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
+from .tokenization_vaswani import VaswaniTokenizer
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
 FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("SWISH", False),
@@ -59,7 +63,51 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
         def _load(self):
             return model_spec(model, tokenizer, max_positions)
 
-    return VaswaniConverter().convert(str(output_dir), quantization=quantization, force=True)
+    VaswaniConverter().convert(str(output_dir), quantization=quantization, force=True)
+    tokenizer.save_pretrained(output_dir)  # the directory is then all a deployment needs (`load_ctranslate2`)
+    return str(output_dir)
+
+
+def load_ctranslate2(path: str, device: str = "cpu", compute_type: str = "default", threads: int = 0):
+    """A `ctranslate2.Translator` over an exported directory, and the tokenizer saved beside it. `device`: cpu,
+    cuda, cuda:1 or auto; `compute_type`: CTranslate2's (int8, int8_float32, float32, …; "default" keeps the format
+    on disk); `threads`: CPU threads, 0 = all cores."""
+    import ctranslate2
+
+    if not os.path.isfile(os.path.join(path, "model.bin")):
+        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no model.bin); make one with "
+                                "scripts/export_ctranslate2.py.")
+    kind, _, index = device.partition(":")
+    translator = ctranslate2.Translator(path, device=kind, device_index=int(index or 0), compute_type=compute_type,
+                                        intra_threads=threads)
+    tokenizer = VaswaniTokenizer.from_pretrained(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
+        # The exported position table ends here: sources are truncated to it and outputs stop at it, where
+        # CTranslate2 would otherwise fail ("No position encodings are defined for positions >= …").
+        tokenizer.model_max_length = json.load(file).get("max_positions", tokenizer.model_max_length)
+    return translator, tokenizer
+
+
+def translate_ctranslate2(translator, tokenizer, sentences, *, batch_size: int = 32, num_beams: int = 4,
+                          max_new_tokens: int | None = None, max_source_length: int | None = None) -> list[str]:
+    """`vaswani.evaluation.translate` run by CTranslate2: the same length-sorted batches and the same output limit
+    (with `max_new_tokens=None`, the batch's longest source plus 50 tokens), one string per sentence in input
+    order. Sources longer than `max_source_length` (default: the exported position table, `load_ctranslate2`) are
+    truncated, and no output is longer than that table."""
+    encoded = tokenizer(list(sentences), truncation=True, max_length=max_source_length)["input_ids"]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
+    translations = [""] * len(encoded)
+    for start in range(0, len(order), batch_size):
+        indices = order[start : start + batch_size]
+        sources = [tokenizer.convert_ids_to_tokens(encoded[i]) for i in indices]
+        limit = max_new_tokens if max_new_tokens is not None else max(map(len, sources)) + 50
+        limit = min(limit, tokenizer.model_max_length)  # the decoder start token takes position 0
+        results = translator.translate_batch(sources, beam_size=num_beams, max_decoding_length=limit,
+                                             max_batch_size=batch_size)
+        for index, result in zip(indices, results):
+            ids = tokenizer.convert_tokens_to_ids(result.hypotheses[0])
+            translations[index] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return translations
 
 
 def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions: int | None = None):
@@ -79,9 +127,11 @@ def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions:
         multi_query_attention=config.num_key_value_heads == 1 < config.num_attention_heads,
     )
     spec.config.layer_norm_epsilon = config.layer_norm_eps
+    max_positions = max_positions or config.max_position_embeddings
+    spec.config.add_attribute("max_positions", max_positions)  # read back by load_ctranslate2
     base = model.model
     for stack_spec, stack in ((spec.encoder, base.encoder), (spec.decoder, base.decoder)):
-        set_stack(stack_spec, stack, position_table(stack, max_positions or config.max_position_embeddings), config)
+        set_stack(stack_spec, stack, position_table(stack, max_positions), config)
     for layer_spec, layer in zip(spec.encoder.layer, base.encoder.layers):
         set_attention(layer_spec.self_attention, layer.self_attn, layer.self_attn_layer_norm, fused_qkv=True)
         set_ffn(layer_spec.ffn, layer.mlp, layer.final_layer_norm)
