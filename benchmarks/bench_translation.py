@@ -96,30 +96,13 @@ class CT2Engine:
 
     def __init__(self, name, config, tokenizer, device, seed, threads, workdir: Path):
         import ctranslate2
-        from ctranslate2.converters import TransformersConverter
 
         compute_type = name.rpartition("ct2-")[2]
         source = "vaswani" if name.startswith("vaswani-") else "marian"
         model_dir = workdir / f"ct2-{source}"
-        if not (model_dir / "model.bin").is_file() and source == "vaswani":
-            vaswani = build_seq2seq("vaswani", config, pick_device("cpu"), torch.float32, seed)
-            export_to_ctranslate2(vaswani, model_dir, tokenizer=tokenizer, force=True)
-        elif not (model_dir / "model.bin").is_file():
-            marian = build_seq2seq("marian", config, pick_device("cpu"), torch.float32, seed)
-            config_dir = workdir / "marian-config"
-            marian.config.save_pretrained(config_dir)
-
-            class InMemoryConverter(TransformersConverter):
-                """Converts the model object we already have, with our tokenizer's vocabulary."""
-
-                def load_model(self, model_class, model_name_or_path, **kwargs):
-                    return marian
-
-                def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
-                    return _MarianVocabulary(tokenizer)
-
-            InMemoryConverter(str(config_dir)).convert(str(model_dir), force=True)
-        self.parameters = None  # the Marian row's count
+        if not (model_dir / "model.bin").is_file():
+            self._convert(source, config, tokenizer, seed, workdir, model_dir)
+        self.parameters = None  # counted on the PyTorch rows of the same weights
         self.translator = ctranslate2.Translator(
             str(model_dir),
             device=device.device.type,
@@ -128,6 +111,29 @@ class CT2Engine:
             inter_threads=1,
         )
         self.tokens = tokenizer.convert_ids_to_tokens
+
+    @staticmethod
+    def _convert(source, config, tokenizer, seed, workdir: Path, model_dir: Path) -> None:
+        from ctranslate2.converters import TransformersConverter
+
+        if source == "vaswani":
+            vaswani = build_seq2seq("vaswani", config, pick_device("cpu"), torch.float32, seed)
+            export_to_ctranslate2(vaswani, model_dir, tokenizer=tokenizer, force=True)
+            return
+        marian = build_seq2seq("marian", config, pick_device("cpu"), torch.float32, seed)
+        config_dir = workdir / "marian-config"
+        marian.config.save_pretrained(config_dir)
+
+        class InMemoryConverter(TransformersConverter):
+            """Converts the model object we already have, with our tokenizer's vocabulary."""
+
+            def load_model(self, model_class, model_name_or_path, **kwargs):
+                return marian
+
+            def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+                return _MarianVocabulary(tokenizer)
+
+        InMemoryConverter(str(config_dir)).convert(str(model_dir), force=True)
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
         results = self.translator.translate_batch(
@@ -223,7 +229,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         "default attention implementation (sdpa). Vaswani int8 = the same fp32 model after "
         "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
         "int8 weights per output channel, activations quantized per call). CTranslate2 int8 = int8 weights, "
-        "dynamically quantized activations; inter_threads 1, intra_threads = torch threads.",
+        "dynamically quantized activations; inter_threads 1, intra_threads = torch threads. Vaswani→CT2 = the Vaswani "
+        "weights exported by vaswani.export.export_to_ctranslate2 and run by CTranslate2 with the same settings.",
         ("The process ran with vaswani.inference.keep_freed_cpu_memory() (glibc malloc reuses freed memory instead "
          "of mapping fresh pages per large tensor), which applies to every PyTorch engine alike. "
          if args.keep_freed_memory else "")
