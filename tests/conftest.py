@@ -1,8 +1,11 @@
-"""Shared fixtures for the model tests: tiny configs and padded batches.
+"""Shared fixtures for the model tests: tiny configs and padded batches, and the scripts' `main` functions.
 
 Token ids follow `VaswaniConfig`'s special-token layout (pad 0, eos 1, bos/decoder start 3); ordinary tokens are
 drawn from [4, vocab_size) so that no test input accidentally contains a special token.
 """
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,15 @@ import torch
 from vaswani import VaswaniConfig
 
 FIRST_ORDINARY_ID = 4
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_main(name: str):
+    """The `main` of scripts/<name>.py, called in this process (a user error is a SystemExit with status 2)."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def tiny_config(**overrides) -> VaswaniConfig:

@@ -1,12 +1,12 @@
 """The CTranslate2 exporter (`vaswani.export`, `scripts/export_ctranslate2.py`): the exported model must score and
 translate exactly like the PyTorch model, for every architecture variant CTranslate2 can express."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import script_main
 from tiny_translation_model import SOURCES, TARGETS, build_model_and_tokenizer, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -15,19 +15,19 @@ from vaswani.export import export_to_ctranslate2, load_ctranslate2, translate_ct
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def script_main(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
 
 @pytest.fixture(scope="module")
 def trained():
     return build_model_and_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained, tmp_path_factory):
+    model, tokenizer = trained
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def tokens(tokenizer, texts, target=False):
@@ -87,12 +87,9 @@ def test_exported_model_translates_like_generate(trained, tmp_path, beams):
     assert len(set(hypotheses)) > 1  # the model's translations depend on the input
 
 
-def test_int8_export_from_a_checkpoint_directory(trained, tmp_path):
+def test_int8_export_from_a_checkpoint_directory(trained, checkpoint, tmp_path):
     model, tokenizer = trained
-    model.save_pretrained(tmp_path / "checkpoint")
-    tokenizer.save_pretrained(tmp_path / "checkpoint")
-
-    output = export_to_ctranslate2(tmp_path / "checkpoint", tmp_path / "ct2", quantization="int8")
+    output = export_to_ctranslate2(checkpoint, tmp_path / "ct2", quantization="int8")
 
     fp32_bytes = sum(p.numel() * 4 for p in model.parameters() if p is not model.lm_head.weight)
     assert (Path(output) / "model.bin").stat().st_size < 0.6 * fp32_bytes  # int8 matrices, fp32 norms and biases
@@ -127,19 +124,16 @@ def test_refuses_a_tokenizer_of_another_size(tmp_path):
         export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
 
 
-def test_export_script(trained, tmp_path, capsys):
-    model, tokenizer = trained
-    model.save_pretrained(tmp_path / "checkpoint")
-    tokenizer.save_pretrained(tmp_path / "checkpoint")
+def test_export_script(checkpoint, tmp_path, capsys):
     export = script_main("export_ctranslate2")
 
-    export(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2"),
+    export(["--model", str(checkpoint), "--output_dir", str(tmp_path / "ct2"),
                  "--quantization", "int8"])
 
     assert (tmp_path / "ct2" / "model.bin").is_file() and (tmp_path / "ct2" / "shared_vocabulary.json").is_file()
     assert str(tmp_path / "ct2") in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:  # an existing directory is a user error without --force
-        export(["--model", str(tmp_path / "checkpoint"), "--output_dir", str(tmp_path / "ct2")])
+        export(["--model", str(checkpoint), "--output_dir", str(tmp_path / "ct2")])
     assert exit_info.value.code == 2
 
 
@@ -153,17 +147,15 @@ def test_the_exported_directory_translates_like_evaluation_translate(trained, tm
     assert got == translate(model, tokenizer, SOURCES, batch_size=2, num_beams=4)
 
 
-def test_evaluate_bleu_script_with_ctranslate2(trained, tmp_path, capsys):
+def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, capsys):
     model, tokenizer = trained
     export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
-    model.save_pretrained(tmp_path / "checkpoint")
-    tokenizer.save_pretrained(tmp_path / "checkpoint")
     (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
     (tmp_path / "ref.fr").write_text("\n".join(TARGETS) + "\n")
     files = ["--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr"), "--device", "cpu"]
     evaluate = script_main("evaluate_bleu")
 
-    evaluate(["--model", str(tmp_path / "checkpoint"), *files])
+    evaluate(["--model", str(checkpoint), *files])
     pytorch = json.loads(capsys.readouterr().out)
     evaluate(["--model", str(tmp_path / "ct2"), "--ctranslate2", *files])
     exported = json.loads(capsys.readouterr().out)
@@ -171,7 +163,7 @@ def test_evaluate_bleu_script_with_ctranslate2(trained, tmp_path, capsys):
     assert exported["engine"] == "ctranslate2 default" and pytorch["engine"] == "pytorch"
     assert exported["bleu"] == pytorch["bleu"] and exported["chrf"] == pytorch["chrf"]
     with pytest.raises(SystemExit):  # a checkpoint that is no CTranslate2 export is a one-line user error
-        evaluate(["--model", str(tmp_path / "checkpoint"), "--ctranslate2", *files])
+        evaluate(["--model", str(checkpoint), "--ctranslate2", *files])
     assert "not a CTranslate2 model directory" in capsys.readouterr().err
 
 

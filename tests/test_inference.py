@@ -2,28 +2,18 @@
 benchmark's `vaswani-int8` engine, on the tiny trained-ish model of tiny_translation_model.py."""
 
 import copy
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+from conftest import SCRIPTS, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.inference import quantize_for_cpu
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def script_main(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ tested in test_modeling.py and corpus lines in test_data.py; the table points th
 
 import ast
 import gzip
-import importlib.util
 import inspect
 import json
 import os
@@ -24,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer
 
-from conftest import tiny_config
+from conftest import script_main, tiny_config
 from test_training import SCRIPTS, synthetic_corpus, train_args
 from tiny_translation_model import build_model_and_tokenizer
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -40,14 +39,6 @@ from vaswani.training import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def script_main(name: str):
-    """The `main` of scripts/<name>.py, called in this process (a user error is a SystemExit with status 2)."""
-    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 def fails_with_one_line(main, argv, capsys, match: str) -> str:
