@@ -24,6 +24,8 @@ References = Sequence[str] | Sequence[Sequence[str]]
 # Label and generated-token positions that hold no token are filled with this by the data collator and by
 # Seq2SeqTrainer when it pads generations from different batches to one length.
 IGNORE_INDEX = -100
+# Output-length limit when none is given: the source length plus 50 tokens (§6.1).
+OUTPUT_SLACK = 50
 
 
 def reference_streams(references: References, num_hypotheses: int) -> list[list[str | None]]:
@@ -90,6 +92,12 @@ def build_compute_metrics(
 
 
 @torch.inference_mode()
+def longest_first_batches(encoded: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Indices of `encoded` in batches of `batch_size`, longest sequences first (see `translate`)."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
 def translate(
     model,
     tokenizer,
@@ -119,13 +127,11 @@ def translate(
     model.eval()  # dropout off; restored below so that this can run in the middle of training
     try:
         encoded = tokenizer(list(sentences), truncation=True, max_length=max_source_length)["input_ids"]
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
         translations: list[str | None] = [None] * len(encoded)
-        for start in range(0, len(order), batch_size):
-            indices = order[start : start + batch_size]
+        for indices in longest_first_batches(encoded, batch_size):
             batch = tokenizer.pad({"input_ids": [encoded[i] for i in indices]}, return_tensors="pt")
             input_ids = batch["input_ids"].to(model.device)  # (batch, longest source in batch)
-            limit = max_new_tokens if max_new_tokens is not None else input_ids.shape[1] + 50
+            limit = max_new_tokens if max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
             output_ids = model.generate(
                 input_ids=input_ids,
                 attention_mask=batch["attention_mask"].to(model.device),

@@ -10,8 +10,8 @@ cross-attention and FFN, post- or pre-norm, shared embeddings scaled by √d_mod
 from a config, the exporter passes as weights: our interleaved sinusoid table of §3.5 (CTranslate2's built-in one
 puts all sines before all cosines), or the learned position table. The result translates exactly like the PyTorch
 model in fp32 (tests/test_export.py compares log-probabilities, and greedy and beam-search outputs token for token)
-at CTranslate2's speed, with
-its int8/int16/bf16 weight formats and its batching and beam search in C++ (benchmarks/README.md).
+at CTranslate2's speed, with its int8/int16/bf16 weight formats and its batching and beam search in C++
+(benchmarks/README.md).
 
 Supported: every seq2seq variant that CTranslate2's encoder-decoder spec can express, that is post-norm and
 pre-norm, LayerNorm and RMSNorm, ReLU/GELU/SiLU and the gated SwiGLU/GEGLU FFNs, sinusoidal and learned positions,
@@ -28,6 +28,7 @@ import torch
 
 from .cli import load_translator
 from .configuration_vaswani import VaswaniConfig
+from .evaluation import OUTPUT_SLACK, longest_first_batches
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 from .tokenization_vaswani import VaswaniTokenizer
 
@@ -95,12 +96,10 @@ def translate_ctranslate2(translator, tokenizer, sentences, *, batch_size: int =
     order. Sources longer than `max_source_length` (default: the exported position table, `load_ctranslate2`) are
     truncated, and no output is longer than that table."""
     encoded = tokenizer(list(sentences), truncation=True, max_length=max_source_length)["input_ids"]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
     translations = [""] * len(encoded)
-    for start in range(0, len(order), batch_size):
-        indices = order[start : start + batch_size]
+    for indices in longest_first_batches(encoded, batch_size):
         sources = [tokenizer.convert_ids_to_tokens(encoded[i]) for i in indices]
-        limit = max_new_tokens if max_new_tokens is not None else max(map(len, sources)) + 50
+        limit = max_new_tokens if max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
         limit = min(limit, tokenizer.model_max_length)  # the decoder start token takes position 0
         results = translator.translate_batch(sources, beam_size=num_beams, max_decoding_length=limit,
                                              max_batch_size=batch_size)
