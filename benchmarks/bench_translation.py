@@ -10,18 +10,25 @@ transformers runs `max_new_tokens` steps with `eos_token_id=None` (no stopping c
 so no extra work), CTranslate2 gets `min_decoding_length` = `max_decoding_length` (it masks EOS in place, a
 negligible cost), and the count is checked on every output. Only warm runs are timed.
 
+Every engine runs in a process of its own, as it would be deployed (`EngineProcess`); the parent interleaves them
+batch by batch. In one shared process, CTranslate2 and PyTorch slow each other down (`--same_process` shows it).
+
     python benchmarks/bench_translation.py                     # GPU defaults: 3,000 sentences, batch 1/32/256
     python benchmarks/bench_translation.py --device cpu --batch_sizes 32 --num_sentences 320
 """
 
 import argparse
+import functools
+import multiprocessing
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
 
+from vaswani.decoding import use_lean_decoding
 from vaswani.export import export_to_ctranslate2
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
 
@@ -46,8 +53,10 @@ from common import (  # noqa: E402
     write_report,
 )
 
-ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-int8": "Vaswani int8", "vaswani-compiled": "Vaswani compiled",
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-lean": "Vaswani lean", "vaswani-int8": "Vaswani int8",
+                 "vaswani-int8-lean": "Vaswani int8 lean", "vaswani-compiled": "Vaswani compiled",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32"}
+TORCH_OPTIONS = {"int8", "lean", "compiled"}
 
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
@@ -55,19 +64,29 @@ DEFAULT_NEW_TOKENS = 16
 
 
 class TorchEngine:
-    """A transformers model translating through `generate()`, as a user would call it; `vaswani-int8` is the
-    Vaswani model after `quantize_for_cpu` (fp32 weights quantized once at load, as `--int8` does in the scripts);
-    `vaswani-compiled` is the model after `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV
-    cache and the decoding step under torch.compile, greedy and beam search alike."""
+    """A transformers model translating through `generate()`, as a user would call it. Options, joined to the
+    model's name with dashes (`vaswani-int8-lean`):
+
+    * `int8`: `vaswani.inference.quantize_for_cpu` (fp32 weights quantized once at load) and
+      `keep_freed_cpu_memory()`, as `--int8` does in the scripts;
+    * `lean`: `vaswani.decoding.use_lean_decoding`, which the scripts always use (`vaswani-int8-lean` is the
+      scripts' `--int8` path whole);
+    * `compiled`: `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV cache and the decoding step
+      under torch.compile, greedy and beam search alike."""
 
     def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None):
         self.attention_kernel = attention_kernel
-        base = name.removesuffix("-int8").removesuffix("-compiled")
+        base, *options = name.split("-")
+        if set(options) - TORCH_OPTIONS or (base == "marian" and options):
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-lean][-compiled] or marian.")
         self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
-        if name.endswith("-int8"):
+        if "int8" in options:
             self.model = quantize_for_cpu(self.model)
-        if name.endswith("-compiled"):
+            keep_freed_cpu_memory()
+        if "lean" in options:
+            self.model = use_lean_decoding(self.model)
+        if "compiled" in options:
             self.model = compile_for_generation(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
 
@@ -164,12 +183,97 @@ class _MarianVocabulary:
         return self.vocab
 
 
+def make_engine(name, config, tokenizer, device_name, threads, seed, sdpa_backend, workdir, keep_freed_memory):
+    """Build engine `name` in this process; return it as a `LocalEngine`."""
+    device = pick_device(device_name, threads)
+    if keep_freed_memory and not keep_freed_cpu_memory():
+        raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
+    if name.startswith(("ct2-", "vaswani-ct2-")):
+        build = lambda: CT2Engine(name, config, tokenizer, device, seed, threads, workdir)  # noqa: E731
+    else:
+        build = lambda: TorchEngine(name, config, tokenizer, device, seed, sdpa_backend)  # noqa: E731
+    return LocalEngine(device, build)
+
+
+class LocalEngine:
+    """An engine with what `measure` asks of it: timed translations and the peak memory of one."""
+
+    def __init__(self, device, build):
+        self.device = device
+        self.engine, self.load_mib = loaded(device, build)
+        self.parameters = self.engine.parameters
+
+    def timed_translate(self, batch, beams, new_tokens) -> tuple[list[int], float]:
+        return timed(self.device, lambda: self.engine.translate(batch, beams, new_tokens))
+
+    def peak_mib(self, batch, beams, new_tokens) -> float | None:
+        with PeakMemory(self.device) as memory:
+            self.engine.translate(batch, beams, new_tokens)
+        return memory.added_mib
+
+    def close(self):
+        self.engine.close()
+
+
+class EngineProcess:
+    """A `LocalEngine` in a process of its own, driven over a pipe; each call is timed inside that process.
+
+    Deployments run one engine per process, and sharing one distorts the comparison: on this project's CPU machine,
+    after CTranslate2 had translated once in a process, PyTorch's generate() in the same process ran 1.5–1.8×
+    slower for the rest of its life (one of torch's two OpenMP threads then sat idle about half the time), and
+    CTranslate2 ran about 12% slower next to torch (benchmarks/README.md; `--same_process` reproduces it).
+    """
+
+    def __init__(self, **spec):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing inherited from the parent
+        self._pipe, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, spec), daemon=True)
+        self._process.start()
+        child.close()
+        self.parameters, self.load_mib = self._call("describe")
+
+    def _call(self, method: str, *args):
+        self._pipe.send((method, args))
+        status, value = self._pipe.recv()
+        if status == "error":
+            raise RuntimeError(f"engine process failed in {method}:\n{value}")
+        return value
+
+    def timed_translate(self, batch, beams, new_tokens) -> tuple[list[int], float]:
+        return self._call("timed_translate", batch, beams, new_tokens)
+
+    def peak_mib(self, batch, beams, new_tokens) -> float | None:
+        return self._call("peak_mib", batch, beams, new_tokens)
+
+    def close(self):
+        self._call("close")
+        self._process.join()
+
+
+def _serve(pipe, spec: dict) -> None:
+    """The engine process: build the engine, then answer calls until `close`; errors go back as tracebacks."""
+    engine = None
+    while True:
+        method, args = pipe.recv()
+        try:
+            if method == "describe":
+                engine = make_engine(**spec)
+                result = (engine.parameters, engine.load_mib)
+            else:
+                result = getattr(engine, method)(*args)
+        except Exception:  # noqa: BLE001 (reported to the parent, which raises it)
+            pipe.send(("error", traceback.format_exc()))
+            continue
+        pipe.send(("ok", result))
+        if method == "close":
+            return
+
+
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    if args.keep_freed_memory and not keep_freed_cpu_memory():
-        raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
-    names = args.engines or (["vaswani", "vaswani-compiled", "marian"] if device.is_cuda else
-                             ["vaswani", "vaswani-int8", "marian", "ct2-float32", "ct2-int8", "vaswani-ct2-int8"])
+    names = args.engines or (["vaswani", "vaswani-lean", "vaswani-compiled", "marian"] if device.is_cuda else
+                             ["vaswani", "vaswani-lean", "vaswani-int8", "vaswani-int8-lean", "marian", "ct2-float32",
+                              "ct2-int8", "vaswani-ct2-int8"])
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     sentences = sample_sentences(pairs, args.num_sentences, args.seed)
     sampled_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
@@ -180,21 +284,21 @@ def run(args: argparse.Namespace, argv) -> Path:
     with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
         for size in args.sizes:
             config = vaswani_config(size, len(tokenizer))
-            engines, load_mib = {}, {}
-            for name in names:
-                if name.startswith(("ct2-", "vaswani-ct2-")):
-                    build = lambda: CT2Engine(name, config, tokenizer, device, args.seed, args.threads, Path(workdir) / size)  # noqa: E731
-                else:
-                    build = lambda: TorchEngine(name, config, tokenizer, device, args.seed, args.sdpa_backend)  # noqa: E731
-                engines[name], load_mib[name] = loaded(device, build)
+            start = make_engine if args.same_process else EngineProcess
+            engines = {
+                name: start(name=name, config=config, tokenizer=tokenizer, device_name=args.device,
+                            threads=args.threads, seed=args.seed, sdpa_backend=args.sdpa_backend,
+                            workdir=Path(workdir) / size, keep_freed_memory=args.keep_freed_memory)
+                for name in names
+            }
             for batch_size in args.batch_sizes:
                 chosen = source_ids
                 if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
                     chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
                 batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
                 for beams in args.beams:
-                    for row in measure(engines, batches, beams, args, device):
-                        row.update(size=size, batch_size=batch_size, load_mib=load_mib[row["engine"]])
+                    for row in measure(engines, batches, beams, args):
+                        row.update(size=size, batch_size=batch_size, load_mib=engines[row["engine"]].load_mib)
                         row["peak_mib"] = _sum_or_none(row["load_mib"], row["work_mib"])
                         rows.append(row)
                         print(_progress(row), flush=True)
@@ -228,12 +332,16 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"Precision {str(device.dtype).removeprefix('torch.')}; PyTorch engines call `generate()` with the "
         "default attention implementation (sdpa). Vaswani int8 = the same fp32 model after "
         "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
-        "int8 weights per output channel, activations quantized per call). CTranslate2 int8 = int8 weights, "
+        "int8 weights per output channel, activations quantized per call) with keep_freed_cpu_memory(). "
+        "Vaswani lean = generate() with vaswani.decoding's decoding loop (use_lean_decoding: the same tokens, less "
+        "work per step); Vaswani int8 lean is what the scripts' --int8 runs. CTranslate2 int8 = int8 weights, "
         "dynamically quantized activations; inter_threads 1, intra_threads = torch threads. Vaswani→CT2 = the Vaswani "
         "weights exported by vaswani.export.export_to_ctranslate2 and run by CTranslate2 with the same settings.",
-        ("The process ran with vaswani.inference.keep_freed_cpu_memory() (glibc malloc reuses freed memory instead "
-         "of mapping fresh pages per large tensor), which applies to every PyTorch engine alike. "
-         if args.keep_freed_memory else "")
+        ("Every engine ran in a process of its own (the parent interleaves them batch by batch). "
+         if not args.same_process else "All engines shared one process (--same_process). ")
+        + ("Every engine's process ran with vaswani.inference.keep_freed_cpu_memory() (glibc malloc reuses freed "
+           "memory instead of mapping fresh pages per large tensor), Marian included. "
+           if args.keep_freed_memory else "")
         + "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
         "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
     ]
@@ -263,17 +371,17 @@ def run(args: argparse.Namespace, argv) -> Path:
     return json_path
 
 
-def measure(engines: dict, batches: list, beams: int, args, device) -> list[dict]:
+def measure(engines: dict, batches: list, beams: int, args) -> list[dict]:
     """Time every engine on the same batches, interleaved; return one row per engine."""
     for engine in engines.values():
         for warmup in {0, len(batches) - 1}:
-            engine.translate(batches[warmup], beams, args.new_tokens)
+            engine.timed_translate(batches[warmup], beams, args.new_tokens)
     names = list(engines)
     best = {name: [float("inf")] * len(batches) for name in names}
     for _ in range(args.repeats):
         for i, batch in enumerate(batches):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                produced, seconds = timed(device, lambda: engines[name].translate(batch, beams, args.new_tokens))
+                produced, seconds = engines[name].timed_translate(batch, beams, args.new_tokens)
                 if set(produced) != {args.new_tokens}:
                     raise RuntimeError(
                         f"{name} produced {sorted(set(produced))} tokens per sentence instead of exactly "
@@ -284,8 +392,7 @@ def measure(engines: dict, batches: list, beams: int, args, device) -> list[dict
     sentences = sum(map(len, batches))
     rows = []
     for name in names:
-        with PeakMemory(device) as memory:
-            engines[name].translate(max(batches, key=lambda b: len(b) * max(map(len, b))), beams, args.new_tokens)
+        work_mib = engines[name].peak_mib(max(batches, key=lambda b: len(b) * max(map(len, b))), beams, args.new_tokens)
         seconds = sum(best[name])
         rows.append({
             "engine": name,
@@ -297,7 +404,7 @@ def measure(engines: dict, batches: list, beams: int, args, device) -> list[dict
             "seconds": seconds,
             "sentences_per_s": sentences / seconds,
             "tokens_per_s": sentences * args.new_tokens / seconds,
-            "work_mib": memory.added_mib,
+            "work_mib": work_mib,
             "load_average": load_average,
         })
     return rows
@@ -345,9 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "are unordered, so any prefix is itself a uniform sample); default: all")
     parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per sentence")
     parser.add_argument("--keep_freed_memory", action="store_true",
-                        help="vaswani.inference.keep_freed_cpu_memory() for the whole process (what --int8 does in the "
-                        "scripts): every PyTorch engine, Marian included, reuses freed memory; CTranslate2 has its own "
-                        "caching allocator anyway")
+                        help="vaswani.inference.keep_freed_cpu_memory() in every engine's process (the int8 engines "
+                        "apply it anyway, as --int8 does in the scripts): every PyTorch engine, Marian included, reuses "
+                        "freed memory; CTranslate2 has its own caching allocator anyway")
+    parser.add_argument("--same_process", action="store_true",
+                        help="run every engine in this one process instead of one process each (shows how "
+                        "CTranslate2 and PyTorch slow each other down when they share a process)")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
     return parser
 

@@ -17,6 +17,7 @@ sys.path.insert(0, str(BENCHMARKS))
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # importable by name, as engine processes (multiprocessing's spawn) need
     spec.loader.exec_module(module)
     return module
 
@@ -63,19 +64,29 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
     return report
 
 
-def test_translation_benchmark(corpus, tmp_path):
-    engines = "vaswani,marian"
-    if importlib.util.find_spec("ctranslate2"):
-        engines += ",ct2-float32,ct2-int8,vaswani-ct2-int8"
+@pytest.mark.parametrize("same_process", [False, True], ids=["process-per-engine", "same-process"])
+def test_translation_benchmark(corpus, tmp_path, same_process):
+    engines = "vaswani-int8-lean,marian" if same_process else "vaswani,vaswani-lean,marian"
+    if importlib.util.find_spec("ctranslate2") and not same_process:
+        engines += ",ct2-int8,vaswani-ct2-int8"
     path = load("bench_translation").main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", engines, "--batch_sizes", "4", "--beams", "1,2", "--num_sentences", "8",
-           "--new_tokens", "3"]
+           "--new_tokens", "3"] + (["--same_process"] if same_process else [])
     )
     report = check_report(path, "bench_translation", {"engine", "batch_size", "beams", "sentences_per_s", "tokens_per_s"})
     assert len(report["results"]) == 2 * len(engines.split(","))
     assert all(row["sentences"] == 8 for row in report["results"])
     assert {row["vs_marian"] is None for row in report["results"] if row["engine"] == "marian"} == {True}
+    assert all(row["load_mib"] is not None for row in report["results"])  # measured in the engine's process
+
+
+def test_translation_benchmark_names_a_failing_engine(corpus, tmp_path):
+    """An engine process that fails reports its traceback through the parent, which does not hang."""
+    with pytest.raises(RuntimeError, match="Unknown engine 'vaswani-fast'"):
+        load("bench_translation").main(
+            common_args(corpus, tmp_path) + ["--sizes", "tiny", "--engines", "vaswani-fast", "--num_sentences", "4"]
+        )
 
 
 def test_training_benchmark(corpus, tmp_path):

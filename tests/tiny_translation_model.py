@@ -24,11 +24,12 @@ def build_tokenizer():
     return train_tokenizer(SOURCES + TARGETS, vocab_size=320)
 
 
-def build_model_and_tokenizer(seed: int = 0):
-    """The `tiny` preset (2+2 layers of width 32) after `TRAINING_STEPS` full-batch Adam steps, in eval mode."""
+def build_model_and_tokenizer(seed: int = 0, **config_overrides):
+    """The `tiny` preset (2+2 layers of width 32; `config_overrides` change any field) after `TRAINING_STEPS`
+    full-batch Adam steps, in eval mode."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer)))
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer), **config_overrides))
     batch = tokenizer(SOURCES, text_target=TARGETS, padding=True, return_tensors="pt")
     batch["labels"] = batch["labels"].masked_fill(batch["labels"] == tokenizer.pad_token_id, -100)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 
 # Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
@@ -48,8 +49,9 @@ def add_int8_argument(parser: argparse.ArgumentParser) -> None:
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
                     int8: bool = False):
-    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it;
-    with `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory reused).
+    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it; on a
+    CPU, `generate()` runs `vaswani.decoding`'s leaner loop (the same outputs), and with `int8` the CPU decoding
+    path of `vaswani.inference` (int8 linear layers, freed memory reused).
 
     Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
     only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
@@ -86,6 +88,8 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     if int8:
         model = quantize_for_cpu(model)
         keep_freed_cpu_memory()
+    if device.type == "cpu":
+        model = use_lean_decoding(model)
     return model, tokenizer
 
 

@@ -258,8 +258,16 @@ class VaswaniAttention(nn.Module):
                 )
                 key, value = cache.update(key, value, self.layer_idx)  # (B, K, past + q_len, D)
 
+        beams = query.shape[0] // key.shape[0]
+        if beams > 1:
+            # Beam search with one source row per sentence (`vaswani.decoding`): the consecutive query rows of a
+            # sentence's beams attend to its keys/values together, as beams·q_len queries, instead of against a copy
+            # per beam. Same result; the output reshape below splits the queries back into rows.
+            query = query.unflatten(0, (key.shape[0], beams)).transpose(1, 2).flatten(2, 3)  # (B/beams, H, beams·q_len, D)
+            if torch.is_tensor(attention_mask) and attention_mask.shape[-2] > 1:  # one mask row per query position
+                attention_mask = attention_mask.repeat(1, 1, beams, 1)
         implementation = self.config._attn_implementation
-        if implementation == "sdpa" and query.shape[2] == 1 and query.device.type == "cpu" and not self.training:
+        if implementation == "sdpa" and hidden_states.shape[1] == 1 and query.device.type == "cpu" and not self.training:
             # A decoding step on a CPU: for one query over a few dozen keys, torch's SDPA kernel costs about twice
             # the plain matmul-softmax-matmul below (benchmarks/README.md, "Profile"). Same result.
             implementation = "eager"

@@ -1,0 +1,157 @@
+"""`vaswani.decoding`: generate() with the lean decoding loop returns what generate() without it returns (issue 4:
+"outputs stay identical to the reference path"), for greedy and beam search with their options, across model
+variants, padded batches and int8 weights; what it does not cover falls back to transformers' own loop."""
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from vaswani.decoding import _top_k, decode, use_lean_decoding
+from vaswani.inference import quantize_for_cpu
+
+from tiny_translation_model import SOURCES, build_model_and_tokenizer
+
+# Uneven lengths, so that the batch is padded and sentences finish at different steps.
+SENTENCES = SOURCES + ["the cat", "a tree under the bird"]
+# Every option of greedy and beam search that changes which hypotheses are kept or when decoding stops.
+SEARCHES = [
+    dict(num_beams=1),
+    dict(num_beams=1, max_new_tokens=5),
+    dict(num_beams=1, no_repeat_ngram_size=2),  # a logits processor
+    dict(num_beams=1, eos_token_id=None, max_new_tokens=12),
+    dict(num_beams=4),
+    dict(num_beams=3, length_penalty=0.6),
+    dict(num_beams=4, early_stopping=True),
+    dict(num_beams=4, early_stopping="never", length_penalty=1.5),
+    dict(num_beams=4, num_return_sequences=3),
+    dict(num_beams=4, max_new_tokens=5),
+    dict(num_beams=4, no_repeat_ngram_size=2),
+    dict(num_beams=2, eos_token_id=None, max_new_tokens=12),
+]
+VARIANTS = {
+    "paper": {},
+    "modern": dict(norm_first=True, norm_type="rmsnorm", position_embedding_type="rope", ffn_activation="swiglu",
+                   num_key_value_heads=2),
+    "mqa-learned": dict(num_key_value_heads=1, position_embedding_type="learned"),
+}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return build_model_and_tokenizer()
+
+
+def _generate_both(model, batch, **search):
+    with torch.inference_mode():
+        reference = model.generate(**batch, **search)
+        lean = model.generate(**batch, **search, custom_generate=decode)
+    return reference, lean
+
+
+@pytest.mark.parametrize("search", SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_lean_decoding_returns_what_generate_returns(trained, search):
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    reference, lean = _generate_both(model, batch, **search)
+    assert torch.equal(reference, lean)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_lean_decoding_across_variants(variant):
+    model, tokenizer = build_model_and_tokenizer(**VARIANTS[variant])
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    for search in (dict(num_beams=1), dict(num_beams=4)):
+        reference, lean = _generate_both(model, batch, **search)
+        assert torch.equal(reference, lean), search
+
+
+def test_lean_decoding_of_the_int8_model(trained):
+    model, tokenizer = trained
+    quantized = quantize_for_cpu(copy.deepcopy(model))
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    for search in (dict(num_beams=1), dict(num_beams=4)):
+        reference, lean = _generate_both(quantized, batch, **search)
+        assert torch.equal(reference, lean), search
+
+
+def test_the_decoding_loop_is_the_lean_one(trained, monkeypatch):
+    """Not a silent fallback: the covered calls go through the lean loops, and transformers' are never called."""
+    import vaswani.decoding as decoding
+
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES[:2], return_tensors="pt", padding=True)
+    calls = []
+    for name in ("_greedy", "_beam"):
+        original = getattr(decoding, name)
+        monkeypatch.setattr(decoding, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for name in ("_sample", "_beam_search"):
+        monkeypatch.setattr(type(model), name, lambda *a, **k: pytest.fail("transformers' loop ran"))
+    lean = use_lean_decoding(copy.deepcopy(model))
+    lean.generate(**batch, num_beams=1, max_new_tokens=4)
+    lean.generate(**batch, num_beams=3, max_new_tokens=4)
+    assert calls == ["_greedy", "_beam"]
+
+
+def test_uncovered_calls_fall_back_to_transformers(trained):
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    for search in (dict(do_sample=True, top_k=5), dict(do_sample=True, num_beams=2)):
+        torch.manual_seed(3)
+        reference = model.generate(**batch, **search)
+        torch.manual_seed(3)
+        assert torch.equal(reference, model.generate(**batch, **search, custom_generate=decode)), search
+    scored = model.generate(**batch, num_beams=2, output_scores=True, return_dict_in_generate=True,
+                            custom_generate=decode)
+    assert scored.sequences_scores is not None and len(scored.scores) == scored.sequences.shape[1] - 1
+
+
+def test_use_lean_decoding_binds_every_call_and_keeps_per_call_overrides(trained):
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    lean = use_lean_decoding(copy.deepcopy(model))
+    assert torch.equal(lean.generate(**batch, num_beams=4), model.generate(**batch, num_beams=4))
+    config = GenerationConfig(num_beams=2, max_new_tokens=6, decoder_start_token_id=model.config.decoder_start_token_id,
+                              eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id)
+    assert torch.equal(lean.generate(**batch, generation_config=config), model.generate(**batch, generation_config=config))
+
+
+def test_other_generation_modes_are_refused_in_one_sentence(trained):
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES[:2], return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="call generate\\(\\) without it"):
+        model.generate(**batch, num_beams=4, num_beam_groups=2, diversity_penalty=1.0, custom_generate=decode)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_cross_attention_with_one_source_row_per_sentence_matches_repeated_sources(trained, attention):
+    """The model side of beam search's shared source: beams·B decoder rows over B encoder rows."""
+    model, tokenizer = trained
+    model = copy.deepcopy(model)
+    model.set_attn_implementation(attention)
+    batch = tokenizer(SENTENCES[:3], return_tensors="pt", padding=True)
+    beams = 4
+    with torch.inference_mode():
+        encoded = model.get_encoder()(**batch).last_hidden_state
+        targets = torch.randint(4, model.config.vocab_size, (3 * beams, 5), generator=torch.Generator().manual_seed(0))
+        repeated = model(encoder_outputs=(encoded.repeat_interleave(beams, 0),),
+                         attention_mask=batch["attention_mask"].repeat_interleave(beams, 0), decoder_input_ids=targets)
+        shared = model(encoder_outputs=(encoded,), attention_mask=batch["attention_mask"], decoder_input_ids=targets)
+    torch.testing.assert_close(shared.logits, repeated.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab_size", [32000, 320, 37])  # blocks of 128, of 32, and no blocks (plain topk)
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_top_k_is_torch_topk(vocab_size, k):
+    scores = torch.randn(16, vocab_size, generator=torch.Generator().manual_seed(k))
+    values, indices = _top_k(scores, k)
+    expected_values, expected_indices = scores.topk(k, dim=-1)
+    assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
+
+
+def test_top_1_breaks_ties_like_argmax():
+    scores = torch.zeros(3, 512)
+    scores[0, [7, 300]] = 1.0  # two maxima in different blocks
+    scores[1, [130, 131]] = 2.0  # two maxima in one block
+    assert torch.equal(_top_k(scores, 1)[1].squeeze(1), scores.argmax(dim=-1))  # row 2: all equal → index 0
