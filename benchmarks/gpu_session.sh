@@ -38,7 +38,7 @@ for stage in "$@"; do
         profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
                      --sizes tiny,base --steps 3 --profile ;;
         training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
-        translation) run timeout 300 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
+        translation) run timeout 480 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
                          --batch_sizes 256,32,1 --batch1_sentences 100 ;;
         attention)  # the same base training step under each SDPA kernel (the profile's largest item)
             for kernel in efficient cudnn math; do

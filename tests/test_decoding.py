@@ -44,6 +44,7 @@ def trained():
 
 
 def _generate_both(model, batch, **search):
+    search = {"max_new_tokens": 20, **search}
     with torch.inference_mode():
         reference = model.generate(**batch, **search)
         lean = model.generate(**batch, **search, custom_generate=decode)
