@@ -156,3 +156,18 @@ def test_top_1_breaks_ties_like_argmax():
     scores[0, [7, 300]] = 1.0  # two maxima in different blocks
     scores[1, [130, 131]] = 2.0  # two maxima in one block
     assert torch.equal(_top_k(scores, 1)[1].squeeze(1), scores.argmax(dim=-1))  # row 2: all equal → index 0
+
+
+def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
+    from vaswani.cli import load_translator
+
+    model, tokenizer = trained
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    for int8 in (False, True):
+        loaded, _ = load_translator(str(tmp_path), device="cpu", int8=int8)
+        assert loaded.generate.keywords["custom_generate"] is decode
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    loaded, _ = load_translator(str(tmp_path), device="cpu")
+    assert torch.equal(loaded.generate(**batch, num_beams=4, max_new_tokens=20),
+                       model.generate(**batch, num_beams=4, max_new_tokens=20))

@@ -167,7 +167,7 @@ def _beam(model, step, input_ids, logits_processor, stopping_criteria, generatio
     device = input_ids.device
     top_num_beam_mask = torch.arange(beams_to_keep, device=device) < num_beams
 
-    fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1  # transformers' filler, as written there
     running_sequences = torch.full((batch_size, num_beams, max_length), fill, dtype=torch.long, device=device)
     running_sequences[:, :, :cur_len] = input_ids.view(batch_size, num_beams, cur_len)
     sequences = running_sequences.clone()  # the finished hypotheses
@@ -184,7 +184,6 @@ def _beam(model, step, input_ids, logits_processor, stopping_criteria, generatio
     while True:
         flat_running = running_sequences[:, :, :cur_len].reshape(rows, cur_len)
         log_probs = torch.log_softmax(step(new_tokens).float(), dim=-1)  # (B·N, vocab)
-        vocab_size = log_probs.shape[-1]
         if logits_processor:
             log_probs = logits_processor(flat_running, log_probs)
         # The best C tokens of every beam, then the best C (beam, token) pairs of every sentence.
