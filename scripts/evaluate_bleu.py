@@ -11,7 +11,7 @@ import argparse
 import json
 
 from vaswani.cli import (
-    add_int8_argument,
+    add_decoding_arguments,
     generation_limits,
     load_translator,
     read_lines,
@@ -37,7 +37,7 @@ def main(argv=None):
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--device", default="auto")
-    add_int8_argument(parser)
+    add_decoding_arguments(parser)
     parser.add_argument("--ctranslate2", action="store_true",
                         help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 decodes")
     parser.add_argument("--compute_type", default="default",
@@ -75,7 +75,7 @@ def main(argv=None):
                                            batch_size=args.batch_size)
         result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     else:
-        model, tokenizer = load_translator(args.model, args.device, int8=args.int8)
+        model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding)
         max_source_length, max_new_tokens = generation_limits(model, None)
         result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams,
                                 batch_size=args.batch_size, max_source_length=max_source_length,

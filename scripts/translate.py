@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from vaswani.cli import (
-    add_int8_argument,
+    add_decoding_arguments,
     decode_lines,
     generation_limits,
     load_translator,
@@ -33,7 +33,7 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    add_int8_argument(parser)
+    add_decoding_arguments(parser)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of beam search")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=None)
@@ -49,7 +49,7 @@ def main(argv=None):
         sentences = args.sentences
     else:
         sentences = decode_lines(sys.stdin.buffer.read(), "stdin")
-    model, tokenizer = load_translator(args.model, args.device, int8=args.int8)
+    model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding)
     nonempty = [i for i, sentence in enumerate(sentences) if sentence.strip()]
     max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
     if max_source_length is not None:

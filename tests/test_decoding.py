@@ -167,7 +167,24 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     for int8 in (False, True):
         loaded, _ = load_translator(str(tmp_path), device="cpu", int8=int8)
         assert loaded.generate.keywords["custom_generate"] is decode
+    plain, _ = load_translator(str(tmp_path), device="cpu", decoding="transformers")
+    assert "generate" not in vars(plain)  # the class's own method
+    with pytest.raises(ValueError, match="choose one of auto, lean, transformers"):
+        load_translator(str(tmp_path), device="cpu", decoding="fast")
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     loaded, _ = load_translator(str(tmp_path), device="cpu")
     assert torch.equal(loaded.generate(**batch, num_beams=4, max_new_tokens=20),
-                       model.generate(**batch, num_beams=4, max_new_tokens=20))
+                       plain.generate(**batch, num_beams=4, max_new_tokens=20))
+
+
+def test_translate_script_with_either_loop(trained, tmp_path, capsys):
+    from conftest import script_main
+
+    model, tokenizer = trained
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    outputs = []
+    for loop in ("lean", "transformers"):
+        script_main("translate")(["--model", str(tmp_path), "--device", "cpu", "--decoding", loop, *SOURCES[:3]])
+        outputs.append(capsys.readouterr().out.splitlines())
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3

@@ -41,17 +41,25 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
-def add_int8_argument(parser: argparse.ArgumentParser) -> None:
-    """`--int8`, for scripts that decode (passed on to `load_translator`)."""
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--int8` and `--decoding`, for scripts that decode (passed on to `load_translator`)."""
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
+    parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
+                        help="the loop behind generate(): lean (vaswani.decoding: the same outputs, less work per "
+                        "step), transformers (its own), or auto: lean on a CPU, transformers elsewhere")
+
+
+DECODING_LOOPS = ("auto", "lean", "transformers")
 
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
-                    int8: bool = False):
-    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it; on a
-    CPU, `generate()` runs `vaswani.decoding`'s leaner loop (the same outputs), and with `int8` the CPU decoding
-    path of `vaswani.inference` (int8 linear layers, freed memory reused).
+                    int8: bool = False, decoding: str = "auto"):
+    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it; with
+    `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory reused). `decoding`
+    chooses the loop behind `generate()` (`DECODING_LOOPS`): "lean" is `vaswani.decoding`'s (the same outputs),
+    "transformers" its own, "auto" the lean one on a CPU (measured faster there, benchmarks/README.md) and
+    transformers' elsewhere.
 
     Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
     only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
@@ -88,7 +96,9 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     if int8:
         model = quantize_for_cpu(model)
         keep_freed_cpu_memory()
-    if device.type == "cpu":
+    if decoding not in DECODING_LOOPS:
+        raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
+    if decoding == "lean" or (decoding == "auto" and device.type == "cpu"):
         model = use_lean_decoding(model)
     return model, tokenizer
 
