@@ -134,3 +134,20 @@ def test_length_buckets_respect_the_token_budget():
     for batch in batches:
         width = max(max(len(sources[i]), len(targets[i])) for i in batch)
         assert width * len(batch) <= 100
+
+
+def test_decoding_loops_benchmark(corpus, tmp_path):
+    from tiny_translation_model import build_model_and_tokenizer
+
+    model, tokenizer = build_model_and_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    path = load("bench_decoding_loops").main(
+        ["--model", str(tmp_path / "model"), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
+         "--repeats", "1", "--results_dir", str(tmp_path / "results")]
+    )
+    report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
+    assert [(row["precision"], row["loop"]) for row in report["results"]] == [
+        ("fp32", "transformers"), ("fp32", "lean"), ("int8", "transformers"), ("int8", "lean")]
+    assert all(row["sentences"] == 8 for row in report["results"])
+    assert report["results"][1]["identical_to_transformers"] == 8  # fp32: the lean loop's outputs are generate()'s
