@@ -69,6 +69,8 @@ def test_lean_decoding_across_variants(variant):
 
 
 def test_lean_decoding_of_the_int8_model(trained):
+    """Exact here. On real data int8 can differ in a few sentences (989 of 1,000 on the main job's model): its
+    per-tensor activation scales can turn a last-bit difference of the grouped cross-attention into a rounding one."""
     model, tokenizer = trained
     quantized = quantize_for_cpu(copy.deepcopy(model))
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
