@@ -41,6 +41,9 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
+DECODING_LOOPS = ("auto", "lean", "transformers")
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """`--int8` and `--decoding`, for scripts that decode (passed on to `load_translator`)."""
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
@@ -48,9 +51,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): lean (vaswani.decoding: the same outputs, less work per "
                         "step), transformers (its own), or auto: lean on a CPU, transformers elsewhere")
-
-
-DECODING_LOOPS = ("auto", "lean", "transformers")
 
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
@@ -66,6 +66,9 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     weights are missing, unexpected, mismatched, truncated or corrupted, is a `ValueError` naming the problem.
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
+
+    if decoding not in DECODING_LOOPS:
+        raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
 
     _check_checkpoint_dir(model_dir)
     device = pick_device(device)
@@ -96,8 +99,6 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     if int8:
         model = quantize_for_cpu(model)
         keep_freed_cpu_memory()
-    if decoding not in DECODING_LOOPS:
-        raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
     if decoding == "lean" or (decoding == "auto" and device.type == "cpu"):
         model = use_lean_decoding(model)
     return model, tokenizer

@@ -268,8 +268,9 @@ class VaswaniAttention(nn.Module):
                 attention_mask = attention_mask.repeat(1, 1, beams, 1)
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and hidden_states.shape[1] == 1 and query.device.type == "cpu" and not self.training:
-            # A decoding step on a CPU: for one query over a few dozen keys, torch's SDPA kernel costs about twice
-            # the plain matmul-softmax-matmul below (benchmarks/README.md, "Profile"). Same result.
+            # A decoding step on a CPU: for one query per row (or a sentence's few beams, above) over a few dozen
+            # keys, torch's SDPA kernel costs about twice the plain matmul-softmax-matmul below (benchmarks/README.md,
+            # "Profile"). Same result.
             implementation = "eager"
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         output, weights = attention_interface(
