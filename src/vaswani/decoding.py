@@ -9,9 +9,9 @@ logits processors and stopping criteria; `decode` replaces only the loop over de
 transformers' own: the same tokens for greedy search, and the same hypotheses for beam search, whose bookkeeping
 (finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are
 (tests/test_decoding.py compares both with generate() without it; on the main job's model, 1,000 of 1,000 test
-translations are identical in fp32). One caveat: item 4 shapes the cross-attention's matrix products differently,
-which may change the last bit of a result; int8's per-tensor activation scales can turn that into a different
-rounding, and in int8 989 of 1,000 were identical, BLEU 29.57 against 29.58 (benchmarks/results/decoding-loops-cpu.md).
+translations are identical in fp32). One caveat: items 4 and 5 change the shapes of the matrix products, which may
+change the last bit of a result, and int8's per-tensor activation scales depend on which rows share a tensor: in
+int8, 980 of 1,000 were identical, BLEU 29.47 against 29.58 (benchmarks/results/decoding-loops-cpu.md).
 What changes is the work around the model, which on a CPU is a large share of each step once the matrix
 multiplications are int8 (benchmarks/README.md):
 
@@ -27,6 +27,11 @@ multiplications are int8 (benchmarks/README.md):
 4. Beam search keeps one copy of each source encoding, not one per beam (generate() repeats it): the model's
    cross-attention then attends with all of a sentence's beams at once (`VaswaniAttention`), and the
    cross-attention keys/values are projected and cached once per sentence instead of once per beam.
+5. Finished sentences leave the batch. transformers decodes every row until the whole batch stops; here a greedy
+   row leaves once it has stopped (it gets padding from then on, as in transformers), and a beam-search sentence
+   leaves once transformers' own early-stopping test says no later step can change its finished hypotheses (that
+   test never turns back). On the main job's test set that is 44% of beam search's sentence-steps. Not done when
+   logits processors are given: some of them (`prefix_allowed_tokens_fn`) address rows by their batch index.
 
 Anything else (sampling, `return_dict_in_generate`, a decoder-only or non-Vaswani model, a pre-filled or static
 cache) goes to transformers' own decoding method unchanged. The scripts decode this way on CPUs (`--device cpu`,
@@ -109,16 +114,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         beams = generation_config.num_beams
         encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state[::beams])
         attention_mask = attention_mask[::beams] if attention_mask is not None else None
-    step = functools.partial(
-        _next_token_logits,
-        model,
-        encoder_outputs=encoder_outputs,
-        attention_mask=attention_mask,
-        past_key_values=cache,
-    )
+    state = (encoder_outputs, attention_mask, cache)
     if mode == GenerationMode.GREEDY_SEARCH:
-        return _greedy(step, input_ids, logits_processor, stopping_criteria, generation_config)
-    return _beam(model, step, input_ids, logits_processor, stopping_criteria, generation_config, cache)
+        return _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config)
+    return _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config)
 
 
 def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask, past_key_values) -> torch.Tensor:
@@ -134,30 +133,41 @@ def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask
     return outputs.logits[:, -1]  # (B, vocab)
 
 
-def _greedy(step, input_ids, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
-    """transformers' `_sample` without sampling: the argmax token, padding after a sequence has stopped."""
+def _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
+    """transformers' `_sample` without sampling: the argmax token, padding after a sequence has stopped; stopped
+    sequences leave the batch (item 5 of the module docstring)."""
     pad_token_id = generation_config._pad_token_tensor
     stops_at_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    live = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still decoded
     new_tokens = input_ids  # the first step reads the whole decoder prompt, later steps the last token
     while True:
-        logits = step(new_tokens)
+        logits = _next_token_logits(model, new_tokens, *state)
         if logits_processor:
             next_tokens = logits_processor(input_ids, logits.float()).argmax(dim=-1)
         else:
             next_tokens = _top_k(logits, 1)[1].squeeze(1)
-        if stops_at_eos:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        if stops_at_eos:  # stopped rows get padding (those that left the batch, and those that just stopped)
+            tokens = pad_token_id.expand(input_ids.shape[0]).clone()
+            tokens[live] = next_tokens * unfinished[live] + pad_token_id * (1 - unfinished[live])
+            next_tokens = tokens
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, None)
         if unfinished.max() == 0:
             return input_ids
-        new_tokens = input_ids[:, -1:]
+        if stops_at_eos and not logits_processor:
+            stopped = unfinished[live] == 0
+            if stopped.any():
+                keep = (~stopped).nonzero().squeeze(1)
+                live = live[keep]
+                state = _keep_rows(state, keep, keep)
+        new_tokens = input_ids[live, -1:]
 
 
-def _beam(model, step, input_ids, logits_processor, stopping_criteria, generation_config, cache) -> torch.Tensor:
+def _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_beam_search` (deterministic, sequences only), with the candidate ranking of the module
-    docstring; its helper methods keep the hypotheses. Shapes: sentences B, beams N, candidates C = 2N or more."""
+    docstring; its helper methods keep the hypotheses. Sentences whose hypotheses can no longer change leave the
+    batch (item 5). Shapes: sentences B, beams N, candidates C = 2N or more."""
     eos_token_id = generation_config._eos_token_tensor
     pad_token_id = generation_config._pad_token_tensor
     early_stopping, length_penalty = generation_config.early_stopping, generation_config.length_penalty
@@ -183,11 +193,14 @@ def _beam(model, step, input_ids, logits_processor, stopping_criteria, generatio
     running_beam_indices = torch.full((batch_size, num_beams, max_length - cur_len), -1, dtype=torch.int32,
                                       device=device)
     beam_indices = running_beam_indices.clone()
+    # The results of sentences that left the batch, and the original index of each sentence still in it.
+    final_sequences, final_beam_indices = sequences.clone(), beam_indices.clone()
+    live = torch.arange(batch_size, device=device)
 
     new_tokens = input_ids
     while True:
         flat_running = running_sequences[:, :, :cur_len].reshape(rows, cur_len)
-        log_probs = torch.log_softmax(step(new_tokens).float(), dim=-1)  # (B·N, vocab)
+        log_probs = torch.log_softmax(_next_token_logits(model, new_tokens, *state).float(), dim=-1)  # (B·N, vocab)
         if logits_processor:
             log_probs = logits_processor(flat_running, log_probs)
         # The best C tokens of every beam, then the best C (beam, token) pairs of every sentence.
@@ -230,7 +243,7 @@ def _beam(model, step, input_ids, logits_processor, stopping_criteria, generatio
             length_penalty=length_penalty,
             early_stopping=early_stopping,
         )
-        model._reorder_cache(cache, running_beam_indices[..., cur_len - prompt_len].flatten())
+        model._reorder_cache(state[2], running_beam_indices[..., cur_len - prompt_len].flatten())
         cur_len += 1
         improvable = model._check_early_stop_heuristic(
             is_early_stop_heuristic_unsatisfied=improvable,
@@ -245,13 +258,37 @@ def _beam(model, step, input_ids, logits_processor, stopping_criteria, generatio
         )
         if not model._beam_search_has_unfinished_sequences(improvable, is_sent_finished, hits_stop, early_stopping):
             break
+        done = ~improvable[:, 0]  # no later step can change these sentences' finished hypotheses
+        if done.any() and not logits_processor:
+            final_sequences[live[done]], final_beam_indices[live[done]] = sequences[done], beam_indices[done]
+            keep = (~done).nonzero().squeeze(1)
+            keep_rows = (keep[:, None] * num_beams + torch.arange(num_beams, device=device)).flatten()
+            live = live[keep]
+            running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices, \
+                is_sent_finished, improvable = (t[keep] for t in (running_sequences, running_scores,
+                running_beam_indices, sequences, beam_scores, beam_indices, is_sent_finished, improvable))
+            state = _keep_rows(state, keep, keep_rows)
+            batch_size, rows = len(keep), len(keep_rows)
         new_tokens = running_sequences[:, :, cur_len - 1].reshape(rows, 1)
+    final_sequences[live], final_beam_indices[live] = sequences, beam_indices
 
     # The best hypotheses of each sentence, cut to the longest one returned.
-    sequences = sequences[:, :num_return_sequences].flatten(0, 1)
-    beam_indices = beam_indices[:, :num_return_sequences].flatten(0, 1)
+    sequences = final_sequences[:, :num_return_sequences].flatten(0, 1)
+    beam_indices = final_beam_indices[:, :num_return_sequences].flatten(0, 1)
     generated = (beam_indices + 1).bool().sum(dim=1).max()
     return sequences[:, : prompt_len + generated]
+
+
+def _keep_rows(state, sources, rows):
+    """The decoding state of the sentences that stay in the batch: their source rows (`sources`) of the encoder
+    output, its mask and the cross-attention cache, and their decoder rows (`rows`) of the self-attention cache."""
+    encoder_outputs, attention_mask, cache = state
+    for layer in cache.self_attention_cache.layers:
+        layer.batch_select_indices(rows)
+    for layer in cache.cross_attention_cache.layers:
+        layer.batch_select_indices(sources)
+    encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state[sources])
+    return encoder_outputs, attention_mask[sources] if attention_mask is not None else None, cache
 
 
 def use_lean_decoding(model):
