@@ -264,9 +264,10 @@ def _beam(model, input_ids, state, logits_processor, stopping_criteria, generati
             keep = (~done).nonzero().squeeze(1)
             keep_rows = (keep[:, None] * num_beams + torch.arange(num_beams, device=device)).flatten()
             live = live[keep]
-            running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices, \
-                is_sent_finished, improvable = (t[keep] for t in (running_sequences, running_scores,
-                running_beam_indices, sequences, beam_scores, beam_indices, is_sent_finished, improvable))
+            per_sentence = (running_sequences, running_scores, running_beam_indices, sequences, beam_scores,
+                            beam_indices, is_sent_finished, improvable)
+            (running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices,
+             is_sent_finished, improvable) = (tensor[keep] for tensor in per_sentence)
             state = _keep_rows(state, keep, keep_rows)
             batch_size, rows = len(keep), len(keep_rows)
         new_tokens = running_sequences[:, :, cur_len - 1].reshape(rows, 1)
