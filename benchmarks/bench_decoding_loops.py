@@ -33,10 +33,9 @@ def run(args: argparse.Namespace, argv) -> Path:
     sources, references = test["source"], test["references"]
     rows = []
     for precision in args.precisions:
-        models = {
-            loop: load_translator(args.model, args.device, int8=precision == "int8", decoding=loop)[0] for loop in LOOPS
-        }
-        tokenizer = load_translator(args.model, args.device, decoding="transformers")[1]
+        models = {}
+        for loop in LOOPS:
+            models[loop], tokenizer = load_translator(args.model, args.device, int8=precision == "int8", decoding=loop)
         hypotheses, seconds = {}, {loop: float("inf") for loop in LOOPS}
         for _ in range(args.repeats):
             for loop in LOOPS:

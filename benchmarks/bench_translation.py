@@ -18,7 +18,6 @@ batch by batch. In one shared process, CTranslate2 and PyTorch slow each other d
 """
 
 import argparse
-import functools
 import multiprocessing
 import os
 import sys

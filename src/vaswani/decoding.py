@@ -44,6 +44,7 @@ import functools
 import torch
 from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 from transformers.generation import GenerationMixin
+from transformers.generation.utils import GENERATION_MODES_MAPPING
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -100,10 +101,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     """A `custom_generate` decoding method for `generate()`: greedy or beam search (see the module docstring)."""
     mode = _lean_mode(model, generation_config, model_kwargs)
     if mode is None:
-        fallback = {GenerationMode.SAMPLE: "_sample", GenerationMode.GREEDY_SEARCH: "_sample",
-                    GenerationMode.BEAM_SEARCH: "_beam_search", GenerationMode.BEAM_SAMPLE: "_beam_search"}
-        name = fallback.get(generation_config.get_generation_mode())
-        if name is None:
+        # transformers' own method for this mode, from its own table; of those, only its sampling and beam-search
+        # loops run on what generate() hands a decoding method (assisted decoding needs its assistant, the rest are
+        # Hub repositories).
+        name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
+        if name not in ("_sample", "_beam_search"):
             raise ValueError(f"vaswani.decoding.decode runs greedy search, sampling and beam search, not "
                              f"{generation_config.get_generation_mode().value}; call generate() without it.")
         method = getattr(GenerationMixin, name)
