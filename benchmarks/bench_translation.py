@@ -54,8 +54,13 @@ from common import (  # noqa: E402
 
 ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-lean": "Vaswani lean", "vaswani-int8": "Vaswani int8",
                  "vaswani-int8-lean": "Vaswani int8 lean", "vaswani-compiled": "Vaswani compiled",
+                 "vaswani-graphs": "Vaswani CUDA graphs",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32"}
-TORCH_OPTIONS = {"int8", "lean", "compiled"}
+TORCH_OPTIONS = {"int8", "lean", "graphs", "compiled"}
+
+DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-compiled", "marian"]
+DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-lean", "vaswani-int8", "vaswani-int8-lean", "marian", "ct2-float32", "ct2-int8",
+                       "vaswani-ct2-int8"]
 
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
@@ -70,6 +75,8 @@ class TorchEngine:
       `keep_freed_cpu_memory()`, as `--int8` does in the scripts;
     * `lean`: `vaswani.decoding.use_lean_decoding`, which the scripts always use (`vaswani-int8-lean` is the
       scripts' `--int8` path whole);
+    * `graphs`: `use_lean_decoding(model, cuda_graphs=True)`: static shapes, each decoding step recorded once as a
+      CUDA graph and replayed by later batches of the same shape (on a CPU the same steps run as they are);
     * `compiled`: `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV cache and the decoding step
       under torch.compile, greedy and beam search alike."""
 
@@ -77,14 +84,14 @@ class TorchEngine:
         self.attention_kernel = attention_kernel
         base, *options = name.split("-")
         if set(options) - TORCH_OPTIONS or (base == "marian" and options):
-            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-lean][-compiled] or marian.")
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-lean|-graphs][-compiled] or marian.")
         self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
         if "int8" in options:
             self.model = quantize_for_cpu(self.model)
             keep_freed_cpu_memory()
-        if "lean" in options:
-            self.model = use_lean_decoding(self.model)
+        if "lean" in options or "graphs" in options:
+            self.model = use_lean_decoding(self.model, cuda_graphs="graphs" in options)
         if "compiled" in options:
             self.model = compile_for_generation(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
@@ -270,9 +277,7 @@ def _serve(pipe, spec: dict) -> None:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    names = args.engines or (["vaswani", "vaswani-lean", "vaswani-compiled", "marian"] if device.is_cuda else
-                             ["vaswani", "vaswani-lean", "vaswani-int8", "vaswani-int8-lean", "marian", "ct2-float32",
-                              "ct2-int8", "vaswani-ct2-int8"])
+    names = args.engines or (DEFAULT_ENGINES_CUDA if device.is_cuda else DEFAULT_ENGINES_CPU)
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     sentences = sample_sentences(pairs, args.num_sentences, args.seed)
     sampled_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
@@ -333,7 +338,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
         "int8 weights per output channel, activations quantized per call) with keep_freed_cpu_memory(). "
         "Vaswani lean = generate() with vaswani.decoding's decoding loop (use_lean_decoding: the same tokens, less "
-        "work per step); Vaswani int8 lean is what the scripts' --int8 runs. CTranslate2 int8 = int8 weights, "
+        "work per step); Vaswani CUDA graphs = the same with cuda_graphs=True (static shapes, every step a "
+        "replayed CUDA graph); Vaswani int8 lean is what the scripts' --int8 runs. CTranslate2 int8 = int8 weights, "
         "dynamically quantized activations; inter_threads 1, intra_threads = torch threads. Vaswani→CT2 = the Vaswani "
         "weights exported by vaswani.export.export_to_ctranslate2 and run by CTranslate2 with the same settings.",
         ("Every engine ran in a process of its own (the parent interleaves them batch by batch). "
@@ -439,10 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani, vaswani-int8 (CPU only), vaswani-compiled, marian, ct2-<compute type> (CTranslate2 "
-                        "running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), vaswani-ct2-<compute type> "
-                        "(CTranslate2 running the exported Vaswani model); default: vaswani,vaswani-compiled,marian "
-                        "on CUDA; vaswani,vaswani-int8,marian,ct2-float32,ct2-int8,vaswani-ct2-int8 on CPU")
+                        help="vaswani[-int8 (CPU only)][-lean|-graphs][-compiled], marian, ct2-<compute type> "
+                        "(CTranslate2 running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), "
+                        "vaswani-ct2-<compute type> (CTranslate2 running the exported Vaswani model); default: "
+                        f"{','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")
     parser.add_argument("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     parser.add_argument("--num_sentences", type=int, default=3000)

@@ -66,7 +66,7 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
 
 @pytest.mark.parametrize("same_process", [False, True], ids=["process-per-engine", "same-process"])
 def test_translation_benchmark(corpus, tmp_path, same_process):
-    engines = "vaswani-int8-lean,marian" if same_process else "vaswani,vaswani-lean,marian"
+    engines = "vaswani-int8-lean,marian" if same_process else "vaswani,vaswani-lean,vaswani-graphs,marian"
     if importlib.util.find_spec("ctranslate2") and not same_process:
         engines += ",ct2-int8,vaswani-ct2-int8"
     path = load("bench_translation").main(

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
 from vaswani.decoding import _top_k, decode, use_lean_decoding
@@ -43,11 +44,11 @@ def trained():
     return build_model_and_tokenizer()
 
 
-def _generate_both(model, batch, **search):
+def _generate_both(model, batch, cuda_graphs=False, **search):
     search = {"max_new_tokens": 20, **search}
-    with torch.inference_mode():
+    with torch.no_grad():  # as generate() itself (under inference_mode, host reads escape the HOST_READS check)
         reference = model.generate(**batch, **search)
-        lean = model.generate(**batch, **search, custom_generate=decode)
+        lean = model.generate(**batch, **search, custom_generate=decode, **({"cuda_graphs": True} if cuda_graphs else {}))
     return reference, lean
 
 
@@ -205,3 +206,125 @@ def test_finished_sentences_leave_the_batch(trained, monkeypatch, num_beams):
     reference, lean = _generate_both(model, batch, num_beams=num_beams)
     assert torch.equal(reference, lean)
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(SENTENCES)
+
+
+# Static shapes and CUDA graphs (item 6 of vaswani.decoding) ---------------------------------------------------------
+
+# What a recorded CUDA graph cannot contain: reading a device value on the host (`.item()`, `bool(tensor)`, the
+# data-dependent shapes of nonzero/masked_select/unique) and tensors made from host data (a host-to-device copy).
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_consecutive", "_unique2", "unique_dim",
+              "lift_fresh", "lift_fresh_copy"}
+# Batches with the same number of sentences and sources under 32 tokens: one static shape, whose steps are reused.
+SAME_SHAPE_BATCHES = [SENTENCES[:4], SENTENCES[3:], ["cat", "a dog ran", "the cat", "the dog sat on a mat"]]
+
+
+class _HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        boolean_index = name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        )  # x[mask]: the selected positions are found on the host
+        if name in HOST_READS or boolean_index:
+            self.found.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def replayed_steps(monkeypatch):
+    """On the CPU, make the static path behave as recorded graphs do: each step position runs the step function of
+    the first batch that reached it (its Python objects, not the current call's), and that first run is checked for
+    host reads. The model's token-id check is left out of that check: on CUDA it is an asynchronous device assertion
+    (`check_ids`), a kernel like any other, and only on the CPU a host read."""
+    import vaswani.decoding as decoding
+    import vaswani.modeling_vaswani as modeling
+
+    counts = {"recorded": 0, "replayed": 0}
+    host_reads = []
+
+    def run(graphs, position, step):
+        recorded = graphs.__dict__.setdefault("recorded", {})
+        if position in recorded:
+            counts["replayed"] += 1
+            recorded[position]()
+            return
+        with _HostReads() as reads:
+            step()
+        host_reads.extend(reads.found)
+        recorded[position] = step
+        counts["recorded"] += 1
+
+    monkeypatch.setattr(decoding._StepGraphs, "run", run)
+    monkeypatch.setattr(modeling, "check_ids", lambda ids, invalid, message: None)
+    decoding._static_states.clear()
+    yield counts, host_reads
+    decoding._static_states.clear()
+
+
+@pytest.mark.parametrize("search", SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, search):
+    """cuda_graphs=True: the same outputs as generate() without it, for batches that reuse the first batch's steps,
+    and no step reads a device value on the host. With a logits processor it takes the lean loop instead."""
+    model, tokenizer = trained
+    counts, host_reads = replayed_steps
+    for sentences in SAME_SHAPE_BATCHES:
+        batch = tokenizer(sentences, return_tensors="pt", padding=True)
+        search = {"max_new_tokens": 20, **search}
+        with torch.no_grad():
+            reference = model.generate(**batch, **search)
+            static = model.generate(**batch, **search, custom_generate=decode, cuda_graphs=True)
+        assert torch.equal(reference, static)
+    assert host_reads == []
+    if "no_repeat_ngram_size" in search:
+        assert counts == {"recorded": 0, "replayed": 0}
+    else:
+        assert counts["recorded"] > 0 and counts["replayed"] > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_decoding_across_variants(replayed_steps, variant):
+    model, tokenizer = build_model_and_tokenizer(**VARIANTS[variant])
+    counts, host_reads = replayed_steps
+    for sentences in SAME_SHAPE_BATCHES[:2]:
+        batch = tokenizer(sentences, return_tensors="pt", padding=True)
+        for search in (dict(num_beams=1), dict(num_beams=4)):
+            reference, static = _generate_both(model, batch, **search, cuda_graphs=True)
+            assert torch.equal(reference, static), search
+    assert host_reads == [] and counts["replayed"] > 0
+
+
+def test_static_decoding_keeps_one_state_per_shape(trained, replayed_steps):
+    """Batches of one shape share buffers and steps; another batch size or a longer source gets its own."""
+    import vaswani.decoding as decoding
+
+    model, tokenizer = trained
+    model = use_lean_decoding(copy.deepcopy(model), cuda_graphs=True)
+    long_sentence = " ".join(["the cat sat on the mat"] * 8)  # over 32 tokens: the next source length, 64
+    for sentences in [*SAME_SHAPE_BATCHES, SENTENCES[:2], [long_sentence, *SENTENCES[:3]]]:
+        with torch.no_grad():
+            model.generate(**tokenizer(sentences, return_tensors="pt", padding=True), num_beams=2, max_new_tokens=8)
+    shapes = [(key[-6], key[-4]) for key in decoding._static_states[model]]  # (rows, source length)
+    assert shapes == [(8, 32), (4, 32), (8, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_cuda_graphs_return_what_generate_returns(trained, num_beams):
+    """The recorded and replayed CUDA graphs on a GPU: the outputs of generate() without them, batch after batch."""
+    import vaswani.decoding as decoding
+
+    model, tokenizer = trained
+    model = copy.deepcopy(model).cuda()
+    for sentences in SAME_SHAPE_BATCHES:
+        batch = tokenizer(sentences, return_tensors="pt", padding=True).to("cuda")
+        with torch.no_grad():
+            reference = model.generate(**batch, num_beams=num_beams, max_new_tokens=20)
+            graphed = model.generate(**batch, num_beams=num_beams, max_new_tokens=20, custom_generate=decode,
+                                     cuda_graphs=True)
+        assert torch.equal(reference, graphed)
+    (state,) = decoding._static_states[model].values()
+    assert state.graphs.graphs  # recorded, and replayed by the later batches

@@ -40,12 +40,16 @@ scripts' default there.
 """
 
 import functools
+import weakref
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.modeling_outputs import BaseModelOutput
 
 
@@ -97,8 +101,11 @@ def _lean_mode(model, generation_config, model_kwargs) -> GenerationMode | None:
     return mode if covered else None
 
 
-def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-    """A `custom_generate` decoding method for `generate()`: greedy or beam search (see the module docstring)."""
+def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, cuda_graphs: bool = False,
+           **model_kwargs):
+    """A `custom_generate` decoding method for `generate()`: greedy or beam search (see the module docstring).
+    `cuda_graphs=True` (a `generate()` argument) decodes with static shapes and replays each step as a CUDA graph
+    (item 6 of the module docstring)."""
     mode = _lean_mode(model, generation_config, model_kwargs)
     if mode is None:
         # transformers' own method for this mode, from its own table; of those, only its sampling and beam-search
@@ -116,6 +123,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         beams = generation_config.num_beams
         encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state[::beams])
         attention_mask = attention_mask[::beams] if attention_mask is not None else None
+    if cuda_graphs and _static_covers(logits_processor, stopping_criteria):
+        decode_static = _greedy_static if mode == GenerationMode.GREEDY_SEARCH else _beam_static
+        return decode_static(model, input_ids, encoder_outputs.last_hidden_state, attention_mask, stopping_criteria,
+                             generation_config)
     state = (encoder_outputs, attention_mask, cache)
     if mode == GenerationMode.GREEDY_SEARCH:
         return _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config)
@@ -166,118 +177,158 @@ def _greedy(model, input_ids, state, logits_processor, stopping_criteria, genera
         new_tokens = input_ids[live, -1:]
 
 
+class _Beams(NamedTuple):
+    """transformers' beam-search state, per sentence: B sentences × N beams, sequences of up to max_length tokens."""
+
+    running_sequences: torch.Tensor  # (B, N, max_length) the live beams
+    running_scores: torch.Tensor  # (B, N) their summed log-probabilities
+    running_beam_indices: torch.Tensor  # (B, N, max_length - prompt) the row each step continued
+    sequences: torch.Tensor  # (B, N, max_length) the finished hypotheses, best first
+    beam_scores: torch.Tensor  # (B, N) their length-penalised scores
+    beam_indices: torch.Tensor  # (B, N, max_length - prompt)
+    is_sent_finished: torch.Tensor  # (B, N) which of the N finished slots hold a hypothesis
+    improvable: torch.Tensor  # (B, 1) whether a later step can still change the finished hypotheses
+
+
+class _BeamSettings(NamedTuple):
+    num_beams: int
+    beams_to_keep: int  # C, the candidates kept per sentence: 2N, more with several EOS tokens
+    prompt_len: int
+    max_length: int
+    early_stopping: bool | str
+    length_penalty: float
+
+
+def _start_beams(input_ids, generation_config) -> tuple[_Beams, _BeamSettings]:
+    """The state before the first step, as transformers' `_beam_search` sets it up."""
+    eos_token_id, pad_token_id = generation_config._eos_token_tensor, generation_config._pad_token_tensor
+    max_length, num_beams = generation_config.max_length, generation_config.num_beams
+    rows, prompt_len = input_ids.shape
+    batch_size, device = rows // num_beams, input_ids.device
+    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
+    settings = _BeamSettings(num_beams, max(2, 1 + n_eos_tokens) * num_beams, prompt_len, max_length,
+                             generation_config.early_stopping, generation_config.length_penalty)
+    fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1  # transformers' filler, as written there
+    running_sequences = torch.full((batch_size, num_beams, max_length), fill, dtype=torch.long, device=device)
+    running_sequences[:, :, :prompt_len] = input_ids.view(batch_size, num_beams, prompt_len)
+    running_scores = torch.zeros((batch_size, num_beams), device=device)
+    running_scores[:, 1:] = -1e9  # the beams start identical: only the first may expand at the first step
+    running_beam_indices = torch.full((batch_size, num_beams, max_length - prompt_len), -1, dtype=torch.int32,
+                                      device=device)
+    beams = _Beams(
+        running_sequences, running_scores, running_beam_indices,
+        sequences=running_sequences.clone(),
+        beam_scores=torch.full((batch_size, num_beams), -1e9, device=device),
+        beam_indices=running_beam_indices.clone(),
+        is_sent_finished=torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device),
+        improvable=torch.ones((batch_size, 1), dtype=torch.bool, device=device),
+    )
+    return beams, settings
+
+
+def _advance(model, log_probs, beams: _Beams, cur_len: int, stopping_criteria, settings: _BeamSettings):
+    """One step of beam search from the (B·N, vocab) log-probabilities of the next token: the new state, which
+    candidates hit a stopping criterion (B, C), and the row each new beam continues (B·N,), for the cache.
+
+    The candidates are ranked as item 3 of the module docstring says; the rest is transformers' helper methods."""
+    num_beams, beams_to_keep, prompt_len = settings.num_beams, settings.beams_to_keep, settings.prompt_len
+    batch_size = beams.running_scores.shape[0]
+    rows, device = batch_size * num_beams, log_probs.device
+    # The best C tokens of every beam, then the best C (beam, token) pairs of every sentence.
+    token_scores, tokens = _top_k(log_probs, beams_to_keep)  # (B·N, C)
+    scores = (token_scores + beams.running_scores.view(rows, 1)).view(batch_size, num_beams * beams_to_keep)
+    topk_log_probs, choice = scores.topk(beams_to_keep, dim=-1)  # (B, C)
+    topk_beams = choice // beams_to_keep
+    topk_tokens = tokens.view(batch_size, -1).gather(1, choice)
+
+    # What transformers' `_get_top_k_continuations` makes of its top-k over beams × vocabulary.
+    topk_running_sequences = model._gather_beams(beams.running_sequences, topk_beams)
+    topk_running_sequences[:, :, cur_len] = topk_tokens
+    topk_running_beam_indices = model._gather_beams(beams.running_beam_indices, topk_beams)
+    batch_offset = torch.arange(batch_size, device=device).view(-1, 1) * num_beams
+    topk_running_beam_indices[:, :, cur_len - prompt_len] = topk_beams + batch_offset
+
+    hits_stop = stopping_criteria(topk_running_sequences[:, :, : cur_len + 1].flatten(0, 1), None)
+    hits_stop = hits_stop.view(batch_size, beams_to_keep)
+    running_sequences, running_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
+        topk_log_probs=topk_log_probs,
+        topk_running_sequences=topk_running_sequences,
+        topk_running_beam_indices=topk_running_beam_indices,
+        next_token_hits_stopping_criteria=hits_stop,
+        num_beams=num_beams,
+    )
+    sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
+        sequences=beams.sequences,
+        topk_running_sequences=topk_running_sequences,
+        beam_scores=beams.beam_scores,
+        topk_log_probs=topk_log_probs,
+        beam_indices=beams.beam_indices,
+        topk_running_beam_indices=topk_running_beam_indices,
+        is_early_stop_heuristic_unsatisfied=beams.improvable,
+        is_sent_finished=beams.is_sent_finished,
+        next_token_hits_stopping_criteria=hits_stop,
+        top_num_beam_mask=torch.arange(beams_to_keep, device=device) < num_beams,
+        num_beams=num_beams,
+        cur_len=cur_len,
+        decoder_prompt_len=prompt_len,
+        length_penalty=settings.length_penalty,
+        early_stopping=settings.early_stopping,
+    )
+    improvable = model._check_early_stop_heuristic(
+        is_early_stop_heuristic_unsatisfied=beams.improvable,
+        running_beam_scores=running_scores,
+        beam_scores=beam_scores,
+        is_sent_finished=is_sent_finished,
+        cur_len=cur_len + 1,
+        max_length=settings.max_length,
+        decoder_prompt_len=prompt_len,
+        early_stopping=settings.early_stopping,
+        length_penalty=settings.length_penalty,
+    )
+    beams = _Beams(running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices,
+                   is_sent_finished, improvable)
+    return beams, hits_stop, running_beam_indices[..., cur_len - prompt_len].flatten()
+
+
 def _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_beam_search` (deterministic, sequences only), with the candidate ranking of the module
     docstring; its helper methods keep the hypotheses. Sentences whose hypotheses can no longer change leave the
-    batch (item 5). Shapes: sentences B, beams N, candidates C = 2N or more."""
-    eos_token_id = generation_config._eos_token_tensor
-    pad_token_id = generation_config._pad_token_tensor
-    early_stopping, length_penalty = generation_config.early_stopping, generation_config.length_penalty
-    max_length, num_beams = generation_config.max_length, generation_config.num_beams
-    num_return_sequences = generation_config.num_return_sequences
-    rows, cur_len = input_ids.shape
-    batch_size = rows // num_beams
-    prompt_len = cur_len
-    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
-    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
-    device = input_ids.device
-    top_num_beam_mask = torch.arange(beams_to_keep, device=device) < num_beams
-
-    fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1  # transformers' filler, as written there
-    running_sequences = torch.full((batch_size, num_beams, max_length), fill, dtype=torch.long, device=device)
-    running_sequences[:, :, :cur_len] = input_ids.view(batch_size, num_beams, cur_len)
-    sequences = running_sequences.clone()  # the finished hypotheses
-    running_scores = torch.zeros((batch_size, num_beams), device=device)
-    running_scores[:, 1:] = -1e9  # the beams start identical: only the first may expand at the first step
-    beam_scores = torch.full((batch_size, num_beams), -1e9, device=device)
-    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device)
-    improvable = torch.ones((batch_size, 1), dtype=torch.bool, device=device)
-    running_beam_indices = torch.full((batch_size, num_beams, max_length - cur_len), -1, dtype=torch.int32,
-                                      device=device)
-    beam_indices = running_beam_indices.clone()
+    batch (item 5)."""
+    beams, settings = _start_beams(input_ids, generation_config)
+    num_beams, cur_len = settings.num_beams, settings.prompt_len
     # The results of sentences that left the batch, and the original index of each sentence still in it.
-    final_sequences, final_beam_indices = sequences.clone(), beam_indices.clone()
-    live = torch.arange(batch_size, device=device)
+    final_sequences, final_beam_indices = beams.sequences.clone(), beams.beam_indices.clone()
+    live = torch.arange(beams.sequences.shape[0], device=input_ids.device)
 
     new_tokens = input_ids
     while True:
-        flat_running = running_sequences[:, :, :cur_len].reshape(rows, cur_len)
         log_probs = torch.log_softmax(_next_token_logits(model, new_tokens, *state).float(), dim=-1)  # (B·N, vocab)
         if logits_processor:
-            log_probs = logits_processor(flat_running, log_probs)
-        # The best C tokens of every beam, then the best C (beam, token) pairs of every sentence.
-        token_scores, tokens = _top_k(log_probs, beams_to_keep)  # (B·N, C)
-        scores = (token_scores + running_scores.view(rows, 1)).view(batch_size, num_beams * beams_to_keep)
-        topk_log_probs, choice = scores.topk(beams_to_keep, dim=-1)  # (B, C)
-        topk_beams = choice // beams_to_keep
-        topk_tokens = tokens.view(batch_size, -1).gather(1, choice)
-
-        # What transformers' `_get_top_k_continuations` makes of its top-k over beams × vocabulary.
-        topk_running_sequences = model._gather_beams(running_sequences, topk_beams)
-        topk_running_sequences[:, :, cur_len] = topk_tokens
-        topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_beams)
-        batch_offset = torch.arange(batch_size, device=device).view(-1, 1) * num_beams
-        topk_running_beam_indices[:, :, cur_len - prompt_len] = topk_beams + batch_offset
-
-        hits_stop = stopping_criteria(topk_running_sequences[:, :, : cur_len + 1].flatten(0, 1), None)
-        hits_stop = hits_stop.view(batch_size, beams_to_keep)
-        running_sequences, running_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
-            topk_log_probs=topk_log_probs,
-            topk_running_sequences=topk_running_sequences,
-            topk_running_beam_indices=topk_running_beam_indices,
-            next_token_hits_stopping_criteria=hits_stop,
-            num_beams=num_beams,
-        )
-        sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
-            sequences=sequences,
-            topk_running_sequences=topk_running_sequences,
-            beam_scores=beam_scores,
-            topk_log_probs=topk_log_probs,
-            beam_indices=beam_indices,
-            topk_running_beam_indices=topk_running_beam_indices,
-            is_early_stop_heuristic_unsatisfied=improvable,
-            is_sent_finished=is_sent_finished,
-            next_token_hits_stopping_criteria=hits_stop,
-            top_num_beam_mask=top_num_beam_mask,
-            num_beams=num_beams,
-            cur_len=cur_len,
-            decoder_prompt_len=prompt_len,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-        )
-        model._reorder_cache(state[2], running_beam_indices[..., cur_len - prompt_len].flatten())
+            rows = log_probs.shape[0]
+            log_probs = logits_processor(beams.running_sequences[:, :, :cur_len].reshape(rows, cur_len), log_probs)
+        beams, hits_stop, parent_rows = _advance(model, log_probs, beams, cur_len, stopping_criteria, settings)
+        model._reorder_cache(state[2], parent_rows)
         cur_len += 1
-        improvable = model._check_early_stop_heuristic(
-            is_early_stop_heuristic_unsatisfied=improvable,
-            running_beam_scores=running_scores,
-            beam_scores=beam_scores,
-            is_sent_finished=is_sent_finished,
-            cur_len=cur_len,
-            max_length=max_length,
-            decoder_prompt_len=prompt_len,
-            early_stopping=early_stopping,
-            length_penalty=length_penalty,
-        )
-        if not model._beam_search_has_unfinished_sequences(improvable, is_sent_finished, hits_stop, early_stopping):
+        if not model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
+                                                           settings.early_stopping):
             break
-        done = ~improvable[:, 0]  # no later step can change these sentences' finished hypotheses
+        done = ~beams.improvable[:, 0]  # no later step can change these sentences' finished hypotheses
         if done.any() and not logits_processor:
-            final_sequences[live[done]], final_beam_indices[live[done]] = sequences[done], beam_indices[done]
+            final_sequences[live[done]], final_beam_indices[live[done]] = beams.sequences[done], beams.beam_indices[done]
             keep = (~done).nonzero().squeeze(1)
-            keep_rows = (keep[:, None] * num_beams + torch.arange(num_beams, device=device)).flatten()
+            keep_rows = (keep[:, None] * num_beams + torch.arange(num_beams, device=keep.device)).flatten()
             live = live[keep]
-            per_sentence = (running_sequences, running_scores, running_beam_indices, sequences, beam_scores,
-                            beam_indices, is_sent_finished, improvable)
-            (running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices,
-             is_sent_finished, improvable) = (tensor[keep] for tensor in per_sentence)
+            beams = _Beams(*(tensor[keep] for tensor in beams))
             state = _keep_rows(state, keep, keep_rows)
-            batch_size, rows = len(keep), len(keep_rows)
-        new_tokens = running_sequences[:, :, cur_len - 1].reshape(rows, 1)
-    final_sequences[live], final_beam_indices[live] = sequences, beam_indices
+        new_tokens = beams.running_sequences[:, :, cur_len - 1].reshape(-1, 1)
+    final_sequences[live], final_beam_indices[live] = beams.sequences, beams.beam_indices
+    return _best_hypotheses(final_sequences, final_beam_indices, settings.prompt_len, generation_config)
 
-    # The best hypotheses of each sentence, cut to the longest one returned.
-    sequences = final_sequences[:, :num_return_sequences].flatten(0, 1)
-    beam_indices = final_beam_indices[:, :num_return_sequences].flatten(0, 1)
+
+def _best_hypotheses(sequences, beam_indices, prompt_len: int, generation_config) -> torch.Tensor:
+    """The best `num_return_sequences` hypotheses of each sentence, cut to the longest one returned."""
+    count = generation_config.num_return_sequences
+    sequences, beam_indices = sequences[:, :count].flatten(0, 1), beam_indices[:, :count].flatten(0, 1)
     generated = (beam_indices + 1).bool().sum(dim=1).max()
     return sequences[:, : prompt_len + generated]
 
@@ -294,8 +345,209 @@ def _keep_rows(state, sources, rows):
     return encoder_outputs, attention_mask[sources] if attention_mask is not None else None, cache
 
 
-def use_lean_decoding(model):
-    """Make every later `model.generate()` call use `decode` (a call may still pass its own `custom_generate`);
-    return `model`. Per instance, like transformers' own Hub `custom_generate` loading."""
-    model.generate = functools.partial(type(model).generate, model, custom_generate=decode)
+def use_lean_decoding(model, cuda_graphs: bool = False):
+    """Make every later `model.generate()` call use `decode` (a call may still pass its own `custom_generate`), with
+    CUDA graphs if `cuda_graphs`; return `model`. Per instance, like transformers' own Hub `custom_generate` loading."""
+    options = {"cuda_graphs": True} if cuda_graphs else {}
+    model.generate = functools.partial(type(model).generate, model, custom_generate=decode, **options)
     return model
+
+
+# Static shapes and CUDA graphs (item 6) ------------------------------------------------------------------------------
+
+_STATIC_SHAPES_KEPT = 8  # per model: batch shapes whose buffers and graphs are kept, the least recently used dropped
+_static_states: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
+
+
+def _static_covers(logits_processor, stopping_criteria) -> bool:
+    """Whether a decoding step can be captured: no logits processors (some read their arguments on the host), and
+    only the stopping criteria generate() makes from max_length and eos_token_id (pure tensor operations)."""
+    return not logits_processor and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+
+
+def _static_source_length(length: int) -> int:
+    """The source length that a batch's source is padded to: the next power of two, at least 32, so that the batches
+    of a corpus share a few shapes, and with them their buffers and graphs."""
+    return max(32, 1 << (length - 1).bit_length())
+
+
+class _StepGraphs:
+    """The CUDA graph of each decoding step position (the step's Python integers, such as the current length, are
+    constants in the recording), replayed by every later batch of the same shape. Elsewhere, steps run as they are."""
+
+    def __init__(self, device: torch.device):
+        self.record = device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the memory pool that the graphs of a shape share
+
+    def run(self, position: int, step) -> None:
+        if not self.record:
+            step()
+        elif position in self.graphs:
+            self.graphs[position].replay()
+        else:
+            # First time at this position: run the step (which also warms up its kernels), then record it. Recording
+            # does not execute anything, so the step runs exactly once either way.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step()
+            self.graphs[position] = graph
+
+
+class _StaticDecoding:
+    """What the decoding steps of one batch shape read and write, at addresses that stay the same from batch to
+    batch, so that a step recorded as a CUDA graph can be replayed for any of them:
+
+    * the decoder's self-attention keys/values, pre-allocated for max_length positions (transformers' StaticCache,
+      written and beam-reordered in place),
+    * the source's cross-attention keys/values and its mask, padded with masked positions to a fixed length,
+    * the last tokens (the next step's input), and the search's own state (`search`, set by the decoding method).
+    """
+
+    def __init__(self, model, rows: int, sources: int, source_len: int, max_length: int):
+        self.model, self.source_len = model, source_len
+        self.self_attention_cache = StaticCache(config=model.config, max_cache_len=max_length)
+        self.cache = None  # self + cross-attention, made by the first batch's first step
+        self.encoder_states = None
+        device = model.device
+        self.source_mask = torch.zeros(sources, 1, 1, source_len, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.graphs = _StepGraphs(device)
+        self.search = None
+        self.kept = None  # what the recorded steps read besides the above (stopping criteria): kept alive
+
+    def start(self, input_ids, encoder_states, attention_mask) -> torch.Tensor:
+        """A batch's first step, eagerly: the decoder prompt goes into the self-attention cache and the source's
+        keys/values into the fixed buffers. Returns the logits of the next token (rows, vocab)."""
+        self.self_attention_cache.reset()
+        cross_attention_cache = DynamicCache(config=self.model.config)
+        logits = _next_token_logits(self.model, input_ids, BaseModelOutput(last_hidden_state=encoder_states),
+                                    attention_mask, EncoderDecoderCache(self.self_attention_cache, cross_attention_cache))
+        length = encoder_states.shape[1]
+        if self.cache is None:
+            fixed = DynamicCache(config=self.model.config)
+            for layer, computed in zip(fixed.layers, cross_attention_cache.layers):
+                padded = (*computed.keys.shape[:2], self.source_len, computed.keys.shape[-1])
+                layer.lazy_initialization(computed.keys, computed.values)
+                layer.keys, layer.values = computed.keys.new_zeros(padded), computed.values.new_zeros(padded)
+            self.cache = EncoderDecoderCache(self.self_attention_cache, fixed)  # marked as computed: non-empty
+            self.encoder_states = encoder_states.new_zeros(encoder_states.shape[0], self.source_len,
+                                                           encoder_states.shape[2])
+        for layer, computed in zip(self.cache.cross_attention_cache.layers, cross_attention_cache.layers):
+            for fixed, new in ((layer.keys, computed.keys), (layer.values, computed.values)):
+                fixed[:, :, :length] = new
+                fixed[:, :, length:] = 0
+        self.encoder_states[:, :length] = encoder_states
+        self.encoder_states[:, length:] = 0
+        self.source_mask.fill_(False)
+        self.source_mask[:, 0, 0, :length] = attention_mask.bool() if attention_mask is not None else True
+        return logits
+
+    def next_token_logits(self) -> torch.Tensor:
+        """A later step: the logits after `tokens`, from the fixed buffers only. The source mask is passed as the
+        prepared 4-D mask, which the model uses as it is (building one from a padding mask reads it on the host)."""
+        encoder_outputs = BaseModelOutput(last_hidden_state=self.encoder_states)
+        return _next_token_logits(self.model, self.tokens, encoder_outputs, self.source_mask, self.cache)
+
+
+def _static_state(model, key: tuple, rows: int, encoder_states: torch.Tensor, max_length: int) -> _StaticDecoding:
+    """The static state of this model for this batch shape, made on first use."""
+    states = _static_states.setdefault(model, OrderedDict())
+    sources, length = encoder_states.shape[:2]
+    key = (*key, rows, sources, _static_source_length(length), max_length, model.dtype,
+           torch.is_inference_mode_enabled())
+    if key not in states:
+        positions = model.config.max_position_embeddings
+        if model.config.position_embedding_type == "learned" and max_length > positions:
+            raise ValueError(f"max_length {max_length} is longer than the {positions} learned positions of this "
+                             "model; lower max_new_tokens or max_length.")
+        states[key] = _StaticDecoding(model, rows, sources, _static_source_length(length), max_length)
+        while len(states) > _STATIC_SHAPES_KEPT:
+            states.popitem(last=False)
+    states.move_to_end(key)
+    return states[key]
+
+
+def _criteria_key(stopping_criteria, generation_config) -> tuple:
+    """What the recorded steps take from the stopping criteria and the generation config, as plain values."""
+    eos = generation_config._eos_token_tensor
+    pad = generation_config._pad_token_tensor
+    return (tuple(type(c).__name__ for c in stopping_criteria), generation_config.max_length,
+            tuple(eos.tolist()) if eos is not None else None, int(pad) if pad is not None else None)
+
+
+def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_criteria, generation_config):
+    """`_greedy` with static shapes: every row is decoded until the whole batch has stopped, as in transformers."""
+    rows, prompt_len = input_ids.shape
+    max_length = generation_config.max_length
+    static = _static_state(model, ("greedy", prompt_len, *_criteria_key(stopping_criteria, generation_config)),
+                           rows, encoder_states, max_length)
+    pad_token_id = generation_config._pad_token_tensor
+    stops_at_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    if static.search is None:
+        static.search = (torch.empty(rows, max_length, dtype=torch.long, device=input_ids.device),
+                         torch.empty(rows, dtype=torch.long, device=input_ids.device))
+    sequences, unfinished = static.search
+    sequences[:, :prompt_len] = input_ids
+    unfinished.fill_(1)
+
+    def advance(logits, cur_len):
+        next_tokens = _top_k(logits, 1)[1].squeeze(1)
+        if stops_at_eos:  # stopped rows get padding
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        sequences[:, cur_len] = next_tokens
+        unfinished.copy_(unfinished & ~stopping_criteria(sequences[:, : cur_len + 1], None))
+        static.tokens.copy_(next_tokens[:, None])
+
+    def step(cur_len):
+        advance(static.next_token_logits(), cur_len)
+
+    advance(static.start(input_ids, encoder_states, attention_mask), prompt_len)
+    cur_len = prompt_len + 1
+    while unfinished.max() != 0:
+        static.kept = static.kept or (stopping_criteria, pad_token_id)
+        static.graphs.run(cur_len, functools.partial(step, cur_len))
+        cur_len += 1
+    return sequences[:, :cur_len].clone()
+
+
+def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_criteria, generation_config):
+    """`_beam` with static shapes: every sentence stays in the batch until the whole batch has stopped, as in
+    transformers."""
+    start, settings = _start_beams(input_ids, generation_config)
+    rows, prompt_len = input_ids.shape
+    static = _static_state(model, ("beam", *settings, *_criteria_key(stopping_criteria, generation_config)),
+                           rows, encoder_states, settings.max_length)
+    if static.search is None:
+        static.search = (start, torch.zeros(start.running_scores.shape[0], settings.beams_to_keep, dtype=torch.bool,
+                                            device=input_ids.device))
+    else:
+        for fixed, new in zip(static.search[0], start):
+            fixed.copy_(new)
+    beams, hits_stop = static.search
+
+    def advance(logits, cur_len):
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        new_beams, new_hits_stop, parent_rows = _advance(model, log_probs, beams, cur_len, stopping_criteria, settings)
+        for fixed, new in zip((*beams, hits_stop), (*new_beams, new_hits_stop)):
+            fixed.copy_(new)
+        model._reorder_cache(static.self_attention_cache, parent_rows)
+        static.tokens.copy_(beams.running_sequences[:, :, cur_len].reshape(rows, 1))
+
+    def step(cur_len):
+        advance(static.next_token_logits(), cur_len)
+
+    advance(static.start(input_ids, encoder_states, attention_mask), prompt_len)
+    cur_len = prompt_len + 1
+    while model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
+                                                      settings.early_stopping):
+        static.kept = static.kept or (stopping_criteria, generation_config)
+        static.graphs.run(cur_len, functools.partial(step, cur_len))
+        cur_len += 1
+    return _best_hypotheses(beams.sequences, beams.beam_indices, prompt_len, generation_config).clone()

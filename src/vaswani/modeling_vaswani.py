@@ -499,10 +499,11 @@ class VaswaniStack(VaswaniPreTrainedModel):
             self._check_token_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)
         seq_length = inputs_embeds.shape[1]
-        # Skipped under torch.compile: a static cache's past_length is a tensor, making this a data-dependent branch.
+        # Skipped for a static cache, whose past_length is a tensor: reading it would make the host wait for the device
+        # at every step, and be a data-dependent branch under torch.compile or in a CUDA graph.
         if (
             self.config.position_embedding_type == "learned"
-            and not torch.compiler.is_compiling()
+            and not torch.is_tensor(past_length)
             and past_length + seq_length > self.config.max_position_embeddings
         ):
             raise ValueError(
