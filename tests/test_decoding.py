@@ -172,7 +172,9 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
         assert loaded.generate.keywords["custom_generate"] is decode
     plain, _ = load_translator(str(tmp_path), device="cpu", decoding="transformers")
     assert "generate" not in vars(plain)  # the class's own method
-    with pytest.raises(ValueError, match="choose one of auto, lean, transformers"):
+    graphs, _ = load_translator(str(tmp_path), device="cpu", decoding="graphs")
+    assert graphs.generate.keywords == {"custom_generate": decode, "cuda_graphs": True}
+    with pytest.raises(ValueError, match="choose one of auto, lean, graphs, transformers"):
         load_translator(str(tmp_path), device="cpu", decoding="fast")
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     loaded, _ = load_translator(str(tmp_path), device="cpu")
@@ -187,10 +189,10 @@ def test_translate_script_with_either_loop(trained, tmp_path, capsys):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     outputs = []
-    for loop in ("lean", "transformers"):
+    for loop in ("lean", "graphs", "transformers"):
         script_main("translate")(["--model", str(tmp_path), "--device", "cpu", "--decoding", loop, *SOURCES[:3]])
         outputs.append(capsys.readouterr().out.splitlines())
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 3
 
 
 @pytest.mark.parametrize("num_beams", [1, 4])

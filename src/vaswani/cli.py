@@ -41,7 +41,7 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
-DECODING_LOOPS = ("auto", "lean", "transformers")
+DECODING_LOOPS = ("auto", "lean", "graphs", "transformers")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +50,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): lean (vaswani.decoding: the same outputs, less work per "
-                        "step), transformers (its own), or auto: lean on a CPU, transformers elsewhere")
+                        "step), graphs (lean with each step a replayed CUDA graph, for GPUs), transformers (its own), "
+                        "or auto: lean on a CPU, transformers elsewhere")
 
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
@@ -58,8 +59,9 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it; with
     `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory reused). `decoding`
     chooses the loop behind `generate()` (`DECODING_LOOPS`): "lean" is `vaswani.decoding`'s (the same outputs),
+    "graphs" the same with `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU),
     "transformers" its own, "auto" the lean one on a CPU (measured faster there, benchmarks/README.md) and
-    transformers' elsewhere.
+    transformers' elsewhere (until the GPU benchmark has measured the other two there).
 
     Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
     only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
@@ -99,8 +101,8 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     if int8:
         model = quantize_for_cpu(model)
         keep_freed_cpu_memory()
-    if decoding == "lean" or (decoding == "auto" and device.type == "cpu"):
-        model = use_lean_decoding(model)
+    if decoding in ("lean", "graphs") or (decoding == "auto" and device.type == "cpu"):
+        model = use_lean_decoding(model, cuda_graphs=decoding == "graphs")
     return model, tokenizer
 
 

@@ -2,6 +2,7 @@
 
     model.generate(**batch, num_beams=4, custom_generate=vaswani.decoding.decode)   # one call
     vaswani.decoding.use_lean_decoding(model)                                        # every later generate() call
+    vaswani.decoding.use_lean_decoding(model, cuda_graphs=True)                      # on a GPU: item 6
 
 `decode` plugs into `generate()` through its own extension point (`custom_generate`, a decoding method): generate()
 still validates the arguments, runs the encoder, expands the batch for the beams, makes the cache and builds the
@@ -32,6 +33,20 @@ multiplications are int8 (benchmarks/README.md):
    leaves once transformers' own early-stopping test says no later step can change its finished hypotheses (that
    test never turns back). On the main job's test set that is 44% of beam search's sentence-steps. Not done when
    logits processors are given: some of them (`prefix_allowed_tokens_fn`) address rows by their batch index.
+6. With `cuda_graphs=True` (a generate() argument, opt-in), on a GPU each decoding step is recorded once as a CUDA
+   graph and replayed from then on: one launch per step instead of hundreds of kernel launches from Python, which
+   at batch 256 take several times longer than the kernels themselves (benchmarks/results/gpu-notes.md). A graph
+   replays fixed work on fixed memory, so these steps have static shapes: the self-attention cache is
+   pre-allocated for max_length positions (transformers' `StaticCache`), the source is padded with masked
+   positions to a power of two of at least 32 tokens, and every row stays in the batch until the whole batch has
+   stopped, as in transformers (item 5 is left out). Everything a step reads or writes lives in buffers kept per
+   batch shape (`_StaticDecoding`), so later batches of the same shape replay the first one's graphs; the search's
+   state stays on the device, and the host reads one flag per step, whether to go on. A batch's first step, which
+   projects the source for cross-attention, runs as usual. Not with logits processors or stopping criteria other
+   than max_length and eos_token_id (they may read values on the host); those calls decode as items 1–5 do. On
+   other devices the same static steps run without graphs, which is how the CPU tests check them.
+   Measured on a GPU only by `benchmarks/gpu_session.sh translation` (engine `vaswani-graphs`), which has not
+   run yet.
 
 Anything else (sampling, `return_dict_in_generate`, a decoder-only or non-Vaswani model, a pre-filled or static
 cache) goes to transformers' own decoding method unchanged. The scripts decode this way on CPUs (`--device cpu`,
