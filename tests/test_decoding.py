@@ -312,6 +312,24 @@ def test_static_decoding_keeps_one_state_per_shape(trained, replayed_steps):
     assert shapes == [(8, 32), (4, 32), (8, 64)]
 
 
+def test_static_states_do_not_keep_their_model_alive(trained, replayed_steps):
+    import gc
+    import weakref
+
+    import vaswani.decoding as decoding
+
+    model, tokenizer = trained
+    model = copy.deepcopy(model)
+    for num_beams in (1, 4):
+        _generate_both(model, tokenizer(SENTENCES[:2], return_tensors="pt", padding=True), cuda_graphs=True,
+                       num_beams=num_beams)
+    assert len(decoding._static_states[model]) == 2
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None and len(decoding._static_states) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_beams", [1, 4])

@@ -57,6 +57,7 @@ scripts' default there.
 import functools
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -392,14 +393,16 @@ class _StepGraphs:
 
     def __init__(self, device: torch.device):
         self.record = device.type == "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # position → (graph, the step it records): the step function is kept for what it refers to, such as the
+        # stopping criteria's EOS ids, whose memory the graph reads
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Callable]] = {}
         self.pool = None  # the memory pool that the graphs of a shape share
 
     def run(self, position: int, step) -> None:
         if not self.record:
             step()
         elif position in self.graphs:
-            self.graphs[position].replay()
+            self.graphs[position][0].replay()
         else:
             # First time at this position: run the step (which also warms up its kernels), then record it. Recording
             # does not execute anything, so the step runs exactly once either way.
@@ -412,7 +415,7 @@ class _StepGraphs:
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
                 step()
-            self.graphs[position] = graph
+            self.graphs[position] = (graph, step)
 
 
 class _StaticDecoding:
@@ -426,7 +429,8 @@ class _StaticDecoding:
     """
 
     def __init__(self, model, rows: int, sources: int, source_len: int, max_length: int):
-        self.model, self.source_len = model, source_len
+        # A weak reference, as in the steps' code: these states are kept per model, which must stay collectable.
+        self.model, self.source_len = weakref.proxy(model), source_len
         self.self_attention_cache = StaticCache(config=model.config, max_cache_len=max_length)
         self.cache = None  # self + cross-attention, made by the first batch's first step
         self.encoder_states = None
@@ -435,7 +439,6 @@ class _StaticDecoding:
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.graphs = _StepGraphs(device)
         self.search = None
-        self.kept = None  # what the recorded steps read besides the above (stopping criteria): kept alive
 
     def start(self, input_ids, encoder_states, attention_mask) -> torch.Tensor:
         """A batch's first step, eagerly: the decoder prompt goes into the self-attention cache and the source's
@@ -526,7 +529,6 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
     advance(static.start(input_ids, encoder_states, attention_mask), prompt_len)
     cur_len = prompt_len + 1
     while unfinished.max() != 0:
-        static.kept = static.kept or (stopping_criteria, pad_token_id)
         static.graphs.run(cur_len, functools.partial(step, cur_len))
         cur_len += 1
     return sequences[:, :cur_len].clone()
@@ -549,10 +551,11 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
 
     def advance(logits, cur_len):
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        new_beams, new_hits_stop, parent_rows = _advance(model, log_probs, beams, cur_len, stopping_criteria, settings)
+        new_beams, new_hits_stop, parent_rows = _advance(static.model, log_probs, beams, cur_len, stopping_criteria,
+                                                         settings)
         for fixed, new in zip((*beams, hits_stop), (*new_beams, new_hits_stop)):
             fixed.copy_(new)
-        model._reorder_cache(static.self_attention_cache, parent_rows)
+        static.model._reorder_cache(static.self_attention_cache, parent_rows)
         static.tokens.copy_(beams.running_sequences[:, :, cur_len].reshape(rows, 1))
 
     def step(cur_len):
@@ -562,7 +565,6 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
     cur_len = prompt_len + 1
     while model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
                                                       settings.early_stopping):
-        static.kept = static.kept or (stopping_criteria, generation_config)
         static.graphs.run(cur_len, functools.partial(step, cur_len))
         cur_len += 1
     return _best_hypotheses(beams.sequences, beams.beam_indices, prompt_len, generation_config).clone()
