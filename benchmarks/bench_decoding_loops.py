@@ -14,14 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from vaswani.cli import load_translator
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus, translate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Column, command_line, csv_of, pick_device, resolve_corpus, write_report  # noqa: E402
+from common import Column, command_line, csv_of, pick_device, resolve_corpus, result_name, write_report  # noqa: E402
 
 LOOPS = ("transformers", "lean")
 
@@ -78,7 +76,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         "sentence, so its matrix products are shaped differently) can move that scale and round a whole tensor "
         "differently, so in int8 a few translations may differ between two numerically equivalent loops.",
     ]
-    json_path, _ = write_report(args.output_name or f"decoding-loops-{device.tag}", "Decoding loops on a trained model",
+    json_path, _ = write_report(result_name(args, "decoding-loops", device), "Decoding loops on a trained model",
                                 command_line(__file__, argv), device, vars(args) | {"model": args.model}, rows,
                                 columns, notes, args.results_dir)
     return json_path
@@ -96,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=64, help="scripts/evaluate_bleu.py's default")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--results_dir", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--output_name", default=None)
+    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
+                        "tag; default decoding-loops-{device}")
     return parser
 
 

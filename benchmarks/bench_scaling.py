@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     count_parameters,
     csv_of,
     pick_device,
+    result_name,
     resident_mib,
     sample_sentences,
     timed,
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("kib_per_token", "KiB/token", "{:.1f}"),
         Column("vs_mha", "× MHA", "{:.3f}"),
     ]
-    name = args.output_name or f"scaling-{device.tag}"
+    name = result_name(args, "scaling", device)
     json_path, _ = write_report(
         name, "Sequence-length scaling (decoder-only)", command_line(__file__, argv), device, settings, rows,
         columns, notes, args.results_dir, extra_tables=[("KV cache per token", cache_rows, cache_columns)],

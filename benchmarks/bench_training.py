@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     count_parameters,
     csv_of,
     pick_device,
+    result_name,
     timed,
     vaswani_config,
     sdpa_backend,
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("load_average", "load avg", "{:.1f}"),
         Column("compilations_while_timed", "recompiles"),
     ]
-    name = args.output_name or f"training-{device.tag}"
+    name = result_name(args, "training", device)
     json_path, _ = write_report(
         name, "Training throughput", command_line(__file__, argv), device, settings, rows, columns, notes,
         args.results_dir,

@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     count_parameters,
     csv_of,
     pick_device,
+    result_name,
     sample_sentences,
     timed,
     vaswani_config,
@@ -54,7 +55,7 @@ from common import (  # noqa: E402
 
 ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-lean": "Vaswani lean", "vaswani-int8": "Vaswani int8",
                  "vaswani-int8-lean": "Vaswani int8 lean", "vaswani-compiled": "Vaswani compiled",
-                 "vaswani-graphs": "Vaswani CUDA graphs",
+                 "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32"}
 TORCH_OPTIONS = {"int8", "lean", "graphs", "compiled"}
 
@@ -78,7 +79,8 @@ class TorchEngine:
     * `graphs`: `use_lean_decoding(model, cuda_graphs=True)`: static shapes, each decoding step recorded once as a
       CUDA graph and replayed by later batches of the same shape (on a CPU the same steps run as they are);
     * `compiled`: `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV cache and the decoding step
-      under torch.compile, greedy and beam search alike."""
+      under torch.compile, greedy and beam search alike; with `graphs`, the compiled steps are what the CUDA graphs
+      record."""
 
     def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None):
         self.attention_kernel = attention_kernel
@@ -220,6 +222,10 @@ class LocalEngine:
     def close(self):
         self.engine.close()
 
+    def abandon(self):
+        """After a failure: release what can be released, without expecting the engine to answer."""
+        self.engine = None
+
 
 class EngineProcess:
     """A `LocalEngine` in a process of its own, driven over a pipe; each call is timed inside that process.
@@ -255,6 +261,11 @@ class EngineProcess:
         self._call("close")
         self._process.join()
 
+    def abandon(self):
+        """After a failure (perhaps a crash): end the process without asking it."""
+        self._process.kill()
+        self._process.join()
+
 
 def _serve(pipe, spec: dict) -> None:
     """The engine process: build the engine, then answer calls until `close`; errors go back as tracebacks."""
@@ -284,6 +295,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     # Sorted by length so that batches pad little; every engine gets exactly these batches.
     source_ids = sorted(sampled_ids, key=len)
     rows = []
+    failed = {}  # engine → why it was dropped (--keep_going)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
         for size in args.sizes:
@@ -301,7 +313,7 @@ def run(args: argparse.Namespace, argv) -> Path:
                     chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
                 batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
                 for beams in args.beams:
-                    for row in measure(engines, batches, beams, args):
+                    for row in measure(engines, batches, beams, args, failed):
                         row.update(size=size, batch_size=batch_size, load_mib=engines[row["engine"]].load_mib)
                         row["peak_mib"] = _sum_or_none(row["load_mib"], row["work_mib"])
                         rows.append(row)
@@ -350,6 +362,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         + "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
         "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
     ]
+    for name, why in failed.items():
+        notes.append(f"{ENGINE_LABELS.get(name, name)} failed and was left out from then on (--keep_going): {why}")
     if args.notes:
         notes.append(args.notes)
     columns = [
@@ -368,7 +382,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("load_average", "load avg", "{:.1f}"),
     ]
     _add_ratios(rows)
-    name = args.output_name or f"translation-{device.tag}"
+    name = result_name(args, "translation", device)
     json_path, _ = write_report(
         name, "Translation throughput", command_line(__file__, argv), device, settings, rows, columns, notes,
         args.results_dir,
@@ -376,28 +390,47 @@ def run(args: argparse.Namespace, argv) -> Path:
     return json_path
 
 
-def measure(engines: dict, batches: list, beams: int, args) -> list[dict]:
-    """Time every engine on the same batches, interleaved; return one row per engine."""
-    for engine in engines.values():
+def measure(engines: dict, batches: list, beams: int, args, failed: dict) -> list[dict]:
+    """Time every engine on the same batches, interleaved; return one row per engine. With --keep_going, an engine
+    that fails is removed from `engines` and recorded in `failed`, and the others go on."""
+
+    def call(name, method, *call_args):
+        try:
+            result = getattr(engines[name], method)(*call_args)
+            if method == "timed_translate" and set(result[0]) != {args.new_tokens}:
+                raise RuntimeError(
+                    f"{name} produced {sorted(set(result[0]))} tokens per sentence instead of exactly "
+                    f"{args.new_tokens}; the comparison would not be of identical work."
+                )
+            return result
+        except (Exception, EOFError) as error:  # an error in the engine, or its process died (a crash)
+            if not args.keep_going:
+                raise
+            last_line = (str(error).strip().splitlines() or [""])[-1]
+            failed[name] = f"{type(error).__name__} in {method}: {last_line}"
+            print(f"{name} failed, dropped: {failed[name]}", flush=True)
+            engines.pop(name).abandon()
+            return None
+
+    for name in list(engines):
         for warmup in {0, len(batches) - 1}:
-            engine.timed_translate(batches[warmup], beams, args.new_tokens)
+            if name in engines:
+                call(name, "timed_translate", batches[warmup], beams, args.new_tokens)
     names = list(engines)
     best = {name: [float("inf")] * len(batches) for name in names}
     for _ in range(args.repeats):
         for i, batch in enumerate(batches):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                produced, seconds = engines[name].timed_translate(batch, beams, args.new_tokens)
-                if set(produced) != {args.new_tokens}:
-                    raise RuntimeError(
-                        f"{name} produced {sorted(set(produced))} tokens per sentence instead of exactly "
-                        f"{args.new_tokens}; the comparison would not be of identical work."
-                    )
-                best[name][i] = min(best[name][i], seconds)
+                if name in engines and (result := call(name, "timed_translate", batch, beams, args.new_tokens)):
+                    best[name][i] = min(best[name][i], result[1])
     load_average = os.getloadavg()[0]
     sentences = sum(map(len, batches))
     rows = []
+    longest = max(batches, key=lambda b: len(b) * max(map(len, b)))
     for name in names:
-        work_mib = engines[name].peak_mib(max(batches, key=lambda b: len(b) * max(map(len, b))), beams, args.new_tokens)
+        work_mib = call(name, "peak_mib", longest, beams, args.new_tokens) if name in engines else None
+        if name not in engines:
+            continue
         seconds = sum(best[name])
         rows.append({
             "engine": name,
@@ -460,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="vaswani.inference.keep_freed_cpu_memory() in every engine's process (the int8 engines "
                         "apply it anyway, as --int8 does in the scripts): every PyTorch engine, Marian included, reuses "
                         "freed memory; CTranslate2 has its own caching allocator anyway")
+    parser.add_argument("--keep_going", action="store_true",
+                        help="an engine that fails (an error, or its process dies) is left out from then on and named "
+                        "in the report's notes; the others go on (for unattended GPU runs)")
     parser.add_argument("--same_process", action="store_true",
                         help="run every engine in this one process instead of one process each (shows how "
                         "CTranslate2 and PyTorch slow each other down when they share a process)")

@@ -452,7 +452,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
     parser.add_argument("--cache_dir", type=Path, default=CACHE_DIR, help="tokenizers and converted models")
     parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--output_name", default=None, help="result file stem; default <benchmark>-<device>")
+    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
+                        "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
     parser.add_argument("--sdpa_backend", default=None, choices=sorted(SDPA_BACKENDS),
@@ -489,3 +490,8 @@ def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str
     corpus = resolve_corpus(args.corpus)
     pairs = load_pairs(corpus)
     return corpus, pairs, get_tokenizer(corpus, pairs, args.vocab_size, args.cache_dir)
+
+
+def result_name(args, benchmark: str, device) -> str:
+    """The result file stem: --output_name with {device} filled in, or <benchmark>-<device tag>."""
+    return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)

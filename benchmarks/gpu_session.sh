@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a few minutes (compilation)
 #   bash benchmarks/gpu_session.sh training     # bench_training.py: tiny, base, big; Vaswani eager and compiled, Marian
 #   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 256 and 32 over all 3,000 sentences,
-#                                               #   greedy and beam 4; with CUDA graphs once their test passes here
-#   bash benchmarks/gpu_session.sh translation-batch1  # the same at batch 1, over the first 100 draws
+#                                               #   greedy and beam 4: Vaswani eager, lean, CUDA graphs; Marian
+#   bash benchmarks/gpu_session.sh translation-compiled  # the same for compile_for_generation, alone and under graphs
+#   bash benchmarks/gpu_session.sh translation-batch1    # as `translation`, at batch 1 over the first 100 draws
 #   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
 #   bash benchmarks/gpu_session.sh profile      # where a training step's GPU time goes (tiny, base; every engine)
 #   bash benchmarks/gpu_session.sh attention    # base training under each SDPA kernel: efficient, cudnn, math
@@ -40,16 +41,19 @@ for stage in "$@"; do
         profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
                      --sizes tiny,base --steps 3 --profile ;;
         training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
-        translation|translation-batch1)
-            # The CUDA-graph engine only once its own test has passed here: a crash would end the whole run.
-            engines=vaswani,vaswani-lean,vaswani-compiled,marian
-            if run timeout 90 python3 -m pytest -q -m gpu tests/test_decoding.py -k cuda_graphs -p no:cacheprovider; then
-                engines=vaswani,vaswani-lean,vaswani-graphs,vaswani-compiled,marian
+        translation|translation-compiled|translation-batch1)
+            # vaswani-graphs[-compiled] only once their own CUDA test has passed here (it checks their outputs too);
+            # --keep_going drops an engine that fails anyway (a crash included) and names it in the report.
+            engines=vaswani,vaswani-lean graphs=vaswani-graphs test=eager
+            [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
+            if run timeout 150 python3 -m pytest -q -m gpu tests/test_decoding.py -k "cuda_graphs and $test" \
+                   -p no:cacheprovider; then
+                engines=$engines,$graphs
             fi
-            sizes=(--batch_sizes 256,32)
-            [ "$stage" = translation-batch1 ] && sizes=(--batch_sizes 1 --batch1_sentences 100 --output_name translation-batch1-cuda)
-            run timeout 420 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" "${sizes[@]}" \
-                --engines $engines ;;
+            options=(--batch_sizes 256,32 --output_name "$stage-{device}")
+            [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$stage-{device}")
+            run timeout 420 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" "${options[@]}" \
+                --engines $engines,marian --keep_going ;;
         attention)  # the same base training step under each SDPA kernel (the profile's largest item)
             for kernel in efficient cudnn math; do
                 run timeout 180 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \

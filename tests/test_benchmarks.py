@@ -89,6 +89,32 @@ def test_translation_benchmark_names_a_failing_engine(corpus, tmp_path):
         )
 
 
+def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_path, monkeypatch):
+    """--keep_going: an engine that fails mid-run is left out and named in the notes; the others are measured."""
+    module = load("bench_translation")
+    make_engine = module.make_engine
+
+    def failing_on_second_call(name, **spec):
+        engine = make_engine(name=name, **spec)
+        if name == "vaswani-lean":
+            calls = iter(range(100))
+            original = engine.timed_translate
+            engine.timed_translate = lambda *a: original(*a) if next(calls) < 1 else 1 / 0
+        return engine
+
+    monkeypatch.setattr(module, "make_engine", failing_on_second_call)
+    path = module.main(
+        common_args(corpus, tmp_path)
+        + ["--sizes", "tiny", "--engines", "vaswani,vaswani-lean,marian", "--batch_sizes", "4", "--beams", "1,2",
+           "--num_sentences", "8", "--new_tokens", "3", "--same_process", "--keep_going"]
+    )
+    report = check_report(path, "bench_translation", {"engine", "tokens_per_s"})
+    assert [(row["engine"], row["beams"]) for row in report["results"]] == [
+        ("vaswani", 1), ("marian", 1), ("vaswani", 2), ("marian", 2)]
+    assert "Vaswani lean failed and was left out from then on (--keep_going): ZeroDivisionError in timed_translate" \
+        in path.with_suffix(".md").read_text()
+
+
 def test_training_benchmark(corpus, tmp_path):
     path = load("bench_training").main(
         common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64", "--steps", "1", "--warmup_steps", "0",

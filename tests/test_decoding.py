@@ -2,6 +2,7 @@
 "outputs stay identical to the reference path"), for greedy and beam search with their options, across model
 variants, padded batches and int8 weights; what it does not cover falls back to transformers' own loop."""
 
+import contextlib
 import copy
 
 import pytest
@@ -244,7 +245,7 @@ def replayed_steps(monkeypatch):
     import vaswani.decoding as decoding
     import vaswani.modeling_vaswani as modeling
 
-    counts = {"recorded": 0, "replayed": 0}
+    counts = {"recorded": 0, "replayed": 0, "check_host_reads": True}  # torch.compile refuses dispatch modes
     host_reads = []
 
     def run(graphs, position, step):
@@ -253,7 +254,7 @@ def replayed_steps(monkeypatch):
             counts["replayed"] += 1
             recorded[position]()
             return
-        with _HostReads() as reads:
+        with _HostReads() if counts["check_host_reads"] else contextlib.nullcontext(_HostReads()) as reads:
             step()
         host_reads.extend(reads.found)
         recorded[position] = step
@@ -281,7 +282,7 @@ def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, 
         assert torch.equal(reference, static)
     assert host_reads == []
     if "no_repeat_ngram_size" in search:
-        assert counts == {"recorded": 0, "replayed": 0}
+        assert counts["recorded"] == counts["replayed"] == 0
     else:
         assert counts["recorded"] > 0 and counts["replayed"] > 0
 
@@ -330,19 +331,48 @@ def test_static_states_do_not_keep_their_model_alive(trained, replayed_steps):
     assert dropped() is None and len(decoding._static_states) == 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("num_beams", [1, 4])
-def test_cuda_graphs_return_what_generate_returns(trained, num_beams):
-    """The recorded and replayed CUDA graphs on a GPU: the outputs of generate() without them, batch after batch."""
-    import vaswani.decoding as decoding
+@pytest.mark.slow
+def test_static_decoding_with_a_compiled_forward(trained, replayed_steps):
+    """compile_for_generation + cuda_graphs: the static steps run the compiled forward (one graph, no breaks), which
+    is what the CUDA graphs then record; the same outputs."""
+    import torch._dynamo
+
+    from vaswani.inference import compile_for_generation
 
     model, tokenizer = trained
-    model = copy.deepcopy(model).cuda()
+    compiled = use_lean_decoding(compile_for_generation(copy.deepcopy(model)), cuda_graphs=True)
+    counts, host_reads = replayed_steps
+    counts["check_host_reads"] = False  # checked without compilation above; the compiled graph has no breaks
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for sentences in SAME_SHAPE_BATCHES[:2]:
+        batch = tokenizer(sentences, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            assert torch.equal(model.generate(**batch, num_beams=4, max_new_tokens=20),
+                               compiled.generate(**batch, num_beams=4, max_new_tokens=20))
+    assert counts["replayed"] > 0
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_cuda_graphs_return_what_generate_returns(trained, num_beams, compiled):
+    """The recorded and replayed CUDA graphs on a GPU, of the eager or the compiled forward: the outputs of
+    generate() without them, batch after batch."""
+    import vaswani.decoding as decoding
+    from vaswani.inference import compile_for_generation
+
+    reference_model, tokenizer = trained
+    reference_model = copy.deepcopy(reference_model).cuda()
+    model = copy.deepcopy(reference_model)
+    if compiled:
+        model = compile_for_generation(model)
     for sentences in SAME_SHAPE_BATCHES:
         batch = tokenizer(sentences, return_tensors="pt", padding=True).to("cuda")
         with torch.no_grad():
-            reference = model.generate(**batch, num_beams=num_beams, max_new_tokens=20)
+            reference = reference_model.generate(**batch, num_beams=num_beams, max_new_tokens=20)
             graphed = model.generate(**batch, num_beams=num_beams, max_new_tokens=20, custom_generate=decode,
                                      cuda_graphs=True)
         assert torch.equal(reference, graphed)

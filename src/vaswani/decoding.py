@@ -61,7 +61,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 from transformers.generation.configuration_utils import GenerationMode
@@ -98,10 +98,12 @@ def _top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, best_block.gather(1, position // block) * block + position % block
 
 
-def _lean_mode(model, generation_config, model_kwargs) -> GenerationMode | None:
-    """The mode when `decode` covers this call (greedy or beam search); None sends it to transformers' own method."""
+def _lean_mode(model, generation_config, model_kwargs, static: bool = False) -> GenerationMode | None:
+    """The mode when `decode` covers this call (greedy or beam search); None sends it to transformers' own method.
+    The `static` steps (item 6) make their own cache, so generate()'s may be a static one too, if still empty."""
     mode = generation_config.get_generation_mode()
     cache = model_kwargs.get("past_key_values")
+    layer_types = (DynamicLayer, StaticLayer) if static else (DynamicLayer,)
     covered = (
         mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.BEAM_SEARCH)
         and model.config.model_type == "vaswani"  # its cross-attention takes one source row per sentence
@@ -112,7 +114,7 @@ def _lean_mode(model, generation_config, model_kwargs) -> GenerationMode | None:
         and model_kwargs.get("use_cache", True)
         and isinstance(cache, EncoderDecoderCache)
         and cache.get_seq_length() == 0
-        and all(type(layer) is DynamicLayer for layer in cache.self_attention_cache.layers)
+        and all(type(layer) in layer_types for layer in cache.self_attention_cache.layers)
     )
     return mode if covered else None
 
@@ -122,7 +124,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     """A `custom_generate` decoding method for `generate()`: greedy or beam search (see the module docstring).
     `cuda_graphs=True` (a `generate()` argument) decodes with static shapes and replays each step as a CUDA graph
     (item 6 of the module docstring)."""
-    mode = _lean_mode(model, generation_config, model_kwargs)
+    static = cuda_graphs and _static_covers(logits_processor, stopping_criteria)
+    mode = _lean_mode(model, generation_config, model_kwargs, static)
     if mode is None:
         # transformers' own method for this mode, from its own table; of those, only its sampling and beam-search
         # loops run on what generate() hands a decoding method (assisted decoding needs its assistant, the rest are
@@ -139,7 +142,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         beams = generation_config.num_beams
         encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state[::beams])
         attention_mask = attention_mask[::beams] if attention_mask is not None else None
-    if cuda_graphs and _static_covers(logits_processor, stopping_criteria):
+    if static:
         decode_static = _greedy_static if mode == GenerationMode.GREEDY_SEARCH else _beam_static
         return decode_static(model, input_ids, encoder_outputs.last_hidden_state, attention_mask, stopping_criteria,
                              generation_config)
