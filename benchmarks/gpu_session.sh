@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_session.sh translation-batch1    # as `translation`, at batch 1 over the first 100 draws
 #   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
 #   bash benchmarks/gpu_session.sh profile      # where a training step's GPU time goes (tiny, base; every engine)
-#   bash benchmarks/gpu_session.sh attention    # base training under each SDPA kernel: efficient, cudnn, math
+#   bash benchmarks/gpu_session.sh attention    # base training under each SDPA kernel: efficient, cudnn, math; and flex
 #
 # Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
 # On a machine whose Python lacks some of this project's packages (or has older ones), put their wheels in .whl/:
@@ -54,11 +54,13 @@ for stage in "$@"; do
             [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$stage-{device}")
             run timeout 420 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" "${options[@]}" \
                 --engines $engines,marian --keep_going ;;
-        attention)  # the same base training step under each SDPA kernel (the profile's largest item)
+        attention)  # the same base training step under each SDPA kernel (the profile's largest item), then FlexAttention
             for kernel in efficient cudnn math; do
-                run timeout 180 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \
+                run timeout 150 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \
                     --sdpa_backend $kernel --output_name training-sdpa-$kernel || false
-            done ;;
+            done
+            run timeout 150 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \
+                --engines vaswani-compiled,vaswani-compiled-flex,marian --output_name training-flex-{device} || false ;;
         scaling) run timeout 150 python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
                      --lengths 64,256,1024,4096 --steps 3 ;;
         *) echo "unknown stage $stage" | tee -a "$log"; false ;;

@@ -177,3 +177,16 @@ def test_decoding_loops_benchmark(corpus, tmp_path):
         ("fp32", "transformers"), ("fp32", "lean"), ("int8", "transformers"), ("int8", "lean")]
     assert all(row["sentences"] == 8 for row in report["results"])
     assert report["results"][1]["identical_to_transformers"] == 8  # fp32: the lean loop's outputs are generate()'s
+
+
+def test_training_engine_names():
+    """`vaswani-compiled-flex` trains with FlexAttention (CUDA only, so built here, not stepped); other names fail."""
+    from vaswani import VaswaniConfig
+
+    module = load("bench_training")
+    device = module.pick_device("cpu")
+    trainee = module.Trainee("vaswani-compiled-flex", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
+    assert trainee.model.config._attn_implementation == "flex_attention" and trainee.forward is not trainee.model
+    for name in ("marian-flex", "vaswani-fast"):
+        with pytest.raises(ValueError, match="Unknown engine"):
+            module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
