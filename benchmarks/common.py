@@ -228,8 +228,8 @@ def load_pairs(path: Path) -> list[tuple[str, str]]:
 
 
 def _file_key(path: Path) -> str:
-    stat = path.stat()
-    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    """The file's content hash: the same corpus finds its tokenizer wherever it is (a GPU machine's copy included)."""
+    return hashlib.sha1(path.read_bytes()).hexdigest()[:10]
 
 
 def get_tokenizer(corpus: Path, pairs: Sequence[tuple[str, str]], vocab_size: int, cache_dir: Path) -> VaswaniTokenizer:

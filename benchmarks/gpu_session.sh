@@ -14,6 +14,8 @@
 # Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
 # On a machine whose Python lacks some of this project's packages (or has older ones), put their wheels in .whl/:
 # they are installed into a scratch directory first. The corpus path comes from $VASWANI_FRA_ENG as usual.
+# benchmarks/gpu_prepare.sh, run beforehand where a package registry is reachable, gathers both (and the benchmarks'
+# tokenizer) into ignored folders to carry, and prints the command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
