@@ -38,7 +38,7 @@ for stage in "$@"; do
     log="$RESULTS_DIR/gpu-$stage.log"
     echo "== $stage" | tee "$log"
     case $stage in
-        tests) run timeout 240 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py \
+        tests) run timeout 360 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py \
                    tests/test_decoding.py -p no:cacheprovider ;;
         profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
                      --sizes tiny,base --steps 3 --profile ;;
