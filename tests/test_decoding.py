@@ -221,10 +221,13 @@ HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_consecu
 SAME_SHAPE_BATCHES = [SENTENCES[:4], SENTENCES[3:], ["cat", "a dog ran", "the cat", "the dog sat on a mat"]]
 
 
-class _HostReads(TorchDispatchMode):
+class _StepCheck(TorchDispatchMode):
+    """What a step does that a CUDA graph could not replay: the host reads it makes (`found`), and the memory it reads
+    that it did not write itself (`external`: storage addresses), which a replay reads at the recorded addresses."""
+
     def __init__(self):
         super().__init__()
-        self.found = []
+        self.found, self.external, self.written = [], set(), set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -233,32 +236,43 @@ class _HostReads(TorchDispatchMode):
         )  # x[mask]: the selected positions are found on the host
         if name in HOST_READS or boolean_index:
             self.found.append(name)
-        return func(*args, **(kwargs or {}))
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.external |= {_address(t) for t in inputs} - self.written
+        result = func(*args, **(kwargs or {}))
+        self.written |= {_address(t) for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
+        return result
+
+
+def _address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 @pytest.fixture
 def replayed_steps(monkeypatch):
     """On the CPU, make the static path behave as recorded graphs do: each step position runs the step function of
-    the first batch that reached it (its Python objects, not the current call's), and that first run is checked for
-    host reads. The model's token-id check is left out of that check: on CUDA it is an asynchronous device assertion
-    (`check_ids`), a kernel like any other, and only on the CPU a host read."""
+    the first batch that reached it (its Python objects, not the current call's). The first run is checked for host
+    reads, and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
+    buffer replaced between batches would go unseen). The model's token-id check is left out of the host-read
+    check: on CUDA it is an asynchronous device assertion (`check_ids`), a kernel like any other, and only on the CPU
+    a host read."""
     import vaswani.decoding as decoding
     import vaswani.modeling_vaswani as modeling
 
-    counts = {"recorded": 0, "replayed": 0, "check_host_reads": True}  # torch.compile refuses dispatch modes
+    counts = {"recorded": 0, "replayed": 0, "check": True}  # torch.compile refuses dispatch modes: check=False
     host_reads = []
 
     def run(graphs, position, step):
         recorded = graphs.__dict__.setdefault("recorded", {})
+        check = _StepCheck() if counts["check"] else contextlib.nullcontext(_StepCheck())
+        with check as seen:
+            (recorded[position][0] if position in recorded else step)()
         if position in recorded:
             counts["replayed"] += 1
-            recorded[position]()
-            return
-        with _HostReads() if counts["check_host_reads"] else contextlib.nullcontext(_HostReads()) as reads:
-            step()
-        host_reads.extend(reads.found)
-        recorded[position] = step
-        counts["recorded"] += 1
+            assert seen.external == recorded[position][1], f"step {position} reads other memory than when recorded"
+        else:
+            host_reads.extend(seen.found)
+            recorded[position] = (step, seen.external)
+            counts["recorded"] += 1
 
     monkeypatch.setattr(decoding._StepGraphs, "run", run)
     monkeypatch.setattr(modeling, "check_ids", lambda ids, invalid, message: None)
@@ -342,7 +356,7 @@ def test_static_decoding_with_a_compiled_forward(trained, replayed_steps):
     model, tokenizer = trained
     compiled = use_lean_decoding(compile_for_generation(copy.deepcopy(model)), cuda_graphs=True)
     counts, host_reads = replayed_steps
-    counts["check_host_reads"] = False  # checked without compilation above; the compiled graph has no breaks
+    counts["check"] = False  # checked without compilation above; the compiled graph has no breaks
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for sentences in SAME_SHAPE_BATCHES[:2]:
