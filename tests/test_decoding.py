@@ -283,8 +283,9 @@ def replayed_steps(monkeypatch):
 
 @pytest.mark.parametrize("search", SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, search):
-    """cuda_graphs=True: the same outputs as generate() without it, for batches that reuse the first batch's steps,
-    and no step reads a device value on the host. With a logits processor it takes the lean loop instead."""
+    """cuda_graphs=True: the same outputs as generate() without it, for batches that reuse the first batch's steps;
+    no step reads a device value on the host, and every replay reads the recorded memory (the `replayed_steps`
+    checks). With a logits processor it takes the lean loop instead."""
     model, tokenizer = trained
     counts, host_reads = replayed_steps
     for sentences in SAME_SHAPE_BATCHES:
@@ -323,7 +324,7 @@ def test_static_decoding_keeps_one_state_per_shape(trained, replayed_steps):
     for sentences in [*SAME_SHAPE_BATCHES, SENTENCES[:2], [long_sentence, *SENTENCES[:3]]]:
         with torch.no_grad():
             model.generate(**tokenizer(sentences, return_tensors="pt", padding=True), num_beams=2, max_new_tokens=8)
-    shapes = [(key[-6], key[-4]) for key in decoding._static_states[model]]  # (rows, source length)
+    shapes = [(state.tokens.shape[0], state.source_len) for state in decoding._static_states[model].values()]
     assert shapes == [(8, 32), (4, 32), (8, 64)]
 
 
