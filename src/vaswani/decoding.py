@@ -558,7 +558,10 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
                                                          settings)
         for fixed, new in zip((*beams, hits_stop), (*new_beams, new_hits_stop)):
             fixed.copy_(new)
-        static.model._reorder_cache(static.self_attention_cache, parent_rows)
+        for layer in static.self_attention_cache.layers:  # reordered in place, only the cur_len positions written
+            for cache in (layer.keys, layer.values):
+                written = cache[:, :, :cur_len]
+                written.copy_(written.index_select(0, parent_rows))
         static.tokens.copy_(beams.running_sequences[:, :, cur_len].reshape(rows, 1))
 
     def step(cur_len):
