@@ -252,9 +252,8 @@ def replayed_steps(monkeypatch):
     """On the CPU, make the static path behave as recorded graphs do: each step position runs the step function of
     the first batch that reached it (its Python objects, not the current call's). The first run is checked for host
     reads, and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
-    buffer replaced between batches would go unseen). The model's token-id check is left out of the host-read
-    check: on CUDA it is an asynchronous device assertion (`check_ids`), a kernel like any other, and only on the CPU
-    a host read."""
+    buffer replaced between batches would go unseen). The model's token-id check is left out: `check_ids` skips
+    it while a CUDA graph is being recorded, and only on the CPU is it a host read."""
     import vaswani.decoding as decoding
     import vaswani.modeling_vaswani as modeling
 

@@ -651,8 +651,9 @@ def check_ids(ids: torch.Tensor, invalid: torch.Tensor, message: Callable[[int],
     """Raise ValueError(message(first bad id)) where `invalid` holds. On the CPU that check is free. On an accelerator
     reading the answer back would make the host wait for the device once per forward (each training step, each
     decoding step), so there it is an asynchronous device-side assertion with the same message; under
-    torch.compile it is left out."""
-    if torch.compiler.is_compiling() or not ids.numel():
+    torch.compile, and while a CUDA graph is being recorded (decoding steps, whose ids are the model's own
+    predictions), it is left out."""
+    if torch.compiler.is_compiling() or not ids.numel() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     if ids.device.type == "cpu":
         if invalid.any():
