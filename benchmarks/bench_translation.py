@@ -427,9 +427,9 @@ def measure(engines: dict, batches: list, beams: int, args, failed: dict) -> lis
     sentences = sum(map(len, batches))
     rows = []
     longest = max(batches, key=lambda b: len(b) * max(map(len, b)))
-    for name in names:
-        work_mib = call(name, "peak_mib", longest, beams, args.new_tokens) if name in engines else None
-        if name not in engines:
+    for name in [name for name in names if name in engines]:
+        work_mib = call(name, "peak_mib", longest, beams, args.new_tokens)
+        if name not in engines:  # it failed just now
             continue
         seconds = sum(best[name])
         rows.append({

@@ -49,7 +49,7 @@ def _generate_both(model, batch, cuda_graphs=False, **search):
     search = {"max_new_tokens": 20, **search}
     with torch.no_grad():  # as generate() itself (under inference_mode, host reads escape the HOST_READS check)
         reference = model.generate(**batch, **search)
-        lean = model.generate(**batch, **search, custom_generate=decode, **({"cuda_graphs": True} if cuda_graphs else {}))
+        lean = model.generate(**batch, **search, custom_generate=decode, cuda_graphs=cuda_graphs)
     return reference, lean
 
 
