@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from vaswani.inference import keep_freed_cpu_memory
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     ENGINE_LABELS,
@@ -145,6 +147,8 @@ def run(args: argparse.Namespace, argv) -> Path:
     steps = args.steps or (20 if device.is_cuda else 4)
     warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.is_cuda else 1)
     peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
+    if args.keep_freed_memory and not device.is_cuda and not keep_freed_cpu_memory(largest_block_mib=None):
+        raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
@@ -232,8 +236,13 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"{settings['padding_fraction']:.1%} padding) for every engine, after {warmup} warm-up step(s).",
         "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, "
         "backward, Adam step (β = 0.9, 0.98, ε = 1e-9, §5.3), zero_grad. Each model computes its own loss from "
-        "`labels` (Vaswani with label smoothing 0.1 as in the paper, Marian plain cross-entropy: the same cost).",
+        "`labels`: Vaswani with label smoothing 0.1 as in the paper (its backward written out, "
+        "`SmoothedCrossEntropy`), Marian plain cross-entropy through autograd.",
         "Engines are interleaved step by step (order rotating), so changes in machine load hit both alike.",
+        *(["Every engine ran with vaswani.inference.keep_freed_cpu_memory(None) (process-wide, as "
+           "train_translation.py does on a CPU): glibc malloc reuses freed memory of any size instead of mapping "
+           "fresh pages per large tensor."]
+          if args.keep_freed_memory and not device.is_cuda else []),
         (f"Precision: bf16 autocast with fp32 weights on CUDA; MFU against a dense bf16 peak of {peak_tflops} "
          "TFLOP/s." if device.is_cuda else "Precision fp32 on CPU; model TFLOP/s is reported, MFU only on GPU."),
         "Memory: peak = weights + Adam state (resident between steps) + the peak a step adds on top (measured on "
@@ -315,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
     parser.add_argument("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--keep_freed_memory", action="store_true",
+                        help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the whole process, as "
+                        "train_translation.py does on a CPU: every engine, Marian included, reuses freed memory of "
+                        "any size")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile the timed steps of each engine and print the top operators")
     parser.add_argument("--profile_rows", type=int, default=25)

@@ -12,6 +12,7 @@ import sys
 from transformers import HfArgumentParser
 
 from vaswani.cli import user_errors_exit
+from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, run_training
 
 
@@ -19,6 +20,8 @@ from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArgum
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.device.type == "cpu":  # process-wide, hence here: no page faults on the large tensors of a step
+        keep_freed_cpu_memory(largest_block_mib=None)
     # The Trainer prints its progress logs on stdout; keep stdout for the final metrics, which scripts parse.
     with contextlib.redirect_stdout(sys.stderr):
         metrics = run_training(model_args, data_args, training_args)

@@ -115,10 +115,14 @@ def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_pat
         in path.with_suffix(".md").read_text()
 
 
-def test_training_benchmark(corpus, tmp_path):
-    path = load("bench_training").main(
+def test_training_benchmark(corpus, tmp_path, monkeypatch):
+    module = load("bench_training")
+    kept = []  # the real call would change this test process' malloc for good
+    monkeypatch.setattr(module, "keep_freed_cpu_memory",
+                        lambda largest_block_mib: kept.append(largest_block_mib) or True)
+    path = module.main(
         common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64", "--steps", "1", "--warmup_steps", "0",
-                                         "--engines", "vaswani,vaswani-compiled,marian"]
+                                         "--engines", "vaswani,vaswani-compiled,marian", "--keep_freed_memory"]
     )
     report = check_report(path, "bench_training", {"engine", "tokens_per_s", "model_tflops_per_s", "peak_mib", "mfu",
                                                    "compilations_while_timed"})
@@ -126,6 +130,7 @@ def test_training_benchmark(corpus, tmp_path):
     assert all(row["mfu"] is None for row in report["results"])  # no MFU without a GPU peak
     # Without warm-up the compiled engine compiles inside the timed step, and the report says so.
     assert {row["compilations_while_timed"] for row in report["results"]} == {1}
+    assert kept == [None] and any("keep_freed_cpu_memory(None)" in note for note in report["notes"])
 
 
 def test_scaling_benchmark(corpus, tmp_path):

@@ -12,6 +12,8 @@ Each runs on the CPU (compilation makes them slow: a minute or so in all) and, w
 """
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,14 +206,34 @@ def test_single_query_cpu_steps_use_the_plain_path(monkeypatch):
     assert query_lengths and set(query_lengths) == {1}  # only decoding steps; the encoder ran sdpa
 
 
-def test_keep_freed_cpu_memory_on_glibc():
-    import platform
+_FREED_MEMORY_KEPT = """
+import sys, torch
+from vaswani.inference import keep_freed_cpu_memory
 
-    from vaswani.inference import keep_freed_cpu_memory
+def resident_mib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) >> 10
+
+assert keep_freed_cpu_memory(None if sys.argv[1] == "none" else int(sys.argv[1])) is True
+for mib in (16, 64):
+    before = resident_mib()
+    tensor = torch.ones(mib << 18)  # float32: mib MiB
+    del tensor
+    print(mib, resident_mib() - before >= mib - 1)
+"""
+
+
+@pytest.mark.parametrize("largest_block_mib, kept", [("32", {16: True, 64: False}), ("none", {16: True, 64: True})])
+def test_keep_freed_cpu_memory_keeps_freed_blocks_up_to_the_limit(largest_block_mib, kept):
+    """After the call, a freed tensor's memory stays in the process (resident, to be reused) when it is at most
+    `largest_block_mib`, of any size with None; larger ones are still returned to the system. Each in a process of
+    its own: the setting is process-wide."""
+    import platform
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
-    assert keep_freed_cpu_memory() is True
+    result = subprocess.run([sys.executable, "-c", _FREED_MEMORY_KEPT, largest_block_mib], capture_output=True,
+                            text=True, check=True)
+    assert {int(mib): flag == "True" for mib, flag in map(str.split, result.stdout.splitlines())} == kept
 
 
 @pytest.mark.slow

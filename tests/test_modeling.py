@@ -21,7 +21,7 @@ from vaswani import (
     VaswaniForSequenceClassification,
     VaswaniModel,
 )
-from vaswani.modeling_vaswani import shift_tokens_right
+from vaswani.modeling_vaswani import SmoothedCrossEntropy, shift_tokens_right
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -496,6 +496,46 @@ def test_loss_ignores_minus_100_and_smooths_labels_only_in_training():
         expected = F.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), causal_labels[:, 1:].flatten(),
                                    ignore_index=-100, label_smoothing=smoothing)
         torch.testing.assert_close(outputs.loss, expected)
+
+
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_gradient_is_autograds(smoothing, device):
+    """The loss' hand-written backward (softmax − smoothed targets) gives what autograd gives through
+    F.cross_entropy, and passes gradcheck; ignored rows get no gradient."""
+    logits = torch.randn(7, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits = logits.to(device).requires_grad_()
+    labels = torch.tensor([3, -100, 0, 10, 5, -100, 3], device=device)
+    loss = SmoothedCrossEntropy.apply(logits, labels, smoothing)
+    expected = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum", label_smoothing=smoothing)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(2.5 * loss, logits)
+    (expected_grad,) = torch.autograd.grad(2.5 * expected, logits)
+    torch.testing.assert_close(grad, expected_grad)
+    assert not grad[labels == -100].any()
+    assert torch.autograd.gradcheck(lambda z: SmoothedCrossEntropy.apply(z, labels, smoothing), (logits,))
+
+
+def test_training_step_gradients_match_autograds_loss():
+    """Through the whole model: parameter gradients of a training step (label smoothing on, tied embeddings) equal
+    those of the same loss written with F.cross_entropy."""
+    config = tiny_config(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    model = VaswaniForConditionalGeneration(config).train()
+    source, source_mask = padded_batch(config, [6, 4], seed=1)
+    labels = random_ids(config, 2, 5, seed=2)
+    labels[1, 3:] = -100
+    outputs = model(input_ids=source, attention_mask=source_mask, labels=labels)
+    grads = torch.autograd.grad(outputs.loss, list(model.parameters()), retain_graph=True)
+    expected = F.cross_entropy(outputs.logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                               label_smoothing=config.label_smoothing)
+    torch.testing.assert_close(outputs.loss, expected)
+    for grad, expected_grad in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
+        torch.testing.assert_close(grad, expected_grad)
 
 
 def test_bad_inputs_are_value_errors_that_say_what_is_wrong():

@@ -48,17 +48,24 @@ def compile_for_generation(model: nn.Module) -> nn.Module:
     return model
 
 
-def keep_freed_cpu_memory(largest_block_mib: int = 32) -> bool:
+def keep_freed_cpu_memory(largest_block_mib: int | None = 32) -> bool:
     """Make glibc's malloc reuse freed memory for large tensors (process-wide); return whether it took effect.
 
     By default glibc maps every block of more than a few hundred KiB fresh from the kernel and unmaps it when it is
-    freed. Decoding allocates several vocabulary-sized tensors per step (the logits, their float copy, the
-    log-probabilities: 16 MiB each for 32 sentences × 4 beams × 32k tokens), so every step pays page faults on
-    fresh memory: on this project's CPU machine, beam search's log-softmax over 128 × 32,000 took 5.5 ms per step
+    freed, so each new large tensor pays a page fault per 4 KiB page. Decoding allocates several vocabulary-sized
+    tensors per step (the logits, their float copy, the log-probabilities: 16 MiB each for 32 sentences × 4 beams ×
+    32k tokens): on this project's CPU machine, beam search's log-softmax over 128 × 32,000 took 5.5 ms per step
     inside `generate()` and 3.3 ms with freed memory reused (benchmarks/README.md). This raises the mapping threshold
     to `largest_block_mib` (glibc's maximum is 32 MiB on 64-bit) and keeps freed memory in the heap, which is what a
-    caching allocator (CTranslate2's, or jemalloc/tcmalloc preloaded) gives. The cost: the process keeps its peak
-    heap instead of returning it. Not glibc (musl, macOS): returns False and changes nothing.
+    caching allocator (CTranslate2's, or jemalloc/tcmalloc preloaded) gives.
+
+    `largest_block_mib=None` maps no block at all, so tensors of any size reuse freed memory. That is for training:
+    a step's vocabulary-sized tensors (2,000 tokens × 32k logits, 250 MiB each, and their gradients) are far above
+    32 MiB; without their page faults the base model trained at 750 instead of 584 tokens/s on the 2-core CPU
+    (benchmarks/README.md, "CPU results"). `scripts/train_translation.py` does this when it trains on a CPU.
+
+    The cost: the process keeps its peak heap instead of returning it. Not glibc (musl, macOS): returns False and
+    changes nothing.
     """
     name = ctypes.util.find_library("c")
     try:
@@ -67,9 +74,12 @@ def keep_freed_cpu_memory(largest_block_mib: int = 32) -> bool:
         mallopt = None
     if mallopt is None:
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mapped = mallopt(m_mmap_threshold, largest_block_mib << 20)
-    kept = mallopt(m_trim_threshold, 1 << 30)
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4  # <malloc.h>
+    if largest_block_mib is None:
+        mapped = mallopt(m_mmap_max, 0)
+    else:
+        mapped = mallopt(m_mmap_threshold, largest_block_mib << 20)
+    kept = mallopt(m_trim_threshold, 2**31 - 1)  # the most mallopt's int takes: 2 GiB of free heap stays
     return bool(mapped and kept)
 
 
