@@ -71,16 +71,20 @@ def test_exported_model_scores_every_token_like_pytorch(variant, tmp_path):
         torch.testing.assert_close(torch.tensor(result.log_probs), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("beams", [1, 4])
-def test_exported_model_translates_like_generate(trained, tmp_path, beams):
+def test_exported_model_translates_like_generate(trained, tmp_path):
+    """Greedy decoding gives the same translations, </s> included. Beam search is compared through its scores
+    (`test_exported_model_scores_every_token_like_pytorch`), not its outputs: the two libraries end a search by
+    different rules (CTranslate2 once `beam_size` hypotheses have finished; transformers, with its default
+    early_stopping=False, once no running beam can beat the finished ones), so either may return a hypothesis the
+    other never finished. Seen on this toy model: "un chien a cou" against "un chien a couru"."""
     model, tokenizer = trained
     translator = ctranslate2.Translator(export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer))
     batch = tokenizer(SOURCES, return_tensors="pt", padding=True)
     with torch.inference_mode():
-        expected = tokenizer.batch_decode(model.generate(**batch, num_beams=beams, max_new_tokens=16),
+        expected = tokenizer.batch_decode(model.generate(**batch, num_beams=1, max_new_tokens=16),
                                           skip_special_tokens=True)
 
-    results = translator.translate_batch(tokens(tokenizer, SOURCES), beam_size=beams, max_decoding_length=16)
+    results = translator.translate_batch(tokens(tokenizer, SOURCES), beam_size=1, max_decoding_length=16)
 
     hypotheses = [tokenizer.convert_tokens_to_string(r.hypotheses[0]) for r in results]
     assert hypotheses == expected
@@ -142,9 +146,10 @@ def test_the_exported_directory_translates_like_evaluation_translate(trained, tm
     export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
     translator, saved_tokenizer = load_ctranslate2(str(tmp_path / "ct2"))  # the tokenizer travels with the export
 
-    got = translate_ctranslate2(translator, saved_tokenizer, SOURCES, batch_size=2, num_beams=4)
+    # Greedy, where the two libraries' outputs are equal (beam search may stop differently: see above).
+    got = translate_ctranslate2(translator, saved_tokenizer, SOURCES, batch_size=2, num_beams=1)
 
-    assert got == translate(model, tokenizer, SOURCES, batch_size=2, num_beams=4)
+    assert got == translate(model, tokenizer, SOURCES, batch_size=2, num_beams=1)
 
 
 def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, capsys):
@@ -152,7 +157,8 @@ def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, ca
     export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
     (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
     (tmp_path / "ref.fr").write_text("\n".join(TARGETS) + "\n")
-    files = ["--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr"), "--device", "cpu"]
+    files = ["--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr"), "--device", "cpu",
+             "--num_beams", "1"]  # greedy: equal outputs, hence equal scores (beam search may stop differently)
     evaluate = script_main("evaluate_bleu")
 
     evaluate(["--model", str(checkpoint), *files])
