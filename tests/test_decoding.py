@@ -288,11 +288,8 @@ def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, 
     model, tokenizer = trained
     counts, host_reads = replayed_steps
     for sentences in SAME_SHAPE_BATCHES:
-        batch = tokenizer(sentences, return_tensors="pt", padding=True)
-        search = {"max_new_tokens": 20, **search}
-        with torch.no_grad():
-            reference = model.generate(**batch, **search)
-            static = model.generate(**batch, **search, custom_generate=decode, cuda_graphs=True)
+        reference, static = _generate_both(model, tokenizer(sentences, return_tensors="pt", padding=True),
+                                           cuda_graphs=True, **search)
         assert torch.equal(reference, static)
     assert host_reads == []
     if "no_repeat_ngram_size" in search:

@@ -165,11 +165,16 @@ def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask
     return outputs.logits[:, -1]  # (B, vocab)
 
 
+def _stops_at_eos(stopping_criteria) -> bool:
+    """Whether a sequence can stop before max_length, so that stopped rows must be padded (transformers' rule)."""
+    return any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+
+
 def _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_sample` without sampling: the argmax token, padding after a sequence has stopped; stopped
     sequences leave the batch (item 5 of the module docstring)."""
     pad_token_id = generation_config._pad_token_tensor
-    stops_at_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    stops_at_eos = _stops_at_eos(stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     live = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still decoded
     new_tokens = input_ids  # the first step reads the whole decoder prompt, later steps the last token
@@ -460,15 +465,28 @@ class _StaticDecoding:
             self.cache = EncoderDecoderCache(self.self_attention_cache, fixed)  # marked as computed: non-empty
             self.encoder_states = encoder_states.new_zeros(encoder_states.shape[0], self.source_len,
                                                            encoder_states.shape[2])
+        pairs = [(self.encoder_states, encoder_states)]  # each (..., source position, width)
         for layer, computed in zip(self.cache.cross_attention_cache.layers, cross_attention_cache.layers):
-            for fixed, new in ((layer.keys, computed.keys), (layer.values, computed.values)):
-                fixed[:, :, :length] = new
-                fixed[:, :, length:] = 0
-        self.encoder_states[:, :length] = encoder_states
-        self.encoder_states[:, length:] = 0
+            pairs += [(layer.keys, computed.keys), (layer.values, computed.values)]
+        for fixed, new in pairs:
+            fixed[..., :length, :] = new
+            fixed[..., length:, :] = 0
         self.source_mask.fill_(False)
         self.source_mask[:, 0, 0, :length] = attention_mask.bool() if attention_mask is not None else True
         return logits
+
+    def decode(self, input_ids, encoder_states, attention_mask, advance, unfinished) -> int:
+        """Decode one batch: its first step eagerly (`start`), then one recorded or replayed step per position while
+        `unfinished()`. `advance(logits, cur_len)` updates the search state in place. Returns the final length."""
+        advance(self.start(input_ids, encoder_states, attention_mask), input_ids.shape[1])
+        cur_len = input_ids.shape[1] + 1
+        while unfinished():
+            self.graphs.run(cur_len, functools.partial(self._step, advance, cur_len))
+            cur_len += 1
+        return cur_len
+
+    def _step(self, advance, cur_len: int) -> None:
+        advance(self.next_token_logits(), cur_len)
 
     def next_token_logits(self) -> torch.Tensor:
         """A later step: the logits after `tokens`, from the fixed buffers only. The source mask is passed as the
@@ -480,15 +498,14 @@ class _StaticDecoding:
 def _static_state(model, key: tuple, rows: int, encoder_states: torch.Tensor, max_length: int) -> _StaticDecoding:
     """The static state of this model for this batch shape, made on first use."""
     states = _static_states.setdefault(model, OrderedDict())
-    sources, length = encoder_states.shape[:2]
-    key = (*key, rows, sources, _static_source_length(length), max_length, model.dtype,
-           torch.is_inference_mode_enabled())
+    sources, source_len = encoder_states.shape[0], _static_source_length(encoder_states.shape[1])
+    key = (*key, rows, sources, source_len, max_length, model.dtype, torch.is_inference_mode_enabled())
     if key not in states:
         positions = model.config.max_position_embeddings
         if model.config.position_embedding_type == "learned" and max_length > positions:
             raise ValueError(f"max_length {max_length} is longer than the {positions} learned positions of this "
                              "model; lower max_new_tokens or max_length.")
-        states[key] = _StaticDecoding(model, rows, sources, _static_source_length(length), max_length)
+        states[key] = _StaticDecoding(model, rows, sources, source_len, max_length)
         while len(states) > _STATIC_SHAPES_KEPT:
             states.popitem(last=False)
     states.move_to_end(key)
@@ -510,7 +527,7 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
     static = _static_state(model, ("greedy", prompt_len, *_criteria_key(stopping_criteria, generation_config)),
                            rows, encoder_states, max_length)
     pad_token_id = generation_config._pad_token_tensor
-    stops_at_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    stops_at_eos = _stops_at_eos(stopping_criteria)
     if static.search is None:
         static.search = (torch.empty(rows, max_length, dtype=torch.long, device=input_ids.device),
                          torch.empty(rows, dtype=torch.long, device=input_ids.device))
@@ -526,14 +543,7 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
         unfinished.copy_(unfinished & ~stopping_criteria(sequences[:, : cur_len + 1], None))
         static.tokens.copy_(next_tokens[:, None])
 
-    def step(cur_len):
-        advance(static.next_token_logits(), cur_len)
-
-    advance(static.start(input_ids, encoder_states, attention_mask), prompt_len)
-    cur_len = prompt_len + 1
-    while unfinished.max() != 0:
-        static.graphs.run(cur_len, functools.partial(step, cur_len))
-        cur_len += 1
+    cur_len = static.decode(input_ids, encoder_states, attention_mask, advance, lambda: unfinished.max() != 0)
     return sequences[:, :cur_len].clone()
 
 
@@ -564,13 +574,9 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
                 written.copy_(written.index_select(0, parent_rows))
         static.tokens.copy_(beams.running_sequences[:, :, cur_len].reshape(rows, 1))
 
-    def step(cur_len):
-        advance(static.next_token_logits(), cur_len)
+    def unfinished():
+        return model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
+                                                           settings.early_stopping)
 
-    advance(static.start(input_ids, encoder_states, attention_mask), prompt_len)
-    cur_len = prompt_len + 1
-    while model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
-                                                      settings.early_stopping):
-        static.graphs.run(cur_len, functools.partial(step, cur_len))
-        cur_len += 1
+    static.decode(input_ids, encoder_states, attention_mask, advance, unfinished)
     return _best_hypotheses(beams.sequences, beams.beam_indices, prompt_len, generation_config).clone()
