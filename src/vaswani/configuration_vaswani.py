@@ -56,7 +56,7 @@ class VaswaniConfig(PreTrainedConfig):
     """
 
     model_type = "vaswani"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the name before and after transformers 5.24
     # Names that generic transformers code (caches, generation, Trainer) looks up.
     attribute_map = {"hidden_size": "d_model", "num_hidden_layers": "decoder_layers", "intermediate_size": "d_ff"}
 

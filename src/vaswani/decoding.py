@@ -68,6 +68,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.modeling_outputs import BaseModelOutput
 
+from .modeling_vaswani import CACHE_NAME
+
 
 def _block_size(vocab_size: int, k: int) -> int | None:
     """The largest power-of-two block (8 … 128 entries) that tiles the vocabulary into at least k blocks."""
@@ -102,7 +104,7 @@ def _lean_mode(model, generation_config, model_kwargs, static: bool = False) -> 
     """The mode when `decode` covers this call (greedy or beam search); None sends it to transformers' own method.
     The `static` steps (item 6) make their own cache, so generate()'s may be a static one too, if still empty."""
     mode = generation_config.get_generation_mode()
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_NAME)
     layer_types = (DynamicLayer, StaticLayer) if static else (DynamicLayer,)
     covered = (
         mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.BEAM_SEARCH)
@@ -136,7 +138,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                              f"{generation_config.get_generation_mode().value}; call generate() without it.")
         method = getattr(GenerationMixin, name)
         return method(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_NAME]
     encoder_outputs, attention_mask = model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask")
     if mode == GenerationMode.BEAM_SEARCH:  # one source row per sentence (item 4 of the module docstring)
         beams = generation_config.num_beams
@@ -152,13 +154,13 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     return _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config)
 
 
-def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask, past_key_values) -> torch.Tensor:
+def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask, cache) -> torch.Tensor:
     """One decoding step: the logits of the next token after `decoder_input_ids` (B, new) given the cache."""
     outputs = model(
         decoder_input_ids=decoder_input_ids,
         encoder_outputs=encoder_outputs,
         attention_mask=attention_mask,
-        past_key_values=past_key_values,
+        cache=cache,
         use_cache=True,
         logits_to_keep=1,
     )

@@ -40,6 +40,22 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_vaswani import VaswaniConfig
 
 
+# transformers 5.24 renamed the decoding cache from `past_key_values` to `cache` wherever generate() and the mask
+# functions pass it: forward arguments, output fields, `create_causal_mask`'s argument (the old name is deprecated
+# there, its removal announced for 5.40). Our forwards take `cache` and also accept the old name, which earlier
+# releases' generate() passes; outputs and mask calls use the installed release's own name, so that no deprecation
+# warning is raised on either side of the rename.
+CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """The decoding cache under either name (see CACHE_NAME); the old one is taken out of `kwargs`."""
+    old = kwargs.pop("past_key_values", None)
+    if cache is not None and old is not None:
+        raise ValueError("Pass the decoding cache once, as `cache` (or `past_key_values` before transformers 5.24).")
+    return cache if cache is not None else old
+
+
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
     """Teacher forcing: the decoder reads <start> y_1 … y_{T-1} and is trained to predict y_1 … y_T (§3, "shifted
     right"). Ignored label positions (-100) become padding."""
@@ -229,34 +245,30 @@ class VaswaniAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = self._split_heads(self.q_proj(hidden_states))  # (B, H, q_len, D)
 
         if self.is_cross_attention:
-            cache = past_key_values.cross_attention_cache if past_key_values is not None else None
-            if cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            cross_cache = cache.cross_attention_cache if cache is not None else None
+            if cross_cache is not None and cache.is_updated.get(self.layer_idx):
                 # The source does not change while decoding: its keys/values were projected on the first step.
-                key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+                key, value = cross_cache.layers[self.layer_idx].keys, cross_cache.layers[self.layer_idx].values
             else:
                 key = self._split_heads(self.k_proj(key_value_states))  # (B, K, S, D)
                 value = self._split_heads(self.v_proj(key_value_states))
-                if cache is not None:
-                    key, value = cache.update(key, value, self.layer_idx)
-                    past_key_values.is_updated[self.layer_idx] = True
+                if cross_cache is not None:
+                    key, value = cross_cache.update(key, value, self.layer_idx)
+                    cache.is_updated[self.layer_idx] = True
         else:
             key = self._split_heads(self.k_proj(hidden_states))
             value = self._split_heads(self.v_proj(hidden_states))
             if position_embeddings is not None:
                 query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-            if past_key_values is not None:
-                cache = (
-                    past_key_values.self_attention_cache
-                    if isinstance(past_key_values, EncoderDecoderCache)
-                    else past_key_values
-                )
-                key, value = cache.update(key, value, self.layer_idx)  # (B, K, past + q_len, D)
+            if cache is not None:
+                self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+                key, value = self_cache.update(key, value, self.layer_idx)  # (B, K, past + q_len, D)
 
         beams = query.shape[0] // key.shape[0]
         if beams > 1:
@@ -345,45 +357,45 @@ class VaswaniDecoderLayer(GradientCheckpointingLayer):
         encoder_hidden_states=None,
         encoder_attention_mask=None,
         position_embeddings=None,
-        past_key_values=None,
+        cache=None,
         **kwargs,
     ) -> torch.Tensor:
         x = hidden_states
         cross = self.encoder_attn is not None
         if self.norm_first:
-            x = x + self._sa_block(self.self_attn_layer_norm(x), attention_mask, position_embeddings, past_key_values, **kwargs)
+            x = x + self._sa_block(self.self_attn_layer_norm(x), attention_mask, position_embeddings, cache, **kwargs)
             if cross:
                 x = x + self._ca_block(
-                    self.encoder_attn_layer_norm(x), encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs
+                    self.encoder_attn_layer_norm(x), encoder_hidden_states, encoder_attention_mask, cache, **kwargs
                 )
             x = x + self._ff_block(self.final_layer_norm(x))
         else:
             x = self.self_attn_layer_norm(
-                x + self._sa_block(x, attention_mask, position_embeddings, past_key_values, **kwargs)
+                x + self._sa_block(x, attention_mask, position_embeddings, cache, **kwargs)
             )
             if cross:
                 x = self.encoder_attn_layer_norm(
-                    x + self._ca_block(x, encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs)
+                    x + self._ca_block(x, encoder_hidden_states, encoder_attention_mask, cache, **kwargs)
                 )
             x = self.final_layer_norm(x + self._ff_block(x))
         return x
 
-    def _sa_block(self, x, attention_mask, position_embeddings, past_key_values, **kwargs):
+    def _sa_block(self, x, attention_mask, position_embeddings, cache, **kwargs):
         x, _ = self.self_attn(
             x,
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         return F.dropout(x, p=self.dropout, training=self.training)
 
-    def _ca_block(self, x, encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs):
+    def _ca_block(self, x, encoder_hidden_states, encoder_attention_mask, cache, **kwargs):
         x, _ = self.encoder_attn(
             x,
             attention_mask=encoder_attention_mask,
             key_value_states=encoder_hidden_states,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         return F.dropout(x, p=self.dropout, training=self.training)
@@ -402,7 +414,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     # FSDP auto-wrap and `device_map` keep each block whole.
     _no_split_modules = ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -426,8 +438,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
-        return reorder_self_attention_cache(past_key_values, beam_idx)  # called by generate()'s beam search
+    def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
+        return reorder_self_attention_cache(cache, beam_idx)  # called by generate()'s beam search
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """The vocabulary is joint, but with `share_embeddings=False` the decoder has its own table, which the generic
@@ -586,27 +598,24 @@ class VaswaniDecoder(VaswaniStack):
         attention_mask=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         position_ids=None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        cache = cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds to the decoder.")
         if self.cross_attention and encoder_hidden_states is None:
             raise ValueError("The decoder of an encoder-decoder model needs encoder_hidden_states.")
-        if use_cache and past_key_values is None:
-            past_key_values = (
+        if use_cache and cache is None:
+            cache = (
                 EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
                 if self.cross_attention
                 else DynamicCache(config=self.config)
             )
-        self_attention_cache = (
-            past_key_values.self_attention_cache
-            if isinstance(past_key_values, EncoderDecoderCache)
-            else past_key_values
-        )
+        self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # Generation feeds one new token per step: its position continues after the cached ones.
         past_length = self_attention_cache.get_seq_length() if self_attention_cache is not None else 0
         if position_ids is None:
@@ -618,8 +627,8 @@ class VaswaniDecoder(VaswaniStack):
             config=self.config,
             inputs_embeds=hidden_states,
             attention_mask=attention_mask,
-            past_key_values=self_attention_cache,
             position_ids=position_ids,
+            **{CACHE_NAME: self_attention_cache},
         )
         cross_mask = None
         if self.cross_attention:
@@ -636,12 +645,10 @@ class VaswaniDecoder(VaswaniStack):
                 encoder_hidden_states,
                 encoder_attention_mask=cross_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=self.finish(hidden_states), past_key_values=past_key_values
-        )
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.finish(hidden_states), **{CACHE_NAME: cache})
 
 
 # Models ------------------------------------------------------------------------------------------------------------
@@ -719,7 +726,7 @@ def _token_loss(logits, labels, label_smoothing: float, num_items_in_batch=None)
     return loss / num_items_in_batch
 
 
-def reorder_self_attention_cache(past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+def reorder_self_attention_cache(cache: Cache, beam_idx: torch.LongTensor) -> Cache:
     """Beam search: after each step, row i of the cache must hold the history of the beam that row i now continues.
 
     Only the decoder's self-attention cache is reordered. The cross-attention keys/values are the same for every beam
@@ -728,15 +735,15 @@ def reorder_self_attention_cache(past_key_values: Cache, beam_idx: torch.LongTen
     A static cache is reordered in place, so its tensors keep the addresses that a compiled decoding step was traced
     with; a dynamic one is replaced, as it is anyway at every step.
     """
-    cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
-    for layer in cache.layers:
+    self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    for layer in self_cache.layers:
         if isinstance(layer, StaticLayer) and layer.is_initialized:  # fixed storage
             index = beam_idx.to(layer.keys.device)
             layer.keys.copy_(layer.keys.index_select(0, index))
             layer.values.copy_(layer.values.index_select(0, index))
         else:
             layer.reorder_cache(beam_idx)
-    return past_key_values
+    return cache
 
 
 def _logits_and_loss(model, hidden_states, labels, logits_to_keep: int, num_items_in_batch):
@@ -785,12 +792,13 @@ class VaswaniModel(VaswaniPreTrainedModel):
         decoder_input_ids=None,
         decoder_attention_mask=None,
         encoder_outputs=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         decoder_inputs_embeds=None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
+        cache = cache_argument(cache, kwargs)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
@@ -802,14 +810,14 @@ class VaswaniModel(VaswaniPreTrainedModel):
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             **kwargs,
         )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -848,7 +856,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         decoder_input_ids=None,
         decoder_attention_mask=None,
         encoder_outputs=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         decoder_inputs_embeds=None,
         labels=None,
@@ -859,6 +867,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         r"""`labels` (B, T) are the target ids, not shifted: the model shifts them to make `decoder_input_ids` and
         predicts `labels` position by position. -100 marks positions to ignore."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        cache = cache_argument(cache, kwargs)
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -869,7 +878,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
@@ -879,7 +888,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
@@ -913,7 +922,7 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         labels=None,
         use_cache: bool | None = None,
@@ -921,11 +930,12 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        cache = cache_argument(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -936,7 +946,7 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
