@@ -165,3 +165,6 @@ def test_time_budget_stops_training_then_evaluates_and_saves(tmp_path):
     assert "test_bleu" in metrics and (output_dir / "model.safetensors").is_file()
     # --save_strategy no: the budget ends in the final model only, not in an extra resumable checkpoint.
     assert not list(output_dir.glob("checkpoint-*"))
+    # The progress bar counts the budget's 3 seconds, not the 100,000 steps that --max_steps allows.
+    assert "| 3/3 s [" in result.stderr and "/100000" not in result.stderr, result.stderr[-2000:]
+    assert "Warning" not in result.stderr, result.stderr[-3000:]  # no deprecation notices in normal use

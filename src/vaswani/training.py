@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
@@ -157,6 +158,30 @@ class TimeBudgetCallback(TrainerCallback):
             # A last checkpoint (for --resume) only where checkpoints were asked for; the final model is saved anyway.
             control.should_save = args.save_strategy != "no"
         return control
+
+
+class TimeBudgetProgressCallback(ProgressCallback):
+    """The training progress bar under a time budget: it counts the budget's seconds, with the step beside them.
+    The stock bar counts `max_steps`, which under a budget is only the epochs' step count (7,830 with a one-hour
+    ETA for the main job's 600 s), not where training will stop."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=round(self.seconds), bar_format="{l_bar}{bar}| {n}/{total} s [{elapsed}{postfix}]",
+                                     dynamic_ncols=True)
+        self.current_step = 0
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            elapsed = min(round(time.monotonic() - self.start), self.training_bar.total)
+            self.training_bar.set_postfix_str(f"step {state.global_step}", refresh=False)
+            self.training_bar.update(elapsed - self.training_bar.n)
 
 
 class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
@@ -369,6 +394,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         callbacks=callbacks,
         max_tokens_per_batch=args.max_tokens_per_batch,
     )
+    if args.max_train_time and trainer.pop_callback(ProgressCallback) is not None:  # None: no bar (--disable_tqdm)
+        trainer.add_callback(TimeBudgetProgressCallback(args.max_train_time))
     start = time.monotonic()
     try:
         train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
