@@ -12,6 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+import vaswani.cli
+import vaswani.data
+import vaswani.evaluation
 import vaswani.inference
 from conftest import script_main
 
@@ -168,3 +171,49 @@ def test_time_budget_stops_training_then_evaluates_and_saves(tmp_path):
     # The progress bar counts the budget's 3 seconds, not the 100,000 steps that --max_steps allows.
     assert "| 3/3 s [" in result.stderr and "/100000" not in result.stderr, result.stderr[-2000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # no deprecation notices in normal use
+
+
+# Loud, not silent: a model trained by the script must translate sentences it never saw, through the paths users take.
+# transformers 5.24 renamed the decoding cache; a model that ignored the new name decoded every step without its past
+# and looped on every sentence longer than a few tokens, while every shape- and smoke-test stayed green.
+COUNTS = [("two", "deux"), ("three", "trois"), ("four", "quatre"), ("five", "cinq"), ("six", "six"),
+          ("seven", "sept"), ("eight", "huit"), ("nine", "neuf"), ("ten", "dix")]
+OBJECTS = [("cats", "chats"), ("dogs", "chiens"), ("books", "livres"), ("cars", "voitures"), ("birds", "oiseaux"),
+           ("apples", "pommes"), ("houses", "maisons"), ("trees", "arbres")]
+SUBJECTS = [("I have", "J'ai"), ("We see", "Nous voyons"), ("They want", "Ils veulent")]
+
+
+def counting_pairs() -> list[tuple[str, str]]:
+    return [(f"{en_s} {en_n} {en_o} today.", f"{fr_s} {fr_n} {fr_o} aujourd'hui.")
+            for en_s, fr_s in SUBJECTS for en_n, fr_n in COUNTS for en_o, fr_o in OBJECTS]
+
+
+@pytest.fixture(scope="module")
+def counting_translator(tmp_path_factory):
+    root = tmp_path_factory.mktemp("counting")
+    corpus = root / "corpus.tsv"
+    corpus.write_text("".join(f"{en}\t{fr}\n" for en, fr in counting_pairs() * 4), encoding="utf-8")
+    output_dir = root / "model"
+    args = train_args(corpus, output_dir, "--max_steps", "250", "--max_tokens_per_batch", "600",
+                      "--max_test_samples", "100", "--vocab_size", "500")
+    result = run_script("train_translation.py", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    held_out = [(en, fr) for en, fr in counting_pairs()
+                if vaswani.data.split_of(en, vaswani.data.VALIDATION_FRACTION, vaswani.data.TEST_FRACTION) == "test"]
+    assert len(held_out) >= 4  # the split is by a hash of the source: these sentences were never trained on
+    return output_dir, held_out
+
+
+@pytest.mark.slow
+def test_a_trained_translator_translates_unseen_sentences(counting_translator):
+    output_dir, held_out = counting_translator
+    sources, references = [en for en, _ in held_out], [fr for _, fr in held_out]
+    metrics = json.loads((output_dir / "metrics.json").read_text())  # the training script's own test evaluation
+    assert metrics["test_bleu"] >= 90, metrics
+    for decoding in ("auto", "transformers"):  # the scripts' loader: the lean loop on a CPU, or transformers' own
+        model, tokenizer = vaswani.cli.load_translator(str(output_dir), decoding=decoding)
+        batch = tokenizer(sources, return_tensors="pt", padding=True)
+        for use_cache in (True, False):  # the checkpoint's own generation settings (beam search), cached or not
+            output = model.generate(**batch, use_cache=use_cache)
+            assert tokenizer.batch_decode(output, skip_special_tokens=True) == references, (decoding, use_cache)
+        assert vaswani.evaluation.translate(model, tokenizer, sources, num_beams=1) == references, decoding
