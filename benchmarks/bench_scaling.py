@@ -40,6 +40,7 @@ from common import (  # noqa: E402
 )
 
 from vaswani import VaswaniForCausalLM  # noqa: E402
+from vaswani.modeling_vaswani import CACHE_NAME  # noqa: E402  (the cache's name in this transformers release)
 
 def attention_name(config) -> str:
     if config.num_key_value_heads == config.num_attention_heads:
@@ -185,13 +186,13 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
     def decode(ids):
         """Prefill (untimed), then greedy steps with the cache (timed); returns (seconds, cache)."""
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = getattr(out, CACHE_NAME), out.logits[:, -1:].argmax(-1)
 
         def steps():
             nonlocal cache, token
             for _ in range(args.decode_tokens):
-                out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True)
+                cache, token = getattr(out, CACHE_NAME), out.logits[:, -1:].argmax(-1)
 
         return timed(device, steps)[1], cache
 
@@ -226,7 +227,8 @@ def kv_cache_row(config, device) -> dict:
     model = VaswaniForCausalLM(config).to(device.device, device.dtype).eval()
     length = 16
     with torch.inference_mode():
-        cache = model(input_ids=torch.full((1, length), 5, device=device.device), use_cache=True).past_key_values
+        out = model(input_ids=torch.full((1, length), 5, device=device.device), use_cache=True)
+    cache = getattr(out, CACHE_NAME)
     measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) // length
     expected = 2 * config.decoder_layers * config.num_key_value_heads * config.head_dim * device.dtype.itemsize
     if measured != expected:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from vaswani.modeling_vaswani import CACHE_NAME  # the cache's name in this transformers release
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_training import Trainee, bucket_batches, model_flops  # noqa: E402
@@ -114,8 +115,8 @@ def forward_floor(model, input_ids, attention_mask, beams: int, new_tokens: int,
         cache = None
         for _ in range(new_tokens):
             out = model(encoder_outputs=(hidden,), attention_mask=mask, decoder_input_ids=tokens,
-                        past_key_values=cache, use_cache=True)
-            cache, tokens = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                        **{CACHE_NAME: cache}, use_cache=True)
+            cache, tokens = getattr(out, CACHE_NAME), out.logits[:, -1:].argmax(-1)
 
 
 def decode_flops(config, source_lengths: list[int], beams: int, new_tokens: int) -> float:

@@ -6,12 +6,19 @@ right at every step), left-padded batches of prompts the same as one prompt at a
 values of cross-attention are projected once per source, not once per step.
 """
 
+import logging
+import warnings
+
 import pytest
 import torch
 from transformers import StaticCache
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as transformers_logging
 
 from conftest import padded_batch, random_ids, tiny_config
 from vaswani import VaswaniConfig, VaswaniForCausalLM, VaswaniForConditionalGeneration
+import vaswani.decoding
+from vaswani.modeling_vaswani import CACHE_NAME
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -66,7 +73,7 @@ def test_static_cache_equals_dynamic_cache(kind, variant):
     dynamic = model.generate(**inputs, do_sample=False, **FIXED_LENGTH)
     static = model.generate(**inputs, do_sample=False, **FIXED_LENGTH, cache_implementation="static",
                             return_dict_in_generate=True)
-    cache = static.past_key_values
+    cache = getattr(static, CACHE_NAME)
     assert isinstance(cache.self_attention_cache if kind == "seq2seq" else cache, StaticCache)
     assert torch.equal(dynamic, static.sequences)
 
@@ -97,7 +104,7 @@ def test_every_cached_step_equals_a_full_forward_over_the_prefix(kind, variant, 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_stepwise_cache_api_matches_full_forward(variant):
-    """The same check through forward() with past_key_values, one target token at a time."""
+    """The same check through forward() with the cache, one target token at a time."""
     model, inputs = seq2seq(variant)
     target = random_ids(model.config, 3, 5, seed=2)
     with torch.no_grad():
@@ -106,8 +113,8 @@ def test_stepwise_cache_api_matches_full_forward(variant):
         past, steps = None, []
         for t in range(target.shape[1]):
             out = model(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
-                        decoder_input_ids=target[:, t : t + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
+                        decoder_input_ids=target[:, t : t + 1], **{CACHE_NAME: past}, use_cache=True)
+            past = getattr(out, CACHE_NAME)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
@@ -147,7 +154,7 @@ def test_cross_attention_keys_and_values_are_projected_once(strategy, cache_impl
         hook.remove()
     assert out.sequences.shape[1] == NEW_TOKENS + 1
     assert len(calls) == 2 * model.config.decoder_layers  # one k and one v projection per layer, for all 6 steps
-    assert all(out.past_key_values.is_updated.values())
+    assert all(getattr(out, CACHE_NAME).is_updated.values())
 
 
 def test_generation_config_uses_the_special_tokens():
@@ -158,3 +165,23 @@ def test_generation_config_uses_the_special_tokens():
     assert model.generation_config.pad_token_id == config.pad_token_id
     tokens = model.generate(**inputs, do_sample=False, max_new_tokens=3)
     assert (tokens[:, 0] == config.decoder_start_token_id).all()
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_normal_use_raises_no_deprecation_notice(kind):
+    """A training step and generate() (greedy and beam, transformers' loop and the lean one, dynamic and static
+    cache) use each name as the installed transformers release expects it: no deprecation warning, and none of
+    transformers' once-per-process notices (`past_key_values` is deprecated from 5.24 on)."""
+    model, inputs = BUILDERS[kind]("paper")
+    logging.Logger.warning_once.cache_clear()  # notices already given earlier in this process would not repeat
+    with CaptureLogger(transformers_logging.get_logger("transformers")) as logs, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.train()
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        model.eval()
+        for options in ({"num_beams": 1}, {"num_beams": 2}, {"num_beams": 2, "cache_implementation": "static"}):
+            model.generate(**inputs, do_sample=False, max_new_tokens=3, **options)
+            if kind == "seq2seq":
+                model.generate(**inputs, max_new_tokens=3, custom_generate=vaswani.decoding.decode, **options)
+    notices = [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    assert not notices and "deprecated" not in logs.out, (notices, logs.out)
