@@ -360,6 +360,7 @@ class VaswaniDecoderLayer(GradientCheckpointingLayer):
         cache=None,
         **kwargs,
     ) -> torch.Tensor:
+        cache = cache_argument(cache, kwargs)
         x = hidden_states
         cross = self.encoder_attn is not None
         if self.norm_first:
@@ -645,7 +646,9 @@ class VaswaniDecoder(VaswaniStack):
                 encoder_hidden_states,
                 encoder_attention_mask=cross_mask,
                 position_embeddings=position_embeddings,
-                cache=cache,
+                # Under the release's own name: under gradient checkpointing, GradientCheckpointingLayer drops the
+                # cache by that name, so that the backward's recompute does not write it a second time.
+                **{CACHE_NAME: cache},
                 **kwargs,
             )
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.finish(hidden_states), **{CACHE_NAME: cache})
