@@ -111,6 +111,10 @@ IN_LIBRARY_MAPPINGS = (
 
 
 class InLibrary:
+    # The mixin checks `_init_weights` against a load from an empty checkpoint only for models whose configuration file
+    # carries a copyright year from 2023 on; ours carries none, and is held to the check.
+    test_can_init_all_missing_weights_before_2023 = True
+
     def setUp(self):
         for names, classes in IN_LIBRARY_MAPPINGS:
             patcher = mock.patch.dict(names, {VaswaniConfig.model_type: classes})
