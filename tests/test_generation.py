@@ -12,6 +12,7 @@ from transformers import StaticCache
 
 from conftest import padded_batch, random_ids, tiny_config
 from vaswani import VaswaniConfig, VaswaniForCausalLM, VaswaniForConditionalGeneration
+from vaswani.modeling_vaswani import CACHE_NAME
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -97,7 +98,7 @@ def test_every_cached_step_equals_a_full_forward_over_the_prefix(kind, variant, 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_stepwise_cache_api_matches_full_forward(variant):
-    """The same check through forward() with past_key_values, one target token at a time."""
+    """The same check through forward() with the cache argument, one target token at a time."""
     model, inputs = seq2seq(variant)
     target = random_ids(model.config, 3, 5, seed=2)
     with torch.no_grad():
@@ -106,8 +107,8 @@ def test_stepwise_cache_api_matches_full_forward(variant):
         past, steps = None, []
         for t in range(target.shape[1]):
             out = model(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
-                        decoder_input_ids=target[:, t : t + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
+                        decoder_input_ids=target[:, t : t + 1], use_cache=True, **{CACHE_NAME: past})
+            past = getattr(out, CACHE_NAME)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 

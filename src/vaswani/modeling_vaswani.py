@@ -56,7 +56,7 @@ def cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
         raise ValueError("Pass the decoding cache once, as `cache` (or `past_key_values` before transformers 5.24).")
     if old is not None and CACHE_NAME == "cache" and not torch.compiler.is_compiling():
         # As the installed release's own models say it (its `deprecate_kwarg`); its generate() passes the new name.
-        warnings.warn("`past_key_values` is deprecated for `forward`. Use `cache` instead.", FutureWarning, stacklevel=3)
+        warnings.warn("`past_key_values` is deprecated for `forward`. Use `cache` instead.", FutureWarning)
     return cache if cache is not None else old
 
 
