@@ -25,7 +25,7 @@ from vaswani import (
 import upstream_suite
 
 try:
-    suite, STAND_IN_REASONS = upstream_suite.load()
+    STAND_IN_REASONS = upstream_suite.load()
 except OSError as error:  # no route to PyPI: nothing to run against
     pytest.skip(f"cannot fetch transformers {upstream_suite.VERSION}'s sdist from PyPI: {error}", allow_module_level=True)
 
@@ -35,8 +35,8 @@ from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor
 
 pytestmark = pytest.mark.slow
 
-# Special tokens as `VaswaniConfig` lays them out; inputs draw ordinary tokens from above them.
-PAD, EOS, BOS = 0, 1, 3
+# Special tokens (pad, eos) as `VaswaniConfig` lays them out; inputs draw ordinary tokens from above them.
+PAD, EOS = 0, 1
 FIRST_ORDINARY_ID = 4
 
 
@@ -170,7 +170,6 @@ class VaswaniForCausalLMTest(InLibrary, ModelTesterMixin, GenerationTesterMixin,
     def setUp(self):
         super().setUp()
         self.model_tester = VaswaniModelTester(self, is_encoder_decoder=False)
-
 
 
 class VaswaniEncoderModelTest(InLibrary, ModelTesterMixin, unittest.TestCase):

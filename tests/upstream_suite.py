@@ -6,21 +6,21 @@ Every model inside transformers is held to `ModelTesterMixin` (tests/test_modeli
 `.cache/transformers-tests/<version>/`, and imports them from there as the package `transformers_tests`.
 
 The sdist ships only the top-level `tests/test_*.py` files (setuptools' default), not the subpackages that
-`test_modeling_common.py` and `test_configuration_common.py` import at module level. Those get a stand-in, and
-what each one disables is a skip in tests/test_upstream_suite.py, with this reason:
+`test_modeling_common.py` and `test_configuration_common.py` import at module level. Those get a stand-in
+(docs/upstream-suite.md lists what each leaves out):
 
 * `generation/test_utils.py` (`GenerationTesterMixin`): an empty mixin, so the generate() tests do not run;
 * `exporters/test_export.py` (`ExportTesterMixin`, a base of `ModelTesterMixin`): an empty mixin, no export tests;
 * `utils/test_configuration_utils.py` (`config_common_kwargs`, the data of `ConfigTester.check_config_arguments_init`):
-  None, and that one check is skipped.
+  None, and tests/test_upstream_suite.py skips that one check, saying why.
 
 Where the sdist does ship one of them (a later release may), the shipped file is used and the stand-in is not written.
 """
 
-import importlib
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import urllib.parse
@@ -56,6 +56,7 @@ def _sdist_url(version: str) -> str:
 
 
 def _extract(version: str, target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)  # what an interrupted run left
     with urllib.request.urlopen(_sdist_url(version), timeout=120) as response:
         archive = tarfile.open(fileobj=io.BytesIO(response.read()), mode="r:gz")
     prefix = f"transformers-{version}/tests/"
@@ -81,10 +82,10 @@ def _extract(version: str, target: Path) -> None:
     (target / "stand_ins.json").write_text(json.dumps(stood_in))
 
 
-def load() -> tuple[object, dict[str, str]]:
-    """The imported `transformers_tests` package, and {path: reason} for each stand-in used.
+def load() -> dict[str, str]:
+    """Makes `transformers_tests` importable; returns {path: reason} for each stand-in used.
 
-    Raises OSError (urllib's URLError included) when PyPI cannot be reached; the caller turns that into a skip."""
+    Raises OSError (urllib's URLError included) when the index cannot be reached; the caller turns that into a skip."""
     if not (CACHE / "stand_ins.json").exists():
         staging = CACHE.with_name(f"{VERSION}.partial")
         _extract(VERSION, staging)
@@ -92,5 +93,4 @@ def load() -> tuple[object, dict[str, str]]:
     if str(CACHE) not in sys.path:
         sys.path.insert(0, str(CACHE))
     stood_in = json.loads((CACHE / "stand_ins.json").read_text())
-    reasons = {path: NOT_SHIPPED.format(version=VERSION, path=path) for path in stood_in}
-    return importlib.import_module(PACKAGE), reasons
+    return {path: NOT_SHIPPED.format(version=VERSION, path=path) for path in stood_in}
