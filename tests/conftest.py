@@ -47,6 +47,16 @@ def padded_batch(config: VaswaniConfig, lengths: list[int], seed: int = 0, side:
     return input_ids.masked_fill(attention_mask == 0, config.pad_token_id), attention_mask
 
 
+# Marks of transformers' own test files, which tests/test_upstream_suite.py runs (transformers registers them in its
+# pyproject.toml; registered here, pytest does not warn about them).
+UPSTREAM_MARKS = ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test")
+
+
+def pytest_configure(config):
+    for mark in UPSTREAM_MARKS:
+        config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same random state, so weight initialisation is reproducible test by test."""

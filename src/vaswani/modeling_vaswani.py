@@ -14,6 +14,7 @@ Shapes: batch B, source length S, target length T, heads H, key/value heads K, h
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vaswani import VaswaniConfig
@@ -53,6 +54,9 @@ def cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
     old = kwargs.pop("past_key_values", None)
     if cache is not None and old is not None:
         raise ValueError("Pass the decoding cache once, as `cache` (or `past_key_values` before transformers 5.24).")
+    if old is not None and CACHE_NAME == "cache" and not torch.compiler.is_compiling():
+        # As the installed release's own models say it (its `deprecate_kwarg`); its generate() passes the new name.
+        warnings.warn("`past_key_values` is deprecated for `forward`. Use `cache` instead.", FutureWarning)
     return cache if cache is not None else old
 
 
@@ -442,6 +446,20 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
         return reorder_self_attention_cache(cache, beam_idx)  # called by generate()'s beam search
 
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """Called by `from_pretrained` before it initialises what the checkpoint lacks. transformers flags every tied
+        target as initialised (the tie will overwrite it), and in custom code then drops every flagged parameter from the
+        missing keys. With `share_embeddings` our encoder, decoder and `shared` hold one embedding *module*, so the
+        targets' parameter is the source's own: a checkpoint without the table would leave it unreported on the meta
+        device. A source missing together with all its targets is missing; it goes back into the report and is
+        initialised."""
+        missing = set(loading_info.missing_keys)
+        super().mark_tied_weights_as_initialized(loading_info)
+        tied = self.all_tied_weights_keys
+        for source in set(tied.values()) & missing:
+            if {target for target, origin in tied.items() if origin == source} <= missing:
+                loading_info.missing_keys.add(source)
+
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """The vocabulary is joint, but with `share_embeddings=False` the decoder has its own table, which the generic
         implementation (it knows one input embedding: the encoder's) would leave at the old size."""
@@ -788,6 +806,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         if self.config.share_embeddings:
             self.shared = self.decoder.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -804,7 +823,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
         cache = cache_argument(cache, kwargs)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True,
+                **kwargs,
             )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
@@ -816,6 +836,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
             cache=cache,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,
             **kwargs,
         )
         return Seq2SeqModelOutput(
@@ -852,6 +873,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -885,6 +907,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,
             **kwargs,
         )
         logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, num_items_in_batch)
@@ -920,6 +943,7 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
     def get_decoder(self):
         return self.model
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -933,6 +957,10 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        # Targets already aligned with the positions. Under context/sequence parallelism the Trainer shifts `labels`
+        # on the whole sequence before sharding it and passes the result here: shifting a shard again would pair its
+        # positions with the wrong tokens, and leave its last one without a target.
+        shift_labels = kwargs.pop("shift_labels", None)
         cache = cache_argument(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
@@ -941,11 +969,15 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,
             **kwargs,
         )
-        if labels is not None:
-            labels = F.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts token t+1; the last has no target
-        logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, num_items_in_batch)
+        if shift_labels is None and labels is not None:
+            # position t predicts token t+1; the last has no target
+            shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        logits, loss = _logits_and_loss(
+            self, outputs.last_hidden_state, shift_labels, logits_to_keep, num_items_in_batch
+        )
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -991,9 +1023,12 @@ class VaswaniForSequenceClassification(VaswaniPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.set_input_embeddings(value)
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
         kwargs.pop("num_items_in_batch", None)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+        )
         hidden_states = outputs.last_hidden_state  # (B, S, d_model)
         if attention_mask is None:
             pooled = hidden_states.mean(dim=1)
