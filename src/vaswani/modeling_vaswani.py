@@ -95,9 +95,15 @@ class VaswaniSinusoidalPositionalEmbedding(nn.Module):
         self.layout = layout
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        angles = position_ids.float()[..., None] * _inverse_frequencies(self.d_model, 10000.0, position_ids.device)
         if self.layout == "concatenated":
-            return torch.cat((angles.sin(), angles.cos()), dim=-1)  # (..., seq, d_model)
+            # Marian computes this table in float64 and rounds it to float32; so do we, or the angles' float32
+            # rounding (about position × 1e-7) would show in the logits far along a sentence. MPS has no float64.
+            dtype = torch.float32 if position_ids.device.type == "mps" else torch.float64
+            frequencies = 1.0 / 10000.0 ** (torch.arange(0, self.d_model, 2, device=position_ids.device,
+                                                         dtype=dtype) / self.d_model)
+            angles = position_ids.to(dtype)[..., None] * frequencies
+            return torch.cat((angles.sin(), angles.cos()), dim=-1).float()  # (..., seq, d_model)
+        angles = position_ids.float()[..., None] * _inverse_frequencies(self.d_model, 10000.0, position_ids.device)
         # stack + flatten interleaves: sin on even channels, cos on odd ones, exactly as the paper writes it.
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., seq, d_model)
 
