@@ -240,7 +240,8 @@ def build_marian_checkpoint(directory, separate: bool):
     marian = marian_model(vocab_size=size, share_encoder_decoder_embeddings=not separate)
     marian.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    (directory / "README.md").write_text("---\nlicense: cc-by-4.0\ntags:\n- translation\n---\n\n# opus-mt-tiny\n")
+    card = "---\nlanguage:\n- en\n- fr\nlicense: cc-by-4.0\ntags:\n- translation\n---\n\n# opus-mt-tiny\n"
+    (directory / "README.md").write_text(card)
     return directory, marian, tokenizer
 
 
@@ -274,13 +275,14 @@ def test_converted_checkpoint_is_a_vaswani_checkpoint_with_marians_tokenizer(mar
                  "tokenizer_config.json", "README.md"):
         assert (converted / name).is_file(), name
     card = (converted / "README.md").read_text()
-    assert "license: cc-by-4.0" in card and str(marian_checkpoint[0]) in card
+    assert "license: cc-by-4.0" in card and "- fr" in card and str(marian_checkpoint[0]) in card
     model = AutoModelForSeq2SeqLM.from_pretrained(converted).eval()
     tokenizer = AutoTokenizer.from_pretrained(converted)
     assert type(model).__name__ == "VaswaniForConditionalGeneration"
-    assert type(tokenizer).__name__ == "MarianTokenizer" and tokenizer.separate_vocabs == marian_tokenizer.separate_vocabs
+    assert type(tokenizer).__name__ == "MarianTokenizer"
+    assert tokenizer.separate_vocabs == marian_tokenizer.separate_vocabs
     inputs = tokenizer(SOURCES[:3], padding=True, return_tensors="pt")
-    assert torch.equal(inputs["input_ids"], marian_tokenizer(SOURCES[:3], padding=True, return_tensors="pt")["input_ids"])
+    assert torch.equal(inputs["input_ids"], marian_tokenizer(SOURCES[:3], padding=True, return_tensors="pt").input_ids)
     for num_beams in (1, 4):
         settings = {"num_beams": num_beams, "max_new_tokens": 10}
         assert torch.equal(model.generate(**inputs, **settings), marian.generate(**inputs, **settings))

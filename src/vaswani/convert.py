@@ -259,7 +259,7 @@ def convert_marian_checkpoint(model_name_or_path: str, output_dir: str | Path, f
     attach_translation_pipeline(model, output_dir)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    write_converted_model_card(output_dir, str(model_name_or_path), read_license(model_name_or_path))
+    write_converted_model_card(output_dir, str(model_name_or_path), *source_card_data(model_name_or_path))
     return model
 
 
@@ -268,7 +268,9 @@ def check_same_translations(marian: MarianMTModel, model: VaswaniForConditionalG
                             sentences=("Hello, how are you?", "The cat sat on the mat.")) -> None:
     inputs = tokenizer(list(sentences), padding=True, return_tensors="pt")
     start = torch.full((len(sentences), 1), marian.config.decoder_start_token_id)
-    decoder_input_ids = torch.cat([start, inputs["input_ids"][:, :4].clamp(max=marian.config.decoder_vocab_size - 1)], 1)
+    # Source ids as target ids: any ids of the target vocabulary will do for comparing the two models.
+    target_ids = inputs["input_ids"][:, :4].clamp(max=marian.lm_head.out_features - 1)
+    decoder_input_ids = torch.cat([start, target_ids], 1)
     expected = marian(**inputs, decoder_input_ids=decoder_input_ids).logits
     got = model(**inputs, decoder_input_ids=decoder_input_ids).logits
     difference = (expected - got).abs().max().item()
@@ -279,25 +281,27 @@ def check_same_translations(marian: MarianMTModel, model: VaswaniForConditionalG
         raise ValueError("The converted model's greedy translations differ from Marian's; not saved.")
 
 
-def read_license(model_name_or_path: str) -> str | None:
-    """The `license` of the source model's card (README.md front matter), if the card can be read."""
+def source_card_data(model_name_or_path: str) -> tuple[str | None, list[str] | None]:
+    """The `license` and `language` of the source model's card (README.md front matter), if it can be read."""
     from huggingface_hub import ModelCard
 
     path = Path(model_name_or_path)
     try:
         card = ModelCard.load(path / "README.md" if path.is_dir() else model_name_or_path)
-    except Exception:  # no card, no network: the card then says the licence is unknown
-        return None
-    return card.data.license if card.data else None
+    except Exception:  # no card, no network: the new card then says the licence is unknown
+        return None, None
+    language = card.data.language
+    return card.data.license, [language] if isinstance(language, str) else language
 
 
-def write_converted_model_card(output_dir: Path, source: str, license: str | None) -> Path:
+def write_converted_model_card(output_dir: Path, source: str, license: str | None,
+                               languages: list[str] | None = None) -> Path:
     from huggingface_hub import ModelCard, ModelCardData
 
     stated = f"`{license}`, as stated by the source model's card" if license else (
         "not stated in a card that could be read at conversion time; check the source model's card")
     card_data = ModelCardData(
-        license=license, library_name="transformers", pipeline_tag="translation", base_model=source
+        license=license, language=languages, library_name="transformers", pipeline_tag="translation", base_model=source
         if "/" in source and not Path(source).exists() else None,
         tags=["translation", "transformer", "vaswani", "marian", "opus-mt", "encoder-decoder"],
     )
