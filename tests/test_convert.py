@@ -394,3 +394,16 @@ def test_ctranslate2_export_translates_like_marian(marian_checkpoint, converted,
     # CTranslate2 does not: 11 tokens from CTranslate2 are Marian's 12 with the forced </s>.
     assert translate_ctranslate2(translator, ct2_tokenizer, sentences, num_beams=1, max_new_tokens=11) == \
         marian_translations(marian, tokenizer, sentences, num_beams=1, max_new_tokens=12)
+
+
+def test_resizing_keeps_the_output_bias_and_refuses_separate_vocabularies():
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(final_logits_bias=True))
+    with torch.no_grad():
+        model.final_logits_bias.normal_()
+    before = model.final_logits_bias.clone()
+    model.resize_token_embeddings(110)
+    assert model.final_logits_bias.shape == (1, 110) and model.lm_head.out_features == 110
+    assert torch.equal(model.final_logits_bias[:, :99], before) and not model.final_logits_bias[:, 99:].any()
+    separate = VaswaniForConditionalGeneration(VaswaniConfig.tiny(share_embeddings=False, decoder_vocab_size=50))
+    with pytest.raises(ValueError, match="separate source and target vocabularies"):
+        separate.resize_token_embeddings(120)
