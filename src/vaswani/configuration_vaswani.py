@@ -21,6 +21,7 @@ from transformers import PreTrainedConfig
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned", "rope")
+SINUSOIDAL_LAYOUTS = ("interleaved", "concatenated")
 FFN_ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "geglu")
 
 
@@ -28,6 +29,8 @@ class VaswaniConfig(PreTrainedConfig):
     r"""
     Args:
         vocab_size: size of the (shared) source/target vocabulary. The paper's En-Fr model used 32k word pieces.
+        decoder_vocab_size: size of a separate target vocabulary (the decoder's embedding and the output projection),
+            as in Marian's `decoder_vocab_size`; needs `share_embeddings=False`. `None` (paper): `vocab_size`.
         d_model: width of every residual stream, embedding and attention output.
         encoder_layers / decoder_layers: number of blocks in each stack (N in the paper).
         num_attention_heads: query heads per attention layer (h).
@@ -45,11 +48,17 @@ class VaswaniConfig(PreTrainedConfig):
         layer_norm_eps: epsilon of every norm; 1e-5 is PyTorch's `nn.Transformer` default.
         position_embedding_type: `sinusoidal` (paper, works at any length), `learned` (up to
             `max_position_embeddings`) or `rope` (Su et al., 2021; applied to self-attention queries and keys).
+        sinusoidal_layout: where the sinusoids' channels go. `interleaved` (paper, §3.5): sin on even channels, cos
+            on odd ones; `concatenated`: all sines, then all cosines, with the same frequencies (tensor2tensor's
+            `get_timing_signal_1d` and Marian, hence every OPUS-MT model).
         rope_theta: base of the rotary frequencies.
         max_position_embeddings: table size for learned positions, and the cache size default for static caches.
         scale_embedding: multiply token embeddings by √d_model (§3.4).
         share_embeddings: one token embedding for encoder and decoder (needs a joint vocabulary).
         tie_word_embeddings: the output projection reuses the decoder's token embedding (§3.4).
+        final_logits_bias: add a fixed bias to the output logits, a (1, target vocabulary) buffer that is stored in
+            checkpoints but not trained: Marian's output-layer bias (`final_logits_bias` in transformers' Marian and
+            BART). `False` (paper): no bias.
         bias: bias terms in every linear layer (and LayerNorm).
         label_smoothing: ε_ls used by the loss in training mode (§5.4); evaluation reports the plain likelihood.
         classifier_dropout: dropout before the sequence-classification head (`None`: use `dropout`).
@@ -61,6 +70,7 @@ class VaswaniConfig(PreTrainedConfig):
     attribute_map = {"hidden_size": "d_model", "num_hidden_layers": "decoder_layers", "intermediate_size": "d_ff"}
 
     vocab_size: int = 37000
+    decoder_vocab_size: int | None = None
     d_model: int = 512
     encoder_layers: int = 6
     decoder_layers: int = 6
@@ -75,11 +85,13 @@ class VaswaniConfig(PreTrainedConfig):
     norm_type: str = "layernorm"
     layer_norm_eps: float = 1e-5
     position_embedding_type: str = "sinusoidal"
+    sinusoidal_layout: str = "interleaved"
     rope_theta: float = 10000.0
     max_position_embeddings: int = 1024
     scale_embedding: bool = True
     share_embeddings: bool = True
     tie_word_embeddings: bool = True
+    final_logits_bias: bool = False
     bias: bool = True
     label_smoothing: float = 0.1
     classifier_dropout: float | None = None
@@ -112,6 +124,11 @@ class VaswaniConfig(PreTrainedConfig):
     def head_dim(self) -> int:
         return self.d_model // self.num_attention_heads
 
+    @property
+    def target_vocab_size(self) -> int:
+        """The decoder's vocabulary: its embedding rows and the output projection's."""
+        return self.decoder_vocab_size if self.decoder_vocab_size is not None else self.vocab_size
+
     def _check(self) -> None:
         """Fail early, naming the field and the fix, instead of deep inside a matmul."""
         for name in ("vocab_size", "d_model", "num_attention_heads", "num_key_value_heads", "d_ff",
@@ -119,6 +136,17 @@ class VaswaniConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"VaswaniConfig.{name} must be a positive integer, got {value!r}.")
+        if self.decoder_vocab_size is not None:
+            if isinstance(self.decoder_vocab_size, bool) or not isinstance(self.decoder_vocab_size, int) \
+                    or self.decoder_vocab_size < 1:
+                raise ValueError(f"VaswaniConfig.decoder_vocab_size must be a positive integer or None, got "
+                                 f"{self.decoder_vocab_size!r}.")
+            if self.share_embeddings and self.decoder_vocab_size != self.vocab_size:
+                raise ValueError(
+                    f"VaswaniConfig.decoder_vocab_size ({self.decoder_vocab_size}) differs from vocab_size "
+                    f"({self.vocab_size}), so the encoder and decoder cannot share one embedding: set "
+                    "share_embeddings=False, or decoder_vocab_size=None for a joint vocabulary."
+                )
         for name in ("encoder_layers", "decoder_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -142,7 +170,7 @@ class VaswaniConfig(PreTrainedConfig):
         if self.position_embedding_type == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"VaswaniConfig.d_model must be even for sinusoidal positions, got {self.d_model}.")
         for name, allowed in (("norm_type", NORM_TYPES), ("position_embedding_type", POSITION_EMBEDDING_TYPES),
-                              ("ffn_activation", FFN_ACTIVATIONS)):
+                              ("sinusoidal_layout", SINUSOIDAL_LAYOUTS), ("ffn_activation", FFN_ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"VaswaniConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing", "classifier_dropout"):

@@ -15,8 +15,12 @@ at CTranslate2's speed, with its int8/int16/bf16 weight formats and its batching
 
 Supported: every seq2seq variant that CTranslate2's encoder-decoder spec can express, that is post-norm and
 pre-norm, LayerNorm and RMSNorm, ReLU/GELU/SiLU and the gated SwiGLU/GEGLU FFNs, sinusoidal and learned positions,
-multi-head and multi-query attention. Not supported (a clear error): RoPE and grouped-query attention with more
-than one key/value head, which CTranslate2 offers only for decoder-only models.
+multi-head and multi-query attention, and models converted from Marian / OPUS-MT (`vaswani.convert`) with one
+shared vocabulary: their sinusoid layout, output bias (`final_logits_bias`, the projection's bias), their tokenizer,
+and the tokens their generation config never generates (Marian's `bad_words_ids=[[pad]]`), which get a bias of
+-10⁴ so that their probability is exactly 0. Not supported (a clear error): RoPE and grouped-query attention with
+more than one key/value head, which CTranslate2 offers only for decoder-only models; separate source and target
+vocabularies; banned sequences of several tokens.
 """
 
 import json
@@ -25,6 +29,7 @@ import os
 
 import numpy as np
 import torch
+from transformers import MarianTokenizer
 
 from .cli import load_translator
 from .configuration_vaswani import VaswaniConfig
@@ -81,7 +86,10 @@ def load_ctranslate2(path: str, device: str = "cpu", compute_type: str = "defaul
     kind, _, index = device.partition(":")
     translator = ctranslate2.Translator(path, device=kind, device_index=int(index or 0), compute_type=compute_type,
                                         intra_threads=threads)
-    tokenizer = VaswaniTokenizer.from_pretrained(path)
+    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as file:
+        # A model converted from Marian keeps its sentencepiece tokenizer (vaswani.convert).
+        marian = json.load(file).get("tokenizer_class") == "MarianTokenizer"
+    tokenizer = (MarianTokenizer if marian else VaswaniTokenizer).from_pretrained(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
         # The exported position table ends here: sources are truncated to it and outputs stop at it, where
         # CTranslate2 would otherwise fail ("No position encodings are defined for positions >= …").
@@ -141,6 +149,9 @@ def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions:
         set_attention(layer_spec.attention, layer.encoder_attn, layer.encoder_attn_layer_norm, fused_qkv=False)
         set_ffn(layer_spec.ffn, layer.mlp, layer.final_layer_norm)
     set_linear(spec.decoder.projection, model.lm_head)
+    bias = output_bias(model)
+    if bias is not None:
+        spec.decoder.projection.bias = to_numpy(bias)
 
     tokens = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
     if len(tokens) != config.vocab_size or None in tokens:
@@ -149,8 +160,10 @@ def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions:
     spec.register_source_vocabulary(tokens)
     spec.register_target_vocabulary(tokens)
     # Sources are passed as the tokenizer makes them (with </s>); decoding starts from decoder_start_token_id.
+    # A Marian model has no bos token; CTranslate2 needs one, but starts decoding from decoder_start_token.
+    bos_token_id = config.bos_token_id if config.bos_token_id is not None else config.decoder_start_token_id
     spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = (
-        tokens[config.bos_token_id], tokens[config.eos_token_id], tokenizer.unk_token)
+        tokens[bos_token_id], tokens[config.eos_token_id], tokenizer.unk_token)
     spec.config.decoder_start_token = tokens[config.decoder_start_token_id]
     return spec
 
@@ -165,6 +178,22 @@ def check_exportable(config: VaswaniConfig) -> None:
     if not config.share_embeddings or not config.tie_word_embeddings:
         raise ValueError("The exporter writes one shared vocabulary; export a model with share_embeddings=True and "
                          "tie_word_embeddings=True.")
+
+
+def output_bias(model) -> torch.Tensor | None:
+    """The projection's bias: `final_logits_bias`, and -10⁴ on every token that the generation config bans
+    (`bad_words_ids` of one token each), which CTranslate2 would otherwise generate. exp(-10⁴) is 0 in fp32 and
+    fp16, so the other tokens' log-probabilities are unchanged."""
+    bias = model.final_logits_bias
+    banned = model.generation_config.bad_words_ids or []
+    if any(len(sequence) != 1 for sequence in banned):
+        raise ValueError(f"The generation config bans sequences of several tokens (bad_words_ids={banned}); the "
+                         "exported model can only leave out single tokens.")
+    if not banned:
+        return bias[0] if bias is not None else None
+    bias = bias[0].clone() if bias is not None else torch.zeros(model.config.target_vocab_size)
+    bias[[sequence[0] for sequence in banned]] = -1e4
+    return bias
 
 
 def position_table(stack, length: int) -> torch.Tensor:

@@ -32,10 +32,10 @@ TATOEBA_ATTRIBUTION = "Tatoeba via manythings.org, CC-BY 2.0 — Attribution: ww
 REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
 
 # Top-level files of a checkpoint directory that belong on the Hub: configs and metrics (json), weights, module
-# files, the card, and vocabularies of other tokenizer types (txt, SentencePiece .model). Anything in
+# files, the card, and vocabularies of other tokenizer types (txt, SentencePiece .model, Marian's .spm). Anything in
 # subdirectories (Trainer `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states,
 # `training_args.bin`) stay local.
-UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model"]
+UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model", "*.spm"]
 LOCAL_ONLY_PATTERNS = ["*/*"]
 
 _REPORTED_METRICS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}

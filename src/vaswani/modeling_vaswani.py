@@ -89,13 +89,24 @@ class VaswaniSinusoidalPositionalEmbedding(nn.Module):
 
     Computed from the positions on every call rather than stored: it costs one outer product, has no buffer that a
     checkpoint would have to restore, and extends to any length ("may allow the model to extrapolate", §3.5).
+    `layout="concatenated"` puts the same sines in the first half of the channels and the cosines in the second
+    (tensor2tensor, Marian / OPUS-MT).
     """
 
-    def __init__(self, d_model: int):
+    def __init__(self, d_model: int, layout: str = "interleaved"):
         super().__init__()
         self.d_model = d_model
+        self.layout = layout
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.layout == "concatenated":
+            # Marian computes this table in float64 and rounds it to float32; so do we, or the angles' float32
+            # rounding (about position × 1e-7) would show in the logits far along a sentence. MPS has no float64.
+            dtype = torch.float32 if position_ids.device.type == "mps" else torch.float64
+            frequencies = 1.0 / 10000.0 ** (torch.arange(0, self.d_model, 2, device=position_ids.device,
+                                                         dtype=dtype) / self.d_model)
+            angles = position_ids.to(dtype)[..., None] * frequencies
+            return torch.cat((angles.sin(), angles.cos()), dim=-1).float()  # (..., seq, d_model)
         angles = position_ids.float()[..., None] * _inverse_frequencies(self.d_model, 10000.0, position_ids.device)
         # stack + flatten interleaves: sin on even channels, cos on odd ones, exactly as the paper writes it.
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., seq, d_model)
@@ -463,7 +474,17 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """The vocabulary is joint, but with `share_embeddings=False` the decoder has its own table, which the generic
         implementation (it knows one input embedding: the encoder's) would leave at the old size."""
+        if self.config.decoder_vocab_size is not None:
+            raise ValueError(
+                "This model has separate source and target vocabularies (decoder_vocab_size), and "
+                "resize_token_embeddings resizes a joint one; resize model.model.encoder.embed_tokens and "
+                "model.model.decoder.embed_tokens (with the output projection) to their own tokenizers' sizes."
+            )
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        bias = getattr(self, "final_logits_bias", None)
+        if bias is not None and bias.shape[-1] != embeddings.num_embeddings:  # new tokens get no bias
+            self.final_logits_bias = nn.Buffer(F.pad(bias[:, : embeddings.num_embeddings],
+                                                     (0, max(0, embeddings.num_embeddings - bias.shape[-1]))))
         decoder = getattr(self.base_model, "decoder", None)  # present in VaswaniModel and the translation model
         if decoder is not None and decoder.embed_tokens is not embeddings:
             decoder.embed_tokens = self._get_resized_embeddings(
@@ -491,6 +512,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                 init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
+        elif getattr(module, "final_logits_bias", None) is not None:
+            init.zeros_(module.final_logits_bias)
 
 
 # Stacks ------------------------------------------------------------------------------------------------------------
@@ -500,14 +523,15 @@ class VaswaniStack(VaswaniPreTrainedModel):
     """What the encoder and decoder stacks share: token embedding × √d_model plus positions (§3.4, §3.5), dropout,
     N layers, and under pre-norm a final norm."""
 
-    def __init__(self, config: VaswaniConfig, num_layers: int):
+    def __init__(self, config: VaswaniConfig, num_layers: int, vocab_size: int | None = None):
         super().__init__(config)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
+        vocab_size = vocab_size or config.vocab_size  # a translation decoder's may differ (decoder_vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_size, config.d_model, config.pad_token_id)
         self.embed_positions = None
         self.rotary_emb = None
         if config.position_embedding_type == "sinusoidal":
-            self.embed_positions = VaswaniSinusoidalPositionalEmbedding(config.d_model)
+            self.embed_positions = VaswaniSinusoidalPositionalEmbedding(config.d_model, config.sinusoidal_layout)
         elif config.position_embedding_type == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.d_model)
         else:
@@ -555,7 +579,7 @@ class VaswaniStack(VaswaniPreTrainedModel):
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         # An out-of-range id would otherwise surface as an opaque index error (or a device-side assert on CUDA).
-        vocab_size = self.config.vocab_size
+        vocab_size = self.embed_tokens.num_embeddings
         check_ids(
             input_ids,
             (input_ids < 0) | (input_ids >= vocab_size),
@@ -602,7 +626,8 @@ class VaswaniDecoder(VaswaniStack):
     }
 
     def __init__(self, config: VaswaniConfig, cross_attention: bool = True):
-        super().__init__(config, config.decoder_layers)
+        # A decoder-only model has one vocabulary; a translation decoder reads and writes the target one.
+        super().__init__(config, config.decoder_layers, config.target_vocab_size if cross_attention else None)
         self.cross_attention = cross_attention
         self.layers = nn.ModuleList(
             [VaswaniDecoderLayer(config, i, cross_attention) for i in range(config.decoder_layers)]
@@ -773,6 +798,8 @@ def _logits_and_loss(model, hidden_states, labels, logits_to_keep: int, num_item
     if logits_to_keep:  # generation only needs the last position's distribution
         hidden_states = hidden_states[:, -logits_to_keep:]
     logits = model.lm_head(hidden_states)
+    if getattr(model, "final_logits_bias", None) is not None:  # config.final_logits_bias (Marian's output bias)
+        logits = logits + model.final_logits_bias
     if labels is None:
         return logits, None
     smoothing = model.config.label_smoothing if model.training else 0.0
@@ -857,7 +884,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
         self.model = VaswaniModel(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.target_vocab_size, bias=False)
+        # A buffer, as in Marian: it is saved and loaded with the weights, but not trained.
+        self.final_logits_bias = (
+            nn.Buffer(torch.zeros(1, config.target_vocab_size)) if config.final_logits_bias else None
+        )
         # §3.4: the pre-softmax projection shares the decoder's embedding matrix; with shared embeddings that is the
         # encoder's, the copy stored in checkpoints.
         side = "encoder" if config.share_embeddings else "decoder"

@@ -33,12 +33,21 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, max
     finally:
         model.set_attn_implementation(previous)
     return {
-        "source_tokens": tokenizer.convert_ids_to_tokens(inputs["input_ids"][0]),
+        "source_tokens": source_tokens(tokenizer, inputs["input_ids"][0].tolist()),
         "target_tokens": tokenizer.convert_ids_to_tokens(decoder_input_ids[0]),
         "encoder": [a[0].float().cpu() for a in outputs.encoder_attentions],
         "decoder": [a[0].float().cpu() for a in outputs.decoder_attentions],
         "cross": [a[0].float().cpu() for a in outputs.cross_attentions],
     }
+
+
+def source_tokens(tokenizer, ids: list[int]) -> list[str]:
+    """The tokens of source ids. A Marian tokenizer with separate vocabularies (`separate_vocabs`) maps ids to
+    target tokens in `convert_ids_to_tokens`; its source vocabulary is `get_src_vocab()`."""
+    if getattr(tokenizer, "separate_vocabs", False):
+        vocabulary = {index: token for token, index in tokenizer.get_src_vocab().items()}
+        return [vocabulary.get(index, tokenizer.unk_token) for index in ids]
+    return tokenizer.convert_ids_to_tokens(ids)
 
 
 def plot_attention(maps: dict, output_dir: str, prefix: str = "attention") -> list[str]:
