@@ -37,7 +37,7 @@ REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
 # that transformers loads from `custom_generate/`. Anything in other subdirectories (Trainer `checkpoint-*/`,
 # TensorBoard `runs/`) and other files (optimizer states, `training_args.bin`) stay local.
 UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model"]
-CUSTOM_GENERATE_FILES = ["custom_generate/generate.py", "custom_generate/requirements.txt"]
+CUSTOM_GENERATE_FILES = ["custom_generate/generate.py"]
 
 _REPORTED_METRICS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}
 

@@ -276,7 +276,7 @@ class VaswaniAttention(nn.Module):
 
         beams = query.shape[0] // key.shape[0]
         if beams > 1:
-            # Beam search with one source row per sentence (`vaswani.decoding`): the consecutive query rows of a
+            # Beam search with one source row per sentence (`generation_vaswani`): the consecutive query rows of a
             # sentence's beams attend to its keys/values together, as beams·q_len queries, instead of against a copy
             # per beam. Same result; the output reshape below splits the queries back into rows.
             query = query.unflatten(0, (key.shape[0], beams)).transpose(1, 2).flatten(2, 3)  # (B/beams, H, beams·q_len, D)
