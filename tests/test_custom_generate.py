@@ -27,12 +27,10 @@ def trained():
 def _count_loops(monkeypatch, model):
     """The decoding loops that run, by name: the lean ones, and transformers' own."""
     calls = []
-    for name in ("_greedy", "_beam"):
-        original = getattr(generation_vaswani, name)
-        monkeypatch.setattr(generation_vaswani, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    for name in ("_sample", "_beam_search"):
-        original = getattr(type(model), name)
-        monkeypatch.setattr(type(model), name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for owner, names in ((generation_vaswani, ("_greedy", "_beam")), (type(model), ("_sample", "_beam_search"))):
+        for name in names:
+            original = getattr(owner, name)
+            monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     return calls
 
 

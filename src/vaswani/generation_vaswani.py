@@ -5,17 +5,18 @@
     model.generate(**batch, num_beams=4, lean_decoding=False)    # transformers' own loop
     model.generate(**batch, num_beams=4, cuda_graphs=True)       # on a GPU: item 6
 
-This file ships with every translation checkpoint twice, and imports only torch and transformers so that it can:
-next to modeling_vaswani.py, whose `generate()` calls `generate` below; and as `custom_generate/generate.py`,
-transformers' own place for a checkpoint's generation code, which `from_pretrained(..., trust_remote_code=True)`
-loads in place of the model's `generate()` (`GenerationMixin.load_custom_generate`).
+This file imports only torch and transformers, so that it can ship on its own: with every checkpoint, next to
+modeling_vaswani.py, whose `generate()` calls `generate` below; and with every translation checkpoint as
+`custom_generate/generate.py`, transformers' own place for a repository's generation code, which
+`from_pretrained(..., trust_remote_code=True)` loads in place of the model's `generate()`
+(`GenerationMixin.load_custom_generate`), so that Hub users without this package decode with it too.
 
 `decode` plugs into `generate()` through its own extension point (`custom_generate`, a decoding method): generate()
 still validates the arguments, runs the encoder, expands the batch for the beams, makes the cache and builds the
 logits processors and stopping criteria; `decode` replaces only the loop over decoding steps. The outputs are
 transformers' own: the same tokens for greedy search, and the same hypotheses for beam search, whose bookkeeping
 (finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are
-(tests/test_decoding.py compares both with generate() without it; on the main job's model, 1,000 of 1,000 test
+(tests/test_decoding.py compares both with transformers' loop; on the main job's model, 1,000 of 1,000 test
 translations are identical in fp32). One caveat: items 4 and 5 change the shapes of the matrix products, which may
 change the last bit of a result, and int8's per-tensor activation scales depend on which rows share a tensor: in
 int8, 980 of 1,000 were identical, BLEU 29.47 against 29.58 (benchmarks/results/decoding-loops-cpu.md).

@@ -161,9 +161,10 @@ def push_to_hub(
     """Create `repo_id` if needed and upload the checkpoint in `output_dir` in one commit; returns the commit URL.
 
     Uploads the top-level weights, configs, tokenizer files, module files and README.md, and the generation code
-    in `custom_generate/`, nothing else from subdirectories (see `UPLOAD_PATTERNS`). Raises FileNotFoundError if the directory or a needed file is
-    missing. Without a README.md, a model card without scores is written first, for the data attribution; a card
-    written before the repository id was known gets it filled in. `token` defaults to the logged-in user's.
+    in `custom_generate/`, nothing else from subdirectories (see `UPLOAD_PATTERNS`). Raises FileNotFoundError if
+    the directory or a needed file is missing. Without a README.md, a model card without scores is written first,
+    for the data attribution; a card written before the repository id was known gets it filled in. `token` defaults
+    to the logged-in user's.
     """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
