@@ -1,7 +1,10 @@
-"""The decoding loops on a trained checkpoint: transformers' own `generate()` loop against `vaswani.decoding`'s lean
-one, in fp32 and int8, on the real held-out test sentences with real end-of-sentence stopping. It reports how many
-translations are identical between the two loops, BLEU for each, and the time `vaswani.evaluation.translate` takes
-(best of `--repeats`, the loops interleaved), which is what `scripts/evaluate_bleu.py` spends decoding.
+"""The decoding loops on a trained checkpoint: transformers' own `generate()` loop (`lean_decoding=False`) against
+the lean one that `generate()` takes by default (`vaswani.generation_vaswani`), in fp32 and int8, on the real held-out
+test sentences with real end-of-sentence stopping. It reports how many translations are identical between the two
+loops, BLEU for each, and the time `vaswani.evaluation.translate` takes (best of `--repeats`, the loops interleaved),
+which is what `scripts/evaluate_bleu.py` and the training script's final evaluation spend decoding. A second table
+checks, in fp32, that every sentence's generated tokens are identical between the loops for each option of greedy
+and beam search in `SEARCHES` (issue 20, item 3).
 
 bench_translation.py measures speed on identical work (random weights, a fixed output length, against Marian and
 CTranslate2); this measures what the lean loop changes on a real model, where sentences stop at different steps.
@@ -22,6 +25,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Column, command_line, csv_of, pick_device, resolve_corpus, result_name, write_report  # noqa: E402
 
 LOOPS = ("transformers", "lean")
+# Frequent French words, whose token ids (as sentence-initial words) `bad_words_ids` bans in SEARCHES.
+BAD_WORDS = ["le", "la", "est", "pas"]
+
+
+def searches(bad_words_ids: list[list[int]], eos_token_id: int) -> dict[str, dict]:
+    """Options of greedy and beam search that change which hypotheses are kept or when decoding stops: the tiny-model
+    matrix of tests/test_decoding.py, here on a trained model and real sentences."""
+    return {
+        "greedy": dict(num_beams=1),
+        "greedy, max_new_tokens=6": dict(num_beams=1, max_new_tokens=6),
+        "greedy, max_length=8": dict(num_beams=1, max_length=8),
+        "greedy, bad_words_ids": dict(num_beams=1, bad_words_ids=bad_words_ids),
+        "greedy, forced_eos_token_id, max_new_tokens=8": dict(num_beams=1, forced_eos_token_id=eos_token_id,
+                                                              max_new_tokens=8),
+        "beam 4": dict(num_beams=4),
+        "beam 5": dict(num_beams=5),
+        "beam 4, length_penalty=0.6": dict(num_beams=4, length_penalty=0.6),
+        "beam 4, early_stopping=True": dict(num_beams=4, early_stopping=True),
+        "beam 4, early_stopping=never, length_penalty=1.5": dict(num_beams=4, early_stopping="never",
+                                                                 length_penalty=1.5),
+        "beam 5, num_return_sequences=3": dict(num_beams=5, num_return_sequences=3),
+        "beam 4, max_new_tokens=6": dict(num_beams=4, max_new_tokens=6),
+        "beam 4, max_length=8": dict(num_beams=4, max_length=8),
+        "beam 4, bad_words_ids": dict(num_beams=4, bad_words_ids=bad_words_ids),
+        "beam 4, forced_eos_token_id, max_new_tokens=8": dict(num_beams=4, forced_eos_token_id=eos_token_id,
+                                                              max_new_tokens=8),
+    }
 
 
 def run(args: argparse.Namespace, argv) -> Path:
@@ -55,6 +85,7 @@ def run(args: argparse.Namespace, argv) -> Path:
             })
             print(rows[-1], flush=True)
         del models
+    equality = identical_tokens(args, sources) if "fp32" in args.precisions else []
     columns = [
         Column("precision", "precision"),
         Column("loop", "decoding loop"),
@@ -76,10 +107,48 @@ def run(args: argparse.Namespace, argv) -> Path:
         "sentence, so its matrix products are shaped differently) can move that scale and round a whole tensor "
         "differently, so in int8 a few translations may differ between two numerically equivalent loops.",
     ]
+    equality_table = ("Token-identical outputs, fp32", equality, [
+        Column("search", "generate() options"),
+        Column("sentences", "sentences"),
+        Column("identical", "identical token ids"),
+    ])
+    notes.append("Token-identical outputs: generate() of each loop on the same batches (batch_size sentences, longest "
+                 "first), a sentence counted identical when all its returned sequences have the same token ids, padding "
+                 f"aside; bad_words_ids bans {', '.join(BAD_WORDS)} (their token ids as sentence-initial words); "
+                 "max_new_tokens=20 unless the row sets a length.")
     json_path, _ = write_report(result_name(args, "decoding-loops", device), "Decoding loops on a trained model",
                                 command_line(__file__, argv), device, vars(args) | {"model": args.model}, rows,
-                                columns, notes, args.results_dir)
+                                columns, notes, args.results_dir, extra_tables=[equality_table] if equality else [])
     return json_path
+
+
+def identical_tokens(args: argparse.Namespace, sources) -> list[dict]:
+    """For each of `searches`, how many sentences get the same token ids from both loops (fp32)."""
+    model, tokenizer = load_translator(args.model, args.device)
+    bad_words_ids = tokenizer(BAD_WORDS, add_special_tokens=False)["input_ids"]
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
+    batches = [[sources[i] for i in order[start:start + args.batch_size]]
+               for start in range(0, len(order), args.batch_size)]
+    rows = []
+    for name, search in searches(bad_words_ids, model.config.eos_token_id).items():
+        if "max_length" not in search:
+            search = {"max_new_tokens": 20, **search}
+        identical = 0
+        for batch in batches:
+            inputs = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
+            reference, lean = (_rows(model.generate(**inputs, **search, lean_decoding=lean), len(batch),
+                                     tokenizer.pad_token_id) for lean in (False, True))
+            identical += sum(a == b for a, b in zip(reference, lean))
+        rows.append({"search": name, "sentences": len(sources), "identical": identical})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _rows(output, sentences: int, pad_token_id: int) -> list[list[list[int]]]:
+    """generate()'s output (sentences × returned sequences, length) as each sentence's sequences without padding."""
+    sequences = [[token for token in row if token != pad_token_id] for row in output.tolist()]
+    per_sentence = len(sequences) // sentences
+    return [sequences[i * per_sentence:(i + 1) * per_sentence] for i in range(sentences)]
 
 
 def build_parser() -> argparse.ArgumentParser:

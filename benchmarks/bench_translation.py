@@ -18,6 +18,7 @@ batch by batch. In one shared process, CTranslate2 and PyTorch slow each other d
 """
 
 import argparse
+import functools
 import multiprocessing
 import os
 import sys
@@ -53,15 +54,15 @@ from common import (  # noqa: E402
     write_report,
 )
 
-ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-lean": "Vaswani lean", "vaswani-int8": "Vaswani int8",
-                 "vaswani-int8-lean": "Vaswani int8 lean", "vaswani-compiled": "Vaswani compiled",
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop", "vaswani-int8": "Vaswani int8",
+                 "vaswani-int8-hfloop": "Vaswani int8 transformers' loop", "vaswani-compiled": "Vaswani compiled",
                  "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32"}
-TORCH_OPTIONS = {"int8", "lean", "graphs", "compiled"}
+TORCH_OPTIONS = {"int8", "hfloop", "graphs", "compiled"}
 
-DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-compiled", "marian"]
-DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-lean", "vaswani-int8", "vaswani-int8-lean", "marian", "ct2-float32", "ct2-int8",
-                       "vaswani-ct2-int8"]
+DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-hfloop", "vaswani-graphs", "vaswani-compiled", "marian"]
+DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
+                       "ct2-int8", "vaswani-ct2-int8"]
 
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
@@ -69,14 +70,14 @@ DEFAULT_NEW_TOKENS = 16
 
 
 class TorchEngine:
-    """A transformers model translating through `generate()`, as a user would call it. Options, joined to the
-    model's name with dashes (`vaswani-int8-lean`):
+    """A transformers model translating through `generate()`, as a user would call it (a Vaswani model's decodes
+    with its lean loop, `vaswani.generation_vaswani`). Options, joined to the model's name with dashes
+    (`vaswani-int8-hfloop`):
 
     * `int8`: `vaswani.inference.quantize_for_cpu` (fp32 weights quantized once at load) and
-      `keep_freed_cpu_memory()`, as `--int8` does in the scripts;
-    * `lean`: `vaswani.decoding.use_lean_decoding`, which the scripts always use (`vaswani-int8-lean` is the
-      scripts' `--int8` path whole);
-    * `graphs`: `use_lean_decoding(model, cuda_graphs=True)`: static shapes, each decoding step recorded once as a
+      `keep_freed_cpu_memory()`, as `--int8` does in the scripts (`vaswani-int8` is the scripts' `--int8` path);
+    * `hfloop`: transformers' own decoding loop (`generate(..., lean_decoding=False)`);
+    * `graphs`: `generate(..., cuda_graphs=True)`: static shapes, each decoding step recorded once as a
       CUDA graph and replayed by later batches of the same shape (on a CPU the same steps run as they are);
     * `compiled`: `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV cache and the decoding step
       under torch.compile, greedy and beam search alike; with `graphs`, the compiled steps are what the CUDA graphs
@@ -86,14 +87,16 @@ class TorchEngine:
         self.attention_kernel = attention_kernel
         base, *options = name.split("-")
         if set(options) - TORCH_OPTIONS or (base == "marian" and options):
-            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-lean|-graphs][-compiled] or marian.")
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-hfloop|-graphs][-compiled] or marian.")
         self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
         if "int8" in options:
             self.model = quantize_for_cpu(self.model)
             keep_freed_cpu_memory()
-        if "lean" in options or "graphs" in options:
-            self.model = use_lean_decoding(self.model, cuda_graphs="graphs" in options)
+        if "hfloop" in options:
+            self.model.generate = functools.partial(self.model.generate, lean_decoding=False)
+        if "graphs" in options:
+            self.model = use_lean_decoding(self.model, cuda_graphs=True)
         if "compiled" in options:
             self.model = compile_for_generation(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
@@ -349,9 +352,10 @@ def run(args: argparse.Namespace, argv) -> Path:
         "default attention implementation (sdpa). Vaswani int8 = the same fp32 model after "
         "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
         "int8 weights per output channel, activations quantized per call) with keep_freed_cpu_memory(). "
-        "Vaswani lean = generate() with vaswani.decoding's decoding loop (use_lean_decoding: the same tokens, less "
-        "work per step); Vaswani CUDA graphs = the same with cuda_graphs=True (static shapes, every step a "
-        "replayed CUDA graph); Vaswani int8 lean is what the scripts' --int8 runs. CTranslate2 int8 = int8 weights, "
+        "Vaswani = generate() as users call it, which decodes with the lean loop of vaswani.generation_vaswani "
+        "(the same tokens as transformers' loop, less work per step); Vaswani transformers' loop = "
+        "generate(..., lean_decoding=False); Vaswani CUDA graphs = generate(..., cuda_graphs=True) (static "
+        "shapes, every step a replayed CUDA graph); Vaswani int8 is what the scripts' --int8 runs. CTranslate2 int8 = int8 weights, "
         "dynamically quantized activations; inter_threads 1, intra_threads = torch threads. Vaswani→CT2 = the Vaswani "
         "weights exported by vaswani.export.export_to_ctranslate2 and run by CTranslate2 with the same settings.",
         ("Every engine ran in a process of its own (the parent interleaves them batch by batch). "
@@ -478,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani[-int8 (CPU only)][-lean|-graphs][-compiled], marian, ct2-<compute type> "
+                        help="vaswani[-int8 (CPU only)][-hfloop|-graphs][-compiled], marian, ct2-<compute type> "
                         "(CTranslate2 running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), "
                         "vaswani-ct2-<compute type> (CTranslate2 running the exported Vaswani model); default: "
                         f"{','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")

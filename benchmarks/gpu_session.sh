@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a few minutes (compilation)
 #   bash benchmarks/gpu_session.sh training     # bench_training.py: tiny, base, big; Vaswani eager and compiled, Marian
 #   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 256 and 32 over all 3,000 sentences,
-#                                               #   greedy and beam 4: Vaswani eager, lean, CUDA graphs; Marian
+#                                               #   greedy and beam 4: Vaswani (lean loop), transformers' loop, CUDA graphs; Marian
 #   bash benchmarks/gpu_session.sh translation-compiled  # the same for compile_for_generation, alone and under graphs
 #   bash benchmarks/gpu_session.sh translation-batch1    # as `translation`, at batch 1 over the first 100 draws
 #   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
@@ -46,7 +46,7 @@ for stage in "$@"; do
         translation|translation-compiled|translation-batch1)
             # vaswani-graphs[-compiled] only once their own CUDA test has passed here (it checks their outputs too);
             # --keep_going drops an engine that fails anyway (a crash included) and names it in the report.
-            engines=vaswani,vaswani-lean graphs=vaswani-graphs test=eager
+            engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
             [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
             if run timeout 150 python3 -m pytest -q -m gpu tests/test_decoding.py -k "cuda_graphs and $test" \
                    -p no:cacheprovider; then

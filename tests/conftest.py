@@ -13,6 +13,18 @@ import torch
 from vaswani import VaswaniConfig
 
 FIRST_ORDINARY_ID = 4
+# The start of a script for a fresh process in which `import vaswani` fails, as for a Hub user without the package:
+# it drops every path entry that holds the package (the editable install adds src/ through a .pth file).
+WITHOUT_THE_PACKAGE = """
+import os, sys
+sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "vaswani"))]
+try:
+    import vaswani
+except ImportError:
+    pass
+else:
+    raise SystemExit("vaswani is importable in the fresh process: the test would prove nothing")
+"""
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 

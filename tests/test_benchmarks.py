@@ -66,7 +66,7 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
 
 @pytest.mark.parametrize("same_process", [False, True], ids=["process-per-engine", "same-process"])
 def test_translation_benchmark(corpus, tmp_path, same_process):
-    engines = "vaswani-int8-lean,marian" if same_process else "vaswani,vaswani-lean,vaswani-graphs,marian"
+    engines = "vaswani-int8,marian" if same_process else "vaswani,vaswani-hfloop,vaswani-graphs,marian"
     if importlib.util.find_spec("ctranslate2") and not same_process:
         engines += ",ct2-int8,vaswani-ct2-int8"
     path = load("bench_translation").main(
@@ -96,7 +96,7 @@ def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_pat
 
     def failing_on_second_call(name, **spec):
         engine = make_engine(name=name, **spec)
-        if name == "vaswani-lean":
+        if name == "vaswani-hfloop":
             calls = iter(range(100))
             original = engine.timed_translate
             engine.timed_translate = lambda *a: original(*a) if next(calls) < 1 else 1 / 0
@@ -105,13 +105,13 @@ def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_pat
     monkeypatch.setattr(module, "make_engine", failing_on_second_call)
     path = module.main(
         common_args(corpus, tmp_path)
-        + ["--sizes", "tiny", "--engines", "vaswani,vaswani-lean,marian", "--batch_sizes", "4", "--beams", "1,2",
+        + ["--sizes", "tiny", "--engines", "vaswani,vaswani-hfloop,marian", "--batch_sizes", "4", "--beams", "1,2",
            "--num_sentences", "8", "--new_tokens", "3", "--same_process", "--keep_going"]
     )
     report = check_report(path, "bench_translation", {"engine", "tokens_per_s"})
     assert [(row["engine"], row["beams"]) for row in report["results"]] == [
         ("vaswani", 1), ("marian", 1), ("vaswani", 2), ("marian", 2)]
-    assert "Vaswani lean failed and was left out from then on (--keep_going): ZeroDivisionError in timed_translate" \
+    assert "Vaswani transformers' loop failed and was left out from then on (--keep_going): ZeroDivisionError in timed_translate" \
         in path.with_suffix(".md").read_text()
 
 
@@ -182,6 +182,8 @@ def test_decoding_loops_benchmark(corpus, tmp_path):
         ("fp32", "transformers"), ("fp32", "lean"), ("int8", "transformers"), ("int8", "lean")]
     assert all(row["sentences"] == 8 for row in report["results"])
     assert report["results"][1]["identical_to_transformers"] == 8  # fp32: the lean loop's outputs are generate()'s
+    equality = report["Token-identical outputs, fp32"]
+    assert len(equality) == 15 and all(row["identical"] == row["sentences"] == 8 for row in equality)
 
 
 def test_training_engine_names():

@@ -1,6 +1,7 @@
-"""`vaswani.decoding`: generate() with the lean decoding loop returns what generate() without it returns (issue 4:
-"outputs stay identical to the reference path"), for greedy and beam search with their options, across model
-variants, padded batches and int8 weights; what it does not cover falls back to transformers' own loop."""
+"""The lean decoding loop (`vaswani.generation_vaswani`, behind every `generate()` call of a Vaswani translation
+model): generate() returns what it returns with transformers' loop (`lean_decoding=False`; issue 4: "outputs stay
+identical to the reference path"), for greedy and beam search with their options, across model variants, padded
+batches and int8 weights; what it does not cover falls back to transformers' own loop."""
 
 import contextlib
 import copy
@@ -10,26 +11,42 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
-from vaswani.decoding import _top_k, decode, use_lean_decoding
+import vaswani.generation_vaswani as generation_vaswani
+from vaswani.decoding import decode, use_lean_decoding
+from vaswani.generation_vaswani import _top_k
 from vaswani.inference import quantize_for_cpu
 
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 # Uneven lengths, so that the batch is padded and sentences finish at different steps.
 SENTENCES = SOURCES + ["the cat", "a tree under the bird"]
+# Tokens that the tiny model writes often, so that banning them changes its translations.
+BAD_WORDS = [[40], [62, 55]]
+# The options among SEARCHES that generate() turns into logits processors.
+LOGITS_PROCESSORS = {"no_repeat_ngram_size", "bad_words_ids", "forced_eos_token_id"}
 # Every option of greedy and beam search that changes which hypotheses are kept or when decoding stops.
 SEARCHES = [
     dict(num_beams=1),
     dict(num_beams=1, max_new_tokens=5),
+    dict(num_beams=1, max_length=7),
     dict(num_beams=1, no_repeat_ngram_size=2),  # a logits processor
+    dict(num_beams=1, bad_words_ids=BAD_WORDS),
+    dict(num_beams=1, forced_eos_token_id=1, max_new_tokens=6),
     dict(num_beams=1, eos_token_id=None, max_new_tokens=12),
     dict(num_beams=4),
+    dict(num_beams=5),
     dict(num_beams=3, length_penalty=0.6),
     dict(num_beams=4, early_stopping=True),
+    dict(num_beams=4, early_stopping=False, length_penalty=2.0),
     dict(num_beams=4, early_stopping="never", length_penalty=1.5),
+    dict(num_beams=5, early_stopping=True, length_penalty=0.0),
     dict(num_beams=4, num_return_sequences=3),
+    dict(num_beams=5, num_return_sequences=5, early_stopping="never"),
     dict(num_beams=4, max_new_tokens=5),
+    dict(num_beams=4, max_length=7),
     dict(num_beams=4, no_repeat_ngram_size=2),
+    dict(num_beams=4, bad_words_ids=BAD_WORDS),
+    dict(num_beams=5, forced_eos_token_id=1, max_new_tokens=6),
     dict(num_beams=2, eos_token_id=None, max_new_tokens=12),
 ]
 VARIANTS = {
@@ -46,10 +63,23 @@ def trained():
 
 
 def _generate_both(model, batch, cuda_graphs=False, **search):
-    search = {"max_new_tokens": 20, **search}
-    with torch.no_grad():  # as generate() itself (under inference_mode, host reads escape the HOST_READS check)
-        reference = model.generate(**batch, **search)
-        lean = model.generate(**batch, **search, custom_generate=decode, cuda_graphs=cuda_graphs)
+    """generate() with transformers' loop and with the lean one (checked to have run: not a silent fallback)."""
+    if "max_length" not in search:
+        search = {"max_new_tokens": 20, **search}
+    loops = ("_greedy", "_beam", "_greedy_static", "_beam_static")
+    originals = {name: getattr(generation_vaswani, name) for name in loops}
+    ran = []
+    try:
+        for name, original in originals.items():
+            setattr(generation_vaswani, name, lambda *a, _f=original, _n=name, **k: ran.append(_n) or _f(*a, **k))
+        with torch.no_grad():  # as generate() itself (under inference_mode, host reads escape the HOST_READS check)
+            reference = model.generate(**batch, **search, lean_decoding=False)
+            assert ran == []
+            lean = model.generate(**batch, **search, cuda_graphs=cuda_graphs)
+    finally:
+        for name, original in originals.items():
+            setattr(generation_vaswani, name, original)
+    assert len(ran) == 1, ran
     return reference, lean
 
 
@@ -81,30 +111,12 @@ def test_lean_decoding_of_the_int8_model(trained):
         assert torch.equal(reference, lean), search
 
 
-def test_the_decoding_loop_is_the_lean_one(trained, monkeypatch):
-    """Not a silent fallback: the covered calls go through the lean loops, and transformers' are never called."""
-    import vaswani.decoding as decoding
-
-    model, tokenizer = trained
-    batch = tokenizer(SENTENCES[:2], return_tensors="pt", padding=True)
-    calls = []
-    for name in ("_greedy", "_beam"):
-        original = getattr(decoding, name)
-        monkeypatch.setattr(decoding, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    for name in ("_sample", "_beam_search"):
-        monkeypatch.setattr(type(model), name, lambda *a, **k: pytest.fail("transformers' loop ran"))
-    lean = use_lean_decoding(copy.deepcopy(model))
-    lean.generate(**batch, num_beams=1, max_new_tokens=4)
-    lean.generate(**batch, num_beams=3, max_new_tokens=4)
-    assert calls == ["_greedy", "_beam"]
-
-
 def test_uncovered_calls_fall_back_to_transformers(trained):
     model, tokenizer = trained
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     for search in (dict(do_sample=True, top_k=5), dict(do_sample=True, num_beams=2)):
         torch.manual_seed(3)
-        reference = model.generate(**batch, **search)
+        reference = model.generate(**batch, **search, lean_decoding=False)
         torch.manual_seed(3)
         assert torch.equal(reference, model.generate(**batch, **search, custom_generate=decode)), search
     scored = model.generate(**batch, num_beams=2, output_scores=True, return_dict_in_generate=True,
@@ -116,10 +128,11 @@ def test_use_lean_decoding_binds_every_call_and_keeps_per_call_overrides(trained
     model, tokenizer = trained
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     lean = use_lean_decoding(copy.deepcopy(model))
-    assert torch.equal(lean.generate(**batch, num_beams=4), model.generate(**batch, num_beams=4))
+    assert torch.equal(lean.generate(**batch, num_beams=4), model.generate(**batch, num_beams=4, lean_decoding=False))
     config = GenerationConfig(num_beams=2, max_new_tokens=6, decoder_start_token_id=model.config.decoder_start_token_id,
                               eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id)
-    assert torch.equal(lean.generate(**batch, generation_config=config), model.generate(**batch, generation_config=config))
+    assert torch.equal(lean.generate(**batch, generation_config=config),
+                       model.generate(**batch, generation_config=config, lean_decoding=False))
 
 
 def test_other_generation_modes_are_refused_in_one_sentence(trained):
@@ -170,12 +183,12 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     for int8 in (False, True):
         loaded, _ = load_translator(str(tmp_path), device="cpu", int8=int8)
-        assert loaded.generate.keywords["custom_generate"] is decode
+        assert "generate" not in vars(loaded)  # the class's own method, which decodes with the lean loop
     plain, _ = load_translator(str(tmp_path), device="cpu", decoding="transformers")
-    assert "generate" not in vars(plain)  # the class's own method
+    assert plain.generate.keywords == {"lean_decoding": False}
     graphs, _ = load_translator(str(tmp_path), device="cpu", decoding="graphs")
-    assert graphs.generate.keywords == {"custom_generate": decode, "cuda_graphs": True}
-    with pytest.raises(ValueError, match="choose one of auto, lean, graphs, transformers"):
+    assert graphs.generate.keywords == {"model": graphs, "cuda_graphs": True}
+    with pytest.raises(ValueError, match="choose one of lean, graphs, transformers"):
         load_translator(str(tmp_path), device="cpu", decoding="fast")
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     loaded, _ = load_translator(str(tmp_path), device="cpu")
@@ -198,20 +211,18 @@ def test_translate_script_with_either_loop(trained, tmp_path, capsys):
 
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_finished_sentences_leave_the_batch(trained, monkeypatch, num_beams):
-    """Item 5 of vaswani.decoding: the batch shrinks as sentences finish, and the outputs stay generate()'s."""
-    import vaswani.decoding as decoding
-
+    """Item 5 of generation_vaswani: the batch shrinks as sentences finish, and the outputs stay generate()'s."""
     model, tokenizer = trained
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     kept = []
-    original = decoding._keep_rows
-    monkeypatch.setattr(decoding, "_keep_rows", lambda state, sources, rows: kept.append(len(sources)) or original(state, sources, rows))
+    original = generation_vaswani._keep_rows
+    monkeypatch.setattr(generation_vaswani, "_keep_rows", lambda state, sources, rows: kept.append(len(sources)) or original(state, sources, rows))
     reference, lean = _generate_both(model, batch, num_beams=num_beams)
     assert torch.equal(reference, lean)
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(SENTENCES)
 
 
-# Static shapes and CUDA graphs (item 6 of vaswani.decoding) ---------------------------------------------------------
+# Static shapes and CUDA graphs (item 6 of generation_vaswani) ---------------------------------------------------------
 
 # What a recorded CUDA graph cannot contain: reading a device value on the host (`.item()`, `bool(tensor)`, the
 # data-dependent shapes of nonzero/masked_select/unique) and tensors made from host data (a host-to-device copy).
@@ -254,7 +265,6 @@ def replayed_steps(monkeypatch):
     reads, and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
     buffer replaced between batches would go unseen). The model's token-id check is left out: `check_ids` skips
     it while a CUDA graph is being recorded, and only on the CPU is it a host read."""
-    import vaswani.decoding as decoding
     import vaswani.modeling_vaswani as modeling
 
     counts = {"recorded": 0, "replayed": 0, "check": True}  # torch.compile refuses dispatch modes: check=False
@@ -273,11 +283,11 @@ def replayed_steps(monkeypatch):
             recorded[position] = (step, seen.external)
             counts["recorded"] += 1
 
-    monkeypatch.setattr(decoding._StepGraphs, "run", run)
+    monkeypatch.setattr(generation_vaswani._StepGraphs, "run", run)
     monkeypatch.setattr(modeling, "check_ids", lambda ids, invalid, message: None)
-    decoding._static_states.clear()
+    generation_vaswani._static_states.clear()
     yield counts, host_reads
-    decoding._static_states.clear()
+    generation_vaswani._static_states.clear()
 
 
 @pytest.mark.parametrize("search", SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
@@ -292,7 +302,7 @@ def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, 
                                            cuda_graphs=True, **search)
         assert torch.equal(reference, static)
     assert host_reads == []
-    if "no_repeat_ngram_size" in search:
+    if LOGITS_PROCESSORS & set(search):
         assert counts["recorded"] == counts["replayed"] == 0
     else:
         assert counts["recorded"] > 0 and counts["replayed"] > 0
@@ -312,15 +322,13 @@ def test_static_decoding_across_variants(replayed_steps, variant):
 
 def test_static_decoding_keeps_one_state_per_shape(trained, replayed_steps):
     """Batches of one shape share buffers and steps; another batch size or a longer source gets its own."""
-    import vaswani.decoding as decoding
-
     model, tokenizer = trained
     model = use_lean_decoding(copy.deepcopy(model), cuda_graphs=True)
     long_sentence = " ".join(["the cat sat on the mat"] * 8)  # over 32 tokens: the next source length, 64
     for sentences in [*SAME_SHAPE_BATCHES, SENTENCES[:2], [long_sentence, *SENTENCES[:3]]]:
         with torch.no_grad():
             model.generate(**tokenizer(sentences, return_tensors="pt", padding=True), num_beams=2, max_new_tokens=8)
-    shapes = [(state.tokens.shape[0], state.source_len) for state in decoding._static_states[model].values()]
+    shapes = [(state.tokens.shape[0], state.source_len) for state in generation_vaswani._static_states[model].values()]
     assert shapes == [(8, 32), (4, 32), (8, 64)]
 
 
@@ -328,18 +336,16 @@ def test_static_states_do_not_keep_their_model_alive(trained, replayed_steps):
     import gc
     import weakref
 
-    import vaswani.decoding as decoding
-
     model, tokenizer = trained
     model = copy.deepcopy(model)
     for num_beams in (1, 4):
         _generate_both(model, tokenizer(SENTENCES[:2], return_tensors="pt", padding=True), cuda_graphs=True,
                        num_beams=num_beams)
-    assert len(decoding._static_states[model]) == 2
+    assert len(generation_vaswani._static_states[model]) == 2
     dropped = weakref.ref(model)
     del model
     gc.collect()
-    assert dropped() is None and len(decoding._static_states) == 0
+    assert dropped() is None and len(generation_vaswani._static_states) == 0
 
 
 @pytest.mark.slow
@@ -359,7 +365,7 @@ def test_static_decoding_with_a_compiled_forward(trained, replayed_steps):
     for sentences in SAME_SHAPE_BATCHES[:2]:
         batch = tokenizer(sentences, return_tensors="pt", padding=True)
         with torch.no_grad():
-            assert torch.equal(model.generate(**batch, num_beams=4, max_new_tokens=20),
+            assert torch.equal(model.generate(**batch, num_beams=4, max_new_tokens=20, lean_decoding=False),
                                compiled.generate(**batch, num_beams=4, max_new_tokens=20))
     assert counts["replayed"] > 0
     assert not torch._dynamo.utils.counters["graph_break"]
@@ -372,7 +378,6 @@ def test_static_decoding_with_a_compiled_forward(trained, replayed_steps):
 def test_cuda_graphs_return_what_generate_returns(trained, num_beams, compiled):
     """The recorded and replayed CUDA graphs on a GPU, of the eager or the compiled forward: the outputs of
     generate() without them, batch after batch."""
-    import vaswani.decoding as decoding
     from vaswani.inference import compile_for_generation
 
     reference_model, tokenizer = trained
@@ -383,9 +388,8 @@ def test_cuda_graphs_return_what_generate_returns(trained, num_beams, compiled):
     for sentences in SAME_SHAPE_BATCHES:
         batch = tokenizer(sentences, return_tensors="pt", padding=True).to("cuda")
         with torch.no_grad():
-            reference = reference_model.generate(**batch, num_beams=num_beams, max_new_tokens=20)
-            graphed = model.generate(**batch, num_beams=num_beams, max_new_tokens=20, custom_generate=decode,
-                                     cuda_graphs=True)
+            reference = reference_model.generate(**batch, num_beams=num_beams, max_new_tokens=20, lean_decoding=False)
+            graphed = model.generate(**batch, num_beams=num_beams, max_new_tokens=20, cuda_graphs=True)
         assert torch.equal(reference, graphed)
-    (state,) = decoding._static_states[model].values()
+    (state,) = generation_vaswani._static_states[model].values()
     assert state.graphs.graphs  # recorded, and replayed by the later batches

@@ -203,7 +203,9 @@ def test_single_query_cpu_steps_use_the_plain_path(monkeypatch):
     monkeypatch.setattr(modeling, "eager_attention_forward", spy)
     actual = model.generate(input_ids=source, attention_mask=mask, **kwargs)
     assert torch.equal(actual, expected)
-    assert query_lengths and set(query_lengths) == {1}  # only decoding steps; the encoder ran sdpa
+    # Only decoding steps (the encoder ran sdpa): one query per row in self-attention, and in cross-attention one
+    # per beam of a sentence, which the lean beam search attends with together.
+    assert query_lengths and set(query_lengths) == {1, kwargs["num_beams"]}
 
 
 _FREED_MEMORY_KEPT = """

@@ -119,6 +119,7 @@ def test_push_then_load_back_through_the_hub_stand_in(checkpoint, model_and_toke
         uploaded = hub.files(REPO_ID)
         local = {path.name: path.read_bytes() for path in checkpoint.iterdir() if path.is_file()}
         del local["optimizer.pt"]  # training state stays local, as does checkpoint-10/
+        local["custom_generate/generate.py"] = (checkpoint / "custom_generate" / "generate.py").read_bytes()
         readme = local.pop("README.md").decode().replace(REPO_ID_PLACEHOLDER, REPO_ID).encode()
         assert uploaded.pop("README.md") == readme
         assert uploaded == local
@@ -142,7 +143,8 @@ generated = model.generate(**inputs, num_beams=1, max_new_tokens=8)
 translator = pipeline("translation", model={REPO_ID!r}, trust_remote_code=True, device="cpu")
 print(json.dumps({{"input_ids": inputs["input_ids"].tolist(), "logits": logits.tolist(),
                    "generated": generated.tolist(), "model_module": type(model).__module__,
-                   "tokenizer_module": type(tokenizer).__module__, "pipeline_module": type(translator).__module__}}))
+                   "tokenizer_module": type(tokenizer).__module__, "pipeline_module": type(translator).__module__,
+                   "generate_module": model.generate.func.__module__}}))
 """
         hub_home = checkpoint.parent / "fresh_hf_home"  # empty cache: every file must come from the stand-in
         env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(hub_home)}
@@ -157,3 +159,4 @@ print(json.dumps({{"input_ids": inputs["input_ids"].tolist(), "logits": logits.t
     assert loaded["generated"] == expected_ids.tolist()
     # All three came from the code files in the repository, not from an installed package.
     assert all(loaded[f"{kind}_module"].startswith("transformers_modules.") for kind in ("model", "tokenizer", "pipeline"))
+    assert loaded["generate_module"].endswith(".custom_generate.generate")  # generate() is the repository's

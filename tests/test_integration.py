@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import vaswani
-from conftest import padded_batch, random_ids, tiny_config
+from conftest import WITHOUT_THE_PACKAGE, padded_batch, random_ids, tiny_config
 from vaswani import (
     VaswaniConfig,
     VaswaniEncoderModel,
@@ -68,18 +68,8 @@ def test_save_pretrained_ships_the_code_and_a_complete_auto_map(tmp_path):
     assert set(vaswani.AUTO_CLASSES) == set(AUTO_FACTORIES)
 
 
-REMOTE_SCRIPT = textwrap.dedent(
+REMOTE_SCRIPT = WITHOUT_THE_PACKAGE + textwrap.dedent(
     """
-    import os, sys
-    # Hide the package: drop every path entry that holds it (the editable install adds src/ through a .pth file).
-    sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "vaswani"))]
-    try:
-        import vaswani
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("vaswani is importable in the fresh process: the test would prove nothing")
-
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoModel, AutoModelForSeq2SeqLM

@@ -41,27 +41,26 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
-DECODING_LOOPS = ("auto", "lean", "graphs", "transformers")
+DECODING_LOOPS = ("lean", "graphs", "transformers")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """`--int8` and `--decoding`, for scripts that decode (passed on to `load_translator`)."""
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
-    parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
-                        help="the loop behind generate(): lean (vaswani.decoding: the same outputs, less work per "
-                        "step), graphs (lean with each step a replayed CUDA graph, for GPUs), transformers (its own), "
-                        "or auto: lean on a CPU, transformers elsewhere")
+    parser.add_argument("--decoding", choices=DECODING_LOOPS, default="lean",
+                        help="the loop behind generate(): lean (the default, vaswani.generation_vaswani: the same "
+                        "outputs, less work per step), graphs (lean with each step a replayed CUDA graph, for GPUs), "
+                        "or transformers (its own)")
 
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
-                    int8: bool = False, decoding: str = "auto"):
+                    int8: bool = False, decoding: str = "lean"):
     """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it; with
     `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory reused). `decoding`
-    chooses the loop behind `generate()` (`DECODING_LOOPS`): "lean" is `vaswani.decoding`'s (the same outputs),
-    "graphs" the same with `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU),
-    "transformers" its own, "auto" the lean one on a CPU (measured faster there, benchmarks/README.md) and
-    transformers' elsewhere (until the GPU benchmark has measured the other two there).
+    chooses the loop behind `generate()` (`DECODING_LOOPS`): "lean" is the model's own (`generation_vaswani`, the
+    same outputs as transformers' loop), "graphs" the same with `cuda_graphs=True` (static shapes, each step a
+    replayed CUDA graph on a GPU), "transformers" transformers' own loop (`lean_decoding=False`).
 
     Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
     only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
@@ -101,8 +100,10 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
     if int8:
         model = quantize_for_cpu(model)
         keep_freed_cpu_memory()
-    if decoding in ("lean", "graphs") or (decoding == "auto" and device.type == "cpu"):
-        model = use_lean_decoding(model, cuda_graphs=decoding == "graphs")
+    if decoding == "graphs":
+        model = use_lean_decoding(model, cuda_graphs=True)
+    elif decoding == "transformers":
+        model.generate = functools.partial(model.generate, lean_decoding=False)
     return model, tokenizer
 
 

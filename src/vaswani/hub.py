@@ -6,6 +6,7 @@ sentences, CC-BY 2.0 France), so `push_to_hub` never uploads a checkpoint withou
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import shutil
@@ -32,11 +33,11 @@ TATOEBA_ATTRIBUTION = "Tatoeba via manythings.org, CC-BY 2.0 — Attribution: ww
 REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
 
 # Top-level files of a checkpoint directory that belong on the Hub: configs and metrics (json), weights, module
-# files, the card, and vocabularies of other tokenizer types (txt, SentencePiece .model, Marian's .spm). Anything in
-# subdirectories (Trainer `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states,
-# `training_args.bin`) stay local.
+# files, the card, and vocabularies of other tokenizer types (txt, SentencePiece .model, Marian's .spm); and the
+# generation code that transformers loads from `custom_generate/`. Anything in other subdirectories (Trainer
+# `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states, `training_args.bin`) stay local.
 UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model", "*.spm"]
-LOCAL_ONLY_PATTERNS = ["*/*"]
+CUSTOM_GENERATE_FILES = ["custom_generate/generate.py"]
 
 _REPORTED_METRICS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}
 
@@ -47,7 +48,8 @@ def attach_translation_pipeline(model, save_directory: str | Path) -> None:
 
     Records the pipeline in `model.config.custom_pipelines` (written to config.json by the next save) and copies
     pipeline_vaswani.py into `save_directory`. Call it just before `model.save_pretrained(save_directory)` or
-    `trainer.save_model(save_directory)`: the model's own save copies only the modeling and configuration files.
+    `trainer.save_model(save_directory)`. Every later save of the model, also as remote code without this package,
+    copies the file again, because config.json names it (`VaswaniPreTrainedModel.save_pretrained`).
     """
     model.config.custom_pipelines = {"translation": dict(TRANSLATION_PIPELINE_ENTRY)}
     Path(save_directory).mkdir(parents=True, exist_ok=True)
@@ -158,10 +160,11 @@ def push_to_hub(
 ) -> str:
     """Create `repo_id` if needed and upload the checkpoint in `output_dir` in one commit; returns the commit URL.
 
-    Uploads the top-level weights, configs, tokenizer files, module files and README.md, nothing from
-    subdirectories (see `UPLOAD_PATTERNS`). Raises FileNotFoundError if the directory or a needed file is
-    missing. Without a README.md, a model card without scores is written first, for the data attribution; a card
-    written before the repository id was known gets it filled in. `token` defaults to the logged-in user's.
+    Uploads the top-level weights, configs, tokenizer files, module files and README.md, and the generation code
+    in `custom_generate/`, nothing else from subdirectories (see `UPLOAD_PATTERNS`). Raises FileNotFoundError if
+    the directory or a needed file is missing. Without a README.md, a model card without scores is written first,
+    for the data attribution; a card written before the repository id was known gets it filled in. `token` defaults
+    to the logged-in user's.
     """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -183,10 +186,18 @@ def push_to_hub(
         repo_id=repo_id,
         folder_path=output_dir,
         commit_message=commit_message,
-        allow_patterns=UPLOAD_PATTERNS,
-        ignore_patterns=LOCAL_ONLY_PATTERNS,
+        allow_patterns=_upload_files(output_dir),
     )
     return commit.commit_url
+
+
+def _upload_files(output_dir: Path) -> list[str]:
+    """The checkpoint's files that `push_to_hub` uploads (see UPLOAD_PATTERNS), as paths relative to `output_dir`.
+    Listed rather than given as patterns: huggingface_hub's patterns match across directories ("*.json" also
+    matches "checkpoint-10/config.json")."""
+    top_level = [path.name for path in output_dir.iterdir()
+                 if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in UPLOAD_PATTERNS)]
+    return sorted(top_level) + [name for name in CUSTOM_GENERATE_FILES if (output_dir / name).is_file()]
 
 
 _PAPER = "[Vaswani et al., 2017, *Attention Is All You Need*](https://arxiv.org/abs/1706.03762)"

@@ -8,8 +8,8 @@ every `nn.Linear` weight as int8 (one scale per output row) and quantizes each a
 call, from its observed range), so the GEMMs run on int8 kernels (fbgemm/oneDNN) with int32 accumulation. This is
 what CTranslate2's `int8` compute type does; measured on the base model it gives 2–3× the fp32 speed.
 
-The decoding loop itself is made leaner by `vaswani.decoding` (the same outputs, less work per step), which the
-scripts use on CPUs with or without int8.
+The decoding loop itself is made leaner by `vaswani.generation_vaswani` (the same outputs, less work per step),
+which `generate()` uses with or without int8.
 
 Not a checkpoint format: the model is loaded in fp32 as usual and quantized once, at load time. It is not shipped
 with checkpoints (this module imports the model, not the other way round) and training never sees it.

@@ -13,9 +13,12 @@ Shapes: batch B, source length S, target length T, heads H, key/value heads K, h
 """
 
 import copy
+import inspect
 import math
+import shutil
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +42,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vaswani import VaswaniConfig
+from .generation_vaswani import generate as lean_generate
 
 
 # transformers 5.24 renamed the decoding cache from `past_key_values` to `cache` wherever generate() and the mask
@@ -287,7 +291,7 @@ class VaswaniAttention(nn.Module):
 
         beams = query.shape[0] // key.shape[0]
         if beams > 1:
-            # Beam search with one source row per sentence (`vaswani.decoding`): the consecutive query rows of a
+            # Beam search with one source row per sentence (`generation_vaswani`): the consecutive query rows of a
             # sentence's beams attend to its keys/values together, as beams·q_len queries, instead of against a copy
             # per beam. Same result; the output reshape below splits the queries back into rows.
             query = query.unflatten(0, (key.shape[0], beams)).transpose(1, 2).flatten(2, 3)  # (B/beams, H, beams·q_len, D)
@@ -452,7 +456,27 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             module = self.__class__.__module__.rsplit(".", 1)[-1]  # "modeling_vaswani", also when loaded as remote code
             auto_map = {name: f"{module}.{class_name}" for name, class_name in self._auto_map.items()}
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        saved = super().save_pretrained(save_directory, *args, **kwargs)
+        if self._auto_class is not None and kwargs.get("is_main_process", True):
+            self._save_generation_and_pipeline_code(Path(save_directory))
+        return saved
+
+    def _save_generation_and_pipeline_code(self, save_directory: Path) -> None:
+        """What transformers' own save (this module's file and its relative imports) leaves out, so that a checkpoint
+        stays whole through any save, the stock `Trainer.save_model` of a model loaded as remote code included:
+        `custom_generate/generate.py`, the lean decoding loop that `from_pretrained(..., trust_remote_code=True)`
+        makes the model's generate(), and the translation pipeline file that config.json names."""
+        if self.can_generate() and self.config.is_encoder_decoder:
+            (save_directory / "custom_generate").mkdir(exist_ok=True)
+            shutil.copyfile(inspect.getfile(lean_generate), save_directory / "custom_generate" / "generate.py")
+        pipelines = getattr(self.config, "custom_pipelines", None) or {}
+        if any(entry.get("impl", "").startswith("pipeline_vaswani.") for entry in pipelines.values()):
+            # A relative import, so that transformers fetches this file with the remote modeling code, and the
+            # copy below finds it next to this module wherever it was loaded from.
+            from .pipeline_vaswani import VaswaniTranslationPipeline
+
+            pipeline_file = Path(inspect.getfile(VaswaniTranslationPipeline))
+            shutil.copyfile(pipeline_file, save_directory / pipeline_file.name)
 
     def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
         return reorder_self_attention_cache(cache, beam_idx)  # called by generate()'s beam search
@@ -903,6 +927,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def generate(self, *args, **kwargs):
+        """transformers' `generate()`, decoded by the lean loop of `generation_vaswani` wherever that returns the same
+        outputs (greedy and beam search), by transformers' own loop otherwise or with `lean_decoding=False`."""
+        return lean_generate(*args, model=self, **kwargs)
 
     @can_return_tuple
     def forward(
