@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import padded_batch, random_ids, tiny_config
 from vaswani import (
+    VaswaniConfig,
     VaswaniForCausalLM,
     VaswaniForConditionalGeneration,
     VaswaniForSequenceClassification,
@@ -117,3 +118,13 @@ def test_causal_lm_left_padding_changes_no_logits(variant):
         for row, length in enumerate(attention_mask.sum(-1).tolist()):
             alone = model(input_ids=input_ids[row : row + 1, -length:]).logits
             torch.testing.assert_close(padded[row : row + 1, -length:], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_the_decoder_side_config_has_the_decoder_vocabulary(separate):
+    """generate() and transformers' common tests read `get_text_config(decoder=True).vocab_size`; the generic flat
+    encoder-decoder view copied `decoder_vocab_size` (None: "the same as vocab_size") onto it."""
+    overrides = {"share_embeddings": False, "decoder_vocab_size": 150} if separate else {}
+    config = VaswaniConfig.tiny(vocab_size=99, **overrides)
+    assert config.get_text_config(decoder=True).vocab_size == (150 if separate else 99)
+    assert config.get_text_config(encoder=True).vocab_size == 99

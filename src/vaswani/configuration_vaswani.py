@@ -129,6 +129,16 @@ class VaswaniConfig(PreTrainedConfig):
         """The decoder's vocabulary: its embedding rows and the output projection's."""
         return self.decoder_vocab_size if self.decoder_vocab_size is not None else self.vocab_size
 
+    def get_text_config(self, decoder=None, encoder=None):
+        """transformers' view of one side of this flat encoder-decoder config (generate() and the common tests read
+        `get_text_config(decoder=True).vocab_size`). Its generic version copies every `decoder_*` field onto the
+        unprefixed name, which would make the decoder's vocabulary our `decoder_vocab_size=None` ("the same as
+        vocab_size"); the decoder side gets its real size instead."""
+        text_config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if text_config is not self and text_config.vocab_size is None:
+            text_config.vocab_size = self.target_vocab_size
+        return text_config
+
     def _check(self) -> None:
         """Fail early, naming the field and the fix, instead of deep inside a matmul."""
         for name in ("vocab_size", "d_model", "num_attention_heads", "num_key_value_heads", "d_ff",
