@@ -8,6 +8,7 @@ works unchanged, and `accelerate launch` / `torchrun` run the same script with D
 
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -106,6 +107,18 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
         metadata={"help": "§5.3: Adam β=(0.9, 0.98), ε=1e-9, lr = d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) "
                           "(inverse square root after linear warm-up; --warmup_steps, default 4000)."},
     )
+    lr_decay_over_time_budget: bool = field(
+        default=False,
+        metadata={"help": "With --max_train_time and --lr_scheduler_type linear or cosine: the schedule decays over "
+                          "the time budget (to zero when it runs out) instead of over --max_steps / the epochs, "
+                          "which a time-limited run never reaches. Warm-up stays in steps."},
+    )
+    ema_decay: float | None = field(
+        default=None,
+        metadata={"help": "Keep an exponential moving average of the weights (decay per step, e.g. 0.99; the "
+                          "effective decay ramps up as min(decay, (1 + step) / (10 + step))) and make it the final "
+                          "model. Off by default, as in the paper (which averages its last checkpoints instead)."},
+    )
     resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in output_dir."})
     overwrite_output_dir: bool = field(
         default=False,
@@ -123,6 +136,21 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}.")
+        if self.lr_decay_over_time_budget:
+            if not self.max_train_time:
+                raise ValueError("--lr_decay_over_time_budget needs --max_train_time, the budget it decays over.")
+            if self.paper_recipe:
+                raise ValueError("--paper_recipe sets the paper's inverse-square-root schedule; "
+                                 "--lr_decay_over_time_budget replaces it. Pass one of them.")
+            if str(self.lr_scheduler_type).split(".")[-1].lower() not in TIME_SCHEDULES:
+                raise ValueError(f"--lr_decay_over_time_budget decays as --lr_scheduler_type "
+                                 f"{' or '.join(TIME_SCHEDULES)}; got {self.lr_scheduler_type}.")
+        if self.ema_decay is not None:
+            if not 0 < self.ema_decay < 1:
+                raise ValueError(f"--ema_decay must be between 0 and 1 (e.g. 0.99), got {self.ema_decay}.")
+            if self.load_best_model_at_end:
+                raise ValueError("--ema_decay makes the averaged weights the final model; --load_best_model_at_end "
+                                 "would replace them. Pass one of them.")
 
 
 def apply_paper_recipe(args: VaswaniTrainingArguments, d_model: int) -> None:
@@ -135,29 +163,82 @@ def apply_paper_recipe(args: VaswaniTrainingArguments, d_model: int) -> None:
     args.learning_rate = d_model**-0.5 * warmup**-0.5
 
 
+# Shapes of the decay over the time budget (--lr_decay_over_time_budget), from 1 at the start to 0 at the end.
+TIME_SCHEDULES = {"linear": lambda done: 1.0 - done, "cosine": lambda done: 0.5 * (1.0 + math.cos(math.pi * done))}
+
+
 class TimeBudgetCallback(TrainerCallback):
     """Stops training once `max_train_time` seconds have passed; the final evaluation and save follow.
-    Under DDP every rank must stop at the same step, so the decision is all-reduced."""
+    `fraction` is the part of the budget spent at the last step's end (what a schedule over the budget reads).
+    Under DDP every rank must stop at the same step and use the same learning rate, so the elapsed time is
+    all-reduced (the slowest rank's)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.start = None
+        self.fraction = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.monotonic()
+        self.fraction = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
-        over = time.monotonic() - self.start >= self.seconds
+        elapsed = time.monotonic() - self.start
         if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor(float(over), device=args.device if args.device.type == "cuda" else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            over = bool(flag.item())
-        if over:
+            shared = torch.tensor(elapsed, dtype=torch.float64, device=args.device if args.device.type == "cuda" else "cpu")
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+            elapsed = float(shared.item())
+        self.fraction = min(elapsed / self.seconds, 1.0)
+        if elapsed >= self.seconds:
             logger.info("Time budget of %.0f s reached at step %d.", self.seconds, state.global_step)
             control.should_training_stop = True
             # A last checkpoint (for --resume) only where checkpoints were asked for; the final model is saved anyway.
             control.should_save = args.save_strategy != "no"
         return control
+
+
+def time_budget_schedule(optimizer, kind: str, warmup_steps: int, budget: TimeBudgetCallback):
+    """A learning-rate schedule over a time budget: linear warm-up over `warmup_steps` steps, then the `kind` decay
+    (`TIME_SCHEDULES`) of the part of the budget spent, read from the budget's callback. The step-based schedules
+    of transformers decay over `max_steps`, which a run stopped by its budget never reaches: a 600 s run that
+    allows 7,830 steps by epoch count stops after ~900, with the rate barely lowered."""
+    decay = TIME_SCHEDULES[kind]
+
+    def factor(step: int) -> float:
+        warm = min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+        return warm * max(0.0, decay(budget.fraction))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class WeightAverageCallback(TrainerCallback):
+    """An exponential moving average of the weights, updated after every optimiser step and copied into the model
+    when training ends, so the final evaluation, save and push use it. The decay ramps up as
+    min(decay, (1 + step) / (10 + step)), so the random initial weights are forgotten quickly. The average lives
+    beside the model (same device, fp32 for low-precision weights) and is not part of resumable checkpoints: a
+    resumed run starts a new average from the resumed weights."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.average = self.parameters = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.average = [p.detach().float().clone() for p in self.parameters]
+        self.updates = 0
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, **kwargs):
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        current = [p.detach().float() if p.dtype != torch.float32 else p.detach() for p in self.parameters]
+        torch._foreach_lerp_(self.average, current, 1.0 - decay)
+
+    @torch.no_grad()
+    def on_train_end(self, args, state, control, **kwargs):
+        for parameter, average in zip(self.parameters, self.average):
+            parameter.copy_(average)
+        self.average = self.parameters = None
 
 
 class TimeBudgetProgressCallback(ProgressCallback):
@@ -196,9 +277,11 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
       which `--resume` ignores and removes. The pickled `training_args.bin` is replaced by `training_args.json`.
     """
 
-    def __init__(self, *args, max_tokens_per_batch: int | None = None, **kwargs):
+    def __init__(self, *args, max_tokens_per_batch: int | None = None, time_budget: TimeBudgetCallback | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.max_tokens_per_batch = max_tokens_per_batch
+        self.time_budget = time_budget
         self._first_bad_step = None
         self._staging_run_dir = None
 
@@ -215,6 +298,15 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
             pin_memory=self.args.dataloader_pin_memory,
         )
         return self.accelerator.prepare(loader)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None and self.args.lr_decay_over_time_budget and self.time_budget is not None:
+            self.lr_scheduler = time_budget_schedule(
+                optimizer or self.optimizer, str(self.args.lr_scheduler_type).split(".")[-1].lower(),
+                self.args.get_warmup_steps(num_training_steps), self.time_budget,
+            )
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -378,7 +470,10 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     validation_features = vdata.tokenize_translation_dataset(validation, tokenizer, data_args.max_length)
     references = validation["references"] if "references" in validation.column_names else None
 
-    callbacks = [TimeBudgetCallback(args.max_train_time)] if args.max_train_time else []
+    time_budget = TimeBudgetCallback(args.max_train_time) if args.max_train_time else None
+    callbacks = [time_budget] if time_budget else []
+    if args.ema_decay is not None:
+        callbacks.append(WeightAverageCallback(args.ema_decay))
     # The final model is pushed once, complete, by `push_to_hub` below; the Trainer's own pushes (a repo set up at
     # the start and an upload at every save) would publish intermediate states.
     push, args.push_to_hub = args.push_to_hub, False
@@ -393,6 +488,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         compute_metrics=build_compute_metrics(tokenizer, references) if args.predict_with_generate else None,
         callbacks=callbacks,
         max_tokens_per_batch=args.max_tokens_per_batch,
+        time_budget=time_budget,
     )
     if args.max_train_time and trainer.pop_callback(ProgressCallback) is not None:  # None: no bar (--disable_tqdm)
         trainer.add_callback(TimeBudgetProgressCallback(args.max_train_time))
