@@ -2,7 +2,8 @@
 # The main job, end to end on CPU: set up, train a small En→Fr Transformer on the Tatoeba fra-eng corpus within a
 # time budget, report multi-reference BLEU/chrF/TER on the held-out test split, translate the seed sentences and
 # write attention heatmaps. Corpus: $VASWANI_FRA_ENG, else ../shared/data/fra-eng/fra_eng.tsv.gz, else a download.
-# Knobs (environment): OUTPUT_DIR, TRAIN_SECONDS, TEST_SENTENCES.
+# Knobs (environment): OUTPUT_DIR, TRAIN_SECONDS, TEST_SENTENCES; arguments are passed on to train_translation.py
+# after the recipe's own, so they override it (benchmarks/main_job_recipe.sh tries recipes that way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -23,7 +24,7 @@ python3 scripts/train_translation.py \
   --adam_beta2 0.98 --adam_epsilon 1e-9 --weight_decay 0.0 \
   --eval_strategy no --save_strategy no --logging_steps 50 --report_to tensorboard \
   --generation_num_beams 4 --per_device_eval_batch_size 64 \
-  --max_test_samples "$TEST_SENTENCES" --seed 0
+  --max_test_samples "$TEST_SENTENCES" --seed 0 "$@"
 
 echo "== Seed sentences =="
 python3 scripts/translate.py --model "$OUTPUT_DIR" --num_beams 4 "I lost." "I'm calm." "I'm home."
