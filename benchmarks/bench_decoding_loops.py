@@ -54,7 +54,12 @@ def searches(bad_words_ids: list[list[int]], eos_token_id: int) -> dict[str, dic
     }
 
 
+PRECISIONS = ("fp32", "int8", "int8-torchao")
+
+
 def run(args: argparse.Namespace, argv) -> Path:
+    if unknown := [precision for precision in args.precisions if precision not in PRECISIONS]:
+        raise SystemExit(f"--precisions: unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}.")
     device = pick_device(args.device, args.threads)
     test = load_translation_dataset(data_file=str(resolve_corpus(args.corpus)))["test"]
     test = test.select(range(min(args.max_samples, len(test))))
@@ -64,6 +69,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         models = {}
         for loop in LOOPS:
             models[loop], tokenizer = load_translator(args.model, args.device, int8=precision == "int8", decoding=loop)
+            if precision == "int8-torchao":
+                quantize_with_torchao(models[loop])
         hypotheses, seconds = {}, {loop: float("inf") for loop in LOOPS}
         for _ in range(args.repeats):
             for loop in LOOPS:
@@ -107,6 +114,11 @@ def run(args: argparse.Namespace, argv) -> Path:
         "sentence, so its matrix products are shaped differently) can move that scale and round a whole tensor "
         "differently, so in int8 a few translations may differ between two numerically equivalent loops.",
     ]
+    if "int8-torchao" in args.precisions:
+        import torchao
+
+        notes.append(f"int8-torchao: torchao {torchao.__version__}'s quantize_(model, "
+                     "Int8DynamicActivationInt8WeightConfig()) on the fp32 checkpoint, eager (no torch.compile).")
     equality_table = ("Token-identical outputs, fp32", equality, [
         Column("search", "generate() options"),
         Column("sentences", "sentences"),
@@ -120,6 +132,14 @@ def run(args: argparse.Namespace, argv) -> Path:
                                 command_line(__file__, argv), device, vars(args) | {"model": args.model}, rows,
                                 columns, notes, args.results_dir, extra_tables=[equality_table] if equality else [])
     return json_path
+
+
+def quantize_with_torchao(model) -> None:
+    """torchao's int8 dynamic-activation / int8-weight quantization, in place: the maintained successor of the
+    `torch.ao.quantization.quantize_dynamic` path behind `--int8` (issue 20, item 7), measured beside it."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
 
 
 def identical_tokens(args: argparse.Namespace, sources) -> list[dict]:
@@ -157,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", default=None, help="the corpus the checkpoint's test split comes from")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--precisions", type=csv_of(str), default=["fp32", "int8"], help="fp32, int8 (CPU only)")
+    parser.add_argument("--precisions", type=csv_of(str), default=["fp32", "int8"], help="fp32, int8 (CPU only: "
+                        "vaswani.inference.quantize_for_cpu, what --int8 runs), int8-torchao (torchao's int8 "
+                        "dynamic quantization; needs the torchao package)")
     parser.add_argument("--max_samples", type=int, default=1000)
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=64, help="scripts/evaluate_bleu.py's default")

@@ -186,6 +186,29 @@ def test_decoding_loops_benchmark(corpus, tmp_path):
     assert len(equality) == 15 and all(row["identical"] == row["sentences"] == 8 for row in equality)
 
 
+def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
+    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8's torch.ao path)."""
+    pytest.importorskip("torchao")
+    from tiny_translation_model import build_model_and_tokenizer
+
+    model, tokenizer = build_model_and_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    path = load("bench_decoding_loops").main(
+        ["--model", str(tmp_path / "model"), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
+         "--repeats", "1", "--precisions", "int8-torchao", "--results_dir", str(tmp_path / "results")]
+    )
+    report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
+    assert [(row["precision"], row["loop"]) for row in report["results"]] == [
+        ("int8-torchao", "transformers"), ("int8-torchao", "lean")]
+    assert any("torchao" in note for note in report["notes"])
+
+
+def test_decoding_loops_benchmark_refuses_an_unknown_precision(tmp_path):
+    with pytest.raises(SystemExit, match="unknown int4; choose from fp32, int8, int8-torchao"):
+        load("bench_decoding_loops").main(["--model", str(tmp_path), "--precisions", "fp32,int4"])
+
+
 def test_training_engine_names():
     """`vaswani-compiled-flex` trains with FlexAttention (CUDA only, so built here, not stepped); other names fail."""
     from vaswani import VaswaniConfig
