@@ -167,14 +167,18 @@ def test_length_buckets_respect_the_token_budget():
         assert width * len(batch) <= 100
 
 
-def test_decoding_loops_benchmark(corpus, tmp_path):
+def _tiny_checkpoint(tmp_path) -> str:
     from tiny_translation_model import build_model_and_tokenizer
 
     model, tokenizer = build_model_and_tokenizer()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def test_decoding_loops_benchmark(corpus, tmp_path):
     path = load("bench_decoding_loops").main(
-        ["--model", str(tmp_path / "model"), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
+        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
          "--repeats", "1", "--results_dir", str(tmp_path / "results")]
     )
     report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
@@ -189,13 +193,8 @@ def test_decoding_loops_benchmark(corpus, tmp_path):
 def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
     """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8's torch.ao path)."""
     pytest.importorskip("torchao")
-    from tiny_translation_model import build_model_and_tokenizer
-
-    model, tokenizer = build_model_and_tokenizer()
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
     path = load("bench_decoding_loops").main(
-        ["--model", str(tmp_path / "model"), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
+        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
          "--repeats", "1", "--precisions", "int8-torchao", "--results_dir", str(tmp_path / "results")]
     )
     report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
