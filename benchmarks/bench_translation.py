@@ -13,8 +13,16 @@ negligible cost), and the count is checked on every output. Only warm runs are t
 Every engine runs in a process of its own, as it would be deployed (`EngineProcess`); the parent interleaves them
 batch by batch. In one shared process, CTranslate2 and PyTorch slow each other down (`--same_process` shows it).
 
+With `--model DIR` the engines run a trained checkpoint instead, as users translate: the first `--num_sentences` of
+its held-out test split, each stopping at its own end of sentence (`--stopping eos`, at most `--max_new_tokens`),
+with forced-length rows beside them (`--stopping forced`). Marian is `vaswani.convert.to_marian` of the checkpoint
+(the same function, so the same translations) and CTranslate2 runs the checkpoint's own export
+(`vaswani.export.export_to_ctranslate2`: CTranslate2's Marian converter assumes Marian's zero-embedding decoder
+start, which a Vaswani checkpoint does not use). Each row counts the translations identical to Vaswani fp32's.
+
     python benchmarks/bench_translation.py                     # GPU defaults: 3,000 sentences, batch 1/32/256
     python benchmarks/bench_translation.py --device cpu --batch_sizes 32 --num_sentences 320
+    python benchmarks/bench_translation.py --device cpu --threads 2 --batch_sizes 32 --model outputs/en-fr-small
 """
 
 import argparse
@@ -28,9 +36,13 @@ from pathlib import Path
 
 import torch
 
+from vaswani.convert import to_marian
+from vaswani.data import load_translation_dataset
 from vaswani.decoding import use_lean_decoding
 from vaswani.export import export_to_ctranslate2
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
+from vaswani.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -45,6 +57,7 @@ from common import (  # noqa: E402
     count_parameters,
     csv_of,
     pick_device,
+    resolve_corpus,
     result_name,
     sample_sentences,
     timed,
@@ -67,6 +80,9 @@ DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int
 # The 3,000-sentence sample's French references (with </s>) average 8.7 tokens under the 32k joint BPE; 95th
 # percentile 14, 99th 18.
 DEFAULT_NEW_TOKENS = 16
+# eos: each sentence stops at its end-of-sentence token (at most --max_new_tokens), as users translate (a trained
+# model only); forced: exactly --new_tokens tokens per sentence, identical work whatever the weights.
+STOPPING = ("eos", "forced")
 
 
 class TorchEngine:
@@ -83,12 +99,16 @@ class TorchEngine:
       under torch.compile, greedy and beam search alike; with `graphs`, the compiled steps are what the CUDA graphs
       record."""
 
-    def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None):
+    def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None, model_dir=None):
         self.attention_kernel = attention_kernel
         base, *options = name.split("-")
-        if set(options) - TORCH_OPTIONS or (base == "marian" and options):
+        if set(options) - TORCH_OPTIONS or (base == "marian" and options) or base not in ("vaswani", "marian"):
             raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-hfloop|-graphs][-compiled] or marian.")
-        self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
+        if model_dir:  # the trained checkpoint, or the Marian model computing the same function
+            self.model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
+            self.model = (to_marian(self.model) if base == "marian" else self.model).to(device.device, device.dtype)
+        else:
+            self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
         if "int8" in options:
             self.model = quantize_for_cpu(self.model)
@@ -101,19 +121,19 @@ class TorchEngine:
             self.model = compile_for_generation(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
 
-    def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
+    def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
+        """Each sentence's generated token ids, without the decoder start token, its end of sentence and padding."""
         width = max(map(len, batch))
         ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
+        # Forced: no stopping on EOS, exactly new_tokens steps (see the module docstring).
+        stopping = {} if stop_at_eos else {"eos_token_id": None}
         with torch.inference_mode(), sdpa_backend(self.attention_kernel):
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=ids != self.pad,
-                num_beams=beams,
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                eos_token_id=None,  # no stopping on EOS: exactly new_tokens steps (see the module docstring)
-            )
-        return [out.shape[1] - 1] * len(batch)  # the first column is the decoder start token
+            out = self.model.generate(input_ids=ids, attention_mask=ids != self.pad, num_beams=beams, do_sample=False,
+                                      max_new_tokens=new_tokens, **stopping)
+        if not stop_at_eos:
+            return out[:, 1:].tolist()  # the first column is the decoder start token
+        eos = self.model.generation_config.eos_token_id
+        return [_until(row, {eos, self.pad}) for row in out[:, 1:].tolist()]
 
     def close(self):
         del self.model
@@ -122,15 +142,21 @@ class TorchEngine:
 class CT2Engine:
     """CTranslate2 (quantized at load time for int8) running either the Marian twin (`ct2-<compute type>`, converted
     by CTranslate2's own Marian converter) or the Vaswani model (`vaswani-ct2-<compute type>`, exported by
-    `vaswani.export.export_to_ctranslate2`). Both are converted once per size into `workdir`."""
+    `vaswani.export.export_to_ctranslate2`). Both are converted once per size into `workdir`. With a trained
+    `checkpoint` (`--model`), `ct2-<compute type>` runs that checkpoint's export."""
 
-    def __init__(self, name, config, tokenizer, device, seed, threads, workdir: Path):
+    def __init__(self, name, config, tokenizer, device, seed, threads, workdir: Path, checkpoint=None):
         import ctranslate2
 
         compute_type = name.rpartition("ct2-")[2]
+        if checkpoint and name.startswith("vaswani-"):
+            raise ValueError(f"Engine {name!r}: with --model, ct2-<compute type> already runs the checkpoint's own "
+                             "CTranslate2 export.")
         source = "vaswani" if name.startswith("vaswani-") else "marian"
-        model_dir = workdir / f"ct2-{source}"
-        if not (model_dir / "model.bin").is_file():
+        model_dir = workdir / ("ct2-checkpoint" if checkpoint else f"ct2-{source}")
+        if checkpoint and not (model_dir / "model.bin").is_file():
+            export_to_ctranslate2(checkpoint, model_dir, force=True)
+        elif not (model_dir / "model.bin").is_file():
             self._convert(source, config, tokenizer, seed, workdir, model_dir)
         self.parameters = None  # counted on the PyTorch rows of the same weights
         self.translator = ctranslate2.Translator(
@@ -140,7 +166,7 @@ class CT2Engine:
             intra_threads=threads or torch.get_num_threads(),
             inter_threads=1,
         )
-        self.tokens = tokenizer.convert_ids_to_tokens
+        self.tokens, self.ids = tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_ids
 
     @staticmethod
     def _convert(source, config, tokenizer, seed, workdir: Path, model_dir: Path) -> None:
@@ -165,16 +191,16 @@ class CT2Engine:
 
         InMemoryConverter(str(config_dir)).convert(str(model_dir), force=True)
 
-    def translate(self, batch: list[list[int]], beams: int, new_tokens: int) -> list[int]:
+    def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
         results = self.translator.translate_batch(
             [self.tokens(s) for s in batch],
             beam_size=beams,
             num_hypotheses=1,
-            min_decoding_length=new_tokens,
+            min_decoding_length=0 if stop_at_eos else new_tokens,
             max_decoding_length=new_tokens,
             max_input_length=0,
         )
-        return [len(r.hypotheses[0]) for r in results]
+        return [self.ids(r.hypotheses[0]) for r in results]  # CTranslate2 leaves the end of sentence out
 
     def close(self):
         del self.translator
@@ -194,15 +220,21 @@ class _MarianVocabulary:
         return self.vocab
 
 
-def make_engine(name, config, tokenizer, device_name, threads, seed, sdpa_backend, workdir, keep_freed_memory):
-    """Build engine `name` in this process; return it as a `LocalEngine`."""
+def _until(row: list[int], stops: set[int]) -> list[int]:
+    """The tokens of `row` before the first of `stops`."""
+    return next((row[:i] for i, token in enumerate(row) if token in stops), row)
+
+
+def make_engine(name, config, tokenizer, device_name, threads, seed, sdpa_backend, workdir, keep_freed_memory,
+                model=None):
+    """Build engine `name` in this process (on checkpoint `model` when given); return it as a `LocalEngine`."""
     device = pick_device(device_name, threads)
     if keep_freed_memory and not keep_freed_cpu_memory():
         raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
     if name.startswith(("ct2-", "vaswani-ct2-")):
-        build = lambda: CT2Engine(name, config, tokenizer, device, seed, threads, workdir)  # noqa: E731
+        build = lambda: CT2Engine(name, config, tokenizer, device, seed, threads, workdir, model)  # noqa: E731
     else:
-        build = lambda: TorchEngine(name, config, tokenizer, device, seed, sdpa_backend)  # noqa: E731
+        build = lambda: TorchEngine(name, config, tokenizer, device, seed, sdpa_backend, model)  # noqa: E731
     return LocalEngine(device, build)
 
 
@@ -214,12 +246,12 @@ class LocalEngine:
         self.engine, self.load_mib = loaded(device, build)
         self.parameters = self.engine.parameters
 
-    def timed_translate(self, batch, beams, new_tokens) -> tuple[list[int], float]:
-        return timed(self.device, lambda: self.engine.translate(batch, beams, new_tokens))
+    def timed_translate(self, batch, beams, new_tokens, stop_at_eos) -> tuple[list[list[int]], float]:
+        return timed(self.device, lambda: self.engine.translate(batch, beams, new_tokens, stop_at_eos))
 
-    def peak_mib(self, batch, beams, new_tokens) -> float | None:
+    def peak_mib(self, batch, beams, new_tokens, stop_at_eos) -> float | None:
         with PeakMemory(self.device) as memory:
-            self.engine.translate(batch, beams, new_tokens)
+            self.engine.translate(batch, beams, new_tokens, stop_at_eos)
         return memory.added_mib
 
     def close(self):
@@ -254,11 +286,11 @@ class EngineProcess:
             raise RuntimeError(f"engine process failed in {method}:\n{value}")
         return value
 
-    def timed_translate(self, batch, beams, new_tokens) -> tuple[list[int], float]:
-        return self._call("timed_translate", batch, beams, new_tokens)
+    def timed_translate(self, batch, beams, new_tokens, stop_at_eos) -> tuple[list[list[int]], float]:
+        return self._call("timed_translate", batch, beams, new_tokens, stop_at_eos)
 
-    def peak_mib(self, batch, beams, new_tokens) -> float | None:
-        return self._call("peak_mib", batch, beams, new_tokens)
+    def peak_mib(self, batch, beams, new_tokens, stop_at_eos) -> float | None:
+        return self._call("peak_mib", batch, beams, new_tokens, stop_at_eos)
 
     def close(self):
         self._call("close")
@@ -291,10 +323,23 @@ def _serve(pipe, spec: dict) -> None:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
+    stopping = args.stopping or (list(STOPPING) if args.model else ["forced"])
+    if unknown := [mode for mode in stopping if mode not in STOPPING]:
+        raise SystemExit(f"--stopping: unknown {', '.join(unknown)}; choose from {', '.join(STOPPING)}.")
+    if "eos" in stopping and not args.model:
+        raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
     names = args.engines or (DEFAULT_ENGINES_CUDA if device.is_cuda else DEFAULT_ENGINES_CPU)
-    corpus, pairs, tokenizer = corpus_and_tokenizer(args)
-    sentences = sample_sentences(pairs, args.num_sentences, args.seed)
-    sampled_ids = tokenizer([english for english, _ in sentences])["input_ids"]  # each ends with </s>
+    if args.model:
+        names = args.engines or [name for name in names if not name.startswith("vaswani-ct2-")]
+        corpus = resolve_corpus(args.corpus)
+        tokenizer = VaswaniTokenizer.from_pretrained(args.model)
+        test = load_translation_dataset(data_file=str(corpus))["test"]
+        english = test["source"][: args.num_sentences]
+        args.sizes = [Path(args.model).name]
+    else:
+        corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+        english = [source for source, _ in sample_sentences(pairs, args.num_sentences, args.seed)]
+    sampled_ids = tokenizer(english)["input_ids"]  # each ends with </s>
     # Sorted by length so that batches pad little; every engine gets exactly these batches.
     source_ids = sorted(sampled_ids, key=len)
     rows = []
@@ -302,12 +347,12 @@ def run(args: argparse.Namespace, argv) -> Path:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
         for size in args.sizes:
-            config = vaswani_config(size, len(tokenizer))
+            config = None if args.model else vaswani_config(size, len(tokenizer))
             start = make_engine if args.same_process else EngineProcess
             engines = {
                 name: start(name=name, config=config, tokenizer=tokenizer, device_name=args.device,
                             threads=args.threads, seed=args.seed, sdpa_backend=args.sdpa_backend,
-                            workdir=Path(workdir) / size, keep_freed_memory=args.keep_freed_memory)
+                            workdir=Path(workdir) / size, keep_freed_memory=args.keep_freed_memory, model=args.model)
                 for name in names
             }
             for batch_size in args.batch_sizes:
@@ -315,8 +360,8 @@ def run(args: argparse.Namespace, argv) -> Path:
                 if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
                     chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
                 batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
-                for beams in args.beams:
-                    for row in measure(engines, batches, beams, args, failed):
+                for beams, mode in ((beams, mode) for mode in stopping for beams in args.beams):
+                    for row in measure(engines, batches, beams, mode == "eos", args, failed):
                         row.update(size=size, batch_size=batch_size, load_mib=engines[row["engine"]].load_mib)
                         row["peak_mib"] = _sum_or_none(row["load_mib"], row["work_mib"])
                         rows.append(row)
@@ -332,18 +377,38 @@ def run(args: argparse.Namespace, argv) -> Path:
         source_tokens_total=sum(map(len, source_ids)),
         source_tokens_mean=sum(map(len, source_ids)) / len(source_ids),
     )
+    sample = (f"the first {len(source_ids)} sentences of the checkpoint's held-out test split of {corpus.name}, "
+              "tokenized by the checkpoint's tokenizer" if args.model else
+              f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from {corpus.name}, tokenized "
+              "by the project's joint BPE")
     notes = [
-        f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from {corpus.name}, tokenized by "
-        f"the project's joint BPE ({len(tokenizer)} tokens; mean source length "
+        f"{sample[0].upper()}{sample[1:]} ({len(tokenizer)} tokens; mean source length "
         f"{settings['source_tokens_mean']:.1f} tokens incl. </s>), sorted by length and batched identically "
         "for every engine.",
-        f"Identical work: every engine generates exactly {args.new_tokens} tokens per sentence, verified on every "
-        "output: transformers with max_new_tokens and eos_token_id=None (no EOS stopping, no logits processor), "
-        "CTranslate2 with min_decoding_length = max_decoding_length (EOS masked in place). Output tokens/s = "
-        "sentences × new tokens / seconds.",
+    ]
+    if "forced" in stopping:
+        notes.append(
+            f"Forced rows, identical work: every engine generates exactly {args.new_tokens} tokens per sentence, "
+            "verified on every output: transformers with max_new_tokens and eos_token_id=None (no EOS stopping, no "
+            "logits processor), CTranslate2 with min_decoding_length = max_decoding_length (EOS masked in place)."
+            + (" So in forced rows CTranslate2's outputs differ from transformers' by construction once a sentence "
+               "would have ended (transformers may emit the end of sentence and go on); there, identical compares "
+               "the PyTorch engines only." if args.model else ""))
+    if "eos" in stopping:
+        notes.append(
+            "eos rows, as users translate: each sentence stops at its own end of sentence, at most "
+            f"{args.max_new_tokens} new tokens (transformers: generate() with the checkpoint's generation config and "
+            "max_new_tokens; CTranslate2: max_decoding_length). identical = translations whose token ids equal "
+            "Vaswani fp32's; output tokens exclude the end of sentence.")
+    notes.append(
+        f"Checkpoint {args.model}. Marian (HF) = vaswani.convert.to_marian of it: a MarianMTModel computing the same "
+        "function, with the same generation config. CT2 = CTranslate2 running the checkpoint exported by "
+        "vaswani.export.export_to_ctranslate2 (CTranslate2's own Marian converter assumes Marian's zero-embedding "
+        "decoder start, which this checkpoint does not use)." if args.model else
         "Random weights (speed does not depend on their values once the output length is fixed). Marian and "
         "CTranslate2 run the same Marian weights; Vaswani has the same weight shapes (Marian adds its own last "
-        "<pad> row, from which it starts decoding).",
+        "<pad> row, from which it starts decoding).")
+    notes += [
         "Warm runs only: every engine first translates the shortest and the longest batch once, untimed. Engines "
         "are then interleaved batch by batch (the order rotating), so a change in machine load hits all of them "
         f"alike; seconds = sum over batches of the fastest of {args.repeats} repeat(s). Input tensors are built "
@@ -371,8 +436,9 @@ def run(args: argparse.Namespace, argv) -> Path:
     if args.notes:
         notes.append(args.notes)
     columns = [
-        Column("size", "size"),
+        Column("size", "model" if args.model else "size"),
         Column("engine_label", "engine"),
+        *([Column("stopping", "stopping")] if args.model else []),
         Column("batch_size", "batch"),
         Column("beams", "beams"),
         Column("sentences", "sentences"),
@@ -382,6 +448,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("vs_marian", "× Marian", "{:.2f}"),
         Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
         Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"),
+        *([Column("identical_to_vaswani", "identical")] if args.model else []),
         Column("peak_mib", "peak MiB", "{:.0f}"),
         Column("load_average", "load avg", "{:.1f}"),
     ]
@@ -394,17 +461,19 @@ def run(args: argparse.Namespace, argv) -> Path:
     return json_path
 
 
-def measure(engines: dict, batches: list, beams: int, args, failed: dict) -> list[dict]:
+def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, failed: dict) -> list[dict]:
     """Time every engine on the same batches, interleaved; return one row per engine. With --keep_going, an engine
     that fails is removed from `engines` and recorded in `failed`, and the others go on."""
+    new_tokens = args.max_new_tokens if stop_at_eos else args.new_tokens
 
     def call(name, method, *call_args):
         try:
-            result = getattr(engines[name], method)(*call_args)
-            if method == "timed_translate" and set(result[0]) != {args.new_tokens}:
+            result = getattr(engines[name], method)(*call_args, beams, new_tokens, stop_at_eos)
+            lengths = set(map(len, result[0])) if method == "timed_translate" else {new_tokens}
+            if not stop_at_eos and lengths != {new_tokens}:
                 raise RuntimeError(
-                    f"{name} produced {sorted(set(result[0]))} tokens per sentence instead of exactly "
-                    f"{args.new_tokens}; the comparison would not be of identical work."
+                    f"{name} produced {sorted(lengths)} tokens per sentence instead of exactly "
+                    f"{new_tokens}; the comparison would not be of identical work."
                 )
             return result
         except (Exception, EOFError) as error:  # an error in the engine, or its process died (a crash)
@@ -419,33 +488,40 @@ def measure(engines: dict, batches: list, beams: int, args, failed: dict) -> lis
     for name in list(engines):
         for warmup in {0, len(batches) - 1}:
             if name in engines:
-                call(name, "timed_translate", batches[warmup], beams, args.new_tokens)
+                call(name, "timed_translate", batches[warmup])
     names = list(engines)
     best = {name: [float("inf")] * len(batches) for name in names}
+    outputs = {name: [None] * len(batches) for name in names}
     for _ in range(args.repeats):
         for i, batch in enumerate(batches):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                if name in engines and (result := call(name, "timed_translate", batch, beams, args.new_tokens)):
-                    best[name][i] = min(best[name][i], result[1])
+                if name in engines and (result := call(name, "timed_translate", batch)):
+                    outputs[name][i], best[name][i] = result[0], min(best[name][i], result[1])
     load_average = os.getloadavg()[0]
     sentences = sum(map(len, batches))
+    translations = {name: [ids for batch in outputs[name] for ids in batch or []] for name in names}
     rows = []
     longest = max(batches, key=lambda b: len(b) * max(map(len, b)))
     for name in [name for name in names if name in engines]:
-        work_mib = call(name, "peak_mib", longest, beams, args.new_tokens)
+        work_mib = call(name, "peak_mib", longest)
         if name not in engines:  # it failed just now
             continue
         seconds = sum(best[name])
+        output_tokens = sum(map(len, translations[name]))
+        reference = translations.get("vaswani") if "vaswani" in engines else None
         rows.append({
             "engine": name,
             "engine_label": ENGINE_LABELS.get(name, name),
             "parameters": engines[name].parameters,
+            "stopping": "eos" if stop_at_eos else "forced",
             "beams": beams,
             "sentences": sentences,
-            "new_tokens_per_sentence": args.new_tokens,
+            "new_tokens_per_sentence": None if stop_at_eos else new_tokens,
+            "output_tokens": output_tokens,
             "seconds": seconds,
             "sentences_per_s": sentences / seconds,
-            "tokens_per_s": sentences * args.new_tokens / seconds,
+            "tokens_per_s": output_tokens / seconds,
+            "identical_to_vaswani": sum(map(list.__eq__, translations[name], reference)) if reference else None,
             "work_mib": work_mib,
             "load_average": load_average,
         })
@@ -457,22 +533,23 @@ def _sum_or_none(*values):
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """× Marian: this engine's tokens/s over HF Marian's; Vaswani ×: Vaswani's (fp32) tokens/s over this engine's;
-    × CT2 int8: this engine's tokens/s over CTranslate2 int8's."""
-    key = lambda r: (r["size"], r["batch_size"], r["beams"])  # noqa: E731
-    by_engine = {(key(r), r["engine"]): r["tokens_per_s"] for r in rows}
+    """× Marian: this engine's sentences/s over HF Marian's; Vaswani ×: Vaswani's (fp32) sentences/s over this
+    engine's; × CT2 int8: this engine's sentences/s over CTranslate2 int8's. The same sentences for every engine, so
+    with forced lengths these are the ratios of output tokens/s too; with eos stopping, of the time users wait."""
+    key = lambda r: (r["size"], r["batch_size"], r["beams"], r["stopping"])  # noqa: E731
+    by_engine = {(key(r), r["engine"]): r["sentences_per_s"] for r in rows}
     for r in rows:
         marian = by_engine.get((key(r), "marian"))
         vaswani = by_engine.get((key(r), "vaswani"))
         ct2_int8 = by_engine.get((key(r), "ct2-int8"))
-        r["vs_marian"] = r["tokens_per_s"] / marian if marian and r["engine"] != "marian" else None
-        r["vaswani_vs"] = vaswani / r["tokens_per_s"] if vaswani and r["engine"] != "vaswani" else None
-        r["vs_ct2_int8"] = r["tokens_per_s"] / ct2_int8 if ct2_int8 and r["engine"] != "ct2-int8" else None
+        r["vs_marian"] = r["sentences_per_s"] / marian if marian and r["engine"] != "marian" else None
+        r["vaswani_vs"] = vaswani / r["sentences_per_s"] if vaswani and r["engine"] != "vaswani" else None
+        r["vs_ct2_int8"] = r["sentences_per_s"] / ct2_int8 if ct2_int8 and r["engine"] != "ct2-int8" else None
 
 
 def _progress(row: dict) -> str:
     return (
-        f"{row['size']:>5} {row['engine_label']:>12} batch {row['batch_size']:>4} beams {row['beams']}: "
+        f"{row['size']:>5} {row['engine_label']:>12} {row['stopping']:>6} batch {row['batch_size']:>4} beams {row['beams']}: "
         f"{row['sentences_per_s']:8.1f} sentences/s {row['tokens_per_s']:9.0f} tokens/s"
     )
 
@@ -492,7 +569,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch1_sentences", type=int, default=None,
                         help="at batch size 1 translate only the first N sentences of the sample (its uniform draws "
                         "are unordered, so any prefix is itself a uniform sample); default: all")
-    parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per sentence")
+    parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                        help="tokens generated per sentence in the forced rows")
+    parser.add_argument("--model", default=None,
+                        help="a trained Vaswani checkpoint to run instead of random weights (--sizes is then unused): "
+                        "its held-out test sentences, Marian = vaswani.convert.to_marian of it, CTranslate2 = its "
+                        "own export")
+    parser.add_argument("--stopping", type=csv_of(str), default=None,
+                        help=f"{', '.join(STOPPING)}: each sentence stops at its end of sentence (needs --model) / "
+                        "exactly --new_tokens per sentence; default: eos,forced with --model, else forced")
+    parser.add_argument("--max_new_tokens", type=int, default=128,
+                        help="at most this many new tokens per sentence in the eos rows (the main job's "
+                        "generation config)")
     parser.add_argument("--keep_freed_memory", action="store_true",
                         help="vaswani.inference.keep_freed_cpu_memory() in every engine's process (the int8 engines "
                         "apply it anyway, as --int8 does in the scripts): every PyTorch engine, Marian included, reuses "

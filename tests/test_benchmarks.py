@@ -115,6 +115,38 @@ def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_pat
         in path.with_suffix(".md").read_text()
 
 
+def test_translation_benchmark_on_a_trained_checkpoint(corpus, tmp_path):
+    """--model: the checkpoint's held-out sentences, stopping at their end of sentence beside forced-length rows;
+    Marian is the same function (vaswani.convert.to_marian), so its translations are Vaswani's, token for token."""
+    engines = "vaswani,vaswani-hfloop,vaswani-int8,marian"
+    if importlib.util.find_spec("ctranslate2"):
+        engines += ",ct2-float32,ct2-int8"
+    path = load("bench_translation").main(
+        common_args(corpus, tmp_path)
+        + ["--model", _tiny_checkpoint(tmp_path), "--engines", engines, "--batch_sizes", "4", "--beams", "1,2",
+           "--num_sentences", "8", "--new_tokens", "3", "--max_new_tokens", "12"]
+    )
+    report = check_report(path, "bench_translation", {"engine", "stopping", "identical_to_vaswani", "output_tokens"})
+    rows = report["results"]
+    assert [(row["stopping"], row["beams"]) for row in rows[:: len(engines.split(","))]] == [
+        ("eos", 1), ("eos", 2), ("forced", 1), ("forced", 2)]
+    assert all(row["sentences"] == 8 and row["size"] == "model" for row in rows)
+    for row in rows:
+        if row["engine"] in ("vaswani", "vaswani-hfloop", "marian"):  # the same function, the same searches
+            assert row["identical_to_vaswani"] == 8, row
+        if row["stopping"] == "forced":
+            assert row["output_tokens"] == 8 * 3
+    eos_rows = [row for row in rows if row["stopping"] == "eos"]
+    assert all(0 < row["output_tokens"] < 8 * 12 for row in eos_rows if row["engine"] == "vaswani")
+    assert all(row["vs_marian"] is not None for row in rows if row["engine"] != "marian")
+    assert "held-out test split" in path.with_suffix(".md").read_text()
+
+
+def test_translation_benchmark_refuses_eos_stopping_without_a_model(corpus, tmp_path):
+    with pytest.raises(SystemExit, match="--stopping eos needs a trained model"):
+        load("bench_translation").main(common_args(corpus, tmp_path) + ["--sizes", "tiny", "--stopping", "eos"])
+
+
 def test_training_benchmark(corpus, tmp_path, monkeypatch):
     module = load("bench_training")
     kept = []  # the real call would change this test process' malloc for good
