@@ -35,6 +35,9 @@ def main(argv=None):
     parser.add_argument("--reference_file", action="append", help="references, line-aligned; repeat for more")
     parser.add_argument("--max_samples", type=int)
     parser.add_argument("--num_beams", type=int, default=4)
+    parser.add_argument("--length_penalty", type=float, default=None,
+                        help="beam search's length penalty (generate()'s: scores divided by length**penalty); "
+                        "default: the checkpoint's generation config")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--device", default="auto")
     add_decoding_arguments(parser)
@@ -70,6 +73,8 @@ def main(argv=None):
     if args.ctranslate2:
         if args.int8:
             raise ValueError("--int8 is the PyTorch path; with --ctranslate2 use --compute_type int8")
+        if args.length_penalty is not None:
+            raise ValueError("--length_penalty is generate()'s; CTranslate2 decodes with its own defaults here")
         translator, tokenizer = load_ctranslate2(args.model, device=args.device, compute_type=args.compute_type)
         hypotheses = translate_ctranslate2(translator, tokenizer, sources, num_beams=args.num_beams,
                                            batch_size=args.batch_size)
@@ -77,11 +82,13 @@ def main(argv=None):
     else:
         model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding)
         max_source_length, max_new_tokens = generation_limits(model, None)
+        options = {} if args.length_penalty is None else {"length_penalty": args.length_penalty}
         result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams,
                                 batch_size=args.batch_size, max_source_length=max_source_length,
-                                max_new_tokens=max_new_tokens)
+                                max_new_tokens=max_new_tokens, **options)
     engine = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else "pytorch"
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
+                                                                  "length_penalty": args.length_penalty,
                                                                   "int8": args.int8, "engine": engine,
                                                                   "signatures": result.get("signatures")}
     print(json.dumps(summary, indent=2))

@@ -1,8 +1,11 @@
 """Scores must be sacreBLEU's, references must line up with their hypotheses, and batching must not reorder."""
 
+import json
+
 import numpy as np
 import pytest
 import sacrebleu
+from conftest import script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 from transformers import EvalPrediction
 
@@ -148,3 +151,25 @@ def test_evaluate_model_aligns_hypotheses_with_their_references(model_and_tokeni
 
     shifted = own[1:] + own[:1]  # every hypothesis now faces another sentence's references
     assert evaluate_model(model, tokenizer, SOURCES, shifted, num_beams=2, max_new_tokens=8)["bleu"] < 100
+
+
+def test_evaluate_bleu_script_decodes_with_the_chosen_length_penalty(model_and_tokenizer, tmp_path, capsys):
+    """--length_penalty reaches generate(): the script's translations are those of `translate` with that penalty
+    (beam search; the main job's decoding is chosen on the validation split with it, issue 16)."""
+    model, tokenizer = model_and_tokenizer
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
+    (tmp_path / "ref.fr").write_text("le chat\nun chien\nl'oiseau\nchat\nle chien\n")
+    files = ["--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr")]
+    for penalty in (0.0, 2.0):
+        script_main("evaluate_bleu")(["--model", str(tmp_path / "model"), "--device", "cpu", "--num_beams", "3",
+                                      "--length_penalty", str(penalty), "--output_file",
+                                      str(tmp_path / "report.json"), *files])
+        assert json.loads(capsys.readouterr().out)["length_penalty"] == penalty
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["hypotheses"] == translate(model, tokenizer, SOURCES, num_beams=3, length_penalty=penalty)
+    with pytest.raises(SystemExit):
+        script_main("evaluate_bleu")(["--model", str(tmp_path / "model"), "--ctranslate2", "--length_penalty", "0.6",
+                                      *files])
+    assert "--length_penalty is generate()'s" in capsys.readouterr().err

@@ -85,6 +85,7 @@ def test_trained_checkpoint_loads_and_translates(trained):
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     assert type(model).__name__ == "VaswaniForConditionalGeneration"
     assert model.generation_config.num_beams == 2
+    assert model.generation_config.length_penalty == 0.6  # --generation_length_penalty's default, the paper's α
     batch = tokenizer(["I have two cats."], return_tensors="pt")
     output = model.generate(**batch, max_new_tokens=10)
     assert output.shape[0] == 1

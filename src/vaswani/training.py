@@ -119,6 +119,13 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "effective decay ramps up as min(decay, (1 + step) / (10 + step))) and make it the final "
                           "model. Off by default, as in the paper (which averages its last checkpoints instead)."},
     )
+    generation_length_penalty: float = field(
+        default=0.6,
+        metadata={"help": "Beam search's length penalty, used by the evaluations and saved in generation_config.json "
+                          "(generate() divides a hypothesis' log-probability by length**penalty). 0.6 is the paper's "
+                          "α (§6.1, with GNMT's penalty ((5 + length) / 6)**α); it also won on the main job's "
+                          "validation split (benchmarks/results/main-job-recipes.md). 1.0 is transformers' default."},
+    )
     resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in output_dir."})
     overwrite_output_dir: bool = field(
         default=False,
@@ -463,6 +470,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         apply_paper_recipe(args, model.config.d_model)
     # Generation settings used for evaluation during training and saved as generation_config.json.
     model.generation_config.num_beams = args.generation_num_beams or 4
+    model.generation_config.length_penalty = args.generation_length_penalty
     model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_length
     model.generation_config.max_length = None
 
