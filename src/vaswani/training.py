@@ -470,7 +470,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         apply_paper_recipe(args, model.config.d_model)
     # Generation settings used for evaluation during training and saved as generation_config.json.
     model.generation_config.num_beams = args.generation_num_beams or 4
-    model.generation_config.length_penalty = args.generation_length_penalty
+    if model.generation_config.num_beams > 1:  # a beam-search setting, which transformers refuses beside greedy
+        model.generation_config.length_penalty = args.generation_length_penalty
     model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_length
     model.generation_config.max_length = None
 
