@@ -500,6 +500,7 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
     load_average = os.getloadavg()[0]
     sentences = sum(map(len, batches))
     translations = {name: [ids for batch in outputs[name] for ids in batch or []] for name in names}
+    reference = translations["vaswani"] if "vaswani" in engines else None
     rows = []
     longest = max(batches, key=lambda b: len(b) * max(map(len, b)))
     for name in [name for name in names if name in engines]:
@@ -508,7 +509,6 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
             continue
         seconds = sum(best[name])
         output_tokens = sum(map(len, translations[name]))
-        reference = translations.get("vaswani") if "vaswani" in engines else None
         rows.append({
             "engine": name,
             "engine_label": ENGINE_LABELS.get(name, name),
