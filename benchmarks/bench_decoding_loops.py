@@ -58,8 +58,6 @@ PRECISIONS = ("fp32", "int8", "int8-torchao")
 
 
 def run(args: argparse.Namespace, argv) -> Path:
-    if unknown := [precision for precision in args.precisions if precision not in PRECISIONS]:
-        raise SystemExit(f"--precisions: unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}.")
     device = pick_device(args.device, args.threads)
     test = load_translation_dataset(data_file=str(resolve_corpus(args.corpus)))["test"]
     test = test.select(range(min(args.max_samples, len(test))))
@@ -177,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", default=None, help="the corpus the checkpoint's test split comes from")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--precisions", type=csv_of(str), default=["fp32", "int8"], help="fp32, int8 (CPU only: "
+    parser.add_argument("--precisions", type=csv_of(str, PRECISIONS), default=["fp32", "int8"], help="fp32, int8 (CPU only: "
                         "vaswani.inference.quantize_for_cpu, what --int8 runs), int8-torchao (torchao's int8 "
                         "dynamic quantization; needs the torchao package)")
     parser.add_argument("--max_samples", type=int, default=1000)

@@ -324,8 +324,6 @@ def _serve(pipe, spec: dict) -> None:
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
     stopping = args.stopping or (list(STOPPING) if args.model else ["forced"])
-    if unknown := [mode for mode in stopping if mode not in STOPPING]:
-        raise SystemExit(f"--stopping: unknown {', '.join(unknown)}; choose from {', '.join(STOPPING)}.")
     if "eos" in stopping and not args.model:
         raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
     names = args.engines or (DEFAULT_ENGINES_CUDA if device.is_cuda else DEFAULT_ENGINES_CPU)
@@ -575,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a trained Vaswani checkpoint to run instead of random weights (--sizes is then unused): "
                         "its held-out test sentences, Marian = vaswani.convert.to_marian of it, CTranslate2 = its "
                         "own export")
-    parser.add_argument("--stopping", type=csv_of(str), default=None,
+    parser.add_argument("--stopping", type=csv_of(str, STOPPING), default=None,
                         help=f"{', '.join(STOPPING)}: each sentence stops at its end of sentence (needs --model) / "
                         "exactly --new_tokens per sentence; default: eos,forced with --model, else forced")
     parser.add_argument("--max_new_tokens", type=int, default=128,

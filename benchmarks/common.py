@@ -479,11 +479,18 @@ def settings_of(args: argparse.Namespace, **extra) -> dict:
     return {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **extra}
 
 
-def csv_of(cast: Callable[[str], object]) -> Callable[[str], list]:
-    """An argparse type for comma-separated lists: `--sizes tiny,base`."""
-    return lambda text: [cast(item) for item in text.split(",") if item]
+def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:
+    """An argparse type for comma-separated lists: `--sizes tiny,base`. With `choices`, argparse refuses any other
+    item with a usage error."""
 
+    def parse(text: str) -> list:
+        items = [cast(item) for item in text.split(",") if item]
+        if choices is not None and (unknown := [str(item) for item in items if item not in choices]):
+            allowed = ", ".join(map(str, choices))
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {allowed}")
+        return items
 
+    return parse
 
 
 def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:

@@ -235,9 +235,16 @@ def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
     assert any("torchao" in note for note in report["notes"])
 
 
-def test_decoding_loops_benchmark_refuses_an_unknown_precision(tmp_path):
-    with pytest.raises(SystemExit, match="unknown int4; choose from fp32, int8, int8-torchao"):
+def test_decoding_loops_benchmark_refuses_an_unknown_precision(tmp_path, capsys):
+    with pytest.raises(SystemExit):
         load("bench_decoding_loops").main(["--model", str(tmp_path), "--precisions", "fp32,int4"])
+    assert "argument --precisions: unknown int4; choose from fp32, int8, int8-torchao" in capsys.readouterr().err
+
+
+def test_translation_benchmark_refuses_an_unknown_stopping_mode(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load("bench_translation").main(["--stopping", "eos,never"])
+    assert "argument --stopping: unknown never; choose from eos, forced" in capsys.readouterr().err
 
 
 def test_training_engine_names():
