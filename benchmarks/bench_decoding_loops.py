@@ -175,9 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", default=None, help="the corpus the checkpoint's test split comes from")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--precisions", type=csv_of(str, PRECISIONS), default=["fp32", "int8"], help="fp32, int8 (CPU only: "
-                        "vaswani.inference.quantize_for_cpu, what --int8 runs), int8-torchao (torchao's int8 "
-                        "dynamic quantization; needs the torchao package)")
+    parser.add_argument("--precisions", type=csv_of(str, PRECISIONS), default=["fp32", "int8"],
+                        help="fp32, int8 (CPU only: vaswani.inference.quantize_for_cpu, what --int8 runs), "
+                        "int8-torchao (torchao's int8 dynamic quantization; needs the torchao package)")
     parser.add_argument("--max_samples", type=int, default=1000)
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=64, help="scripts/evaluate_bleu.py's default")
