@@ -17,6 +17,7 @@ import vaswani.cli
 import vaswani.data
 import vaswani.evaluation
 import vaswani.inference
+import vaswani.training
 from conftest import script_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,6 +159,40 @@ def test_training_on_a_cpu_reuses_freed_memory_of_any_size(tmp_path, monkeypatch
     assert calls == [None]
 
 
+def test_bf16_on_a_cpu_trains_under_autocast_and_reports_the_float32_model(tmp_path, monkeypatch):
+    """--bf16 --use_cpu --attn_implementation eager (the main job's recipe on CPUs with native bf16): the steps run
+    under bf16 autocast with the chosen attention, batches are not padded to multiples of 8 (a GPU habit that only
+    adds work on a CPU), and the test report decodes without autocast, as the saved float32 weights do."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    collators, training, evaluation = [], [], []
+    real_collator = vaswani.training.DataCollatorForSeq2Seq
+
+    def collator(*args, **kwargs):
+        collators.append(kwargs.get("pad_to_multiple_of"))
+        return real_collator(*args, **kwargs)
+
+    real_build, real_evaluate = vaswani.training.build_model_and_tokenizer, vaswani.training.evaluate_model
+
+    def build(*args, **kwargs):
+        model, tokenizer = real_build(*args, **kwargs)
+        model.lm_head.register_forward_hook(
+            lambda module, inputs, output: (training if module.training else evaluation).append(
+                (output.dtype, model.config._attn_implementation)))
+        return model, tokenizer
+
+    monkeypatch.setattr(vaswani.training, "DataCollatorForSeq2Seq", collator)
+    monkeypatch.setattr(vaswani.training, "build_model_and_tokenizer", build)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=100)
+    script_main("train_translation")(train_args(
+        corpus, tmp_path / "out", "--max_steps", "2", "--max_test_samples", "2", "--generation_num_beams", "1",
+        "--bf16", "--use_cpu", "--attn_implementation", "eager"))
+    assert collators == [None]
+    assert set(training) == {(torch.bfloat16, "eager")} and len(training) == 2
+    assert evaluation and {dtype for dtype, _ in evaluation} == {torch.float32}
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["dtype"] == "float32" and "attn_implementation" not in json.dumps(saved)
+
+
 def test_time_budget_stops_training_then_evaluates_and_saves(tmp_path):
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     output_dir = tmp_path / "budget"
@@ -261,6 +296,7 @@ def test_the_learning_rate_decays_over_the_time_budget(tmp_path):
     (["--lr_decay_over_time_budget", "--max_train_time", "5", "--lr_scheduler_type", "linear", "--paper_recipe"],
      "Pass one of them"),
     (["--ema_decay", "1.5"], "between 0 and 1"),
+    (["--attn_implementation", "fastest"], "Unknown --attn_implementation 'fastest'"),
 ])
 def test_schedule_and_averaging_options_refuse_what_they_cannot_do(tmp_path, extra, message):
     result = run_script("train_translation.py", *train_args(tmp_path / "none.tsv", tmp_path / "out", *extra))
