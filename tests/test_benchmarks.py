@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -248,13 +249,19 @@ def test_translation_benchmark_refuses_an_unknown_stopping_mode(tmp_path, capsys
 
 
 def test_training_engine_names():
-    """`vaswani-compiled-flex` trains with FlexAttention (CUDA only, so built here, not stepped); other names fail."""
+    """`vaswani-compiled-flex` trains with FlexAttention (CUDA only, so built here, not stepped), `-bf16` under bf16
+    autocast on a CPU too, `-eager` with the eager attention; other names fail."""
     from vaswani import VaswaniConfig
 
     module = load("bench_training")
     device = module.pick_device("cpu")
     trainee = module.Trainee("vaswani-compiled-flex", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
     assert trainee.model.config._attn_implementation == "flex_attention" and trainee.forward is not trainee.model
-    for name in ("marian-flex", "vaswani-fast"):
+    trainee = module.Trainee("vaswani-bf16-eager", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
+    assert trainee.model.config._attn_implementation == "eager" and module.engine_label(trainee.name) == "Vaswani bf16 eager"
+    with trainee.autocast:
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert module.engine_label("marian") == "Marian (HF)" and module.engine_label("marian-compiled") == "Marian compiled"
+    for name in ("marian-flex", "vaswani-fast", "vaswani-flex-eager", "vaswani-bf16-bf16", "t5-bf16"):
         with pytest.raises(ValueError, match="Unknown engine"):
             module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
