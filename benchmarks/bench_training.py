@@ -6,7 +6,7 @@ utilisation.
     python benchmarks/bench_training.py                                   # GPU: tiny, base, big; 25k-token batches
     python benchmarks/bench_training.py --device cpu --sizes tiny,base --batch_tokens 2048 --steps 4
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
-        --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory   # the main job's
+        --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
 
 Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B):
 6 × (the weights each token is multiplied by) + 12·d_model per layer per attended (query, key) pair, i.e.
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace, argv) -> Path:
 
     rows = []
     for size in args.sizes:
-        config = vaswani_config(size, len(tokenizer))
+        config = vaswani_config(size, len(tokenizer), **({"dropout": args.dropout} if args.dropout is not None else {}))
         trainees = [
             Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend) for name in args.engines
         ]
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes) called like the "
         "eager model; compilation happens in the warm-up steps, and the "
         "graphs built during the timed steps (column `recompiles`).",
-        "Dropout as configured (0.1; big: 0.3), attention implementation: the transformers default (sdpa; eager "
+        f"Dropout {args.dropout if args.dropout is not None else 'as configured (0.1; big: 0.3)'}, attention implementation: the transformers default (sdpa; eager "
         "for engines named -eager, FlexAttention for -flex), "
         + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
            if args.sdpa_backend else "with torch's own choice of kernel."),
@@ -339,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
     parser.add_argument("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="residual dropout of both models; default: the preset's (the main job trains with 0)")
     parser.add_argument("--keep_freed_memory", action="store_true",
                         help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the whole process, as "
                         "train_translation.py does on a CPU: every engine, Marian included, reuses freed memory of "
