@@ -56,8 +56,9 @@ ENGINES = ("vaswani", "vaswani-compiled", "marian")
 # backward has no CPU kernel). For the padded short sentences whose SDPA kernel took 47% of the compiled step on the
 # H200 (results/gpu-notes.md).
 # `-bf16`: bf16 autocast on a CPU too (on CUDA every engine runs under it already), as `--bf16 --use_cpu` trains;
-# `-eager`: the eager attention instead of sdpa (`attn_implementation="eager"`), which is the faster one in bf16 on a
-# CPU (`results/main-job-recipes.md`). Either can follow the others: `vaswani-bf16-eager`, `marian-bf16`.
+# `-eager`: the eager attention instead of sdpa (`attn_implementation="eager"`), whose bf16 steps are the faster ones
+# inside train_translation.py on a CPU (`results/main-job-recipes.md`; on this benchmark's batches the two are level).
+# Either can follow the others: `vaswani-bf16-eager`, `marian-bf16`.
 OPTIONS = ("compiled", "flex", "bf16", "eager")
 
 
@@ -264,8 +265,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes) called like the "
         "eager model; compilation happens in the warm-up steps, and the "
         "graphs built during the timed steps (column `recompiles`).",
-        f"Dropout {args.dropout if args.dropout is not None else 'as configured (0.1; big: 0.3)'}, attention implementation: the transformers default (sdpa; eager "
-        "for engines named -eager, FlexAttention for -flex), "
+        f"Dropout {args.dropout if args.dropout is not None else 'as configured (0.1; big: 0.3)'}, attention "
+        "implementation: the transformers default (sdpa; eager for engines named -eager, FlexAttention for -flex), "
         + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
            if args.sdpa_backend else "with torch's own choice of kernel."),
     ]

@@ -19,7 +19,7 @@ rm -rf "$OUTPUT_DIR"
 # (benchmarks/results/main-job-recipes.md), and no dropout, which only slows a model that sees each sentence about
 # once. Label smoothing 0.1 stays (§5.4); beam 4 with length penalty 0.6 (§6.1, train_translation.py's default)
 # decodes. Where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), training runs under bf16 autocast with eager
-# attention (sdpa's CPU kernel is slower in bf16): about 1.3x the steps in the budget; weights stay float32.
+# attention (in this script sdpa's bf16 steps are slower): about 1.8x the steps in the budget; weights stay float32.
 precision=()
 if python3 -c "import sys, torch; sys.exit(torch.cuda.is_available() or not (torch.cpu._is_avx512_bf16_supported()
     or torch.cpu._is_amx_tile_supported()))" 2>/dev/null; then
