@@ -83,6 +83,9 @@ DEFAULT_NEW_TOKENS = 16
 # eos: each sentence stops at its end-of-sentence token (at most --max_new_tokens), as users translate (a trained
 # model only); forced: exactly --new_tokens tokens per sentence, identical work whatever the weights.
 STOPPING = ("eos", "forced")
+# The kernels of a PyTorch engine's linear layers on a CPU, as torch.profiler names them: fp32 (`aten::addmm` with a
+# bias, `aten::mm` without, as in a tied output projection) and `--int8`'s torch.ao layers.
+LINEAR_KERNELS = {"aten::addmm", "aten::mm", "quantized::linear_dynamic"}
 
 
 class TorchEngine:
@@ -254,6 +257,19 @@ class LocalEngine:
             self.engine.translate(batch, beams, new_tokens, stop_at_eos)
         return memory.added_mib
 
+    def linear_seconds(self, batches, beams, new_tokens, stop_at_eos) -> float | None:
+        """CPU seconds inside the linear layers' kernels (`LINEAR_KERNELS`) while translating every batch once,
+        from torch.profiler's self time; None for engines that are not PyTorch's, or not on a CPU."""
+        if not isinstance(self.engine, TorchEngine) or self.device.is_cuda:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for batch in batches:
+                self.engine.translate(batch, beams, new_tokens, stop_at_eos)
+        kernels = [event for event in profiler.key_averages() if event.key in LINEAR_KERNELS]
+        return sum(event.self_cpu_time_total for event in kernels) / 1e6
+
     def close(self):
         self.engine.close()
 
@@ -291,6 +307,9 @@ class EngineProcess:
 
     def peak_mib(self, batch, beams, new_tokens, stop_at_eos) -> float | None:
         return self._call("peak_mib", batch, beams, new_tokens, stop_at_eos)
+
+    def linear_seconds(self, batches, beams, new_tokens, stop_at_eos) -> float | None:
+        return self._call("linear_seconds", batches, beams, new_tokens, stop_at_eos)
 
     def close(self):
         self._call("close")
@@ -429,6 +448,13 @@ def run(args: argparse.Namespace, argv) -> Path:
         + "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
         "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
     ]
+    if args.linear_time:
+        notes.append(
+            "linear-layer s (--linear_time): after the timed passes, each PyTorch engine translated every batch once "
+            "more under torch.profiler, and this is the CPU time inside its linear layers' kernels (self time of "
+            f"{', '.join(sorted(LINEAR_KERNELS))}): the matrix products of the projections, the feed-forward layers and "
+            "the output projection, a floor under that engine's seconds whatever is done around them. Attention's "
+            "batched products are not included.")
     for name, why in failed.items():
         notes.append(f"{ENGINE_LABELS.get(name, name)} failed and was left out from then on (--keep_going): {why}")
     if args.notes:
@@ -447,6 +473,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
         Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"),
         *([Column("identical_to_vaswani", "identical")] if args.model else []),
+        *([Column("linear_seconds", "linear-layer s", "{:.2f}")] if args.linear_time else []),
         Column("peak_mib", "peak MiB", "{:.0f}"),
         Column("load_average", "load avg", "{:.1f}"),
     ]
@@ -503,6 +530,7 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
     longest = max(batches, key=lambda b: len(b) * max(map(len, b)))
     for name in [name for name in names if name in engines]:
         work_mib = call(name, "peak_mib", longest)
+        linear_seconds = call(name, "linear_seconds", batches) if args.linear_time else None
         if name not in engines:  # it failed just now
             continue
         seconds = sum(best[name])
@@ -521,6 +549,7 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
             "tokens_per_s": output_tokens / seconds,
             "identical_to_vaswani": sum(map(list.__eq__, translations[name], reference)) if reference else None,
             "work_mib": work_mib,
+            "linear_seconds": linear_seconds,
             "load_average": load_average,
         })
     return rows
@@ -590,6 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run every engine in this one process instead of one process each (shows how "
                         "CTranslate2 and PyTorch slow each other down when they share a process)")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
+    parser.add_argument("--linear_time", action="store_true",
+                        help="on a CPU, also report each PyTorch engine's seconds inside its linear layers' kernels "
+                        "(one more pass under torch.profiler, untimed): the floor that the rest of decoding adds to")
     return parser
 
 

@@ -125,10 +125,15 @@ def test_translation_benchmark_on_a_trained_checkpoint(corpus, tmp_path):
     path = load("bench_translation").main(
         common_args(corpus, tmp_path)
         + ["--model", _tiny_checkpoint(tmp_path), "--engines", engines, "--batch_sizes", "4", "--beams", "1,2",
-           "--num_sentences", "8", "--new_tokens", "3", "--max_new_tokens", "12"]
+           "--num_sentences", "8", "--new_tokens", "3", "--max_new_tokens", "12", "--linear_time"]
     )
     report = check_report(path, "bench_translation", {"engine", "stopping", "identical_to_vaswani", "output_tokens"})
     rows = report["results"]
+    for row in rows:  # the time in the linear layers' kernels: part of a PyTorch engine's seconds, none for CT2
+        if row["engine"].startswith("ct2-"):
+            assert row["linear_seconds"] is None
+        else:
+            assert 0 < row["linear_seconds"] < 10 * row["seconds"], row
     assert [(row["stopping"], row["beams"]) for row in rows[:: len(engines.split(","))]] == [
         ("eos", 1), ("eos", 2), ("forced", 1), ("forced", 2)]
     assert all(row["sentences"] == 8 and row["size"] == "model" for row in rows)
@@ -267,3 +272,22 @@ def test_training_engine_names():
     for name in ("marian-flex", "vaswani-fast", "vaswani-flex-eager", "vaswani-bf16-bf16", "t5-bf16"):
         with pytest.raises(ValueError, match="Unknown engine"):
             module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
+
+
+def test_int8_kernels_benchmark(tmp_path):
+    """Every kernel computes the layer's function (int8 ones to within int8 rounding), on a checkpoint's shapes."""
+    path = load("bench_int8_kernels").main(
+        ["--model", _tiny_checkpoint(tmp_path), "--threads", "1", "--rows", "4", "--repeats", "1",
+         "--min_seconds", "0.001", "--results_dir", str(tmp_path / "results")]
+    )
+    report = check_report(path, "bench_int8_kernels", {"layer", "rows", "kernel", "microseconds", "relative_error"})
+    results = report["results"]
+    kernels = {row["kernel"] for row in results}
+    assert {"fp32", "bf16", "torch.ao", "onednn", "_int_mm", "int8 weights only"} <= kernels
+    assert {row["layer"] for row in results} == {"attention projection", "feed-forward in", "feed-forward out",
+                                                  "output projection"}
+    for row in results:
+        assert row["microseconds"] > 0
+        assert row["relative_error"] == 0 if row["kernel"] == "fp32" else row["relative_error"] < 0.1, row
+    config = json.loads((Path(report["settings"]["model"]) / "config.json").read_text())
+    assert next(row for row in results if row["layer"] == "output projection")["out_features"] == config["vocab_size"]

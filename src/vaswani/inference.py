@@ -104,8 +104,10 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
     with warnings.catch_warnings():
         # torch.ao's eager-mode quantization is deprecated in favour of torchao's `quantize_`. torchao 0.18's int8
         # dynamic quantization, eager, measured slower than this and than fp32 on the main job's model (5.9 s
-        # against 3.0 s and 4.4 s for 1,000 sentences, benchmarks/results/decoding-loops-cpu-main-job-model.md);
-        # the eager API still runs, so silence only its notices.
+        # against 3.0 s and 4.4 s for 1,000 sentences, benchmarks/results/decoding-loops-cpu-main-job-model.md),
+        # and layer by layer so did every other maintained int8 kernel in torch (oneDNN's qlinear, `_int_mm`,
+        # `_weight_int8pack_mm`: benchmarks/results/int8-kernels-cpu.md); the eager API still runs, so silence only
+        # its notices.
         warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated", category=DeprecationWarning)
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
                                 category=UserWarning)
