@@ -22,7 +22,16 @@ from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus, translate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Column, command_line, csv_of, pick_device, resolve_corpus, result_name, write_report  # noqa: E402
+from common import (  # noqa: E402
+    Column,
+    add_result_arguments,
+    command_line,
+    csv_of,
+    pick_device,
+    resolve_corpus,
+    result_name,
+    write_report,
+)
 
 LOOPS = ("transformers", "lean")
 # Frequent French words, whose token ids (as sentence-initial words) `bad_words_ids` bans in SEARCHES.
@@ -182,9 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=64, help="scripts/evaluate_bleu.py's default")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--results_dir", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
-                        "tag; default decoding-loops-{device}")
+    add_result_arguments(parser)
     return parser
 
 

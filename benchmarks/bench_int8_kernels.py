@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Column, command_line, csv_of, pick_device, result_name, write_report  # noqa: E402
+from common import Column, add_result_arguments, command_line, csv_of, pick_device, result_name, write_report  # noqa: E402
 
 KERNELS = ("fp32", "bf16", "torch.ao", "torchao", "onednn", "_int_mm", "int8 weights only")
 # The main job's model (scripts/main_job.sh): d_model 256, d_ff 1,024, 8,000 tokens.
@@ -55,60 +55,63 @@ def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return torch.clamp(torch.round(weight / scale[:, None]), -127, 127).to(torch.int8), scale
 
 
-def kernels(linear: torch.nn.Linear, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each kernel as a function of the fp32 input (rows, in_features) giving the fp32 output, set up once."""
+def kernels(linear: torch.nn.Linear, rows: int, names) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The kernels `names` (of KERNELS), each as a function of the fp32 input (rows, in_features) giving the fp32
+    output, set up once. oneDNN's is left out where torch was built without it."""
     weight, bias = linear.weight.detach(), linear.bias.detach()
     out_features, in_features = weight.shape
     w8, w_scale = _per_channel_int8(weight)
-    made = {"fp32": lambda x: F.linear(x, weight, bias)}
-    w16, b16 = weight.bfloat16(), bias.bfloat16()
-    made["bf16"] = lambda x: F.linear(x.bfloat16(), w16, b16).float()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        ao = torch.ao.quantization.quantize_dynamic(
-            torch.nn.Sequential(linear), {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
-            dtype=torch.qint8)
-    made["torch.ao"] = ao
+    def bf16():
+        w16, b16 = weight.bfloat16(), bias.bfloat16()
+        return lambda x: F.linear(x.bfloat16(), w16, b16).float()
 
-    if importlib.util.find_spec("torchao") is not None:
+    def torch_ao():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+            return torch.ao.quantization.quantize_dynamic(
+                torch.nn.Sequential(linear), {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
+                dtype=torch.qint8)
+
+    def torchao():
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-        torchao_model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features))
-        torchao_model.load_state_dict({"0.weight": weight, "0.bias": bias})
-        quantize_(torchao_model, Int8DynamicActivationInt8WeightConfig())
-        made["torchao"] = torchao_model
+        model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features))
+        model.load_state_dict({"0.weight": weight, "0.bias": bias})
+        quantize_(model, Int8DynamicActivationInt8WeightConfig())
+        return model
 
-    if not hasattr(torch.ops.onednn, "qlinear_prepack"):  # torch built without oneDNN
-        made["_int_mm"], made["int8 weights only"] = _int_mm_kernel(w8, w_scale, bias), _weight_only(w8, w_scale, bias)
-        return made
-    packed = torch.ops.onednn.qlinear_prepack(w8, [rows, in_features])
-    w_zero = torch.zeros(out_features, dtype=torch.int32)
+    def onednn():
+        packed = torch.ops.onednn.qlinear_prepack(w8, [rows, in_features])
+        w_zero = torch.zeros(out_features, dtype=torch.int32)
 
-    def onednn(x):  # asymmetric uint8 activations, one scale and zero point per tensor
-        low, high = torch.aminmax(x)
-        scale = (high - low).clamp_min(1e-8) / 255
-        zero = torch.round(-low / scale).to(torch.int32)
-        qx = torch.clamp(torch.round(x / scale) + zero, 0, 255).to(torch.uint8)
-        return torch.ops.onednn.qlinear_pointwise.tensor(qx, scale, zero, packed, w_scale, w_zero, bias, 1.0, 0,
-                                                         torch.float32, "none", [], "")
+        def call(x):  # asymmetric uint8 activations, one scale and zero point per tensor
+            low, high = torch.aminmax(x)
+            scale = (high - low).clamp_min(1e-8) / 255
+            zero = torch.round(-low / scale).to(torch.int32)
+            qx = torch.clamp(torch.round(x / scale) + zero, 0, 255).to(torch.uint8)
+            return torch.ops.onednn.qlinear_pointwise.tensor(qx, scale, zero, packed, w_scale, w_zero, bias, 1.0, 0,
+                                                             torch.float32, "none", [], "")
 
-    made["onednn"] = onednn
-    made["_int_mm"], made["int8 weights only"] = _int_mm_kernel(w8, w_scale, bias), _weight_only(w8, w_scale, bias)
-    return made
+        return call
 
-
-def _int_mm_kernel(w8, w_scale, bias):
     def int_mm(x):  # symmetric int8 activations, one scale per row
         x_scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
         qx = torch.round(x / x_scale).to(torch.int8)
         return torch._int_mm(qx, w8.t()) * x_scale * w_scale + bias
 
-    return int_mm
-
-
-def _weight_only(w8, w_scale, bias):
-    return lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, w_scale) + bias
+    makers = {
+        "fp32": lambda: lambda x: F.linear(x, weight, bias),
+        "bf16": bf16,
+        "torch.ao": torch_ao,
+        "torchao": torchao,
+        "onednn": onednn,
+        "_int_mm": lambda: int_mm,
+        "int8 weights only": lambda: lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, w_scale) + bias,
+    }
+    if not hasattr(torch.ops.onednn, "qlinear_prepack"):  # torch built without oneDNN
+        names = [name for name in names if name != "onednn"]
+    return {name: makers[name]() for name in names}
 
 
 def microseconds(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         for count in args.rows:
             x = torch.randn(count, in_features)
             with torch.inference_mode():
-                made = {name: fn for name, fn in kernels(linear, count).items() if name in args.kernels}
+                made = kernels(linear, count, args.kernels)
                 reference = made["fp32"](x) if "fp32" in made else F.linear(x, linear.weight, linear.bias)
                 timings = {name: microseconds(lambda fn=fn: fn(x), args.repeats, args.min_seconds)
                            for name, fn in made.items()}
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         "Every int8 kernel uses the same symmetric per-output-channel int8 weights; torch.ao, torchao and onednn "
         "quantize activations per tensor and call, _int_mm per row.",
     ]
-    if importlib.util.find_spec("torchao") is not None:
+    if "torchao" in args.kernels:
         import torchao
 
         notes.append(f"torchao {torchao.__version__}, eager (no torch.compile).")
@@ -230,9 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--min_seconds", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--results_dir", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
-                        "tag; default int8-kernels-{device}")
+    add_result_arguments(parser)
     return parser
 
 

@@ -445,15 +445,20 @@ def write_report(
 # Command line ---------------------------------------------------------------------------------------------------
 
 
+def add_result_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a benchmark writes its report: --results_dir and --output_name (read by `result_name`)."""
+    parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
+                        "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
     parser.add_argument("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
     parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR} or {SHARED_CORPUS}")
     parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
     parser.add_argument("--cache_dir", type=Path, default=CACHE_DIR, help="tokenizers and converted models")
-    parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
-                        "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
+    add_result_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
     parser.add_argument("--sdpa_backend", default=None, choices=sorted(SDPA_BACKENDS),
