@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -427,12 +428,24 @@ class VaswaniDecoderLayer(GradientCheckpointingLayer):
 # Pre-trained model base --------------------------------------------------------------------------------------------
 
 
+def _unsharded_class(cls: type) -> type:
+    """The model class behind FSDP2: `fully_shard` shards a module in place and swaps its class for a subclass
+    `FSDP<name>` of both `FSDPModule` and the class, which torch defines in its own module."""
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        if issubclass(cls, FSDPModule):
+            return next(base for base in cls.__mro__ if not issubclass(base, FSDPModule))
+    return cls
+
+
 class VaswaniPreTrainedModel(PreTrainedModel):
     config: VaswaniConfig
     config_class = VaswaniConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    # FSDP auto-wrap and `device_map` keep each block whole.
+    # FSDP auto-wrap and `device_map` keep each block whole. Each model names only the blocks it has: accelerate's
+    # FSDP wrapping refuses a name that the model does not contain.
     _no_split_modules = ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
@@ -452,12 +465,24 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        if self._auto_class is not None:  # registered for the Auto classes, so the module files are shipped too
-            module = self.__class__.__module__.rsplit(".", 1)[-1]  # "modeling_vaswani", also when loaded as remote code
+        auto_class, model_class = self._auto_class, _unsharded_class(type(self))
+        if auto_class is not None:  # registered for the Auto classes, so the module files are shipped too
+            module = model_class.__module__.rsplit(".", 1)[-1]  # "modeling_vaswani", also when loaded as remote code
             auto_map = {name: f"{module}.{class_name}" for name, class_name in self._auto_map.items()}
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
-        saved = super().save_pretrained(save_directory, *args, **kwargs)
-        if self._auto_class is not None and kwargs.get("is_main_process", True):
+        if auto_class is None or model_class is type(self):
+            saved = super().save_pretrained(save_directory, *args, **kwargs)
+        else:
+            # transformers would ship the module of the FSDP subclass (torch's) as the model code and name that
+            # subclass in auto_map; it ships this module instead, below.
+            type(self)._auto_class = None
+            try:
+                saved = super().save_pretrained(save_directory, *args, **kwargs)
+            finally:
+                del type(self)._auto_class
+            if kwargs.get("is_main_process", True):
+                custom_object_save(model_class, save_directory)
+        if auto_class is not None and kwargs.get("is_main_process", True):
             self._save_generation_and_pipeline_code(Path(save_directory))
         return saved
 
@@ -618,6 +643,7 @@ class VaswaniStack(VaswaniPreTrainedModel):
 class VaswaniEncoder(VaswaniStack):
     """The left half of Figure 1: N encoder layers over the embedded source."""
 
+    _no_split_modules = ["VaswaniEncoderLayer"]
     _can_record_outputs = {"hidden_states": VaswaniEncoderLayer, "attentions": VaswaniAttention}
 
     def __init__(self, config: VaswaniConfig):
@@ -643,6 +669,7 @@ class VaswaniDecoder(VaswaniStack):
     """The right half of Figure 1 (without the output projection): N decoder layers over the shifted target,
     attending to the encoder output. With `cross_attention=False` it is a decoder-only (GPT-style) stack."""
 
+    _no_split_modules = ["VaswaniDecoderLayer"]
     _can_record_outputs = {
         "hidden_states": VaswaniDecoderLayer,
         "attentions": OutputRecorder(VaswaniAttention, index=1, layer_name="self_attn"),
@@ -989,6 +1016,7 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
     deep. `labels` are the input ids; the model shifts them so position t predicts token t+1."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _no_split_modules = ["VaswaniDecoderLayer"]
 
     def __init__(self, config: VaswaniConfig):
         # generate() reads is_encoder_decoder, which must be False here. Flip it on a copy: the caller's config may
@@ -1051,6 +1079,8 @@ class VaswaniEncoderModel(VaswaniPreTrainedModel):
     """Encoder-only model (the BERT family). It keeps the encoder under `encoder.`, as in the translation model,
     so the encoder of a trained translator loads into it (and into the classifier below) unchanged."""
 
+    _no_split_modules = ["VaswaniEncoderLayer"]
+
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
         self.encoder = VaswaniEncoder(config)
@@ -1068,6 +1098,8 @@ class VaswaniEncoderModel(VaswaniPreTrainedModel):
 
 class VaswaniForSequenceClassification(VaswaniPreTrainedModel):
     """Encoder + mean pooling over non-padding positions + a linear classifier (`config.num_labels`)."""
+
+    _no_split_modules = ["VaswaniEncoderLayer"]
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)

@@ -150,6 +150,12 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
         if self.resume and self.overwrite_output_dir:
             raise ValueError("--resume continues the model in output_dir and --overwrite_output_dir replaces it; "
                              "pass one of them.")
+        if self.fsdp and not self.fsdp_config.get("xla") and self.device.type == "cpu":
+            # accelerate keeps an FSDP plugin only for GPUs and other accelerators: on CPUs the Trainer would train
+            # with DDP instead, without a word (tests/test_fsdp.py runs FSDP2 itself on CPUs, outside the Trainer).
+            raise ValueError("--fsdp: transformers' Trainer shards with FSDP only on GPUs (and other accelerators); "
+                             "on CPUs it would train with DDP instead. Drop --fsdp to train with DDP over gloo "
+                             "(torchrun ... --ddp_backend gloo), or run on GPUs.")
         for name in ("max_train_time", "max_tokens_per_batch"):
             value = getattr(self, name)
             if value is not None and value <= 0:
