@@ -2,7 +2,7 @@
 """Train (or fine-tune) a Vaswani En→Fr translator; every Seq2SeqTrainingArguments flag works.
 
     python scripts/train_translation.py --preset small --output_dir outputs/en-fr --max_train_time 600
-    accelerate launch scripts/train_translation.py ...      # DDP / FSDP through Accelerate
+    torchrun --nproc_per_node 8 scripts/train_translation.py ...     # DDP; with --fsdp, FSDP2 (GPUs only)
 """
 
 import contextlib

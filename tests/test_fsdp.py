@@ -324,7 +324,7 @@ def test_sharded_checkpoint_resumes_with_the_same_losses(fsdp, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_consolidated_save_loads_with_the_same_logits(fsdp, family):
     """A sharded model's full state dict, saved by `save_pretrained`, is a complete checkpoint of the model class (not
-    of FSDP's subclass): the same logits through the package and through the shipped remote code."""
+    of the subclass FSDP2 swaps in, which torch defines): its code, auto_map and architectures, and the same logits."""
     measured = result(fsdp, f"checkpoint/{family}")
     assert "consolidated_error" not in measured, measured["consolidated_error"]
     model_class = FAMILIES[family][0]

@@ -2,8 +2,8 @@
 
 Arguments follow transformers' `run_translation.py`: a `ModelArguments`, a `DataArguments` and the Trainer's own
 `Seq2SeqTrainingArguments` (extended with a time budget, token-budget batches and the paper's recipe), parsed by
-`HfArgumentParser`, so every Trainer flag (bf16, gradient accumulation, FSDP, `--push_to_hub`, `--report_to`)
-works unchanged, and `accelerate launch` / `torchrun` run the same script with DDP.
+`HfArgumentParser`, so every Trainer flag (bf16, gradient accumulation, FSDP on GPUs, `--push_to_hub`, `--report_to`)
+works unchanged, and `accelerate launch` / `torchrun` run the same script with DDP (or FSDP2 on GPUs, with `--fsdp`).
 """
 
 import json
