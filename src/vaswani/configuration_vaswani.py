@@ -238,9 +238,40 @@ class VaswaniConfig(PreTrainedConfig):
         return getattr(cls, name)(**overrides)
 
 
+def check_tokenizer_fits(model, tokenizer) -> None:
+    """Refuse a tokenizer that does not belong to `model`: a token id beyond the model's vocabulary, or a pad, eos or
+    decoder-start id other than the one its config.json (and generation_config.json) gives, is a `ValueError`
+    naming both values. Either would translate without complaint and give wrong text.
+
+    Every loader of a model together with its tokenizer calls this (the command-line tools, the translation
+    pipeline, `vaswani.evaluation.translate`, fine-tuning). It lives in this file because this file ships with
+    every checkpoint, so the pipeline can import it as remote code. The decoder starts from the tokenizer's `<s>`,
+    or from its pad token where it has no `<s>` (Marian's tokenizers, whose converted checkpoints start there).
+    """
+    fix = ("the tokenizer and the model come from different checkpoints; load both from the same directory (a "
+           "checkpoint holds tokenizer.json and tokenizer_config.json beside config.json)")
+    config = model.config
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    if largest >= config.vocab_size:
+        raise ValueError(f"The tokenizer has token ids up to {largest}, but the model's vocabulary holds "
+                         f"vocab_size={config.vocab_size} tokens (config.json); {fix}.")
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
+    expected = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "decoder_start_token_id": start}
+    for settings, file in ((config, "config.json"), (getattr(model, "generation_config", None),
+                                                     "generation_config.json")):
+        for name, tokenizer_id in expected.items():
+            model_id = getattr(settings, name, None)
+            if model_id is None or tokenizer_id is None:
+                continue
+            if tokenizer_id not in (model_id if isinstance(model_id, list) else [model_id]):
+                raise ValueError(f"The tokenizer's {name.removesuffix('_token_id').replace('_', '-')} id is "
+                                 f"{tokenizer_id}, but the model's {file} has {name}={model_id}; {fix}.")
+
+
 def _divisor_near(n: int, k: int) -> int:
     """The divisor of n closest to k (for a helpful error message)."""
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
-__all__ = ["VaswaniConfig"]
+__all__ = ["VaswaniConfig", "check_tokenizer_fits"]

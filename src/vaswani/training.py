@@ -35,7 +35,7 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
-from .configuration_vaswani import VaswaniConfig
+from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits
 from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .tokenization_vaswani import train_tokenizer
@@ -72,6 +72,10 @@ class ModelArguments:
             raise ValueError(f"Unknown --preset {self.preset!r}; choose one of {', '.join(VaswaniConfig.PRESETS)}.")
         if self.vocab_size < 1:
             raise ValueError(f"--vocab_size must be positive, got {self.vocab_size}.")
+        for flag in ("model_name_or_path", "tokenizer_name_or_path"):
+            path = getattr(self, flag)
+            if path and os.path.isfile(path):
+                raise NotADirectoryError(f"--{flag} {path} is a file; give the checkpoint directory (or a Hub id).")
         VaswaniConfig.from_preset(self.preset, **parse_overrides(self.config_overrides))  # raises on a bad value
         known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
         if self.attn_implementation and "/" not in self.attn_implementation and self.attn_implementation not in known:
@@ -423,6 +427,7 @@ def build_model_and_tokenizer(model_args: ModelArguments, train_texts, checkpoin
         )
         if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
+        check_tokenizer_fits(model, tokenizer)
         return model, tokenizer
     config = VaswaniConfig.from_preset(
         model_args.preset,
