@@ -30,6 +30,7 @@ import vaswani.training
 from tiny_translation_model import build_model_and_tokenizer
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.cli import load_translator
+from vaswani.configuration_vaswani import tokenizer_fingerprint
 from vaswani.evaluation import translate
 from vaswani.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS, VaswaniTokenizer, train_tokenizer
 from vaswani.training import (
@@ -240,6 +241,16 @@ def tokenizer_of_another_checkpoint(path: Path) -> None:
     train_tokenizer(words * 2, vocab_size=400).save_pretrained(path)
 
 
+def same_size_tokenizer_of_another_checkpoint(path: Path) -> None:
+    """A model trained as the training script does, which records its tokenizer in config.json, beside the
+    tokenizer of another run: as many tokens, the same special ids."""
+    set_json(path / "config.json", tokenizer_fingerprint=tokenizer_fingerprint(AutoTokenizer.from_pretrained(path)))
+    words = [f"mot{i} word{i * 7}" for i in range(300)]
+    other = train_tokenizer(words * 2, vocab_size=320)
+    assert len(other) == len(AutoTokenizer.from_pretrained(path))
+    other.save_pretrained(path)
+
+
 def config_vocabulary_smaller_than_the_tokenizer(path: Path) -> None:
     """Weights and config of a 300-token model beside the 320-token tokenizer: the weights fit their config."""
     VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=300)).save_pretrained(path)
@@ -249,6 +260,7 @@ def config_vocabulary_smaller_than_the_tokenizer(path: Path) -> None:
     "damage, message",
     [
         (tokenizer_of_another_checkpoint, "token ids up to 399, but the model's vocabulary holds vocab_size=320"),
+        (same_size_tokenizer_of_another_checkpoint, "is not the one the model was trained with"),
         (config_vocabulary_smaller_than_the_tokenizer,
          "token ids up to 319, but the model's vocabulary holds vocab_size=300"),
         (lambda p: set_json(p / "config.json", pad_token_id=2),
@@ -258,7 +270,8 @@ def config_vocabulary_smaller_than_the_tokenizer(path: Path) -> None:
         (lambda p: set_json(p / "generation_config.json", decoder_start_token_id=0),
          "The tokenizer's decoder-start id is 3, but the model's generation_config.json has decoder_start_token_id=0"),
     ],
-    ids=["tokenizer-of-another-checkpoint", "config-vocabulary-too-small", "pad-id", "eos-id", "decoder-start-id"],
+    ids=["tokenizer-of-another-checkpoint", "same-size-tokenizer-of-another-checkpoint", "config-vocabulary-too-small",
+         "pad-id", "eos-id", "decoder-start-id"],
 )
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_loader(good_checkpoint, tmp_path, capsys,
                                                                            damage, message):
@@ -275,10 +288,29 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_loader(good
         translate(model, tokenizer, ["the cat"], num_beams=1)
 
 
+def test_a_new_model_records_its_tokenizer_and_loads_with_it(good_checkpoint, tmp_path):
+    model, tokenizer = build_model_and_tokenizer_for_training(
+        ModelArguments(preset="tiny", tokenizer_name_or_path=str(good_checkpoint)), lambda: iter(()))
+    assert model.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    model.save_pretrained(tmp_path / "new")
+    tokenizer.save_pretrained(tmp_path / "new")
+    _, loaded = load_translator(str(tmp_path / "new"), "cpu")
+    assert tokenizer_fingerprint(loaded) == model.config.tokenizer_fingerprint
+
+
 def test_fine_tuning_with_a_tokenizer_that_does_not_fit_is_refused(good_checkpoint, tmp_path):
     path = damaged_copy(good_checkpoint, tmp_path, lambda p: set_json(p / "config.json", pad_token_id=2))
     with pytest.raises(ValueError, match="pad id is 0, but the model's config.json has pad_token_id=2"):
         build_model_and_tokenizer_for_training(ModelArguments(model_name_or_path=str(path)), lambda: iter(()))
+
+
+def test_a_model_that_is_a_file_is_one_line(good_checkpoint, tmp_path, capsys):
+    weights = str(good_checkpoint / "model.safetensors")
+    message = f"--model {weights} is a file; give the checkpoint directory"
+    fails_with_one_line(script_main("translate"), ["--model", weights, "the cat"], capsys, message)
+    fails_with_one_line(script_main("visualize_attention"), ["--model", weights, "--source", "the cat", "--output_dir",
+                                                             str(tmp_path / "maps")], capsys, message)
+    assert not (tmp_path / "maps").exists()
 
 
 def test_a_checkpoint_without_generation_config_or_with_a_missing_shard_is_refused_by_the_tools(good_checkpoint,
