@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
+import huggingface_hub
 import pytest
 import torch
 from datasets import Dataset
@@ -24,10 +26,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer, pipeline
 
 from conftest import script_main, tiny_config
+from hub_stub import HubStub
 from test_training import SCRIPTS, synthetic_corpus, train_args
+from tiny_translation_model import build_model_and_tokenizer
 import vaswani.data
 import vaswani.training
-from tiny_translation_model import build_model_and_tokenizer
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.cli import load_translator
 from vaswani.configuration_vaswani import tokenizer_fingerprint
@@ -227,6 +230,31 @@ def test_a_directory_without_tokenizer_files_is_an_error_naming_them(good_checkp
         AutoTokenizer.from_pretrained(path)
     # Built without files on purpose, the tokenizer still spells text byte by byte.
     assert len(VaswaniTokenizer()) == len(SPECIAL_TOKENS) + len(BYTE_TOKENS)
+
+
+def test_a_hub_repository_without_tokenizer_files_is_an_error_naming_them(good_checkpoint, tmp_path):
+    weights_only = weights_only_copy(good_checkpoint, tmp_path)
+    repo_id = "someone/weights-only"
+    with HubStub() as hub:
+        api = huggingface_hub.HfApi(endpoint=hub.endpoint, token="hf_stand_in_token")
+        with patch.object(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True):
+            api.create_repo(repo_id)
+            api.upload_folder(folder_path=str(weights_only), repo_id=repo_id)
+        code = f"""
+import vaswani
+from transformers import AutoTokenizer
+try:
+    AutoTokenizer.from_pretrained({repo_id!r})
+except FileNotFoundError as error:
+    print("refused:", error)
+"""
+        env = {**subprocess_env(), "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1",
+               "HF_HOME": str(tmp_path / "hf_home")}
+        env.pop("HF_HUB_OFFLINE"), env.pop("HF_TOKEN", None)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"refused: {repo_id} has no Vaswani tokenizer: tokenizer.json and tokenizer_config.json are missing" in \
+        result.stdout
 
 
 def set_json(path: Path, **values) -> None:
