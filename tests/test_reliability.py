@@ -201,7 +201,7 @@ def test_missing_or_incomplete_model_directory_is_one_line(good_checkpoint, tmp_
     fails_with_one_line(translate_main, ["--model", str(no_weights), "hi"], capsys, "Cannot load a model")
 
 
-# A model and a tokenizer that do not belong together, incomplete checkpoints ---------------------------------------------
+# A model and a tokenizer that do not belong together, incomplete checkpoints ------------------------------------------
 
 
 def weights_only_copy(good: Path, tmp_path: Path) -> Path:
@@ -517,7 +517,7 @@ def test_a_corpus_without_a_sentence_pair_is_one_line_before_any_tokenizer_is_tr
 
 
 @pytest.mark.parametrize("flag", ["--model_name_or_path", "--tokenizer_name_or_path"])
-def test_a_checkpoint_path_that_is_a_file_is_one_line_before_any_data_is_read(corpus, tmp_path, capsys, flag):
+def test_a_checkpoint_path_that_is_a_file_is_one_line_before_any_data_is_read(tmp_path, capsys, flag):
     a_file = tmp_path / "model.safetensors"
     a_file.write_bytes(b"")
     output_dir = tmp_path / "out"
