@@ -6,9 +6,11 @@
 import argparse
 import logging
 
+from vaswani.cli import user_errors_exit
 from vaswani.data import train_corpus_tokenizer
 
 
+@user_errors_exit
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", help="tsv (manythings layout, may be gzipped), csv or jsonl file; default: "

@@ -15,20 +15,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
+import huggingface_hub
 import pytest
 import torch
 from datasets import Dataset
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer
+from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer, pipeline
 
 from conftest import script_main, tiny_config
+from hub_stub import HubStub
 from test_training import SCRIPTS, synthetic_corpus, train_args
 from tiny_translation_model import build_model_and_tokenizer
+import vaswani.data
+import vaswani.training
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.cli import load_translator
+from vaswani.configuration_vaswani import tokenizer_fingerprint
 from vaswani.evaluation import translate
+from vaswani.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS, VaswaniTokenizer, train_tokenizer
 from vaswani.training import (
     DataArguments,
     ModelArguments,
@@ -37,6 +44,7 @@ from vaswani.training import (
     prepare_output_dir,
     run_training,
 )
+from vaswani.training import build_model_and_tokenizer as build_model_and_tokenizer_for_training
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,6 +201,163 @@ def test_missing_or_incomplete_model_directory_is_one_line(good_checkpoint, tmp_
     fails_with_one_line(translate_main, ["--model", str(no_weights), "hi"], capsys, "Cannot load a model")
 
 
+# A model and a tokenizer that do not belong together, incomplete checkpoints ------------------------------------------
+
+
+def weights_only_copy(good: Path, tmp_path: Path) -> Path:
+    """What a user holds who copied a checkpoint's weights and forgot the rest."""
+    path = tmp_path / "weights-only"
+    path.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(good / name, path)
+    return path
+
+
+def test_a_directory_without_tokenizer_files_is_an_error_naming_them(good_checkpoint, tmp_path, capsys):
+    path = weights_only_copy(good_checkpoint, tmp_path)
+    for load in (AutoTokenizer.from_pretrained, VaswaniTokenizer.from_pretrained):
+        with pytest.raises(FileNotFoundError, match="tokenizer.json and tokenizer_config.json are missing"):
+            load(path)
+    (tmp_path / "src.en").write_text("the cat\n")
+    (tmp_path / "ref.fr").write_text("le chat\n")
+    fails_with_one_line(script_main("translate"), ["--model", str(path), "the cat"], capsys,
+                        "weights-only has no Vaswani tokenizer: tokenizer.json and tokenizer_config.json are missing")
+    fails_with_one_line(script_main("evaluate_bleu"), ["--model", str(path), "--source_file", str(tmp_path / "src.en"),
+                                                       "--reference_file", str(tmp_path / "ref.fr")], capsys,
+                        "tokenizer.json and tokenizer_config.json are missing")
+    shutil.copy(good_checkpoint / "tokenizer_config.json", path)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
+        AutoTokenizer.from_pretrained(path)
+    # Built without files on purpose, the tokenizer still spells text byte by byte.
+    assert len(VaswaniTokenizer()) == len(SPECIAL_TOKENS) + len(BYTE_TOKENS)
+
+
+def test_a_hub_repository_without_tokenizer_files_is_an_error_naming_them(good_checkpoint, tmp_path):
+    weights_only = weights_only_copy(good_checkpoint, tmp_path)
+    repo_id = "someone/weights-only"
+    with HubStub() as hub:
+        api = huggingface_hub.HfApi(endpoint=hub.endpoint, token="hf_stand_in_token")
+        with patch.object(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True):
+            api.create_repo(repo_id)
+            api.upload_folder(folder_path=str(weights_only), repo_id=repo_id)
+        code = f"""
+import vaswani
+from transformers import AutoTokenizer
+try:
+    AutoTokenizer.from_pretrained({repo_id!r})
+except FileNotFoundError as error:
+    print("refused:", error)
+"""
+        env = {**subprocess_env(), "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1",
+               "HF_HOME": str(tmp_path / "hf_home")}
+        env.pop("HF_HUB_OFFLINE"), env.pop("HF_TOKEN", None)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"refused: {repo_id} has no Vaswani tokenizer: tokenizer.json and tokenizer_config.json are missing" in \
+        result.stdout
+
+
+def set_json(path: Path, **values) -> None:
+    data = json.loads(path.read_text())
+    data.update(values)
+    path.write_text(json.dumps(data))
+
+
+def tokenizer_of_another_checkpoint(path: Path) -> None:
+    """The tokenizer files of a run with a larger vocabulary (400 tokens against the model's 320)."""
+    words = [f"mot{i} word{i * 7}" for i in range(300)]
+    train_tokenizer(words * 2, vocab_size=400).save_pretrained(path)
+
+
+def same_size_tokenizer_of_another_checkpoint(path: Path) -> None:
+    """A model trained as the training script does, which records its tokenizer in config.json, beside the
+    tokenizer of another run: as many tokens, the same special ids."""
+    set_json(path / "config.json", tokenizer_fingerprint=tokenizer_fingerprint(AutoTokenizer.from_pretrained(path)))
+    words = [f"mot{i} word{i * 7}" for i in range(300)]
+    other = train_tokenizer(words * 2, vocab_size=320)
+    assert len(other) == len(AutoTokenizer.from_pretrained(path))
+    other.save_pretrained(path)
+
+
+def config_vocabulary_smaller_than_the_tokenizer(path: Path) -> None:
+    """Weights and config of a 300-token model beside the 320-token tokenizer: the weights fit their config."""
+    VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=300)).save_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (tokenizer_of_another_checkpoint, "token ids up to 399, but the model's vocabulary holds vocab_size=320"),
+        (same_size_tokenizer_of_another_checkpoint, "is not the one the model was trained with"),
+        (config_vocabulary_smaller_than_the_tokenizer,
+         "token ids up to 319, but the model's vocabulary holds vocab_size=300"),
+        (lambda p: set_json(p / "config.json", pad_token_id=2),
+         "The tokenizer's pad id is 0, but the model's config.json has pad_token_id=2"),
+        (lambda p: set_json(p / "generation_config.json", eos_token_id=2),
+         "The tokenizer's eos id is 1, but the model's generation_config.json has eos_token_id=2"),
+        (lambda p: set_json(p / "generation_config.json", decoder_start_token_id=0),
+         "The tokenizer's decoder-start id is 3, but the model's generation_config.json has decoder_start_token_id=0"),
+    ],
+    ids=["tokenizer-of-another-checkpoint", "same-size-tokenizer-of-another-checkpoint", "config-vocabulary-too-small",
+         "pad-id", "eos-id", "decoder-start-id"],
+)
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_loader(good_checkpoint, tmp_path, capsys,
+                                                                           damage, message):
+    path = damaged_copy(good_checkpoint, tmp_path, damage)
+    with pytest.raises(ValueError, match=message):
+        load_translator(str(path), "cpu")
+    fails_with_one_line(script_main("translate"), ["--model", str(path), "--num_beams", "1", "the cat"], capsys,
+                        message)
+    model = VaswaniForConditionalGeneration.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with pytest.raises(ValueError, match=message):
+        pipeline("translation", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=message):
+        translate(model, tokenizer, ["the cat"], num_beams=1)
+
+
+def test_a_new_model_records_its_tokenizer_and_loads_with_it(good_checkpoint, tmp_path):
+    model, tokenizer = build_model_and_tokenizer_for_training(
+        ModelArguments(preset="tiny", tokenizer_name_or_path=str(good_checkpoint)), lambda: iter(()))
+    assert model.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    model.save_pretrained(tmp_path / "new")
+    tokenizer.save_pretrained(tmp_path / "new")
+    _, loaded = load_translator(str(tmp_path / "new"), "cpu")
+    assert tokenizer_fingerprint(loaded) == model.config.tokenizer_fingerprint
+
+
+def test_fine_tuning_with_a_tokenizer_that_does_not_fit_is_refused(good_checkpoint, tmp_path):
+    path = damaged_copy(good_checkpoint, tmp_path, lambda p: set_json(p / "config.json", pad_token_id=2))
+    with pytest.raises(ValueError, match="pad id is 0, but the model's config.json has pad_token_id=2"):
+        build_model_and_tokenizer_for_training(ModelArguments(model_name_or_path=str(path)), lambda: iter(()))
+
+
+def test_a_model_that_is_a_file_is_one_line(good_checkpoint, tmp_path, capsys):
+    weights = str(good_checkpoint / "model.safetensors")
+    message = f"--model {weights} is a file; give the checkpoint directory"
+    fails_with_one_line(script_main("translate"), ["--model", weights, "the cat"], capsys, message)
+    fails_with_one_line(script_main("visualize_attention"), ["--model", weights, "--source", "the cat", "--output_dir",
+                                                             str(tmp_path / "maps")], capsys, message)
+    assert not (tmp_path / "maps").exists()
+
+
+def test_a_checkpoint_without_generation_config_or_with_a_missing_shard_is_refused_by_the_tools(good_checkpoint,
+                                                                                               tmp_path, capsys):
+    no_generation_config = damaged_copy(good_checkpoint, tmp_path, lambda p: (p / "generation_config.json").unlink())
+    fails_with_one_line(script_main("translate"), ["--model", str(no_generation_config), "the cat"], capsys,
+                        "damaged has no generation_config.json, which holds the decoding settings")
+    sharded = tmp_path / "sharded"
+    VaswaniForConditionalGeneration.from_pretrained(good_checkpoint).save_pretrained(sharded, max_shard_size="20KB")
+    AutoTokenizer.from_pretrained(good_checkpoint).save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    load_translator(str(sharded), "cpu")  # complete: it loads
+    shards[1].unlink()
+    fails_with_one_line(script_main("translate"), ["--model", str(sharded), "the cat"], capsys,
+                        f"sharded lacks 1 of the {len(shards)} weight shards that model.safetensors.index.json lists "
+                        f"({shards[1].name}); copy the whole checkpoint directory again")
+
+
 # Tokens --------------------------------------------------------------------------------------------------------------
 
 
@@ -318,6 +483,47 @@ def test_missing_corpus_is_one_line_and_writes_nothing(tmp_path, capsys):
     output_dir = tmp_path / "out"
     fails_with_one_line(script_main("train_translation"), train_args(tmp_path / "nope.tsv", output_dir), capsys,
                         "does not exist")
+    assert not output_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.tsv", b"", "Corpus file {path} is empty; it must hold one en<TAB>fr sentence pair per line"),
+        ("empty.tsv.gz", gzip.compress(b""), "Corpus file {path} is empty"),
+        ("no-tabs.tsv", b"I have one cat.\nJ'ai un chat.\n\n",
+         "No line of corpus file {path} holds a sentence pair (3 lines: no_tab=2, blank=1)"),
+        ("empty-sides.jsonl", b'{"en": "I have one cat.", "fr": ""}\n',
+         "The train split of {path} holds no sentence pair with both sides non-empty"),
+    ],
+    ids=["empty", "empty-gzip", "no-tabs", "no-target"],
+)
+def test_a_corpus_without_a_sentence_pair_is_one_line_before_any_tokenizer_is_trained(tmp_path, capsys, monkeypatch,
+                                                                                      name, content, message):
+    corpus = tmp_path / name
+    corpus.write_bytes(content)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a tokenizer was trained on a corpus without sentence pairs")
+
+    monkeypatch.setattr(vaswani.training, "train_tokenizer", must_not_run)
+    monkeypatch.setattr(vaswani.data, "train_tokenizer", must_not_run)
+    output_dir = tmp_path / "out"
+    fails_with_one_line(script_main("train_translation"), train_args(corpus, output_dir), capsys,
+                        message.format(path=corpus))
+    fails_with_one_line(script_main("train_tokenizer"), ["--corpus", str(corpus), "--output_dir", str(output_dir)],
+                        capsys, message.format(path=corpus))
+    assert not output_dir.exists()
+
+
+@pytest.mark.parametrize("flag", ["--model_name_or_path", "--tokenizer_name_or_path"])
+def test_a_checkpoint_path_that_is_a_file_is_one_line_before_any_data_is_read(tmp_path, capsys, flag):
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"")
+    output_dir = tmp_path / "out"
+    fails_with_one_line(script_main("train_translation"), train_args(tmp_path / "nope.tsv", output_dir, flag,
+                                                                     str(a_file)),
+                        capsys, f"{flag} {a_file} is a file; give the checkpoint directory")
     assert not output_dir.exists()
 
 

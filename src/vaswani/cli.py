@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 
@@ -64,7 +65,8 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
 
     Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result:
     only safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose
-    weights are missing, unexpected, mismatched, truncated or corrupted, is a `ValueError` naming the problem.
+    weights are missing, unexpected, mismatched, truncated or corrupted, is a `ValueError` naming the problem; so is
+    a tokenizer that is missing or does not fit the model (`check_tokenizer_fits`).
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 
@@ -96,6 +98,7 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
         raise ValueError(f"{model_dir} does not hold this model's weights ({listed}); it would run with random "
                          "weights in their place. Use the checkpoint's own directory, or re-save it.")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    check_tokenizer_fits(model, tokenizer)
     model = model.to(device).eval()
     if int8:
         model = quantize_for_cpu(model)
@@ -126,6 +129,27 @@ def _check_checkpoint_dir(model_dir: str) -> None:
     if model_type != "vaswani":
         raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani one; these tools load Vaswani "
                          "checkpoints only.")
+    _check_checkpoint_files(model_dir)
+
+
+def _check_checkpoint_files(model_dir: str) -> None:
+    """The files a checkpoint is written with and the tools need, beyond config.json and the weights (whose absence
+    `from_pretrained` reports): without generation_config.json the tools would decode with defaults instead of the
+    checkpoint's own settings (beams, length penalty, output length); without one of several weight shards the
+    model cannot load."""
+    again = "copy the whole checkpoint directory again"
+    if not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        raise FileNotFoundError(f"{model_dir} has no generation_config.json, which holds the decoding settings the "
+                                f"model was trained and evaluated with; {again}, or write one with "
+                                "`model.generation_config.save_pretrained(...)`.")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing = [shard for shard in shards if not os.path.isfile(os.path.join(model_dir, shard))]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lacks {len(missing)} of the {len(shards)} weight shards that "
+                                    f"model.safetensors.index.json lists ({', '.join(missing)}); {again}.")
 
 
 def read_lines(path: str) -> list[str]:

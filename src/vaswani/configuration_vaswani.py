@@ -17,6 +17,9 @@ from input to output, trains stably without a long warm-up and is what modern de
 norm at the end of each stack, which `norm_first=True` adds.
 """
 
+import hashlib
+import json
+
 from transformers import PreTrainedConfig
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -62,6 +65,9 @@ class VaswaniConfig(PreTrainedConfig):
         bias: bias terms in every linear layer (and LayerNorm).
         label_smoothing: ε_ls used by the loss in training mode (§5.4); evaluation reports the plain likelihood.
         classifier_dropout: dropout before the sequence-classification head (`None`: use `dropout`).
+        tokenizer_fingerprint: `tokenizer_fingerprint()` of the tokenizer the model was trained with, written by the
+            training script and the Marian converter; `check_tokenizer_fits` then refuses any other tokenizer, even
+            one of the same size. `None` (older checkpoints): not checked.
     """
 
     model_type = "vaswani"
@@ -102,6 +108,7 @@ class VaswaniConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 1
     bos_token_id: int | None = 3
     decoder_start_token_id: int | None = 3
+    tokenizer_fingerprint: str | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -238,9 +245,56 @@ class VaswaniConfig(PreTrainedConfig):
         return getattr(cls, name)(**overrides)
 
 
+def check_tokenizer_fits(model, tokenizer) -> None:
+    """Refuse a tokenizer that does not belong to `model`: a token id beyond the model's vocabulary, a vocabulary
+    other than the one config.json's `tokenizer_fingerprint` records, or a pad, eos or decoder-start id other than
+    the one its config.json (and generation_config.json) gives, is a `ValueError` naming both values. Each would
+    translate without complaint and give wrong text.
+
+    Every loader of a model together with its tokenizer calls this (the command-line tools, the translation
+    pipeline, `vaswani.evaluation.translate`, fine-tuning). It lives in this file because this file ships with
+    every checkpoint, so the pipeline can import it as remote code. The decoder starts from the tokenizer's `<s>`,
+    or from its pad token where it has no `<s>` (Marian's tokenizers, whose converted checkpoints start there).
+    """
+    fix = ("the tokenizer and the model come from different checkpoints; load both from the same directory (a "
+           "checkpoint holds tokenizer.json and tokenizer_config.json beside config.json)")
+    config = model.config
+    vocab = tokenizer.get_vocab()
+    largest = max(vocab.values(), default=-1)
+    if largest >= config.vocab_size:
+        raise ValueError(f"The tokenizer has token ids up to {largest}, but the model's vocabulary holds "
+                         f"vocab_size={config.vocab_size} tokens (config.json); {fix}.")
+    recorded = getattr(config, "tokenizer_fingerprint", None)
+    if recorded is not None and recorded != _fingerprint(vocab):
+        raise ValueError(f"The tokenizer's vocabulary (fingerprint {_fingerprint(vocab)}) is not the one the model was "
+                         f"trained with (config.json has tokenizer_fingerprint={recorded}); {fix}.")
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
+    expected = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "decoder_start_token_id": start}
+    for settings, file in ((config, "config.json"), (getattr(model, "generation_config", None),
+                                                     "generation_config.json")):
+        for name, tokenizer_id in expected.items():
+            model_id = getattr(settings, name, None)
+            if model_id is None or tokenizer_id is None:
+                continue
+            if tokenizer_id not in (model_id if isinstance(model_id, list) else [model_id]):
+                raise ValueError(f"The tokenizer's {name.removesuffix('_token_id').replace('_', '-')} id is "
+                                 f"{tokenizer_id}, but the model's {file} has {name}={model_id}; {fix}.")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary (every token and its id, added tokens included): equal for the
+    same tokenizer saved and reloaded, different for one trained on other text, even with the same size."""
+    return _fingerprint(tokenizer.get_vocab())
+
+
+def _fingerprint(vocab: dict[str, int]) -> str:
+    return hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
 def _divisor_near(n: int, k: int) -> int:
     """The divisor of n closest to k (for a helpful error message)."""
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
-__all__ = ["VaswaniConfig"]
+__all__ = ["VaswaniConfig", "check_tokenizer_fits", "tokenizer_fingerprint"]

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, MarianConfig, MarianMTModel
 
-from .configuration_vaswani import VaswaniConfig
+from .configuration_vaswani import VaswaniConfig, tokenizer_fingerprint
 from .hub import REPO_ID_PLACEHOLDER, _how_to_load, attach_translation_pipeline
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
@@ -253,6 +253,7 @@ def convert_marian_checkpoint(model_name_or_path: str, output_dir: str | Path, f
                                 f"{str(error).splitlines()[0]}") from error
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     model = from_marian(marian)
+    model.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
     if check:
         check_same_translations(marian, model, tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)

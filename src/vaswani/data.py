@@ -199,6 +199,21 @@ def read_parallel_tsv(path: str | os.PathLike) -> tuple[list[tuple[str, str]], R
     return pairs, summary
 
 
+def require_pairs(summary: ReadSummary) -> None:
+    """Refuse a corpus file that gave no sentence pair, saying whether it is empty or why no line parsed: read on,
+    it would fail later with an error about dataset columns, or train a tokenizer on nothing."""
+    if summary.pairs:
+        return
+    layout = f"one {TSV_LANGUAGES[0]}<TAB>{TSV_LANGUAGES[1]} sentence pair per line"
+    if not summary.lines:
+        damaged = " (its gzip stream is damaged before the first line)" if summary.truncated else ""
+        raise ValueError(f"Corpus file {summary.path} is empty{damaged}; it must hold {layout}.")
+    reasons = ", ".join(f"{name}={getattr(summary, name)}" for name in ("no_tab", "blank", "empty_side", "invalid_utf8")
+                        if getattr(summary, name))
+    raise ValueError(f"No line of corpus file {summary.path} holds a sentence pair ({summary.lines} lines: {reasons}); "
+                     f"it must hold {layout}.")
+
+
 def _open_binary(path: Path):
     if not path.exists():
         raise FileNotFoundError(f"Corpus file {path} does not exist.")
@@ -362,6 +377,9 @@ def load_translation_dataset(
 
     splits = {name: _to_pairs(split, source_lang, target_lang) for name, split in loaded.items()
               if name in ("train", "validation", "test")}
+    if not len(splits["train"]):
+        raise ValueError(f"The train split of {path if dataset_name is None else dataset_name} holds no sentence "
+                         "pair with both sides non-empty.")
     carved = split_by_source(
         splits["train"],
         validation_fraction if "validation" not in splits else 0.0,
@@ -380,7 +398,8 @@ def _load_local_file(path: Path, source_lang: str, target_lang: str) -> DatasetD
         return load_dataset("csv", data_files=str(path))
     if name.endswith((".json", ".jsonl")):
         return load_dataset("json", data_files=str(path))
-    pairs, _ = read_parallel_tsv(path)
+    pairs, summary = read_parallel_tsv(path)
+    require_pairs(summary)
     first, second = zip(*pairs) if pairs else ((), ())
     columns = dict(zip(TSV_LANGUAGES, (list(first), list(second))))
     if source_lang not in columns or target_lang not in columns:

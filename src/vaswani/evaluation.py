@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from sacrebleu.metrics import BLEU, CHRF, TER
 
+from .configuration_vaswani import check_tokenizer_fits
+
 References = Sequence[str] | Sequence[Sequence[str]]
 """One reference string per hypothesis, or a sequence of references per hypothesis (their number may vary)."""
 
@@ -121,6 +123,7 @@ def translate(
     """
     if not sentences:
         return []  # the tokenizer refuses an empty batch
+    check_tokenizer_fits(model, tokenizer)
     if device is not None:
         model.to(device)
     was_training = model.training

@@ -16,6 +16,8 @@ from __future__ import annotations
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY, REMOVED_TASKS
 
+from .configuration_vaswani import check_tokenizer_fits
+
 TASK = "translation"
 
 
@@ -38,6 +40,10 @@ class VaswaniTranslationPipeline(Pipeline):
     # Only applies when neither the call nor the model's generation config sets a length; 20 tokens, generate()'s
     # own default, would cut most sentences short.
     _default_generation_config = GenerationConfig(max_new_tokens=256)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_tokenizer_fits(self.model, self.tokenizer)
 
     def _sanitize_parameters(self, truncation=None, **generate_kwargs):
         preprocess_params = {} if truncation is None else {"truncation": truncation}

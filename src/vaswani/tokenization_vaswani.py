@@ -65,7 +65,8 @@ class VaswaniTokenizer(TokenizersBackend):
     """Joint English-French BPE tokenizer: `<pad>`=0, `</s>`=1 (eos), `<unk>`=2, `<s>`=3 (decoder start).
 
     Build one with `train_tokenizer`, or load one with `VaswaniTokenizer.from_pretrained` /
-    `AutoTokenizer.from_pretrained`. Called without a vocabulary it can only spell text byte by byte.
+    `AutoTokenizer.from_pretrained`, which refuse a directory or Hub repository without tokenizer.json. Called
+    without a vocabulary it can only spell text byte by byte.
 
     `tokenizer(sources, text_target=targets)` returns `input_ids`, `attention_mask` and `labels`, each ending
     in `</s>`. Decoding never runs transformers' `clean_up_tokenization_spaces`, which deletes the space before
@@ -96,6 +97,22 @@ class VaswaniTokenizer(TokenizersBackend):
         super().__init__(
             pad_token=pad_token, eos_token=eos_token, unk_token=unk_token, bos_token=bos_token, **kwargs
         )
+
+    @classmethod
+    def _from_pretrained(cls, resolved_vocab_files, pretrained_model_name_or_path, *args, **kwargs):
+        # transformers builds the tokenizer from whatever files it found, even none: without tokenizer.json this
+        # would be the byte-only tokenizer of `VaswaniTokenizer()`, whose ids mean nothing to a trained model.
+        if resolved_vocab_files.get("tokenizer_file") is None:
+            missing = [name for name, key in (("tokenizer.json", "tokenizer_file"),
+                                              ("tokenizer_config.json", "tokenizer_config_file"))
+                       if resolved_vocab_files.get(key) is None]
+            raise FileNotFoundError(
+                f"{pretrained_model_name_or_path} has no Vaswani tokenizer: {' and '.join(missing)} "
+                f"{'are' if len(missing) > 1 else 'is'} missing. Copy the tokenizer files from the directory the model "
+                "was trained in (train_translation.py saves them beside the weights), or save them there with "
+                "`tokenizer.save_pretrained(...)`."
+            )
+        return super()._from_pretrained(resolved_vocab_files, pretrained_model_name_or_path, *args, **kwargs)
 
 
 # save_pretrained copies this file next to the vocabulary and writes `auto_map` in tokenizer_config.json,

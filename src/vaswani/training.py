@@ -35,7 +35,7 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
-from .configuration_vaswani import VaswaniConfig
+from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .tokenization_vaswani import train_tokenizer
@@ -72,6 +72,10 @@ class ModelArguments:
             raise ValueError(f"Unknown --preset {self.preset!r}; choose one of {', '.join(VaswaniConfig.PRESETS)}.")
         if self.vocab_size < 1:
             raise ValueError(f"--vocab_size must be positive, got {self.vocab_size}.")
+        for flag in ("model_name_or_path", "tokenizer_name_or_path"):
+            path = getattr(self, flag)
+            if path and os.path.isfile(path):
+                raise NotADirectoryError(f"--{flag} {path} is a file; give the checkpoint directory (or a Hub id).")
         VaswaniConfig.from_preset(self.preset, **parse_overrides(self.config_overrides))  # raises on a bad value
         known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
         if self.attn_implementation and "/" not in self.attn_implementation and self.attn_implementation not in known:
@@ -429,6 +433,9 @@ def build_model_and_tokenizer(model_args: ModelArguments, train_texts, checkpoin
         )
         if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
+        # Fine-tuning may give the model another tokenizer (grown by resizing): the new model records it.
+        model.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        check_tokenizer_fits(model, tokenizer)
         return model, tokenizer
     config = VaswaniConfig.from_preset(
         model_args.preset,
@@ -438,6 +445,7 @@ def build_model_and_tokenizer(model_args: ModelArguments, train_texts, checkpoin
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.bos_token_id,
             "decoder_start_token_id": tokenizer.bos_token_id,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             **parse_overrides(model_args.config_overrides),
         },
     )
@@ -691,7 +699,9 @@ def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:
         raise ValueError(f"{checkpoint} holds a {model_type!r} model, not a Vaswani one; choose another "
                          "--output_dir or pass --overwrite_output_dir.")
     saved = VaswaniConfig.from_pretrained(checkpoint)
-    compared = [name for name in VaswaniConfig.__annotations__ if name != "use_cache"]  # the Trainer turns it off
+    # The Trainer turns use_cache off; a resumed run takes the checkpoint's own tokenizer, whose fingerprint older
+    # checkpoints do not record.
+    compared = [name for name in VaswaniConfig.__annotations__ if name not in ("use_cache", "tokenizer_fingerprint")]
     differences = [f"{name}={getattr(saved, name)!r} (this run: {getattr(config, name)!r})"
                    for name in compared if getattr(saved, name) != getattr(config, name)]
     if differences:
