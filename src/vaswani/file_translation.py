@@ -178,8 +178,9 @@ def translate_chunk(engine, lines: Sequence[str], max_tokens: int | None, max_se
     truncated = 0
     if engine.max_source_length is not None:
         too_long = [j for j, ids in enumerate(encoded) if len(ids) > engine.max_source_length]
-        for j, ids in zip(too_long, engine.encode([lines[nonempty[j]] for j in too_long], truncate=True)):
-            encoded[j] = ids
+        if too_long:  # encoded again by the tokenizer's own truncation, which keeps the end of sentence
+            for j, ids in zip(too_long, engine.encode([lines[nonempty[j]] for j in too_long], truncate=True)):
+                encoded[j] = ids
         truncated = len(too_long)
     for batch in token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences):
         for j, text in zip(batch, engine.translate_batch([encoded[j] for j in batch])):
