@@ -8,7 +8,7 @@
     python scripts/translate.py --model outputs/en-fr --device cpu --int8 "I lost."     # int8 CPU decoding
     python scripts/translate.py --model outputs/en-fr-ct2 --ctranslate2 --input_file english.txt  # an exported model
     accelerate launch --num_processes 2 scripts/translate.py --model outputs/en-fr --input_file english.txt \\
-        --output_file french.txt                              # (or torchrun --nproc_per_node 2): one GPU each
+        --output_file french.txt     # one GPU each (or torchrun --nproc_per_node 2; on CPUs: accelerate --multi_gpu)
 
 The input is read --chunk_lines lines at a time; each chunk is sorted by length into batches of at most
 --max_tokens_per_batch padded source tokens, and its translations are written in input order as soon as it is

@@ -234,10 +234,17 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
     assert not state.exists() and not (tmp_path / "out.fr.parts").exists()
 
 
-def test_two_processes_write_the_file_one_process_writes(checkpoint, expected, tmp_path):
+# accelerate's --multi_gpu is its torchrun launcher, which on a machine without GPUs starts CPU processes.
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+             "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_processes_write_the_file_one_process_writes(checkpoint, expected, tmp_path, launcher):
+    if launcher == "accelerate":
+        pytest.importorskip("accelerate")
     output = tmp_path / "out.fr"
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPTS / "translate.py")]
-    process = run_script([*launcher, "--model", str(checkpoint), "--device", "cpu", "--input_file",
+    process = run_script([*LAUNCHERS[launcher], str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu", "--input_file",
                           write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "3",
                           "--num_beams", "1", "--max_new_tokens", "8"])
     _, err = process.communicate(timeout=300)
