@@ -92,7 +92,8 @@ def main(argv=None):
         precision = args.compute_type
     else:
         config = AutoConfig.from_pretrained(args.model) if args.dtype == "auto" else None
-        dtype = choose_dtype(args.dtype, torch.device(device), config.d_model if config else 0, int8=args.int8)
+        dtype = choose_dtype(args.dtype, torch.device(device), config.d_model if config else 0,
+                             num_beams=1 if args.do_sample else args.num_beams, int8=args.int8)
         model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding, dtype=dtype)
         max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}

@@ -259,18 +259,24 @@ def test_processes_read_their_place_from_the_launcher():
     assert Processes(1, 2, 1).device("cpu") == "cpu"
 
 
-@pytest.mark.parametrize(("requested", "device", "d_model", "int8", "cuda_bf16", "cpu_bf16", "chosen"), [
-    ("auto", "cuda", 256, False, True, False, torch.bfloat16),
-    ("auto", "cuda", 512, False, False, False, torch.float32),
-    ("auto", "cpu", CPU_BF16_MIN_D_MODEL, False, None, True, torch.bfloat16),
-    ("auto", "cpu", CPU_BF16_MIN_D_MODEL - 1, False, None, True, torch.float32),
-    ("auto", "cpu", 1024, False, None, False, torch.float32),
-    ("auto", "cpu", 1024, True, None, True, torch.float32),
-    ("bfloat16", "cpu", 256, False, None, False, torch.bfloat16),
-    ("float32", "cuda", 512, False, True, True, torch.float32),
+GREEDY_MIN, BEAM_MIN = CPU_BF16_MIN_D_MODEL["greedy"], CPU_BF16_MIN_D_MODEL["beam"]
+
+
+@pytest.mark.parametrize(("requested", "device", "d_model", "beams", "int8", "cuda_bf16", "cpu_bf16", "chosen"), [
+    ("auto", "cuda", 32, 1, False, True, False, torch.bfloat16),
+    ("auto", "cuda", 512, 4, False, False, False, torch.float32),
+    ("auto", "cpu", GREEDY_MIN, 1, False, None, True, torch.bfloat16),
+    ("auto", "cpu", GREEDY_MIN - 1, 1, False, None, True, torch.float32),
+    ("auto", "cpu", BEAM_MIN, 4, False, None, True, torch.bfloat16),
+    ("auto", "cpu", BEAM_MIN - 1, 4, False, None, True, torch.float32),
+    ("auto", "cpu", 1024, 4, False, None, False, torch.float32),
+    ("auto", "cpu", 1024, 4, True, None, True, torch.float32),
+    ("bfloat16", "cpu", 32, 1, False, None, False, torch.bfloat16),
+    ("float32", "cuda", 512, 4, False, True, True, torch.float32),
 ])
-def test_dtype_auto_is_bf16_where_native_and_faster(requested, device, d_model, int8, cuda_bf16, cpu_bf16, chosen):
-    assert choose_dtype(requested, torch.device(device), d_model, int8=int8, cuda_bf16=cuda_bf16,
+def test_dtype_auto_is_bf16_where_native_and_faster(requested, device, d_model, beams, int8, cuda_bf16, cpu_bf16,
+                                                    chosen):
+    assert choose_dtype(requested, torch.device(device), d_model, num_beams=beams, int8=int8, cuda_bf16=cuda_bf16,
                         cpu_bf16=cpu_bf16) == chosen
 
 

@@ -61,17 +61,17 @@ def cpu_multiplies_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-# bf16 pays on a CPU from this model width up: at d_model 512 (base, OPUS-MT's shape) bf16 weights ran greedy and
-# beam search faster than fp32 on an AMX CPU, at the main job's small width greedy was no faster (bf16 rows of
-# benchmarks/results/translation-cpu-*bf16*.md).
-CPU_BF16_MIN_D_MODEL = 512
+# The narrowest models for which bf16 weights decoded faster than fp32 on an AMX CPU, greedy and with beam search:
+# at d_model 512 (base, OPUS-MT's shape) both ran faster in bf16; at the main job's width, 256, beam search did and
+# greedy did not (the bf16 rows of benchmarks/results/translation-cpu-*bf16*.md). Narrower models stay in fp32.
+CPU_BF16_MIN_D_MODEL = {"greedy": 512, "beam": 256}
 
 
-def choose_dtype(requested: str, device: torch.device, d_model: int, *, int8: bool = False,
+def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beams: int = 1, int8: bool = False,
                  cuda_bf16: bool | None = None, cpu_bf16: bool | None = None) -> torch.dtype:
     """The precision to translate in. `requested` is "float32", "bfloat16" or "auto": bf16 where the hardware
-    multiplies it natively and it is faster (GPUs with bf16; CPUs with AMX or AVX512-BF16 for models of width
-    `CPU_BF16_MIN_D_MODEL` or more), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
+    multiplies it natively and it is faster (GPUs with bf16; CPUs with AMX or AVX512-BF16 for models at least
+    `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
     `cpu_bf16` say what the hardware does (default: ask it)."""
     if requested != "auto":
         if requested not in DTYPES:
@@ -86,7 +86,8 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, int8: bo
         return torch.bfloat16 if native else torch.float32
     if device.type == "cpu":
         native = cpu_multiplies_bf16() if cpu_bf16 is None else cpu_bf16
-        return torch.bfloat16 if native and d_model >= CPU_BF16_MIN_D_MODEL else torch.float32
+        wide_enough = d_model >= CPU_BF16_MIN_D_MODEL["beam" if num_beams > 1 else "greedy"]
+        return torch.bfloat16 if native and wide_enough else torch.float32
     return torch.float32
 
 
