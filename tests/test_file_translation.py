@@ -134,7 +134,8 @@ def test_long_lines_are_truncated_and_counted(tmp_path, capsys):
     translate_file(engine, None, None, chunk_lines=2, stdin=io.BytesIO(f"{long}\ncat\n\n{long}\n".encode()),
                    stdout=stdout, progress=False)
     assert len(stdout.getvalue().decode().split("\n")) == 5
-    assert "warning: 2 sentence(s) longer than the model's positions were truncated" in capsys.readouterr().err
+    warning = f"warning: 2 sentence(s) longer than the model's {max_source_length} learned positions were truncated"
+    assert warning in capsys.readouterr().err
 
 
 def test_the_script_streams_with_every_pytorch_option(checkpoint, expected, tmp_path, capsys):

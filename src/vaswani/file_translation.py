@@ -98,7 +98,10 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
 class TorchTranslator:
     """Batches of token ids → translations with `model.generate()` (any Vaswani or converted model, fp32, bf16 or
     int8, any decoding loop). `max_new_tokens=None` allows the batch's longest source plus 50 tokens, as
-    `vaswani.evaluation.translate` does; `max_source_length` is where sources are truncated (None: no limit)."""
+    `vaswani.evaluation.translate` does; `max_source_length` is where sources are truncated (None: no limit, as
+    with sinusoidal or rotary positions)."""
+
+    positions = "learned positions"  # what `max_source_length` counts, for the truncation warning
 
     def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
                  max_source_length: int | None = None, **generate_kwargs):
@@ -124,6 +127,8 @@ class TorchTranslator:
 class CTranslate2Translator:
     """The same for a model exported by `vaswani.export` (`load_ctranslate2`): batches of token ids → translations
     by `ctranslate2.Translator.translate_batch`, the limits of `vaswani.export.translate_ctranslate2`."""
+
+    positions = "exported positions"
 
     def __init__(self, translator, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
                  max_source_length: int | None = None):
@@ -326,7 +331,8 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
         bar = tqdm(total=total, initial=state["lines"], unit=" lines", disable=not show, file=sys.stderr,
                    dynamic_ncols=True, smoothing=0.1)
         sink = open(output_path, "ab") if output_path else stdout
-        merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result)
+        limit = f"the model's {engine.max_source_length} {engine.positions}"
+        merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, limit)
     source = open(input_path, "rb") if input_path else stdin
     try:
         index = -1
@@ -365,9 +371,9 @@ class _Merger:
     """Process 0's writer: appends chunks in input order, flushes them to disk, then records them in the resume
     state (so a kill between the two leaves bytes past the recorded end, which a resume cuts off)."""
 
-    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result):
+    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, limit):
         self.sink, self.bar, self.state, self.state_path = sink, bar, dict(state), state_path
-        self.parts_dir, self.settings, self.result = parts_dir, settings, result
+        self.parts_dir, self.settings, self.result, self.limit = parts_dir, settings, result, limit
 
     def append(self, index: int, text: bytes, lines: int, truncated: int) -> None:
         assert index == self.state["chunks"], "chunks are appended in input order"
@@ -404,8 +410,8 @@ class _Merger:
             os.remove(self.state_path)
         self.bar.close()
         if self.state["truncated"]:
-            print(f"warning: {self.state['truncated']} sentence(s) longer than the model's positions were "
-                  "truncated.", file=sys.stderr)
+            print(f"warning: {self.state['truncated']} sentence(s) longer than {self.limit} were truncated.",
+                  file=sys.stderr)
 
     def close(self, owned: bool) -> None:
         self.bar.close()
