@@ -52,6 +52,7 @@ STAGES = ("scale", "whole_file")
 TRANSLATE = Path(__file__).resolve().parent.parent / "scripts" / "translate.py"
 # What scripts/translate.py did before it streamed: the whole input sorted by length, batches of 64 sentences.
 WHOLE_FILE_BATCH = 64
+TRANSLATE_MAX_NEW_TOKENS = 128  # translate.py's default --max_new_tokens
 
 
 def repeat_to(sentences: list[str], lines: int, path: Path) -> None:
@@ -110,7 +111,7 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
 
 def whole_file_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
     model, tokenizer = load_translator(args.model, "cpu", dtype=torch.float32)
-    max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
+    max_source_length, max_new_tokens = generation_limits(model, TRANSLATE_MAX_NEW_TOKENS)
     input_path, output_path = workdir / "compare.en", workdir / "compare.fr"
     repeat_to(sentences, len(sentences), input_path)
     rows = []
@@ -153,7 +154,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--scale_beams", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=16,
                         help="scale stage's limit (a random-weight stand-in always reaches it); the whole_file stage "
-                        "uses the model's own limit")
+                        f"uses translate.py's default, {TRANSLATE_MAX_NEW_TOKENS}")
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="whole_file stage")
     parser.add_argument("--compare_sentences", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=2)
