@@ -169,13 +169,15 @@ def main(argv=None) -> Path:
     notes = [
         f"Input: the {len(test)} held-out test sentences of {corpus.name} (the checkpoint's split), repeated to each "
         "line count. Timings on a shared 2-core CPU that other jobs were using: compare rows of one run, not runs.",
-        f"scale: scripts/translate.py with its defaults (chunks of {DEFAULT_CHUNK_LINES} lines, at most "
-        f"{DEFAULT_MAX_TOKENS} padded source tokens per batch), --device cpu, --num_beams {args.scale_beams}, "
-        f"--max_new_tokens {args.max_new_tokens}, OMP_NUM_THREADS={args.threads or os.cpu_count()}; seconds = wall "
-        "time of the process (loading included); peak RSS = its ru_maxrss; rss × smallest = peak RSS over the "
-        "smallest line count's.",
     ]
-    if args.stand_in:
+    if rows:
+        notes.append(
+            f"scale: scripts/translate.py with its defaults (chunks of {DEFAULT_CHUNK_LINES} lines, at most "
+            f"{DEFAULT_MAX_TOKENS} padded source tokens per batch), --device cpu, --num_beams {args.scale_beams}, "
+            f"--max_new_tokens {args.max_new_tokens}, OMP_NUM_THREADS={args.threads or os.cpu_count()}; seconds = "
+            "wall time of the process (loading included); peak RSS = its ru_maxrss; RSS × smallest = peak RSS over "
+            "the smallest line count's.")
+    if rows and args.stand_in:
         notes.append("scale rows ran a stand-in: VaswaniConfig.tiny (2+2 layers, width 32) with random weights and "
                      f"{Path(args.model).name}'s tokenizer, so every sentence decodes {args.max_new_tokens} tokens; "
                      "the trained model would take hours for a million lines on 2 cores.")
