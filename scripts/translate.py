@@ -25,7 +25,6 @@ import argparse
 import io
 
 import torch
-from transformers import AutoConfig
 
 from vaswani.cli import add_decoding_arguments, generation_limits, load_translator, user_errors_exit
 from vaswani.export import load_ctranslate2
@@ -91,13 +90,16 @@ def main(argv=None):
                                        max_new_tokens=args.max_new_tokens)
         precision = args.compute_type
     else:
-        config = AutoConfig.from_pretrained(args.model) if args.dtype == "auto" else None
-        dtype = choose_dtype(args.dtype, torch.device(device), config.d_model if config else 0,
-                             num_beams=1 if args.do_sample else args.num_beams, int8=args.int8)
-        model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding, dtype=dtype)
+        beams = 1 if args.do_sample else args.num_beams
+        requested = None if args.dtype == "auto" else choose_dtype(args.dtype, torch.device(device), 0, int8=args.int8)
+        model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding, dtype=requested)
+        # auto needs the model's width, known once it is loaded; casting the loaded weights gives the same model.
+        dtype = requested or choose_dtype("auto", model.device, model.config.d_model, num_beams=beams, int8=args.int8)
+        if not args.int8:
+            model = model.to(dtype)
         max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-        engine = TorchTranslator(model, tokenizer, num_beams=1 if args.do_sample else args.num_beams,
+        engine = TorchTranslator(model, tokenizer, num_beams=beams,
                                  max_new_tokens=max_new_tokens, max_source_length=max_source_length,
                                  **(sampling if args.do_sample else {}))
         precision = str(dtype).removeprefix("torch.")
