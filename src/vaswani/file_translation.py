@@ -49,10 +49,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which oneDNN uses for bf16 GEMMs;
-    without them bf16 is converted to fp32 around every product and is slower than fp32."""
-    checks = [getattr(torch._C._cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    if any(check is not None for check in checks):
-        return any(check() for check in checks if check is not None)
+    without them bf16 is converted to fp32 around every product and is slower than fp32. From the kernel's CPU
+    flags (torch does not say); False where there are none to read (not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = f.read()
