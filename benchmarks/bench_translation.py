@@ -70,8 +70,9 @@ from common import (  # noqa: E402
 ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop", "vaswani-int8": "Vaswani int8",
                  "vaswani-int8-hfloop": "Vaswani int8 transformers' loop", "vaswani-compiled": "Vaswani compiled",
                  "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
-                 "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32"}
-TORCH_OPTIONS = {"int8", "hfloop", "graphs", "compiled"}
+                 "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32",
+                 "vaswani-bf16": "Vaswani bf16", "marian-bf16": "Marian (HF) bf16"}
+TORCH_OPTIONS = {"int8", "hfloop", "graphs", "compiled", "bf16"}
 
 DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-hfloop", "vaswani-graphs", "vaswani-compiled", "marian"]
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
@@ -100,19 +101,25 @@ class TorchEngine:
       CUDA graph and replayed by later batches of the same shape (on a CPU the same steps run as they are);
     * `compiled`: `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV cache and the decoding step
       under torch.compile, greedy and beam search alike; with `graphs`, the compiled steps are what the CUDA graphs
-      record."""
+      record;
+    * `bf16`: the weights cast to bf16 and generate() run in bf16 (`marian-bf16` too), as `scripts/translate.py
+      --dtype bfloat16` runs, and as its `--dtype auto` chooses where these rows show that bf16 pays."""
 
     def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None, model_dir=None):
         self.attention_kernel = attention_kernel
         base, *options = name.split("-")
-        if set(options) - TORCH_OPTIONS or (base == "marian" and options) or base not in ("vaswani", "marian"):
-            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8][-hfloop|-graphs][-compiled] or marian.")
+        if set(options) - TORCH_OPTIONS or (base == "marian" and set(options) - {"bf16"}) or base not in (
+                "vaswani", "marian") or {"int8", "bf16"} <= set(options):
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-graphs][-compiled] or "
+                             "marian[-bf16].")
         if model_dir:  # the trained checkpoint, or the Marian model computing the same function
             self.model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
             self.model = (to_marian(self.model) if base == "marian" else self.model).to(device.device, device.dtype)
         else:
             self.model = build_seq2seq(base, config, device, device.dtype, seed).eval()
         self.parameters = count_parameters(self.model)  # before quantization, which turns weights into buffers
+        if "bf16" in options:
+            self.model = self.model.to(torch.bfloat16)
         if "int8" in options:
             self.model = quantize_for_cpu(self.model)
             keep_freed_cpu_memory()
@@ -430,7 +437,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         "are then interleaved batch by batch (the order rotating), so a change in machine load hits all of them "
         f"alike; seconds = sum over batches of the fastest of {args.repeats} repeat(s). Input tensors are built "
         "inside the timed call.",
-        f"Precision {str(device.dtype).removeprefix('torch.')}; PyTorch engines call `generate()` with the "
+        f"Precision {str(device.dtype).removeprefix('torch.')} (bf16 rows: the weights cast to bfloat16, "
+        "generate() in bf16); PyTorch engines call `generate()` with the "
         "default attention implementation (sdpa). Vaswani int8 = the same fp32 model after "
         "vaswani.inference.quantize_for_cpu (torch dynamic quantization of every nn.Linear, lm_head included: "
         "int8 weights per output channel, activations quantized per call) with keep_freed_cpu_memory(). "
@@ -586,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani[-int8 (CPU only)][-hfloop|-graphs][-compiled], marian, ct2-<compute type> "
+                        help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-graphs][-compiled], marian[-bf16], "
+                        "ct2-<compute type> "
                         "(CTranslate2 running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), "
                         "vaswani-ct2-<compute type> (CTranslate2 running the exported Vaswani model); default: "
                         f"{','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")

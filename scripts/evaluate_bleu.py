@@ -21,6 +21,7 @@ from vaswani.cli import (
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import evaluate_model, score_corpus
 from vaswani.export import load_ctranslate2, translate_ctranslate2
+from vaswani.file_translation import DTYPES
 
 
 @user_errors_exit
@@ -41,6 +42,8 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--device", default="auto")
     add_decoding_arguments(parser)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="precision of the PyTorch model (default: bf16 on GPUs that have it, else fp32)")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 decodes")
     parser.add_argument("--compute_type", default="default",
@@ -80,13 +83,15 @@ def main(argv=None):
                                            batch_size=args.batch_size)
         result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     else:
-        model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding)
+        model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding,
+                                           dtype=DTYPES.get(args.dtype))
         max_source_length, max_new_tokens = generation_limits(model, None)
         options = {} if args.length_penalty is None else {"length_penalty": args.length_penalty}
         result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams,
                                 batch_size=args.batch_size, max_source_length=max_source_length,
                                 max_new_tokens=max_new_tokens, **options)
-    engine = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else "pytorch"
+    engine = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else \
+        f"pytorch {args.dtype}" if args.dtype else "pytorch"
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
                                                                   "length_penalty": args.length_penalty,
                                                                   "int8": args.int8, "engine": engine,

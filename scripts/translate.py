@@ -1,26 +1,43 @@
 #!/usr/bin/env python
-"""Translate English to French with a trained checkpoint: sentences from arguments, --input_file, or stdin.
+"""Translate English to French with a trained checkpoint: sentences from arguments, a file, or stdin, streamed.
 
     python scripts/translate.py --model outputs/en-fr "I lost." "I'm calm."
+    python scripts/translate.py --model outputs/en-fr --input_file english.txt --output_file french.txt
+    python scripts/translate.py --model outputs/en-fr --input_file english.txt --output_file french.txt --resume
     cat english.txt | python scripts/translate.py --model outputs/en-fr --num_beams 4 > french.txt
     python scripts/translate.py --model outputs/en-fr --device cpu --int8 "I lost."     # int8 CPU decoding
+    python scripts/translate.py --model outputs/en-fr-ct2 --ctranslate2 --input_file english.txt  # an exported model
+    accelerate launch --num_processes 2 scripts/translate.py --model outputs/en-fr --input_file english.txt \\
+        --output_file french.txt     # one GPU each (or torchrun --nproc_per_node 2; on CPUs: accelerate --multi_gpu)
 
-One output line per input line: an empty input line gives an empty output line. With learned positions, sources
-longer than the model's `max_position_embeddings` are truncated (a warning on stderr says how many).
+The input is read --chunk_lines lines at a time; each chunk is sorted by length into batches of at most
+--max_tokens_per_batch padded source tokens, and its translations are written in input order as soon as it is
+done (vaswani.file_translation). With --output_file, a run killed at any point continues with --resume from its
+last complete chunk, and gives the same file as an uninterrupted run. A progress bar goes to stderr when it is a
+terminal (--progress: always).
+
+One output line per input line: an empty input line gives an empty output line. Sources longer than the model's
+positions are truncated (a warning on stderr counts them). --dtype auto translates in bf16 where the hardware
+multiplies it natively and that is faster (see vaswani.file_translation.choose_dtype), fp32 elsewhere.
 """
 
 import argparse
-import sys
+import io
 
-from vaswani.cli import (
-    add_decoding_arguments,
-    decode_lines,
-    generation_limits,
-    load_translator,
-    read_lines,
-    user_errors_exit,
+import torch
+
+from vaswani.cli import add_decoding_arguments, generation_limits, load_translator, user_errors_exit
+from vaswani.export import load_ctranslate2
+from vaswani.file_translation import (
+    DEFAULT_CHUNK_LINES,
+    DEFAULT_MAX_TOKENS,
+    DTYPES,
+    CTranslate2Translator,
+    Processes,
+    TorchTranslator,
+    choose_dtype,
+    translate_file,
 )
-from vaswani.evaluation import translate
 
 
 @user_errors_exit
@@ -28,52 +45,72 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sentences", nargs="*", help="sentences to translate")
     parser.add_argument("--model", required=True, help="checkpoint directory or Hub id")
-    parser.add_argument("--input_file", help="one sentence per line")
+    parser.add_argument("--input_file", help="one sentence per line (default: stdin)")
+    parser.add_argument("--output_file", help="one translation per line (default: stdout)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a killed run into the same --output_file from its last complete chunk")
+    parser.add_argument("--progress", action="store_true", help="show the progress bar on stderr even when it is "
+                        "not a terminal (it is shown on a terminal anyway)")
+    parser.add_argument("--chunk_lines", type=int, default=DEFAULT_CHUNK_LINES,
+                        help="lines read, sorted and written together (what a resume can lose at most)")
+    parser.add_argument("--max_tokens_per_batch", type=int, default=DEFAULT_MAX_TOKENS,
+                        help="padded source tokens per batch (batch size × its longest source)")
+    parser.add_argument("--batch_size", type=int, default=None, help="at most this many sentences per batch too")
     parser.add_argument("--num_beams", type=int, default=4)
-    parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available; "
+                        "under torchrun or accelerate launch, each process's own GPU)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="precision of the PyTorch model (default auto: bf16 where it is native and faster)")
     add_decoding_arguments(parser)
+    parser.add_argument("--ctranslate2", action="store_true",
+                        help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 decodes")
+    parser.add_argument("--compute_type", default="default",
+                        help="with --ctranslate2: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--do_sample", action="store_true", help="sample instead of beam search")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="with --do_sample, chunk i samples with seed + i")
     args = parser.parse_args(argv)
-    for name in ("num_beams", "batch_size", "max_new_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("num_beams", "batch_size", "max_new_tokens", "chunk_lines", "max_tokens_per_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be positive")
+    if args.sentences and (args.input_file or args.resume):
+        parser.error("give sentences as arguments or --input_file, not both (--resume needs --input_file)")
 
-    if args.input_file:
-        sentences = read_lines(args.input_file)
-    elif args.sentences:
-        sentences = args.sentences
+    processes = Processes.from_environment()
+    device = processes.device(args.device)
+    if args.ctranslate2:
+        if args.int8 or args.do_sample or args.dtype != "auto":
+            raise ValueError("--int8, --dtype and --do_sample are the PyTorch path's; with --ctranslate2 use "
+                             "--compute_type")
+        translator, tokenizer = load_ctranslate2(args.model, device=device, compute_type=args.compute_type)
+        engine = CTranslate2Translator(translator, tokenizer, num_beams=args.num_beams,
+                                       max_new_tokens=args.max_new_tokens)
+        precision = args.compute_type
     else:
-        sentences = decode_lines(sys.stdin.buffer.read(), "stdin")
-    model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding)
-    nonempty = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-    max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
-    if max_source_length is not None:
-        lengths = [len(ids) for ids in tokenizer([sentences[i] for i in nonempty])["input_ids"]] if nonempty else []
-        truncated = sum(length > max_source_length for length in lengths)
-        if truncated:
-            print(f"warning: {truncated} sentence(s) longer than the model's {max_source_length} learned positions "
-                  "were truncated.", file=sys.stderr)
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    translations = translate(
-        model,
-        tokenizer,
-        [sentences[i] for i in nonempty],
-        batch_size=args.batch_size,
-        num_beams=1 if args.do_sample else args.num_beams,
-        max_new_tokens=max_new_tokens,
-        max_source_length=max_source_length,
-        **(sampling if args.do_sample else {}),
-    )
-    output = [""] * len(sentences)
-    for index, translation in zip(nonempty, translations):
-        output[index] = translation
-    for line in output:
-        print(line)
+        beams = 1 if args.do_sample else args.num_beams
+        requested = None if args.dtype == "auto" else choose_dtype(args.dtype, torch.device(device), 0, int8=args.int8)
+        model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding, dtype=requested)
+        # auto needs the model's width, known once it is loaded; casting the loaded weights gives the same model.
+        dtype = requested or choose_dtype("auto", model.device, model.config.d_model, num_beams=beams, int8=args.int8)
+        if not args.int8:
+            model = model.to(dtype)
+        max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+        engine = TorchTranslator(model, tokenizer, num_beams=beams,
+                                 max_new_tokens=max_new_tokens, max_source_length=max_source_length,
+                                 **(sampling if args.do_sample else {}))
+        precision = str(dtype).removeprefix("torch.")
+    settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding",
+                                                    "ctranslate2", "compute_type", "do_sample", "temperature",
+                                                    "top_k", "top_p")} | {"precision": precision}
+    stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
+    translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,
+                   max_tokens=args.max_tokens_per_batch, max_sentences=args.batch_size, resume=args.resume,
+                   progress=True if args.progress else None, seed=args.seed if args.do_sample else None,
+                   settings=settings, processes=processes, stdin=stdin)
 
 
 if __name__ == "__main__":

@@ -291,3 +291,26 @@ def test_int8_kernels_benchmark(tmp_path):
         assert row["relative_error"] == 0 if row["kernel"] == "fp32" else row["relative_error"] < 0.1, row
     config = json.loads((Path(report["settings"]["model"]) / "config.json").read_text())
     assert next(row for row in results if row["layer"] == "output projection")["out_features"] == config["vocab_size"]
+
+
+def test_translation_benchmark_bf16_engines(corpus, tmp_path):
+    path = load("bench_translation").main(
+        common_args(corpus, tmp_path)
+        + ["--sizes", "tiny", "--engines", "vaswani,vaswani-bf16,marian,marian-bf16", "--batch_sizes", "4",
+           "--beams", "1", "--num_sentences", "8", "--new_tokens", "3", "--same_process"]
+    )
+    report = check_report(path, "bench_translation", {"engine", "vs_marian"})
+    assert [row["engine"] for row in report["results"]] == ["vaswani", "vaswani-bf16", "marian", "marian-bf16"]
+    assert report["results"][1]["vs_marian"] is not None  # against Marian fp32, in the same run
+
+
+def test_streaming_benchmark(corpus, tmp_path):
+    path = load("bench_streaming").main(
+        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--stand_in", "tiny",
+         "--lines", "30,60", "--max_new_tokens", "3", "--beams", "1", "--compare_sentences", "6", "--repeats", "1",
+         "--results_dir", str(tmp_path / "results")]
+    )
+    report = check_report(path, "bench_streaming", {"lines", "seconds", "lines_per_s", "peak_rss_mib"})
+    assert [row["lines"] for row in report["results"]] == [30, 60]
+    compared = report["Streamed against the whole-file sort"]
+    assert [row["identical"] for row in compared] == [6, 6]

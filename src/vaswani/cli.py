@@ -56,8 +56,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_translator(model_dir: str, device: str | None = None, attn_implementation: str | None = None,
-                    int8: bool = False, decoding: str = "lean"):
-    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. bf16 on GPUs that support it; with
+                    int8: bool = False, decoding: str = "lean", dtype: torch.dtype | None = None):
+    """Model (eval mode, on `device`) and tokenizer from a directory or Hub id. In `dtype`, by default bf16 on GPUs
+    that support it and fp32 elsewhere (`vaswani.file_translation.choose_dtype` decides it for a model); with
     `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory reused). `decoding`
     chooses the loop behind `generate()` (`DECODING_LOOPS`): "lean" is the model's own (`generation_vaswani`, the
     same outputs as transformers' loop), "graphs" the same with `cuda_graphs=True` (static shapes, each step a
@@ -75,7 +76,8 @@ def load_translator(model_dir: str, device: str | None = None, attn_implementati
 
     _check_checkpoint_dir(model_dir)
     device = pick_device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     try:
         model, info = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,

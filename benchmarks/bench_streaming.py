@@ -1,0 +1,205 @@
+"""File translation at scale: `scripts/translate.py --input_file --output_file` (streamed in chunks by
+`vaswani.file_translation`) on 100k and 1M lines, and the streamed path against the whole-file sort it replaced.
+
+Two stages:
+
+* `scale`: the held-out test sentences of `--model`'s corpus split, repeated to each of `--lines` lines, translated
+  by `scripts/translate.py` run as a user runs it (a process of its own); wall time (loading included), lines/s and
+  the process's peak RSS (from `wait4`), and a check that the output has one line per input line. With
+  `--stand_in tiny`, a random-weight `VaswaniConfig.tiny` model with `--model`'s tokenizer runs instead (every
+  sentence then decodes `--max_new_tokens` tokens): the file handling and memory at a million lines in minutes on
+  2 cores, where the trained model would take hours.
+* `whole_file`: on `--model` itself, the first `--compare_sentences` test sentences translated in this process by
+  `vaswani.evaluation.translate` (the whole file sorted by length, batches of 64: what translate.py did before it
+  streamed) and by `vaswani.file_translation.translate_file` with translate.py's defaults, interleaved, the fastest
+  of `--repeats` for each; lines/s and how many lines are identical.
+
+    python benchmarks/bench_streaming.py --model outputs/en-fr-small --stand_in tiny --threads 2
+    python benchmarks/bench_streaming.py --model outputs/en-fr-small --stages whole_file --threads 2
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.cli import generation_limits, load_translator
+from vaswani.data import load_translation_dataset
+from vaswani.evaluation import translate
+from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, TorchTranslator, translate_file
+from vaswani.tokenization_vaswani import VaswaniTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    Column,
+    add_common_arguments,
+    command_line,
+    csv_of,
+    pick_device,
+    resolve_corpus,
+    result_name,
+    settings_of,
+    write_report,
+)
+
+STAGES = ("scale", "whole_file")
+TRANSLATE = Path(__file__).resolve().parent.parent / "scripts" / "translate.py"
+# What scripts/translate.py did before it streamed: the whole input sorted by length, batches of 64 sentences.
+WHOLE_FILE_BATCH = 64
+TRANSLATE_MAX_NEW_TOKENS = 128  # translate.py's default --max_new_tokens
+
+
+def repeat_to(sentences: list[str], lines: int, path: Path) -> None:
+    """Write `lines` lines to `path`, cycling through `sentences`."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(lines):
+            f.write(sentences[i % len(sentences)] + "\n")
+
+
+def run_translate(model: str, input_path: Path, output_path: Path, args) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MiB) of scripts/translate.py translating `input_path`, in a process of its own."""
+    command = [sys.executable, str(TRANSLATE), "--model", model, "--device", "cpu", "--input_file", str(input_path),
+               "--output_file", str(output_path), "--num_beams", str(args.scale_beams), "--max_new_tokens",
+               str(args.max_new_tokens)]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads or os.cpu_count())}
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    error = process.stderr.read().decode(errors="replace")
+    if status != 0:
+        raise RuntimeError(f"translate.py failed ({status}):\n{error[-3000:]}")
+    return seconds, usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
+    model = args.model
+    if args.stand_in == "tiny":
+        tokenizer = VaswaniTokenizer.from_pretrained(args.model)
+        torch.manual_seed(args.seed)
+        stand_in = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer)))
+        model = str(workdir / "tiny")
+        stand_in.save_pretrained(model)
+        tokenizer.save_pretrained(model)
+    rows = []
+    for lines in args.lines:
+        input_path, output_path = workdir / f"in-{lines}.en", workdir / f"out-{lines}.fr"
+        repeat_to(sentences, lines, input_path)
+        seconds, peak_mib = run_translate(model, input_path, output_path, args)
+        with open(output_path, "rb") as f:
+            written = sum(1 for _ in f)
+        if written != lines:
+            raise RuntimeError(f"{lines} lines in, {written} out")
+        rows.append({"model": "tiny (random weights)" if args.stand_in else Path(args.model).name, "lines": lines,
+                     "beams": args.scale_beams, "seconds": seconds, "lines_per_s": lines / seconds,
+                     "peak_rss_mib": peak_mib})
+        print(f"{lines:>9} lines: {seconds:8.1f} s, {lines / seconds:8.1f} lines/s, peak RSS {peak_mib:.0f} MiB",
+              flush=True)
+        input_path.unlink()
+        output_path.unlink()
+    smallest = rows[0]["peak_rss_mib"]
+    for row in rows:
+        row["rss_vs_smallest"] = row["peak_rss_mib"] / smallest
+    return rows
+
+
+def whole_file_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
+    model, tokenizer = load_translator(args.model, "cpu", dtype=torch.float32)
+    max_source_length, max_new_tokens = generation_limits(model, TRANSLATE_MAX_NEW_TOKENS)
+    input_path, output_path = workdir / "compare.en", workdir / "compare.fr"
+    repeat_to(sentences, len(sentences), input_path)
+    rows = []
+    for beams in args.beams:
+        options = {"num_beams": beams, "max_new_tokens": max_new_tokens, "max_source_length": max_source_length}
+
+        def whole_file():
+            return translate(model, tokenizer, sentences, batch_size=WHOLE_FILE_BATCH, **options)
+
+        def streamed():
+            translate_file(TorchTranslator(model, tokenizer, **options), str(input_path), str(output_path),
+                           progress=False)
+            return output_path.read_text(encoding="utf-8").split("\n")[:-1]
+
+        best, outputs = {}, {}
+        for _ in range(args.repeats):
+            for name, run in (("whole-file sort, batch 64", whole_file), ("streamed (translate.py defaults)",
+                                                                          streamed)):
+                start = time.perf_counter()
+                outputs[name] = run()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+        reference = outputs["whole-file sort, batch 64"]
+        for name, seconds in best.items():
+            rows.append({"method": name, "beams": beams, "sentences": len(sentences), "seconds": seconds,
+                         "lines_per_s": len(sentences) / seconds,
+                         "vs_whole_file": best["whole-file sort, batch 64"] / seconds,
+                         "identical": sum(a == b for a, b in zip(outputs[name], reference))})
+            print(f"beams {beams} {name:>34}: {seconds:7.2f} s, {len(sentences) / seconds:7.1f} lines/s", flush=True)
+    return rows
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    parser.add_argument("--model", required=True, help="a trained checkpoint (its tokenizer and corpus test split)")
+    parser.add_argument("--stages", type=csv_of(str, STAGES), default=list(STAGES))
+    parser.add_argument("--stand_in", choices=["tiny"], default=None,
+                        help="scale stage: a random-weight tiny model with --model's tokenizer instead of --model")
+    parser.add_argument("--lines", type=csv_of(int), default=[100_000, 1_000_000])
+    parser.add_argument("--scale_beams", type=int, default=1)
+    parser.add_argument("--max_new_tokens", type=int, default=16,
+                        help="scale stage's limit (a random-weight stand-in always reaches it); the whole_file stage "
+                        f"uses translate.py's default, {TRANSLATE_MAX_NEW_TOKENS}")
+    parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="whole_file stage")
+    parser.add_argument("--compare_sentences", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    device = pick_device("cpu", args.threads)
+    corpus = resolve_corpus(args.corpus)
+    test = list(load_translation_dataset(data_file=str(corpus))["test"]["source"])
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as workdir:
+        rows = scale_rows(args, test, Path(workdir)) if "scale" in args.stages else []
+        compared = whole_file_rows(args, test[: args.compare_sentences], Path(workdir)) \
+            if "whole_file" in args.stages else []
+    notes = [
+        f"Input: the {len(test)} held-out test sentences of {corpus.name} (the checkpoint's split), repeated to each "
+        "line count. Timings on a shared 2-core CPU that other jobs were using: compare rows of one run, not runs.",
+    ]
+    if rows:
+        notes.append(
+            f"scale: scripts/translate.py with its defaults (chunks of {DEFAULT_CHUNK_LINES} lines, at most "
+            f"{DEFAULT_MAX_TOKENS} padded source tokens per batch), --device cpu, --num_beams {args.scale_beams}, "
+            f"--max_new_tokens {args.max_new_tokens}, OMP_NUM_THREADS={args.threads or os.cpu_count()}; seconds = "
+            "wall time of the process (loading included); peak RSS = its ru_maxrss; RSS × smallest = peak RSS over "
+            "the smallest line count's.")
+    if rows and args.stand_in:
+        notes.append("scale rows ran a stand-in: VaswaniConfig.tiny (2+2 layers, width 32) with random weights and "
+                     f"{Path(args.model).name}'s tokenizer, so every sentence decodes {args.max_new_tokens} tokens; "
+                     "the trained model would take hours for a million lines on 2 cores.")
+    if compared:
+        notes.append(
+            f"whole_file: {Path(args.model).name} in fp32 in this process, the first {args.compare_sentences} test "
+            "sentences; whole-file sort = vaswani.evaluation.translate with batch 64 (translate.py before it "
+            "streamed); streamed = vaswani.file_translation.translate_file with translate.py's defaults, writing a "
+            f"file; interleaved, fastest of {args.repeats}; identical = lines equal to the whole-file sort's.")
+    columns = [Column("model", "model"), Column("lines", "lines"), Column("beams", "beams"),
+               Column("seconds", "wall s", "{:.1f}"), Column("lines_per_s", "lines/s", "{:.0f}"),
+               Column("peak_rss_mib", "peak RSS MiB", "{:.0f}"), Column("rss_vs_smallest", "RSS × smallest", "{:.2f}")]
+    compare_columns = [Column("method", "method"), Column("beams", "beams"), Column("sentences", "sentences"),
+                       Column("seconds", "seconds", "{:.2f}"), Column("lines_per_s", "lines/s", "{:.1f}"),
+                       Column("vs_whole_file", "× whole-file", "{:.2f}"), Column("identical", "identical")]
+    main_rows, main_columns = (rows, columns) if rows else (compared, compare_columns)
+    extra = [("Streamed against the whole-file sort", compared, compare_columns)] if rows and compared else []
+    json_path, _ = write_report(result_name(args, "streaming", device), "File translation at scale",
+                                command_line(__file__, argv), device, settings_of(args, corpus=str(corpus)),
+                                main_rows, main_columns, notes, args.results_dir, extra_tables=extra)
+    return json_path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+"""Translate a file of any length: in chunks, with progress, resumable after a kill, and across processes.
+
+`translate_file` reads the input `chunk_lines` lines at a time, sorts each chunk's sentences by length into
+batches of at most `max_tokens` padded source tokens (the token budget training uses, `vaswani.data`), translates
+them, and writes the chunk's lines in input order as soon as the chunk is done. Memory is that of one chunk,
+whatever the length of the file; a length-sorted chunk of a few thousand lines pads about as little as a sorted
+whole file (benchmarks/results/streaming-*.md).
+
+Resuming: after each chunk, the output file is flushed to disk and a small state file beside it
+(`<output>.resume.json`) records how many chunks and bytes are complete, written atomically. A run killed at any
+point and restarted with `resume=True` cuts the output back to the last complete chunk and goes on from there; the
+result is the same file, byte for byte, as an uninterrupted run's, because every chunk is translated the same way
+(the same batches, and with sampling the same seed) whichever run or process translates it.
+
+Processes: under `torchrun` or `accelerate launch` (which set RANK and WORLD_SIZE), process r translates the
+chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 also appends the finished chunks to
+the output in input order, keeps the resume state and shows the progress bar. A chunk's translation does not depend
+on which process made it, so N processes write the file one process writes.
+
+The engine is anything with `encode` and `translate_batch` (`TorchTranslator`: any `generate()` model, int8 or
+not, whichever decoding loop; `CTranslate2Translator`: an exported model), so every engine streams the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from tqdm.auto import tqdm
+
+from .cli import write_atomically
+from .evaluation import OUTPUT_SLACK
+
+DEFAULT_CHUNK_LINES = 4096
+DEFAULT_MAX_TOKENS = 4096
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision
+
+
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which oneDNN uses for bf16 GEMMs;
+    without them bf16 is converted to fp32 around every product and is slower than fp32. From the kernel's CPU
+    flags (torch does not say); False where there are none to read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+# The narrowest models for which bf16 weights decoded faster than fp32 on an AMX CPU, greedy and with beam search:
+# at d_model 512 (base, OPUS-MT's shape) both ran faster in bf16; at the main job's width, 256, beam search did and
+# greedy did not (the bf16 rows of benchmarks/results/translation-cpu-*bf16*.md). Narrower models stay in fp32.
+CPU_BF16_MIN_D_MODEL = {"greedy": 512, "beam": 256}
+
+
+def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beams: int = 1, int8: bool = False,
+                 cuda_bf16: bool | None = None, cpu_bf16: bool | None = None) -> torch.dtype:
+    """The precision to translate in. `requested` is "float32", "bfloat16" or "auto": bf16 where the hardware
+    multiplies it natively and it is faster (GPUs with bf16; CPUs with AMX or AVX512-BF16 for models at least
+    `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
+    `cpu_bf16` say what the hardware does (default: ask it)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"dtype={requested!r}; choose auto, {', '.join(DTYPES)}.")
+        if int8 and requested != "float32":
+            raise ValueError("--int8 quantizes fp32 weights; leave --dtype at auto or float32 with it.")
+        return DTYPES[requested]
+    if int8:
+        return torch.float32
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
+        return torch.bfloat16 if native else torch.float32
+    if device.type == "cpu":
+        native = cpu_multiplies_bf16() if cpu_bf16 is None else cpu_bf16
+        wide_enough = d_model >= CPU_BF16_MIN_D_MODEL["beam" if num_beams > 1 else "greedy"]
+        return torch.bfloat16 if native and wide_enough else torch.float32
+    return torch.float32
+
+
+# --------------------------------------------------------------------------------------------------
+# Engines: sentences → token ids → translations
+
+
+class TorchTranslator:
+    """Batches of token ids → translations with `model.generate()` (any Vaswani or converted model, fp32, bf16 or
+    int8, any decoding loop). `max_new_tokens=None` allows the batch's longest source plus 50 tokens, as
+    `vaswani.evaluation.translate` does; `max_source_length` is where sources are truncated (None: no limit, as
+    with sinusoidal or rotary positions)."""
+
+    positions = "learned positions"  # what `max_source_length` counts, for the truncation warning
+
+    def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
+                 max_source_length: int | None = None, **generate_kwargs):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_source_length = max_source_length
+        self.options = {"num_beams": num_beams, **generate_kwargs}
+        self.max_new_tokens = max_new_tokens
+
+    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
+        limit = {"truncation": True, "max_length": self.max_source_length} if truncate else {}
+        return self.tokenizer(list(sentences), **limit)["input_ids"]
+
+    def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
+        input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
+        limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
+        with torch.inference_mode():
+            output_ids = self.model.generate(input_ids=input_ids, attention_mask=padded["attention_mask"].to(
+                self.model.device), max_new_tokens=limit, **self.options)
+        return self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)
+
+
+class CTranslate2Translator:
+    """The same for a model exported by `vaswani.export` (`load_ctranslate2`): batches of token ids → translations
+    by `ctranslate2.Translator.translate_batch`, the limits of `vaswani.export.translate_ctranslate2`."""
+
+    positions = "exported positions"
+
+    def __init__(self, translator, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
+                 max_source_length: int | None = None):
+        self.translator, self.tokenizer, self.num_beams = translator, tokenizer, num_beams
+        self.max_new_tokens = max_new_tokens
+        self.max_source_length = max_source_length or tokenizer.model_max_length
+
+    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
+        limit = {"truncation": True, "max_length": self.max_source_length} if truncate else {}
+        return self.tokenizer(list(sentences), **limit)["input_ids"]
+
+    def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
+        limit = self.max_new_tokens if self.max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
+        limit = min(limit, self.tokenizer.model_max_length)  # the end of the exported position table
+        results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
+                                                  max_batch_size=len(batch))
+        return [self.tokenizer.decode(self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]),
+                                      skip_special_tokens=True) for result in results]
+
+
+# --------------------------------------------------------------------------------------------------
+# One chunk
+
+
+def token_budget_batches(lengths: Sequence[int], max_tokens: int | None, max_sentences: int | None = None
+                         ) -> list[list[int]]:
+    """Indices into `lengths`, longest first, cut into batches of at most `max_tokens` padded tokens (a batch's
+    size times its longest length) and at most `max_sentences` sentences. A sentence longer than `max_tokens` is
+    a batch of its own. Longest first, so that running out of memory, if it happens, happens on the first batch."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    batches: list[list[int]] = []
+    for index in order:
+        batch = batches[-1] if batches else None
+        fits = batch is not None and (max_sentences is None or len(batch) < max_sentences) and (
+            max_tokens is None or (len(batch) + 1) * lengths[batch[0]] <= max_tokens)
+        if fits:
+            batch.append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def translate_chunk(engine, lines: Sequence[str], max_tokens: int | None, max_sentences: int | None = None,
+                    ) -> tuple[list[str], int]:
+    """(one translation per line in input order, how many sources were truncated). Empty or blank lines give
+    empty lines; a line break inside a translation becomes a space, so that output line i is input line i's."""
+    nonempty = [i for i, line in enumerate(lines) if line.strip()]
+    output = [""] * len(lines)
+    if not nonempty:
+        return output, 0
+    encoded = engine.encode([lines[i] for i in nonempty])
+    truncated = 0
+    if engine.max_source_length is not None:
+        too_long = [j for j, ids in enumerate(encoded) if len(ids) > engine.max_source_length]
+        if too_long:  # encoded again by the tokenizer's own truncation, which keeps the end of sentence
+            for j, ids in zip(too_long, engine.encode([lines[nonempty[j]] for j in too_long], truncate=True)):
+                encoded[j] = ids
+        truncated = len(too_long)
+    for batch in token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences):
+        for j, text in zip(batch, engine.translate_batch([encoded[j] for j in batch])):
+            output[nonempty[j]] = " ".join(text.replace("\r", "\n").split("\n")).strip()
+    return output, truncated
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_raw_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
+    """Lists of `chunk_lines` raw lines (the last may be shorter) from a binary stream, line ends removed. A line
+    ends at b"\\n" only (not at U+2028 or other characters `str.splitlines` takes), as in `vaswani.cli.read_lines`."""
+    chunk: list[bytes] = []
+    for raw in stream:
+        chunk.append(raw[:-1] if raw.endswith(b"\n") else raw)
+        if len(chunk) == chunk_lines:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def decode_chunk(raw_lines: Iterable[bytes], name: str, first_line: int) -> list[str]:
+    """UTF-8 lines without a trailing \\r; an undecodable line is a ValueError naming `name` and its line number
+    (`first_line` is the number of the first)."""
+    lines = []
+    for number, raw in enumerate(raw_lines, first_line):
+        try:
+            lines.append(raw.decode("utf-8").removesuffix("\r"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{name} is not UTF-8 text (line {number}: {error.reason}); convert it, e.g. with "
+                             "`iconv -t utf-8`.") from error
+    return lines
+
+
+def count_lines(path: str) -> int:
+    """The number of lines `read_raw_chunks` gives for the file at `path` (a last line without b"\\n" counts)."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This process's place among those `torchrun` or `accelerate launch` started (one process by default)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> Processes:
+        return cls(int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_RANK", 0)))
+
+    def device(self, device: str | None) -> str | None:
+        """`device`, with "auto" (or None) meaning this process's own GPU when there are GPUs, else the CPU."""
+        if device in (None, "auto"):
+            return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
+        return device
+
+
+# --------------------------------------------------------------------------------------------------
+# The file
+
+
+@dataclass
+class FileTranslation:
+    """What `translate_file` did: lines written (this run and resumed ones), chunks, sources truncated, seconds."""
+
+    lines: int = 0
+    chunks: int = 0
+    truncated: int = 0
+    resumed_chunks: int = 0
+    seconds: float = 0.0
+    settings: dict = field(default_factory=dict)
+
+
+def translate_file(engine, input_path: str | None, output_path: str | None, *, chunk_lines: int = DEFAULT_CHUNK_LINES,
+                   max_tokens: int | None = DEFAULT_MAX_TOKENS, max_sentences: int | None = None,
+                   resume: bool = False, progress: bool | None = None, seed: int | None = None,
+                   settings: dict | None = None, processes: Processes | None = None,
+                   stdin=None, stdout=None) -> FileTranslation:
+    """Translate `input_path` (None: `stdin`, binary) into `output_path` (None: `stdout`, binary), one output line
+    per input line, chunk by chunk (see the module docstring). Returns a `FileTranslation` (complete in process 0;
+    the others report their own chunks).
+
+    `max_tokens`/`max_sentences` bound a batch (`token_budget_batches`). `resume` continues a killed run from its
+    last complete chunk; `settings` (what changes the output: model, beams, …) must equal the killed run's, and is
+    checked together with `chunk_lines` and the input's size. `progress`: a bar on stderr (None: when stderr is a
+    terminal). `seed`: with sampling, chunk i is sampled with seed `seed + i`, which makes resumed and
+    multi-process runs reproduce a single run.
+    """
+    processes = processes or Processes.from_environment()
+    stdin = stdin if stdin is not None else sys.stdin.buffer
+    stdout = stdout if stdout is not None else sys.stdout.buffer
+    if chunk_lines < 1:
+        raise ValueError(f"chunk_lines={chunk_lines}; it must be positive.")
+    if resume and output_path is None:
+        raise ValueError("--resume needs --output_file: what went to stdout cannot be cut back or appended to.")
+    if processes.world_size > 1 and (input_path is None or output_path is None):
+        raise ValueError("Several processes need --input_file and --output_file: each reads the input and writes "
+                         "its chunks beside the output.")
+    name = input_path or "stdin"
+    settings = {**(settings or {}), "chunk_lines": chunk_lines, "max_tokens": max_tokens,
+                "max_sentences": max_sentences, "seed": seed,
+                "input_bytes": os.path.getsize(input_path) if input_path else None}
+    state_path = f"{output_path}.resume.json" if output_path else None
+    parts_dir = f"{output_path}.parts" if output_path else None
+    group = _start_process_group(processes)
+    try:
+        if processes.rank == 0:
+            state = _prepare_output(output_path, state_path, parts_dir, settings, resume)
+        _barrier(group)
+        if processes.rank != 0:
+            resumed = resume and os.path.exists(state_path)
+            state = _read_state(state_path) if resumed else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
+        return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir, state,
+                                 settings, processes, max_tokens, max_sentences, progress, seed, chunk_lines)
+    finally:
+        if group:
+            torch.distributed.destroy_process_group()
+
+
+def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir, state, settings,
+                      processes, max_tokens, max_sentences, progress, seed, chunk_lines) -> FileTranslation:
+    start = time.perf_counter()
+    result = FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
+                             resumed_chunks=state["chunks"], settings=settings)
+    merger = None
+    if processes.rank == 0:
+        total = count_lines(input_path) if input_path else None
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = tqdm(total=total, initial=state["lines"], unit=" lines", disable=not show, file=sys.stderr,
+                   dynamic_ncols=True, smoothing=0.1)
+        sink = open(output_path, "ab") if output_path else stdout
+        limit = f"the model's {engine.max_source_length} {engine.positions}"
+        merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, limit)
+    source = open(input_path, "rb") if input_path else stdin
+    try:
+        index = -1
+        for index, raw_lines in enumerate(read_raw_chunks(source, chunk_lines)):
+            if index < state["chunks"] or index % processes.world_size != processes.rank:
+                continue
+            if parts_dir and processes.world_size > 1 and os.path.exists(_part_path(parts_dir, index)):
+                continue  # translated before a kill: the resume state keeps its settings
+            lines = decode_chunk(raw_lines, name, index * chunk_lines + 1)
+            if seed is not None:
+                torch.manual_seed(seed + index)
+            translations, truncated = translate_chunk(engine, lines, max_tokens, max_sentences)
+            text = "".join(f"{line}\n" for line in translations).encode("utf-8")
+            if processes.world_size == 1:
+                merger.append(index, text, len(lines), truncated)
+            else:
+                _write_part(parts_dir, index, text, len(lines), truncated)
+                if merger:
+                    merger.merge_ready()
+            if processes.rank != 0:
+                result.lines += len(lines)
+                result.chunks += 1
+                result.truncated += truncated
+        if merger:
+            merger.finish(index + 1)
+    finally:
+        if input_path:
+            source.close()
+        if merger:
+            merger.close(output_path is not None)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+class _Merger:
+    """Process 0's writer: appends chunks in input order, flushes them to disk, then records them in the resume
+    state (so a kill between the two leaves bytes past the recorded end, which a resume cuts off)."""
+
+    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, limit):
+        self.sink, self.bar, self.state, self.state_path = sink, bar, dict(state), state_path
+        self.parts_dir, self.settings, self.result, self.limit = parts_dir, settings, result, limit
+
+    def append(self, index: int, text: bytes, lines: int, truncated: int) -> None:
+        assert index == self.state["chunks"], "chunks are appended in input order"
+        self.sink.write(text)
+        self.sink.flush()
+        if self.state_path:
+            os.fsync(self.sink.fileno())
+        self.state.update(chunks=index + 1, lines=self.state["lines"] + lines,
+                          bytes=self.state["bytes"] + len(text), truncated=self.state["truncated"] + truncated)
+        if self.state_path:
+            write_atomically(self.state_path, json.dumps({**self.state, "settings": self.settings}))
+        self.result.lines, self.result.chunks = self.state["lines"], self.state["chunks"]
+        self.result.truncated = self.state["truncated"]
+        self.bar.update(lines)
+
+    def merge_ready(self) -> None:
+        """Append every finished part that is next in input order."""
+        while (path := _part_path(self.parts_dir, self.state["chunks"])) and os.path.exists(path):
+            with open(path, "rb") as f:
+                lines, truncated = json.loads(f.readline())
+                text = f.read()
+            self.append(self.state["chunks"], text, lines, truncated)
+            os.remove(path)
+
+    def finish(self, chunks: int) -> None:
+        """Wait for the other processes' last parts (a process that fails ends the launch, and with it this)."""
+        while self.parts_dir and self.state["chunks"] < chunks:
+            self.merge_ready()
+            if self.state["chunks"] < chunks:
+                time.sleep(0.05)
+        if self.parts_dir:
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+        if self.state_path and os.path.exists(self.state_path):
+            os.remove(self.state_path)
+        self.bar.close()
+        if self.state["truncated"]:
+            print(f"warning: {self.state['truncated']} sentence(s) longer than {self.limit} were truncated.",
+                  file=sys.stderr)
+
+    def close(self, owned: bool) -> None:
+        self.bar.close()
+        if owned:
+            self.sink.close()
+
+
+def _part_path(parts_dir: str, index: int) -> str:
+    return os.path.join(parts_dir, f"{index:09d}.part")
+
+
+def _write_part(parts_dir: str, index: int, text: bytes, lines: int, truncated: int) -> None:
+    """A chunk's translation for process 0 to append: a header line, then the text; complete or absent."""
+    os.makedirs(parts_dir, exist_ok=True)
+    path = _part_path(parts_dir, index)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "wb") as f:
+        f.write(json.dumps([lines, truncated]).encode() + b"\n")
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def _read_state(state_path: str) -> dict:
+    with open(state_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dict:
+    """The state to start from: a fresh output, or with `resume` the killed run's, its output cut back to the last
+    complete chunk."""
+    fresh = {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
+    if output_path is None:
+        return fresh
+    if resume and os.path.exists(state_path):
+        state = _read_state(state_path)
+        changed = sorted(key for key in settings.keys() | state["settings"].keys()
+                         if settings.get(key) != state["settings"].get(key))
+        if changed:
+            listed = ", ".join(f"{key} {state['settings'].get(key)!r} → {settings.get(key)!r}" for key in changed)
+            raise ValueError(f"{output_path} was started with other settings ({listed}); resume with the same "
+                             "ones, or start again without --resume.")
+        if not os.path.exists(output_path) or os.path.getsize(output_path) < state["bytes"]:
+            raise ValueError(f"{output_path} is shorter than its resume state records; start again without "
+                             "--resume.")
+        with open(output_path, "r+b") as f:
+            f.truncate(state["bytes"])
+        del state["settings"]
+        return state
+    if resume and os.path.exists(output_path):
+        raise ValueError(f"{output_path} has no resume state beside it ({state_path}): it is complete, or was not "
+                         "written by this tool. Start again without --resume.")
+    with open(output_path, "wb"):
+        pass
+    if os.path.exists(state_path):
+        os.remove(state_path)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return fresh
+
+
+def _start_process_group(processes: Processes):
+    """A gloo group across the launched processes (only to start together), or None for one process."""
+    if processes.world_size == 1:
+        return None
+    if not torch.distributed.is_initialized():
+        # Long: the group only synchronises the start, after which slow chunks may keep a process busy for hours.
+        torch.distributed.init_process_group("gloo", rank=processes.rank, world_size=processes.world_size,
+                                             timeout=timedelta(hours=24))
+        return True
+    return None
+
+
+def _barrier(group) -> None:
+    if group:
+        torch.distributed.barrier()

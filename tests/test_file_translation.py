@@ -1,0 +1,286 @@
+"""Streaming file translation (`vaswani.file_translation`, `scripts/translate.py`): chunks and token-budget batches,
+the same lines as `vaswani.evaluation.translate`, bad input, resuming after SIGKILL, two processes, the dtype choice."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import SCRIPTS, script_main
+from tiny_translation_model import SOURCES, build_model_and_tokenizer
+
+from vaswani.cli import generation_limits
+from vaswani.evaluation import translate
+from vaswani.file_translation import (
+    CPU_BF16_MIN_D_MODEL,
+    Processes,
+    TorchTranslator,
+    choose_dtype,
+    count_lines,
+    decode_chunk,
+    read_raw_chunks,
+    token_budget_batches,
+    translate_file,
+)
+
+GREEDY = {"num_beams": 1, "max_new_tokens": 8}
+# Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.
+LINES = [*SOURCES, "", *SOURCES[::-1], "   ", *SOURCES[1:4]] * 3
+
+
+@pytest.fixture(scope="module")
+def trained():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_model_and_tokenizer()
+    torch.set_num_threads(threads)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained, tmp_path_factory):
+    model, tokenizer = trained
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(trained):
+    """What the whole-file `translate` gives, one line per input line."""
+    model, tokenizer = trained
+    nonempty = sorted({line for line in LINES if line.strip()})
+    translations = dict(zip(nonempty, translate(model, tokenizer, nonempty, batch_size=4, **GREEDY)))
+    return "".join(f"{translations.get(line, '')}\n" for line in LINES)
+
+
+def write_input(tmp_path, lines=LINES) -> str:
+    path = tmp_path / "in.en"
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_token_budget_batches_are_longest_first_within_the_budget():
+    lengths = [3, 9, 4, 9, 1, 5, 2, 7]
+    batches = token_budget_batches(lengths, max_tokens=16)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    assert [lengths[batch[0]] for batch in batches] == sorted((lengths[b[0]] for b in batches), reverse=True)
+    assert all(len(batch) * lengths[batch[0]] <= 16 or len(batch) == 1 for batch in batches)
+    assert token_budget_batches([20, 1], max_tokens=8) == [[0], [1]]  # too long for the budget: alone
+    assert [len(b) for b in token_budget_batches([1] * 10, max_tokens=100, max_sentences=4)] == [4, 4, 2]
+
+
+def test_chunks_split_lines_at_newlines_only_and_drop_crs():
+    raw = "a\r\nb\u2028c\n\nd".encode()
+    chunks = list(read_raw_chunks(io.BytesIO(raw), chunk_lines=2))
+    assert [decode_chunk(chunk, "x", 1) for chunk in chunks] == [["a", "b\u2028c"], ["", "d"]]
+    assert list(read_raw_chunks(io.BytesIO(b""), 3)) == []
+
+
+def test_count_lines_counts_a_last_line_without_a_newline(tmp_path):
+    for text, lines in ((b"", 0), (b"a\n", 1), (b"a\nb", 2), (b"\n\n", 2)):
+        (tmp_path / "f").write_bytes(text)
+        assert count_lines(str(tmp_path / "f")) == lines
+
+
+@pytest.mark.parametrize("chunk_lines", [1, 7, 1000])
+def test_a_file_translates_to_the_lines_whole_file_translate_gives(trained, expected, tmp_path, chunk_lines):
+    model, tokenizer = trained
+    engine = TorchTranslator(model, tokenizer, **GREEDY)
+    output = tmp_path / "out.fr"
+    result = translate_file(engine, write_input(tmp_path), str(output), chunk_lines=chunk_lines, max_tokens=24,
+                            progress=False)
+    assert output.read_text(encoding="utf-8") == expected
+    assert result.lines == len(LINES) and result.chunks == -(-len(LINES) // chunk_lines)
+    assert not os.path.exists(f"{output}.resume.json")  # a complete output leaves nothing beside it
+
+
+def test_stdin_to_stdout_and_an_empty_input(trained, expected):
+    model, tokenizer = trained
+    engine = TorchTranslator(model, tokenizer, **GREEDY)
+    stdout = io.BytesIO()
+    translate_file(engine, None, None, chunk_lines=5, stdin=io.BytesIO("".join(f"{x}\n" for x in LINES).encode()),
+                   stdout=stdout, progress=False)
+    assert stdout.getvalue().decode() == expected
+    stdout = io.BytesIO()
+    translate_file(engine, None, None, stdin=io.BytesIO(b""), stdout=stdout, progress=False)
+    assert stdout.getvalue() == b""
+
+
+def test_an_undecodable_line_is_reported_with_its_number(checkpoint, tmp_path, capsys):
+    path = tmp_path / "in.en"
+    path.write_bytes(b"a dog ran\n" * 5 + b"caf\xe9\n" + b"cat\n")
+    with pytest.raises(SystemExit) as exit_info:
+        script_main("translate")(["--model", str(checkpoint), "--device", "cpu", "--input_file", str(path),
+                                  "--chunk_lines", "4", "--num_beams", "1", "--max_new_tokens", "4"])
+    assert exit_info.value.code == 2
+    assert "line 6" in capsys.readouterr().err
+
+
+def test_long_lines_are_truncated_and_counted(tmp_path, capsys):
+    model, tokenizer = build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
+    max_source_length, max_new_tokens = generation_limits(model, 4)
+    engine = TorchTranslator(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
+                             max_source_length=max_source_length)
+    stdout = io.BytesIO()
+    long = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
+    assert len(tokenizer(long)["input_ids"]) > max_source_length
+    translate_file(engine, None, None, chunk_lines=2, stdin=io.BytesIO(f"{long}\ncat\n\n{long}\n".encode()),
+                   stdout=stdout, progress=False)
+    assert len(stdout.getvalue().decode().split("\n")) == 5
+    warning = f"warning: 2 sentence(s) longer than the model's {max_source_length} learned positions were truncated"
+    assert warning in capsys.readouterr().err
+
+
+def test_the_script_streams_with_every_pytorch_option(checkpoint, expected, tmp_path, capsys):
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--input_file", write_input(tmp_path), "--chunk_lines",
+            "7", "--num_beams", "1", "--max_new_tokens", "8"]
+    script_main("translate")(argv)
+    assert capsys.readouterr().out == expected
+    for options in (["--decoding", "transformers"], ["--dtype", "bfloat16"], ["--int8"]):
+        script_main("translate")([*argv, *options, "--output_file", str(tmp_path / "out.fr")])
+        lines = (tmp_path / "out.fr").read_text().split("\n")
+        assert len(lines) == len(LINES) + 1 and [bool(x) for x in lines[:-1]] == [bool(x.strip()) for x in LINES]
+    assert "lines/s" not in capsys.readouterr().err  # no progress bar when stderr is not a terminal
+
+
+def test_progress_bar_when_asked(checkpoint, tmp_path, capsys):
+    script_main("translate")(["--model", str(checkpoint), "--device", "cpu", "--input_file", write_input(tmp_path),
+                              "--output_file", str(tmp_path / "out.fr"), "--chunk_lines", "7", "--num_beams", "1",
+                              "--max_new_tokens", "4", "--progress"])
+    err = capsys.readouterr().err
+    assert f"{len(LINES)}/{len(LINES)}" in err and "lines/s" in err
+
+
+def test_the_ctranslate2_export_streams_the_same_lines(trained, expected, tmp_path, capsys):
+    pytest.importorskip("ctranslate2")
+    from vaswani.export import export_to_ctranslate2
+
+    model, tokenizer = trained
+    export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    script_main("translate")(["--model", str(tmp_path / "ct2"), "--ctranslate2", "--device", "cpu", "--input_file",
+                              write_input(tmp_path), "--chunk_lines", "7", "--num_beams", "1", "--max_new_tokens", "8"])
+    assert capsys.readouterr().out == expected  # greedy: CTranslate2's outputs equal generate()'s
+
+
+def test_resuming_needs_the_same_settings(checkpoint, tmp_path):
+    output = tmp_path / "out.fr"
+    output.write_text("x\n")
+    (tmp_path / "out.fr.resume.json").write_text(json.dumps(
+        {"chunks": 1, "lines": 1, "bytes": 2, "truncated": 0, "settings": {"num_beams": 4}}))
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--input_file", write_input(tmp_path), "--output_file",
+            str(output), "--resume", "--num_beams", "1"]
+    with pytest.raises(SystemExit):
+        script_main("translate")(argv)
+    (tmp_path / "out.fr.resume.json").unlink()
+    with pytest.raises(SystemExit):  # an output without a resume state: complete, or not ours
+        script_main("translate")(argv)
+
+
+def run_script(argv, env=None, **kwargs):
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, *argv], env=environment, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kwargs)
+
+
+# Runs scripts/translate.py with each chunk slowed down, so that a kill lands mid-way, or with SIGKILL sent by the
+# process itself at the worst moment: a chunk's lines on disk, the resume state not yet updated.
+KILLABLE = """
+import os, runpy, signal, sys, time
+import vaswani.file_translation as ft
+mode = os.environ["KILL_MODE"]
+if mode == "slow":
+    chunk = ft.translate_chunk
+    ft.translate_chunk = lambda *a, **k: (time.sleep(0.3), chunk(*a, **k))[1]
+elif mode == "after_write":
+    calls = iter(range(10**6))
+    save = ft.write_atomically
+    ft.write_atomically = lambda *a: save(*a) if next(calls) < 2 else os.kill(os.getpid(), signal.SIGKILL)
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("mode", ["slow", "after_write"])
+def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, mode):
+    output = tmp_path / "out.fr"
+    argv = ["-c", KILLABLE, str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu",
+            "--input_file", write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "5",
+            "--num_beams", "1", "--max_new_tokens", "8"]
+    process = run_script(argv, env={"KILL_MODE": mode})
+    state = tmp_path / "out.fr.resume.json"
+    if mode == "slow":  # kill it once two chunks are recorded, while it translates the third
+        deadline = time.monotonic() + 120
+        while not (state.exists() and json.loads(state.read_text() or "{}").get("chunks", 0) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1].decode()
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+    process.wait(timeout=120)
+    assert process.returncode == -signal.SIGKILL
+    recorded = json.loads(state.read_text())
+    assert 0 < recorded["bytes"] <= output.stat().st_size and output.read_text() != expected
+    if mode == "after_write":  # the third chunk reached the file, its record did not
+        assert output.stat().st_size > recorded["bytes"]
+
+    resumed = run_script([argv[2], *argv[3:], "--resume"])
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err.decode()
+    assert output.read_text(encoding="utf-8") == expected
+    assert not state.exists() and not (tmp_path / "out.fr.parts").exists()
+
+
+# accelerate's --multi_gpu is its torchrun launcher, which on a machine without GPUs starts CPU processes.
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+             "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_processes_write_the_file_one_process_writes(checkpoint, expected, tmp_path, launcher):
+    if launcher == "accelerate":
+        pytest.importorskip("accelerate")
+    output = tmp_path / "out.fr"
+    process = run_script([*LAUNCHERS[launcher], str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu", "--input_file",
+                          write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "3",
+                          "--num_beams", "1", "--max_new_tokens", "8"])
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err.decode()[-3000:]
+    assert output.read_text(encoding="utf-8") == expected
+    assert not (tmp_path / "out.fr.parts").exists()
+
+
+def test_processes_read_their_place_from_the_launcher():
+    assert Processes.from_environment({}) == Processes(0, 1, 0)
+    assert Processes.from_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == Processes(3, 4, 1)
+    assert Processes(1, 2, 1).device("cpu") == "cpu"
+
+
+GREEDY_MIN, BEAM_MIN = CPU_BF16_MIN_D_MODEL["greedy"], CPU_BF16_MIN_D_MODEL["beam"]
+
+
+@pytest.mark.parametrize(("requested", "device", "d_model", "beams", "int8", "cuda_bf16", "cpu_bf16", "chosen"), [
+    ("auto", "cuda", 32, 1, False, True, False, torch.bfloat16),
+    ("auto", "cuda", 512, 4, False, False, False, torch.float32),
+    ("auto", "cpu", GREEDY_MIN, 1, False, None, True, torch.bfloat16),
+    ("auto", "cpu", GREEDY_MIN - 1, 1, False, None, True, torch.float32),
+    ("auto", "cpu", BEAM_MIN, 4, False, None, True, torch.bfloat16),
+    ("auto", "cpu", BEAM_MIN - 1, 4, False, None, True, torch.float32),
+    ("auto", "cpu", 1024, 4, False, None, False, torch.float32),
+    ("auto", "cpu", 1024, 4, True, None, True, torch.float32),
+    ("bfloat16", "cpu", 32, 1, False, None, False, torch.bfloat16),
+    ("float32", "cuda", 512, 4, False, True, True, torch.float32),
+])
+def test_dtype_auto_is_bf16_where_native_and_faster(requested, device, d_model, beams, int8, cuda_bf16, cpu_bf16,
+                                                    chosen):
+    assert choose_dtype(requested, torch.device(device), d_model, num_beams=beams, int8=int8, cuda_bf16=cuda_bf16,
+                        cpu_bf16=cpu_bf16) == chosen
+
+
+def test_dtype_refuses_bf16_with_int8():
+    with pytest.raises(ValueError, match="int8"):
+        choose_dtype("bfloat16", torch.device("cpu"), 512, int8=True)
