@@ -158,8 +158,9 @@ def quantize_per_tensor_with_torch_ao(model):
     one activation scale per tensor and call, from its range, so a row's numbers depend on the rows beside it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
-                                               dtype=torch.qint8, inplace=True)
+        torch.ao.quantization.quantize_dynamic(
+            model, {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
+        )
     return model.eval()
 
 

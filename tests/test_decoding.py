@@ -132,7 +132,7 @@ def test_a_sentence_translates_alike_alone_and_in_a_padded_batch(trained, precis
         search = dict(num_beams=num_beams, max_new_tokens=20, lean_decoding=lean_decoding)
         with torch.no_grad():
             together = model.generate(**batch, **search)
-            alone = [model.generate(**tokenizer([sentence], return_tensors="pt"), **search)[0] for sentence in SENTENCES]
+            alone = [model.generate(**tokenizer([s], return_tensors="pt"), **search)[0] for s in SENTENCES]
         eos = model.config.eos_token_id
         assert [_until(row, eos) for row in together] == [_until(row, eos) for row in alone], lean_decoding
 
@@ -152,7 +152,7 @@ def test_uncovered_calls_fall_back_to_transformers(trained):
         torch.manual_seed(3)
         assert torch.equal(reference, model.generate(**batch, **search, custom_generate=decode)), search
     # Scores go to transformers' loop too, and come back as it shapes them: one (beams·batch, vocabulary) tensor per
-    # step, for as many steps as the beams ran, which may outlast the best beam (how many depends on the CPU's rounding).
+    # step, for as many steps as the beams ran, which may outlast the best beam (how many, the CPU's rounding decides).
     scoring = dict(num_beams=2, output_scores=True, return_dict_in_generate=True)
     reference = model.generate(**batch, **scoring, lean_decoding=False)
     scored = model.generate(**batch, **scoring, custom_generate=decode)

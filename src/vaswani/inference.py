@@ -98,12 +98,12 @@ class Int8Linear(nn.Module):
     activations with one scale per row (per token), computed at each call from the row's largest magnitude.
 
     The product runs on fbgemm (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`), given rows that are
-    already integers and a scale of 1, so that it quantizes nothing itself; it accumulates in int32, which is exact,
-    and scales by the weight's channel scale. Then each row is multiplied by its own scale and the bias added, in
-    separate operations: each result is rounded once, the same whichever kernel or vector width computes it, so an
-    output row depends only on its input row and never on the other rows of the call. torch.ao's dynamic int8
-    linear (`quantize_dynamic`) takes one activation scale per call instead, from the whole tensor's range, so a
-    sentence's numbers changed with its batch.
+    already integers and a scale of 1, so that its own quantization (adding the zero point) is exact; it accumulates
+    in int32, which is exact too, and scales by the weight's channel scale. Then each row is multiplied by its own
+    scale and the bias added, in separate operations: each result is rounded once, the same whichever kernel or
+    vector width computes it, so an output row depends only on its input row and never on the other rows of the
+    call. torch.ao's dynamic int8 linear (`quantize_dynamic`) takes one activation scale per call instead, from the
+    whole tensor's range, so a sentence's numbers changed with its batch.
     """
 
     def __init__(self, linear: nn.Linear):
