@@ -101,8 +101,8 @@ def test_lean_decoding_across_variants(variant):
 
 
 def test_lean_decoding_of_the_int8_model(trained):
-    """Exact on every CPU: int8 activations get one scale per row, so a row's numbers do not depend on the rows beside
-    it, and finished sentences leaving the batch (or beams sharing one source encoding) change nothing."""
+    """Exact, as in fp32: int8 activations get one scale per row and integer products add up exactly, so a row's
+    numbers do not depend on the rows beside it, and finished sentences leaving the batch change nothing."""
     model, tokenizer = trained
     quantized = quantize_for_cpu(copy.deepcopy(model))
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)

@@ -7,7 +7,7 @@ output projection take 71–78 % of its time (benchmarks/README.md, "Profile"). 
 `nn.Linear` weight as int8 (one scale per output row) and quantizes each activation row on the fly (one scale per
 row, that is per token), so the GEMMs run on fbgemm's int8 kernels with int32 accumulation. This is what
 CTranslate2's `int8` compute type does. Because integer products accumulate exactly, a row's result depends on that
-row alone: a sentence's int8 translation does not depend on which sentences share its batch, on any CPU
+row alone, on any CPU: int8 makes a sentence's translation depend on its batch no more than fp32 does
 (tests/test_decoding.py). Quantizing each row takes a few elementwise operators around the kernel, which torch.ao's
 per-tensor scheme did inside it: its speed against that scheme and fp32, and its BLEU, are in
 benchmarks/results/translation-cpu-int8-per-row.md and int8-per-row-bleu-cpu.md.
