@@ -101,14 +101,46 @@ def test_lean_decoding_across_variants(variant):
 
 
 def test_lean_decoding_of_the_int8_model(trained):
-    """Exact here. On real data int8 can differ in a few sentences (980 of 1,000 identical on the main job's model):
-    its per-tensor activation scales depend on which rows share a tensor, and finished sentences leave the batch."""
+    """Exact, as in fp32: int8 activations get one scale per row and integer products add up exactly, so a row's
+    numbers do not depend on the rows beside it, and finished sentences leaving the batch change nothing."""
     model, tokenizer = trained
     quantized = quantize_for_cpu(copy.deepcopy(model))
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     for search in (dict(num_beams=1), dict(num_beams=4)):
         reference, lean = _generate_both(quantized, batch, **search)
         assert torch.equal(reference, lean), search
+
+
+PRECISIONS = {
+    "fp32": lambda model: model,
+    "bf16": lambda model: copy.deepcopy(model).to(torch.bfloat16),
+    "int8": lambda model: quantize_for_cpu(copy.deepcopy(model)),
+}
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_sentence_translates_alike_alone_and_in_a_padded_batch(trained, precision, num_beams):
+    """A sentence's translation does not depend on the sentences beside it, with either loop. Only the padding
+    differs: it lengthens the source (masked positions, which may change the last bit of the attention's sums). The
+    rest of a row's numbers are its own: int8 quantizes each row with its own scale and adds its products exactly."""
+    model, tokenizer = trained
+    model = PRECISIONS[precision](model)
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 2  # padded, to several lengths
+    for lean_decoding in (True, False):
+        search = dict(num_beams=num_beams, max_new_tokens=20, lean_decoding=lean_decoding)
+        with torch.no_grad():
+            together = model.generate(**batch, **search)
+            alone = [model.generate(**tokenizer([s], return_tensors="pt"), **search)[0] for s in SENTENCES]
+        eos = model.config.eos_token_id
+        assert [_until(row, eos) for row in together] == [_until(row, eos) for row in alone], lean_decoding
+
+
+def _until(ids: torch.Tensor, eos: int) -> list[int]:
+    """A translation's tokens up to its first end of sentence (a batch fills the rest with padding or more eos)."""
+    ids = ids.tolist()
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
 def test_uncovered_calls_fall_back_to_transformers(trained):
@@ -119,9 +151,16 @@ def test_uncovered_calls_fall_back_to_transformers(trained):
         reference = model.generate(**batch, **search, lean_decoding=False)
         torch.manual_seed(3)
         assert torch.equal(reference, model.generate(**batch, **search, custom_generate=decode)), search
-    scored = model.generate(**batch, num_beams=2, output_scores=True, return_dict_in_generate=True,
-                            custom_generate=decode)
-    assert scored.sequences_scores is not None and len(scored.scores) == scored.sequences.shape[1] - 1
+    # Scores go to transformers' loop too, and come back as it shapes them: one (beams·batch, vocabulary) tensor per
+    # step, for as many steps as the beams ran, which may outlast the best beam (how many, the CPU's rounding decides).
+    scoring = dict(num_beams=2, output_scores=True, return_dict_in_generate=True)
+    reference = model.generate(**batch, **scoring, lean_decoding=False)
+    scored = model.generate(**batch, **scoring, custom_generate=decode)
+    assert torch.equal(scored.sequences, reference.sequences)
+    assert torch.equal(scored.sequences_scores, reference.sequences_scores)
+    assert len(scored.scores) == len(reference.scores) >= scored.sequences.shape[1] - 1
+    assert all(torch.equal(a, b) and a.shape == (2 * len(SENTENCES), model.config.vocab_size)
+               for a, b in zip(scored.scores, reference.scores))
 
 
 def test_use_lean_decoding_binds_every_call_and_keeps_per_call_overrides(trained):

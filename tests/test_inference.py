@@ -8,12 +8,11 @@ import sys
 import pytest
 import torch
 from torch import nn
-from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 from conftest import SCRIPTS, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani.inference import quantize_for_cpu
+from vaswani.inference import Int8Linear, quantize_for_cpu
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def test_every_linear_is_replaced_and_the_fp32_embeddings_are_untouched(trained)
 
     assert plain_linears(quantized) == []
     modules = dict(quantized.named_modules())
-    assert all(isinstance(modules[name], DynamicQuantizedLinear) for name in linears)
+    assert all(isinstance(modules[name], Int8Linear) for name in linears)
     lm_head = modules["lm_head"].weight()
     assert lm_head.q_per_channel_scales().numel() == lm_head.shape[0]  # one scale per vocabulary row
     # The output projection's tied table stays an fp32 embedding, shared by encoder and decoder as before.
@@ -75,7 +74,7 @@ def test_int8_logits_and_greedy_translations_agree_with_fp32(trained):
         # Teacher-forced on the fp32 output, so that both score the same prefixes.
         fp32 = model(**batch, decoder_input_ids=fp32_ids[:, :-1]).logits
         int8 = quantized(**batch, decoder_input_ids=fp32_ids[:, :-1]).logits
-    # int8 rounds each weight to 1/127 of its row's largest magnitude and each activation to 1/255 of its range,
+    # int8 rounds each weight to 1/127 of its row's largest magnitude and each activation to 1/126 of its row's,
     # an error of a few tenths of a percent per product that grows through 2+2 layers and the √d_model-scaled
     # tied projection; 10 % of the logits' range bounds it with room (observed: ~4 % here).
     assert (fp32 - int8).abs().max() < 0.1 * fp32.abs().max()
@@ -83,6 +82,29 @@ def test_int8_logits_and_greedy_translations_agree_with_fp32(trained):
     agreement = (fp32.argmax(-1) == int8.argmax(-1))[mask].float().mean()
     assert agreement >= 0.9
     assert (fp32_ids == int8_ids).float().mean() >= 0.9
+
+
+def test_each_output_row_depends_on_its_input_row_alone():
+    """Per-row activation scales and exact int32 sums: a row's output is the same, bit for bit, whatever rows share
+    the call, and it is the integer product of the quantized row and weights, scaled."""
+    linear = nn.Linear(96, 40)
+    quantized = Int8Linear(linear)
+    x = torch.randn(6, 5, 96, generator=torch.Generator().manual_seed(0))
+    x[2] *= 1000  # a row far larger than the others would have set a per-tensor scale for all of them
+    x[3, 1] = 0  # an all-zero row
+    with torch.no_grad():
+        together = quantized(x)
+        assert together.shape == (6, 5, 40)
+        assert all(torch.equal(quantized(x[i, j]), together[i, j]) for i in range(6) for j in range(5))
+        assert torch.equal(quantized(x[1:4, 2:]), together[1:4, 2:])
+        rows = x.reshape(-1, 96)
+        scale = rows.abs().amax(dim=1, keepdim=True) / 63
+        integers = torch.round(rows / scale.clamp_min(torch.finfo(torch.float32).tiny))
+        weight = quantized.weight()
+        exact = integers.double() @ weight.int_repr().double().t()  # float64 holds these sums exactly
+        expected = exact.float() * weight.q_per_channel_scales().float() * scale + linear.bias
+        torch.testing.assert_close(together.reshape(-1, 40), expected, rtol=1e-6, atol=1e-6)
+        assert (together - linear(x)).abs().max() < 0.02 * linear(x).abs().max()
 
 
 def test_refuses_a_model_off_the_cpu():
@@ -127,7 +149,9 @@ def test_scripts_refuse_int8_off_the_cpu_in_one_line(checkpoint, capsys):
     assert err.strip().splitlines()[-1].startswith("error: int8 quantization runs on CPU only")
 
 
-def test_benchmark_int8_engine(trained, tmp_path):
+@pytest.mark.parametrize("name", ["vaswani-int8", "vaswani-int8-pertensor"])
+def test_benchmark_int8_engine(trained, tmp_path, name):
+    """The benchmark's `--int8` engine and, beside it, torch.ao's per-tensor int8 that `--int8` ran before."""
     sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
     from bench_translation import TorchEngine
 
@@ -136,8 +160,9 @@ def test_benchmark_int8_engine(trained, tmp_path):
     _, tokenizer = trained
     config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
     threads = torch.get_num_threads()
-    engine = TorchEngine("vaswani-int8", config, tokenizer, pick_device("cpu", 1), seed=0)
+    engine = TorchEngine(name, config, tokenizer, pick_device("cpu", 1), seed=0)
     torch.set_num_threads(threads)
     assert plain_linears(engine.model) == [] and engine.parameters > 0
+    assert isinstance(engine.model.lm_head, Int8Linear) == (name == "vaswani-int8")
     translations = engine.translate(tokenizer(SOURCES[:2])["input_ids"], beams=2, new_tokens=3, stop_at_eos=False)
     assert list(map(len, translations)) == [3, 3]

@@ -18,8 +18,9 @@ transformers' own: the same tokens for greedy search, and the same hypotheses fo
 (finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are
 (tests/test_decoding.py compares both with transformers' loop; on the main job's model, 1,000 of 1,000 test
 translations are identical in fp32). One caveat: items 4 and 5 change the shapes of the matrix products, which may
-change the last bit of a result, and int8's per-tensor activation scales depend on which rows share a tensor: in
-int8, 980 of 1,000 were identical, BLEU 29.47 against 29.58 (benchmarks/results/decoding-loops-cpu.md).
+change the last bit of a result. int8 (`vaswani.inference.quantize_for_cpu`) adds nothing to that: each activation
+row has its own scale and integer products add up exactly, so a row's numbers do not depend on the rows beside it or
+on which of them have left the batch.
 What changes is the work around the model, which on a CPU is a large share of each step once the matrix
 multiplications are int8 (benchmarks/README.md):
 

@@ -3,10 +3,14 @@ device and decoding method) and, for CPUs, int8 weights with `quantize_for_cpu(m
 freed memory, `keep_freed_cpu_memory()`.
 
 Why: on a CPU, `generate()` is bound by fp32 matrix multiplications — the linear layers and the vocabulary-sized
-output projection take 71–78 % of its time (benchmarks/README.md, "Profile"). Dynamic int8 quantization stores
-every `nn.Linear` weight as int8 (one scale per output row) and quantizes each activation on the fly (one scale per
-call, from its observed range), so the GEMMs run on int8 kernels (fbgemm/oneDNN) with int32 accumulation. This is
-what CTranslate2's `int8` compute type does; measured on the base model it gives 2–3× the fp32 speed.
+output projection take 71–78 % of its time (benchmarks/README.md, "Profile"). `quantize_for_cpu` stores every
+`nn.Linear` weight as int8 (one scale per output row) and quantizes each activation row on the fly (one scale per
+row, that is per token), so the GEMMs run on fbgemm's int8 kernels with int32 accumulation. This is what
+CTranslate2's `int8` compute type does. Because integer products accumulate exactly, a row's result depends on that
+row alone, on any CPU: int8 makes a sentence's translation depend on its batch no more than fp32 does
+(tests/test_decoding.py). Quantizing each row takes a few elementwise operators around the kernel, which torch.ao's
+per-tensor scheme did inside it: its speed against that scheme and fp32, and its BLEU, are in
+benchmarks/results/translation-cpu-int8-per-row.md and int8-per-row-bleu-cpu.md.
 
 The decoding loop itself is made leaner by `vaswani.generation_vaswani` (the same outputs, less work per step),
 which `generate()` uses with or without int8.
@@ -83,15 +87,68 @@ def keep_freed_cpu_memory(largest_block_mib: int | None = 32) -> bool:
     return bool(mapped and kept)
 
 
-def quantize_for_cpu(model: nn.Module) -> nn.Module:
-    """Replace every `nn.Linear` of `model` by a dynamically quantized int8 one, in place; return `model`.
+# Activations are rounded to integers in [-63, 63] and handed to fbgemm with zero point 64, so its unsigned 8-bit inputs
+# stay below 128: on CPUs without VNNI its kernels add pairs of u8·s8 products in 16 bits (vpmaddubsw), which
+# saturate above 32,767, and 2 · 127 · 127 does not (torch.ao's `reduce_range` keeps the same 7 bits for that reason).
+_ACTIVATION_LEVELS = 63
 
-    Weights are quantized per output channel (int8 with zero point 0; the row-wise scale keeps rare vocabulary rows of the
-    output projection as precise as frequent ones); activations per tensor at run time. The output projection
+
+class Int8Linear(nn.Module):
+    """An `nn.Linear` for CPU inference with int8 weights (symmetric, one scale per output channel) and int8
+    activations with one scale per row (per token), computed at each call from the row's largest magnitude.
+
+    The product runs on fbgemm (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`), given rows that are
+    already integers and a scale of 1, so that its own quantization (adding the zero point) is exact; it accumulates
+    in int32, which is exact too, and scales by the weight's channel scale. Then each row is multiplied by its own
+    scale and the bias added, in separate operations: each result is rounded once, the same whichever kernel or
+    vector width computes it, so an output row depends only on its input row and never on the other rows of the
+    call. torch.ao's dynamic int8 linear (`quantize_dynamic`) takes one activation scale per call instead, from the
+    whole tensor's range, so a sentence's numbers changed with its batch.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        quantized = torch.quantize_per_channel(weight, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0,
+                                               torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
+
+    def weight(self) -> torch.Tensor:
+        """The int8 weight as a per-channel quantized tensor (`q_per_channel_scales()`: one scale per output)."""
+        return torch.ops.quantized.linear_unpack(self._packed)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (tokens, in_features)
+        scale = (rows.abs().amax(dim=1, keepdim=True) / _ACTIVATION_LEVELS).clamp_min_(torch.finfo(x.dtype).tiny)
+        integers = rows.div(scale).round_()  # (tokens, in_features), in [-63, 63]
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(integers, 1.0, _ACTIVATION_LEVELS + 1,
+                                                                                   self._packed)
+        out = out.mul_(scale)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_for_cpu(model: nn.Module) -> nn.Module:
+    """Replace every `nn.Linear` of `model` by an `Int8Linear`, in place; return `model`.
+
+    Weights are quantized per output channel (int8 with zero point 0; the row-wise scale keeps rare vocabulary rows of
+    the output projection as precise as frequent ones); activations per row at run time. The output projection
     `lm_head` is included: it is ~40 % of the decoding FLOPs. Its weight is tied to the embedding table, but
     quantizing packs a *copy* of that weight, so the fp32 embeddings (and the model's other non-Linear
     parameters) are left exactly as they were. In place, like `model.to()`: quantize a `copy.deepcopy` to keep an
     fp32 model too. The result is for inference on CPU only (no autograd through int8 weights, no `.to("cuda")`).
+
+    Why fbgemm through torch's quantized operators: every other int8 kernel torch offers measured slower than it on
+    the main job's layer shapes (torchao's eager int8, oneDNN's qlinear, `_int_mm`, `_weight_int8pack_mm`:
+    benchmarks/results/int8-kernels-cpu.md).
     """
     devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     if devices - {"cpu"}:
@@ -101,20 +158,13 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
     if dtypes != {torch.float32}:
         raise ValueError(f"int8 quantization starts from fp32 weights, but the model's are {sorted(map(str, dtypes))}; "
                          "load it in fp32 (model.float()).")
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
     with warnings.catch_warnings():
-        # torch.ao's eager-mode quantization is deprecated in favour of torchao's `quantize_`. torchao 0.18's int8
-        # dynamic quantization, eager, measured slower than this and than fp32 on the main job's model (5.9 s
-        # against 3.0 s and 4.4 s for 1,000 sentences, benchmarks/results/decoding-loops-cpu-main-job-model.md),
-        # and layer by layer so did every other maintained int8 kernel in torch (oneDNN's qlinear, `_int_mm`,
-        # `_weight_int8pack_mm`: benchmarks/results/int8-kernels-cpu.md); the eager API still runs, so silence only
-        # its notices.
-        warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated", category=DeprecationWarning)
+        # torch marks its quantized-tensor functions deprecated in favour of torchao, whose eager int8 kernels measured
+        # slower (above); these still run, so silence only their notice.
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
                                 category=UserWarning)
-        torch.ao.quantization.quantize_dynamic(
-            model,
-            {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
-            dtype=torch.qint8,
-            inplace=True,
-        )
+        for name, linear in linears:
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, Int8Linear(linear))
     return model.eval()
