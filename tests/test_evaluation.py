@@ -192,6 +192,18 @@ def test_the_shipped_evaluate_module_gives_score_corpus_numbers(tmp_path):
     assert METRIC_PATH.parent.name == "vaswani"  # shipped inside the package, beside the code it calls
 
 
+def test_translation_evaluator_keeps_generation_options_to_itself():
+    import evaluate
+
+    from vaswani.evaluator import TranslationEvaluator
+
+    # evaluate's compute(generation_kwargs=...) updates PIPELINE_KWARGS in place; the class's dict is shared.
+    evaluator = TranslationEvaluator()
+    evaluator.PIPELINE_KWARGS.update(num_beams=4)
+    assert "num_beams" not in evaluate.TranslationEvaluator.PIPELINE_KWARGS
+    assert "num_beams" not in TranslationEvaluator().PIPELINE_KWARGS
+
+
 def test_evaluate_evaluator_over_the_shipped_pipeline_gives_evaluate_bleu_numbers(tmp_path, capsys):
     """`evaluate`'s translation evaluator, over `pipeline("translation", <checkpoint>, trust_remote_code=True)` and
     the package's metric module, in a fresh process that is offline with an empty Hugging Face cache (so nothing
@@ -221,17 +233,14 @@ def test_evaluate_evaluator_over_the_shipped_pipeline_gives_evaluate_bleu_number
 
     script = f"""
 import json
-import evaluate
 from datasets import Dataset
 from transformers import pipeline
 from vaswani.evaluator import TranslationEvaluator, load_metric
 
-translator = pipeline("translation", model={str(checkpoint)!r}, trust_remote_code=True, device="cpu",
+translator = pipeline("translation", model={str(checkpoint)!r}, trust_remote_code=True, device="cpu", num_beams=4,
                       max_new_tokens=31)  # evaluate_bleu.py's limit for 32 learned positions
 data = Dataset.from_dict({{"text": {SOURCES!r}, "label": {references!r}}})
-scores = TranslationEvaluator().compute(model_or_pipeline=translator, data=data, metric=load_metric(),
-                                        generation_kwargs={{"num_beams": 4}})
-assert "num_beams" not in evaluate.TranslationEvaluator.PIPELINE_KWARGS, "the options of one call must not persist"
+scores = TranslationEvaluator().compute(model_or_pipeline=translator, data=data, metric=load_metric())
 print(json.dumps({{"module": type(translator).__module__, **scores}}))
 """
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

@@ -9,7 +9,8 @@
 
 `load_metric()` loads the package's metric module (`sacrebleu_multiref.py`, beside this file) from its path, so
 nothing is fetched from the Hub; its BLEU, chrF and TER are `vaswani.evaluation.score_corpus`'s, hence
-`scripts/evaluate_bleu.py`'s for the same translations.
+`scripts/evaluate_bleu.py`'s for the same translations. Give generation options (`num_beams`, `max_new_tokens`)
+to the pipeline: evaluate 0.4.0's translation evaluator ignores `compute(generation_kwargs=...)`.
 
 `TranslationEvaluator` is `evaluate.evaluator("translation")`'s class with two defects of evaluate 0.4 mended. Its
 `prepare_pipeline` reads `transformers.TFPreTrainedModel` whenever it is given a pipeline object, and transformers
