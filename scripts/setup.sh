@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 pip=(python3 -m pip install --quiet --disable-pip-version-check)
 if ! python3 -c "import torch" 2>/dev/null; then
-  "${pip[@]}" "torch==2.13.0" 2>/dev/null || "${pip[@]}" "torch>=2.13,<2.15"
+  "${pip[@]}" "torch==2.13.0" 2>/dev/null || "${pip[@]}" "torch>=2.13,<2.16"
 fi
 "${pip[@]}" -e ".[test]"

@@ -1,6 +1,9 @@
 """Scores must be sacreBLEU's, references must line up with their hypotheses, and batching must not reorder."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -173,3 +176,79 @@ def test_evaluate_bleu_script_decodes_with_the_chosen_length_penalty(model_and_t
         script_main("evaluate_bleu")(["--model", str(tmp_path / "model"), "--ctranslate2", "--length_penalty", "0.6",
                                       *files])
     assert "--length_penalty is generate()'s" in capsys.readouterr().err
+
+
+def test_the_shipped_evaluate_module_gives_score_corpus_numbers(tmp_path):
+    from vaswani.evaluator import METRIC_PATH, load_metric
+
+    metric = load_metric(cache_dir=str(tmp_path))
+    assert metric.name == "sacrebleu_multiref"
+    ragged = [TWO_REFERENCES[0], TWO_REFERENCES[1][:1], TWO_REFERENCES[2]]
+    expected = score_corpus(HYPOTHESES, ragged)
+    assert metric.compute(predictions=HYPOTHESES, references=ragged) == {k: expected[k] for k in ("bleu", "chrf", "ter")}
+    single = [refs[0] for refs in TWO_REFERENCES]
+    expected = score_corpus(HYPOTHESES, single)
+    assert metric.compute(predictions=HYPOTHESES, references=single) == {k: expected[k] for k in ("bleu", "chrf", "ter")}
+    assert METRIC_PATH.parent.name == "vaswani"  # shipped inside the package, beside the code it calls
+
+
+def test_translation_evaluator_keeps_generation_options_to_itself():
+    import evaluate
+
+    from vaswani.evaluator import TranslationEvaluator
+
+    # evaluate's compute(generation_kwargs=...) updates PIPELINE_KWARGS in place; the class's dict is shared.
+    evaluator = TranslationEvaluator()
+    evaluator.PIPELINE_KWARGS.update(num_beams=4)
+    assert "num_beams" not in evaluate.TranslationEvaluator.PIPELINE_KWARGS
+    assert "num_beams" not in TranslationEvaluator().PIPELINE_KWARGS
+
+
+def test_evaluate_evaluator_over_the_shipped_pipeline_gives_evaluate_bleu_numbers(tmp_path, capsys):
+    """`evaluate`'s translation evaluator, over `pipeline("translation", <checkpoint>, trust_remote_code=True)` and
+    the package's metric module, in a fresh process that is offline with an empty Hugging Face cache (so nothing
+    can come from the Hub), scores exactly what scripts/evaluate_bleu.py scores: the same translations (one
+    sentence per batch on both sides, and learned positions, so that both decode with the same length limit) and
+    the same multi-reference BLEU, chrF and TER."""
+    from vaswani.hub import attach_translation_pipeline
+
+    model, tokenizer = build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
+    checkpoint = tmp_path / "checkpoint"
+    attach_translation_pipeline(model, checkpoint)
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    # References other than the training targets, which the tiny model reproduces: the score is then neither
+    # perfect nor zero. An empty line in the second file means no second reference for that sentence.
+    first = ["le chat est assis sur le tapis", "un chien courait", "un oiseau a volé sous l'arbre", "le chat",
+             "un chien était assis sur le tapis"]
+    second = ["le chat s'est assis sur le tapis", "", "l'oiseau vola sous un arbre", "chat", ""]
+    references = [[ref, *([extra] if extra else [])] for ref, extra in zip(first, second)]
+    (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
+    (tmp_path / "ref1.fr").write_text("\n".join(first) + "\n")
+    (tmp_path / "ref2.fr").write_text("\n".join(second) + "\n")
+    script_main("evaluate_bleu")(["--model", str(checkpoint), "--device", "cpu", "--num_beams", "4", "--batch_size",
+                                  "1", "--source_file", str(tmp_path / "src.en"), "--reference_file",
+                                  str(tmp_path / "ref1.fr"), "--reference_file", str(tmp_path / "ref2.fr")])
+    expected = json.loads(capsys.readouterr().out)
+
+    script = f"""
+import json
+from datasets import Dataset
+from transformers import pipeline
+from vaswani.evaluator import TranslationEvaluator, load_metric
+
+translator = pipeline("translation", model={str(checkpoint)!r}, trust_remote_code=True, device="cpu", num_beams=4,
+                      max_new_tokens=31)  # evaluate_bleu.py's limit for 32 learned positions
+data = Dataset.from_dict({{"text": {SOURCES!r}, "label": {references!r}}})
+scores = TranslationEvaluator().compute(model_or_pipeline=translator, data=data, metric=load_metric())
+print(json.dumps({{"module": type(translator).__module__, **scores}}))
+"""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_EVALUATE_OFFLINE": "1"}
+    completed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    scores = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert scores["module"].startswith("transformers_modules.")  # the checkpoint's copy of pipeline_vaswani.py
+    assert expected["signatures"]["bleu"].startswith("nrefs:var")
+    assert {k: scores[k] for k in ("bleu", "chrf", "ter")} == {k: expected[k] for k in ("bleu", "chrf", "ter")}
+    assert 0 < scores["bleu"] < 100  # neither trivially perfect nor empty: equality says something

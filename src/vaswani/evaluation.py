@@ -4,10 +4,11 @@ All scores come from sacreBLEU (Post, 2018, "A Call for Clarity in Reporting BLE
 settings: detokenized text in, 13a tokenization for BLEU, chrF with character order 6 and no word n-grams, TER
 with tercom tokenization. Those defaults are exactly what `evaluate.load("sacrebleu")` and `evaluate.load("chrf")`
 use, since those metric modules are thin wrappers that call `sacrebleu.corpus_bleu` and `CHRF().corpus_score`.
-We call sacreBLEU directly rather than through `evaluate` because (a) the `evaluate` modules are scripts fetched
+`score_corpus` calls sacreBLEU directly rather than through those modules because (a) they are scripts fetched
 from the Hub at run time, so they would fail offline and execute downloaded code, and (b) they reject a variable
 number of references per sentence, which a Tatoeba-style test set needs (many English sentences have several
-accepted French translations, and not all the same number).
+accepted French translations, and not all the same number). For `evaluate.evaluator("translation")`, the package
+ships its own metric module with `score_corpus`'s numbers, loaded from its path (`vaswani.evaluator`).
 """
 
 from __future__ import annotations

@@ -61,10 +61,21 @@ class VaswaniTranslationPipeline(Pipeline):
 
     def _forward(self, model_inputs: dict, **generate_kwargs) -> dict:
         batch_size = model_inputs["input_ids"].shape[0]
-        output_ids = self.model.generate(**model_inputs, **self._prepare_generate_kwargs(generate_kwargs))
+        output_ids = self.model.generate(**model_inputs, **self._generate_options(generate_kwargs))
         # (batch * num_return_sequences, length) -> (batch, num_return_sequences, length), so that the pipeline's
         # un-batching hands each input all of its sequences.
         return {"output_ids": output_ids.reshape(batch_size, -1, output_ids.shape[-1])}
+
+    def _generate_options(self, generate_kwargs: dict) -> dict:
+        """This call's `generate()` options on top of those given at construction and the pipeline's defaults.
+
+        transformers 5.20 and later collect them in `Pipeline._prepare_generate_kwargs`. 5.19 has no such method:
+        its `Pipeline.__init__` folds the construction options and `_default_generation_config` into
+        `self.generation_config`, which `generate()` takes along with this call's options (they win over it).
+        """
+        if hasattr(self, "_prepare_generate_kwargs"):
+            return self._prepare_generate_kwargs(generate_kwargs)
+        return {"generation_config": self.generation_config, **generate_kwargs}
 
     def postprocess(self, model_outputs: dict) -> list[dict[str, str]]:
         texts = self.tokenizer.batch_decode(model_outputs["output_ids"][0], skip_special_tokens=True)
