@@ -345,3 +345,37 @@ def test_a_timed_run_with_decay_and_averaging_ends_near_a_zero_rate(tmp_path):
     after_peak = rates[rates.index(peak):]
     assert all(b <= a for a, b in zip(after_peak, after_peak[1:])) and after_peak[-1] < 0.1 * peak, rates
     assert (output_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evaluates(tmp_path):
+    """`accelerate launch --num_processes 2` on CPU, as the README shows it: a run that writes checkpoints and ends
+    with the final evaluation, then `--resume` from its last checkpoint to more steps. Every process of both
+    launches exits cleanly (status 0, no abort at teardown), and the data is prepared once per launch."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv")
+    output_dir = tmp_path / "accelerate"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()), str(SCRIPTS / "train_translation.py")]
+    common = ["--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "3", "--max_tokens_per_batch", "300",
+              "--log_level", "info"]
+
+    first = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "6", *common)],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert json.loads((output_dir / "metrics.json").read_text())["train_world_size"] == 2
+
+    second = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "9", "--resume", *common)],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "Resuming from" in second.stderr and "checkpoint-6" in second.stderr
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_world_size"] == 2 and 1 <= metrics["test_sentences"] <= 20
+    assert json.loads((output_dir / "checkpoint-9" / "trainer_state.json").read_text())["global_step"] == 9
+    for result in (first, second):
+        assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
+        assert json.loads(result.stdout[result.stdout.index("{"):])["train_world_size"] == 2
+    # The second launch reused what the first prepared: nothing was read, trained or tokenized again.
+    assert "Reading" not in second.stderr and "Tokenizing" not in second.stderr
