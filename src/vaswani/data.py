@@ -685,6 +685,12 @@ class TokenBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    @property
+    def sampler(self) -> "TokenBatchSampler":
+        """Accelerate passes the epoch of a batch sampler it shards between processes to the wrapped sampler's
+        `.sampler.set_epoch`, not to the sampler itself: this way the epoch reaches the batches there too."""
+        return self
+
     def _cut(self, order: np.ndarray) -> list[np.ndarray]:
         return np.split(order, self._starts[1:])
 
