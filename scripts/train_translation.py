@@ -7,6 +7,7 @@
 
 import contextlib
 import json
+import logging
 import sys
 
 from transformers import HfArgumentParser
@@ -20,6 +21,9 @@ from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArgum
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    # The package's own messages (what was read, trained or reused from the cache) at the Trainer's --log_level.
+    logging.basicConfig(format="[%(name)s] %(message)s")
+    logging.getLogger("vaswani").setLevel(training_args.get_process_log_level())
     if training_args.device.type == "cpu":  # process-wide, hence here: no page faults on the large tensors of a step
         keep_freed_cpu_memory(largest_block_mib=None)
     # The Trainer prints its progress logs on stdout; keep stdout for the final metrics, which scripts parse.

@@ -644,7 +644,10 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
     if os.path.exists(config):
         os.remove(config)
     for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
-        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target):  # a directory (custom_generate/) of the model this one replaces: no atomic swap
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
     os.rmdir(staging)
 
 
