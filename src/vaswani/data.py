@@ -550,7 +550,7 @@ def train_corpus_tokenizer(
 
 def tokenizer_training_sample(train: Dataset, max_pairs: int | None, seed: int = 0) -> Dataset:
     """At most `max_pairs` pairs of `train`, drawn at random with `seed` and kept in corpus order; all of it if it
-    is no larger. BPE learns its merges from word counts, which a sample of a million pairs already estimates
+    is no larger. BPE learns its merges from word counts, which a sample of a million sentences already estimates
     well, while the time and memory of counting grow with every sentence seen."""
     if max_pairs is None or len(train) <= max_pairs:
         return train

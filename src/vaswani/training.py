@@ -62,9 +62,10 @@ class ModelArguments:
     )
     vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of a newly trained tokenizer."})
     tokenizer_train_pairs: int | None = field(
-        default=1_000_000,
-        metadata={"help": "A newly trained tokenizer learns from at most this many train pairs, a random sample drawn "
-                          "with --seed (all of a smaller corpus); the model card records how many sentences it saw."},
+        default=500_000,
+        metadata={"help": "A newly trained tokenizer learns from at most this many train pairs (a million sentences "
+                          "by default), a random sample drawn with --seed, or all of a smaller corpus; metrics.json "
+                          "and the model card record how many sentences it saw."},
     )
     attn_implementation: str | None = field(
         default=None,
