@@ -211,9 +211,12 @@ def main(argv: list[str] | None = None) -> None:
                        "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
                 print(json.dumps(row), flush=True)
                 rows = [r for r in rows if (r["pairs"], r["processes"], r["run"]) != (pairs, processes, run)] + [row]
+                report(name, rows, args, argv)  # after every row: a long series stopped early keeps what it measured
         shutil.rmtree(args.work_dir, ignore_errors=True)
-    rows.sort(key=lambda row: (row["pairs"], row["processes"], row["run"] != "first"))
 
+
+def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
+    rows = sorted(rows, key=lambda row: (row["pairs"], row["processes"], row["run"] != "first"))
     columns = [Column("pairs", "pairs", "{:,}"), Column("processes", "processes"), Column("run", "run"),
                Column("read_s", "corpus read (s)"), Column("tokenizer_s", "tokenizer ready (s)"),
                Column("tokenized_s", "tokenized, training starts (s)"), Column("first_step_s", "first step (s)"),
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         "Stand-in corpora: each line joins 2-4 random fra-eng pairs (seed 0), about 25 tokens a side.",
         "Times: seconds from the command's start to the end of each stage, read from the training script's log; "
         "'first step' is when the Trainer logs step 1. The machine (2 cores) was shared with other jobs while these "
-        "ran, so times are noisy; compare rows of one run of this script.",
+        "ran (load average about 15), so wall times are several times what an idle machine gives.",
         "CPU s: user + system seconds of the process tree until the first step (what contention from other jobs "
         "inflates least); on an otherwise idle machine, the first step comes after about CPU s / 2 (two cores) "
         "where the work is parallel (tokenization), and CPU s where it is not (reading the corpus).",

@@ -76,6 +76,9 @@ def test_training_writes_a_complete_checkpoint(trained):
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert 1 <= metrics["test_sentences"] <= 20 and 0.0 <= metrics["test_bleu"] <= 100.0
     assert metrics["train_loss"] > 0
+    # The tokenizer learned from every pair of this small corpus, both sides; the card says so.
+    assert metrics["tokenizer_training_sentences"] > 0
+    assert f"trained on {metrics['tokenizer_training_sentences']:,} sentences" in (output_dir / "README.md").read_text()
     # The printed metrics are the saved ones: the number in the report comes from the evaluation.
     assert json.loads(result.stdout[result.stdout.index("{"):])["test_bleu"] == metrics["test_bleu"]
 
@@ -363,11 +366,12 @@ def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evalua
     common = ["--use_cpu", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "3",
               "--max_tokens_per_batch", "300", "--log_level", "info"]
 
-    first = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "6", *common)],
-                           capture_output=True, text=True, timeout=600, env=env)
+    first = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "6", "--tokenizer_train_pairs", "200",
+                                                 *common)], capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr[-4000:]
     assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
-    assert json.loads((output_dir / "metrics.json").read_text())["train_world_size"] == 2
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_world_size"] == 2 and metrics["tokenizer_training_sentences"] == 400
 
     second = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "9", "--resume", *common)],
                             capture_output=True, text=True, timeout=600, env=env)
