@@ -35,8 +35,8 @@ from common import RESULTS_DIR, Column, add_result_arguments, command_line, pick
 from vaswani.data import read_parallel_tsv, resolve_corpus_path  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"
-# The setting and the main job's batches; max_steps only bounds a run that is not stopped.
-TRAINING_ARGUMENTS = ["--preset", "small", "--vocab_size", "8000", "--max_tokens_per_batch", "1000", "--max_steps", "3",
+# The main job's batches; max_steps only bounds a run that is not stopped.
+TRAINING_ARGUMENTS = ["--max_tokens_per_batch", "1000", "--max_steps", "3",
                       "--logging_steps", "1", "--disable_tqdm", "true", "--eval_strategy", "no", "--save_strategy", "no",
                       "--report_to", "none", "--log_level", "info", "--use_cpu", "--seed", "0"]
 # Log lines that end a stage, as (stage, pattern); the first match's time is recorded.
@@ -140,9 +140,10 @@ def measure(command: list[str], env: dict, timeout: float) -> dict:
             "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2)}
 
 
-def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, workers: int) -> list[str]:
+def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, args) -> list[str]:
     arguments = [str(SCRIPT), "--corpus", str(corpus), "--output_dir", str(output_dir), "--overwrite_output_dir",
-                 "--data_cache_dir", str(cache_dir), "--preprocessing_num_workers", str(workers), *TRAINING_ARGUMENTS]
+                 "--data_cache_dir", str(cache_dir), "--preprocessing_num_workers", str(args.workers),
+                 "--preset", args.preset, "--vocab_size", str(args.vocab_size), *TRAINING_ARGUMENTS]
     if processes == 1:
         return [sys.executable, *arguments]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
@@ -178,10 +179,13 @@ def slope_notes(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
+    parser.add_argument("--source", type=Path, default=None, help="the corpus they are drawn from (default: fra-eng)")
     parser.add_argument("--corpus_dir", type=Path, default=Path("stand-in-corpora"))
     parser.add_argument("--corpora", type=Path, nargs="*", default=[], help="measure on these corpus files")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workers", type=int, default=2, help="--preprocessing_num_workers")
+    parser.add_argument("--preset", default="small", help="the model trained (its size matters little here)")
+    parser.add_argument("--vocab_size", type=int, default=8000)
     parser.add_argument("--work_dir", type=Path, default=Path("bench-data-work"),
                         help="the cache and output directories of the measured runs (emptied before first runs)")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for pairs in args.build:
         args.corpus_dir.mkdir(parents=True, exist_ok=True)
-        print(build_stand_in_corpus(args.corpus_dir / f"standin-{pairs}.tsv.gz", pairs))
+        print(build_stand_in_corpus(args.corpus_dir / f"standin-{pairs}.tsv.gz", pairs, source=args.source))
     if not args.corpora:
         return
     name = args.output_name or "data-cpu"
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             cache_dir = args.work_dir / "cache"
             shutil.rmtree(cache_dir, ignore_errors=True)
             for run in ("first", "cached"):
-                command = training_command(corpus, processes, args.work_dir / "output", cache_dir, args.workers)
+                command = training_command(corpus, processes, args.work_dir / "output", cache_dir, args)
                 result = measure(command, env, args.timeout)
                 row = {"corpus": corpus.name, "pairs": pairs, "processes": processes, "run": run, **result,
                        "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
@@ -239,7 +243,8 @@ def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str
         notes.append(args.notes)
     write_report(name, "Data path at scale: time to the first training step and peak memory",
                  command_line(__file__, argv), pick_device("cpu"),
-                 {"training_arguments": TRAINING_ARGUMENTS, "preprocessing_num_workers": args.workers}, rows, columns,
+                 {"training_arguments": TRAINING_ARGUMENTS, "preprocessing_num_workers": args.workers,
+                  "preset": args.preset, "vocab_size": args.vocab_size}, rows, columns,
                  notes, args.results_dir)
 
 
