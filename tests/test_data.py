@@ -33,6 +33,7 @@ from vaswani.data import (
     tokenize_translation_dataset,
 )
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+from conftest import free_port
 
 REPO = Path(__file__).parents[1]
 ANIMALS = ["cat", "dog", "bird", "horse", "fish", "cow", "duck", "goat"]
@@ -576,14 +577,6 @@ def test_tokenization_runs_in_parallel_and_is_reused_from_disk(small_tokenizer, 
     assert again[:] == in_memory[:] and again.cache_files == two.cache_files
     assert tokenize_translation_dataset(train, small_tokenizer, max_length=10).cache_files != two.cache_files
     assert tokenize_translation_dataset(train, small_tokenizer, max_length=12, overwrite_cache=True)[:] == in_memory[:]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import vaswani.data
 import vaswani.evaluation
 import vaswani.inference
 import vaswani.training
-from conftest import script_main
+from conftest import free_port, script_main
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -124,12 +123,6 @@ def test_evaluate_bleu_script_on_files(trained, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     scores = json.loads(result.stdout)
     assert scores["sentences"] == 2 and {"bleu", "chrf", "ter"} <= scores.keys()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

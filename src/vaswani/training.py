@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from datasets import Dataset, DatasetDict
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
