@@ -448,7 +448,7 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
         _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
                           validation_fraction, test_fraction, directory)
     else:
-        summary = ReadSummary(**json.loads((directory / "read.json").read_text()))
+        summary = ReadSummary(**{**json.loads((directory / "read.json").read_text()), "path": str(path)})
         logger.info("Reusing %s, read earlier into %s.", path, directory)
         _log_summary(summary)
     return DatasetDict({name: Dataset.from_file(str(directory / f"{name}.arrow"))
@@ -460,12 +460,29 @@ def _write_tsv_splits(path: Path, source_column: int, target_column: int, valida
     staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        _write_splits_into(staging, path, source_column, target_column, validation_fraction, test_fraction)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, directory)
+
+
+def _write_splits_into(staging: Path, path: Path, source_column: int, target_column: int, validation_fraction: float,
+                       test_fraction: float) -> None:
     summary = ReadSummary(path=str(path))
     held = {"validation": ([], []), "test": ([], [])}
     schema = PAIR_FEATURES.arrow_schema
-    logger.info("Reading %s into %s.", path, directory)
+    logger.info("Reading %s into %s.", path, staging.parent)
+    sources, targets = [], []
     with pa.OSFile(str(staging / "train.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        sources, targets = [], []
+
+        def write_held_rows():
+            writer.write_batch(pa.record_batch([pa.array(sources, pa.string()), pa.array(targets, pa.string())],
+                                               schema=schema))
+            sources.clear()
+            targets.clear()
+
         for pair in iter_parallel_tsv(path, summary):
             source, target = pair[source_column], pair[target_column]
             split = split_of(source, validation_fraction, test_fraction)
@@ -476,12 +493,9 @@ def _write_tsv_splits(path: Path, source_column: int, target_column: int, valida
             sources.append(source)
             targets.append(target)
             if len(sources) == WRITE_BATCH_ROWS:
-                writer.write_batch(pa.record_batch([pa.array(sources, pa.string()), pa.array(targets, pa.string())],
-                                                   schema=schema))
-                sources, targets = [], []
+                write_held_rows()
         if sources:
-            writer.write_batch(pa.record_batch([pa.array(sources, pa.string()), pa.array(targets, pa.string())],
-                                               schema=schema))
+            write_held_rows()
     _log_summary(summary)
     for name, (sources, targets) in held.items():
         grouped = group_references(Dataset.from_dict({"source": sources, "target": targets}, features=PAIR_FEATURES))
@@ -489,7 +503,6 @@ def _write_tsv_splits(path: Path, source_column: int, target_column: int, valida
         with pa.OSFile(str(staging / f"{name}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
     (staging / "read.json").write_text(json.dumps(summary.__dict__, indent=1) + "\n")
-    _publish(staging, directory)
 
 
 def _publish(staging: Path, directory: Path) -> None:
@@ -585,7 +598,11 @@ def cached_corpus_tokenizer(
     if overwrite_cache or not (directory / "tokenizer.json").is_file():
         logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
         staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-        train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
+        try:
+            train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         _publish(staging, directory)
     else:
         logger.info("Reusing the tokenizer trained earlier on %d sentences, from %s.", sentences, directory)
