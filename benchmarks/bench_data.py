@@ -165,14 +165,18 @@ def slope_notes(rows: list[dict]) -> list[str]:
             continue
         small, large = first[-2], first[-1]
         millions = (large["pairs"] - small["pairs"]) / 1e6
-        seconds = (large["first_step_s"] - small["first_step_s"]) / millions
-        memory = (large["peak_anon_gib"] - small["peak_anon_gib"]) / millions
-        at_36m = large["first_step_s"] + seconds * (36 - large["pairs"] / 1e6)
-        notes.append(f"{processes} process(es), first run: {seconds:.0f} s per million pairs between "
-                     f"{small['pairs'] / 1e6:g}M and {large['pairs'] / 1e6:g}M pairs; extrapolated linearly (not "
-                     f"measured) to WMT14 En-Fr's 36M pairs: about {at_36m / 60:.0f} min to the first step, peak anon "
-                     f"memory about {large['peak_anon_gib'] + memory * (36 - large['pairs'] / 1e6):.1f} GiB "
-                     f"({memory:+.2f} GiB per million pairs).")
+        further = 36 - large["pairs"] / 1e6
+
+        def slope(key):
+            return (large[key] - small[key]) / millions
+
+        notes.append(f"{processes} process(es), first run, between {small['pairs'] / 1e6:g}M and "
+                     f"{large['pairs'] / 1e6:g}M pairs: {slope('first_step_s'):.0f} s (wall, on this shared machine) and "
+                     f"{slope('cpu_s'):.0f} CPU s per million pairs. Extrapolated linearly, not measured, to WMT14 "
+                     f"En-Fr's 36M pairs: first step after about {(large['first_step_s'] + slope('first_step_s') * further) / 60:.0f} "
+                     f"min here, {(large['cpu_s'] + slope('cpu_s') * further) / 60:.0f} CPU min; peak anon memory about "
+                     f"{large['peak_anon_gib'] + slope('peak_anon_gib') * further:.1f} GiB "
+                     f"({slope('peak_anon_gib'):+.3f} GiB per million pairs).")
     return notes
 
 
