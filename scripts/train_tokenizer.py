@@ -18,13 +18,17 @@ def main(argv: list[str] | None = None) -> None:
     # 8k suits the 160k-pair Tatoeba corpus (the `small` preset's vocab_size); the paper's 32k-37k were for
     # WMT's millions of pairs and would leave most subwords too rare to learn here.
     parser.add_argument("--vocab_size", type=int, default=8000)
+    parser.add_argument("--tokenizer_train_pairs", type=int, default=500_000,
+                        help="learn from at most this many train pairs, a random sample drawn with --seed")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--source_lang", default="en")
     parser.add_argument("--target_lang", default="fr")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    tokenizer = train_corpus_tokenizer(args.vocab_size, args.corpus, args.source_lang, args.target_lang)
+    tokenizer = train_corpus_tokenizer(args.vocab_size, args.corpus, args.source_lang, args.target_lang,
+                                       args.tokenizer_train_pairs, args.seed)
     tokenizer.save_pretrained(args.output_dir)
     logging.getLogger(__name__).info("Saved a %d-token tokenizer to %s", len(tokenizer), args.output_dir)
 

@@ -7,24 +7,31 @@
 
 import contextlib
 import json
+import logging
 import sys
 
 from transformers import HfArgumentParser
 
 from vaswani.cli import user_errors_exit
 from vaswani.inference import keep_freed_cpu_memory
-from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, run_training
+from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, end_distributed, run_training
 
 
 @user_errors_exit
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    # The package's own messages (what was read, trained or reused from the cache) at the Trainer's --log_level.
+    logging.basicConfig(format="[%(name)s] %(message)s")
+    logging.getLogger("vaswani").setLevel(training_args.get_process_log_level())
     if training_args.device.type == "cpu":  # process-wide, hence here: no page faults on the large tensors of a step
         keep_freed_cpu_memory(largest_block_mib=None)
     # The Trainer prints its progress logs on stdout; keep stdout for the final metrics, which scripts parse.
-    with contextlib.redirect_stdout(sys.stderr):
-        metrics = run_training(model_args, data_args, training_args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            metrics = run_training(model_args, data_args, training_args)
+    finally:
+        end_distributed()
     if training_args.process_index == 0:
         print(json.dumps(metrics, indent=2))
 

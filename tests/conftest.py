@@ -5,6 +5,7 @@ drawn from [4, vocab_size) so that no test input accidentally contains a special
 """
 
 import importlib.util
+import socket
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,13 @@ else:
     raise SystemExit("vaswani is importable in the fresh process: the test would prove nothing")
 """
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def free_port() -> int:
+    """A TCP port that is free now, for a launcher's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def script_main(name: str):

@@ -314,3 +314,21 @@ def test_streaming_benchmark(corpus, tmp_path):
     assert [row["lines"] for row in report["results"]] == [30, 60]
     compared = report["Streamed against the whole-file sort"]
     assert [row["identical"] for row in compared] == [6, 6]
+
+
+def test_data_benchmark(corpus, tmp_path):
+    """Stand-in corpora built from a corpus, then a first and a cached run of the training script, measured to its
+    first step: the cached run reads nothing again."""
+    bench = load("bench_data")
+    bench.main(["--build", "300", "--source", str(corpus), "--corpus_dir", str(tmp_path / "corpora")])
+    stand_in = tmp_path / "corpora" / "standin-300.tsv.gz"
+    with gzip.open(stand_in, "rt", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 300 and all(line.count("\t") == 1 for line in lines)
+    bench.main(["--corpora", str(stand_in), "--processes", "1", "--preset", "tiny", "--vocab_size", "300",
+                "--workers", "1", "--work_dir", str(tmp_path / "work"), "--results_dir", str(tmp_path / "results")])
+    report = check_report(tmp_path / "results" / "data-cpu.json", "bench_data",
+                          {"pairs", "processes", "run", "first_step_s", "cpu_s", "peak_anon_gib", "peak_file_gib"})
+    first, cached = report["results"]
+    assert (first["run"], cached["run"], first["pairs"]) == ("first", "cached", 300)
+    assert 0 < first["read_s"] <= first["first_step_s"] and cached["peak_anon_gib"] > 0

@@ -33,6 +33,7 @@ from vaswani.data import (
     tokenize_translation_dataset,
 )
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+from conftest import free_port
 
 REPO = Path(__file__).parents[1]
 ANIMALS = ["cat", "dog", "bird", "horse", "fish", "cow", "duck", "goat"]
@@ -452,3 +453,162 @@ def test_train_tokenizer_script(tmp_path):
     assert tokenizer.decode(tokenizer("Le chat numéro 7 dort !")["input_ids"], skip_special_tokens=True) == (
         "Le chat numéro 7 dort !"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# At scale: Arrow on disk, caches, parallel tokenization, several processes
+
+
+def greedy_batches(sorted_lengths, max_tokens):
+    """The greedy cut example by example, as `TokenBatchSampler` describes it: the reference for its fast one."""
+    batches, batch = [], []
+    for index, length in enumerate(sorted_lengths):
+        if batch and (len(batch) + 1) * length > max_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(index)
+    return batches + [batch] if batch else batches
+
+
+@pytest.mark.parametrize("max_tokens", [60, 61, 256, 1000])
+def test_the_cut_worked_out_per_length_is_the_greedy_cut(max_tokens):
+    lengths = random_lengths(5000, seed=max_tokens) + [60] * 50 + [1] * 300
+    ordered = list(TokenBatchSampler(lengths, max_tokens=max_tokens, shuffle=False))
+    order = [i for batch in ordered for i in batch]
+    sorted_lengths = [lengths[i] for i in order]
+    assert [len(batch) for batch in ordered] == [len(batch) for batch in greedy_batches(sorted_lengths, max_tokens)]
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 8])
+def test_batches_for_several_processes_come_in_a_multiple_of_their_number(replicas):
+    lengths = random_lengths(1001)
+    sampler = TokenBatchSampler(lengths, max_tokens=256, seed=1, num_replicas=replicas)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) and len(batches) % replicas == 0
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 256 for b in batches)
+    single = TokenBatchSampler(lengths, max_tokens=256, seed=1)
+    assert len(single) <= len(sampler) < len(single) + replicas
+
+
+def test_example_lengths_come_from_arrow_as_numbers(small_tokenizer, tmp_path):
+    path = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(200))
+    train = load_translation_dataset(data_file=path, validation_fraction=0.1, test_fraction=0.1)["train"]
+    tokenized = tokenize_translation_dataset(train.select(range(10, 90)), small_tokenizer)
+    lengths = example_lengths(tokenized)
+    expected = [max(len(s), len(t)) for s, t in zip(tokenized["input_ids"][:], tokenized["labels"][:])]
+    assert lengths.dtype == "int64" and lengths.tolist() == expected
+
+
+def test_a_tsv_file_becomes_memory_mapped_arrow_read_once(tmp_path, caplog):
+    pairs = made_up_pairs(300)
+    path = write_tsv(tmp_path / "pairs.tsv.gz", pairs, compress=True)
+    caplog.set_level("INFO", logger="vaswani")
+    splits = load_translation_dataset(data_file=path, validation_fraction=0.2, test_fraction=0.2)
+    # The same splits as grouping the pairs in memory, in the same order.
+    in_memory = split_by_source(Dataset.from_dict({"source": [p[0] for p in pairs], "target": [p[1] for p in pairs]}),
+                                0.2, 0.2)
+    for name in ("train", "validation", "test"):
+        assert splits[name][:] == in_memory[name][:]
+        assert splits[name].cache_files and splits[name].data.__class__.__name__ == "MemoryMappedTable"
+    assert any("Reading" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    again = load_translation_dataset(data_file=path, validation_fraction=0.2, test_fraction=0.2)
+    assert [r.getMessage() for r in caplog.records if "Reading" in r.getMessage()] == []
+    assert any("Reusing" in r.getMessage() for r in caplog.records)
+    assert again["train"][:] == splits["train"][:]
+    # Other fractions, or another file, are other entries of the cache.
+    assert len(load_translation_dataset(data_file=path, validation_fraction=0.1, test_fraction=0.1)["train"]) > len(
+        splits["train"])
+
+
+def test_a_bad_line_in_a_long_file_is_named_counted_and_skipped(tmp_path, caplog):
+    lines = [f"Sentence {i}.\tPhrase {i}." for i in range(20_000)]
+    lines[12_344] = "a line without its tab"
+    path = tmp_path / "long.tsv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    caplog.set_level("INFO", logger="vaswani")
+    splits = load_translation_dataset(data_file=path)
+    assert sum(len(split) for split in splits.values()) == 19_999
+    assert any("line 12345 (no_tab)" in r.getMessage() for r in caplog.records)
+    assert any("no_tab=1" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    load_translation_dataset(data_file=path)  # from the cache: the summary is logged again
+    assert any("no_tab=1" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+
+def test_the_tokenizer_learns_from_a_bounded_seeded_sample_and_is_trained_once(tmp_path, caplog):
+    path = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(600))
+    train = load_translation_dataset(data_file=path, validation_fraction=0.1, test_fraction=0.1)["train"]
+    sample = data.tokenizer_training_sample(train, 100, seed=0)
+    assert len(sample) == 100 and sample[:] == data.tokenizer_training_sample(train, 100, seed=0)[:]
+    assert sample[:] != data.tokenizer_training_sample(train, 100, seed=1)[:]
+    positions = {source: i for i, source in enumerate(train["source"][:])}
+    assert [positions[s] for s in sample["source"][:]] == sorted(positions[s] for s in sample["source"][:])
+    assert data.tokenizer_training_sample(train, 10**6) is train
+
+    caplog.set_level("INFO", logger="vaswani")
+    tokenizer, sentences = data.cached_corpus_tokenizer(train, 400, max_pairs=100)
+    assert sentences == 200 and any("Training" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    again, _ = data.cached_corpus_tokenizer(train, 400, max_pairs=100)
+    assert not any("Training" in r.getMessage() for r in caplog.records)
+    assert again.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
+    # On the whole split, the tokenizer is the one trained on every sentence, sources first.
+    whole, sentences = data.cached_corpus_tokenizer(train, 400)
+    assert sentences == 2 * len(train)
+    direct = train_tokenizer(train["source"][:] + train["target"][:], 400)
+    assert whole.backend_tokenizer.to_str() == direct.backend_tokenizer.to_str()
+
+
+def test_tokenization_runs_in_parallel_and_is_reused_from_disk(small_tokenizer, tmp_path, caplog):
+    path = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(400))
+    train = load_translation_dataset(data_file=path, validation_fraction=0.1, test_fraction=0.1)["train"]
+    caplog.set_level("INFO", logger="vaswani")
+    two = tokenize_translation_dataset(train, small_tokenizer, max_length=12, num_proc=2)
+    assert any("Tokenizing" in r.getMessage() for r in caplog.records) and len(two.cache_files) == 2
+    in_memory = tokenize_translation_dataset(Dataset.from_dict(train[:]), small_tokenizer, max_length=12)
+    assert two[:] == in_memory[:]
+    caplog.clear()
+    again = tokenize_translation_dataset(train, small_tokenizer, max_length=12)  # any number of processes reuses it
+    assert any("Reusing" in r.getMessage() for r in caplog.records) and not any(
+        "Tokenizing" in r.getMessage() for r in caplog.records)
+    assert again[:] == in_memory[:] and again.cache_files == two.cache_files
+    assert tokenize_translation_dataset(train, small_tokenizer, max_length=10).cache_files != two.cache_files
+    assert tokenize_translation_dataset(train, small_tokenizer, max_length=12, overwrite_cache=True)[:] == in_memory[:]
+
+
+@pytest.mark.slow
+def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_epoch(tmp_path):
+    """Under torchrun with two CPU processes: the corpus is read, the tokenizer trained and the train split tokenized
+    by one process only (the other loads the results), both hold byte-identical tokenizer files, and their
+    batches are disjoint and together hold every example once, in each epoch."""
+    corpus = write_tsv(tmp_path / "pairs.tsv.gz", made_up_pairs(500), compress=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(REPO / "tests" / "distributed_data_worker.py"), str(tmp_path),
+               "--corpus", str(corpus), "--preset", "tiny", "--vocab_size", "400", "--tokenizer_train_pairs", "300",
+               "--output_dir", str(tmp_path / "out"), "--max_tokens_per_batch", "200", "--ddp_backend", "gloo",
+               "--use_cpu", "--report_to", "none", "--preprocessing_num_workers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+
+    def count(text):
+        return [sum(text in message for message in rank["messages"]) for rank in ranks]
+
+    assert count("Reading") == [1, 0] and count("Training a") == [1, 0]
+    assert count("Tokenizing") == [2, 0]  # train and validation
+    assert count("Reusing") == [0, 4]  # the corpus, the tokenizer, the tokenized train and validation splits
+    files = sorted(p.name for p in (tmp_path / "tokenizer-0").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "tokenizer-1").iterdir()) and "tokenizer.json" in files
+    for name in files:
+        assert (tmp_path / "tokenizer-0" / name).read_bytes() == (tmp_path / "tokenizer-1" / name).read_bytes(), name
+    examples = ranks[0]["train_examples"]
+    for epoch in range(2):
+        first, second = ([i for batch in rank["epochs"][epoch] for i in batch] for rank in ranks)
+        assert not set(first) & set(second)
+        assert sorted(first + second) == list(range(examples))
+        assert len(ranks[0]["epochs"][epoch]) == len(ranks[1]["epochs"][epoch])
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]

@@ -4,7 +4,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import vaswani.data
 import vaswani.evaluation
 import vaswani.inference
 import vaswani.training
-from conftest import script_main
+from conftest import free_port, script_main
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -76,6 +75,9 @@ def test_training_writes_a_complete_checkpoint(trained):
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert 1 <= metrics["test_sentences"] <= 20 and 0.0 <= metrics["test_bleu"] <= 100.0
     assert metrics["train_loss"] > 0
+    # The tokenizer learned from every pair of this small corpus, both sides; the card says so.
+    assert metrics["tokenizer_training_sentences"] > 0
+    assert f"trained on {metrics['tokenizer_training_sentences']:,} sentences" in (output_dir / "README.md").read_text()
     # The printed metrics are the saved ones: the number in the report comes from the evaluation.
     assert json.loads(result.stdout[result.stdout.index("{"):])["test_bleu"] == metrics["test_bleu"]
 
@@ -121,12 +123,6 @@ def test_evaluate_bleu_script_on_files(trained, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     scores = json.loads(result.stdout)
     assert scores["sentences"] == 2 and {"bleu", "chrf", "ter"} <= scores.keys()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -345,3 +341,40 @@ def test_a_timed_run_with_decay_and_averaging_ends_near_a_zero_rate(tmp_path):
     after_peak = rates[rates.index(peak):]
     assert all(b <= a for a, b in zip(after_peak, after_peak[1:])) and after_peak[-1] < 0.1 * peak, rates
     assert (output_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evaluates(tmp_path):
+    """`accelerate launch --num_processes 2` on CPU, as the README shows it: a run that writes checkpoints and ends
+    with the final evaluation, then `--resume` from its last checkpoint to more steps. Every process of both
+    launches exits cleanly (status 0, no abort at teardown), and the data is prepared once per launch."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv")
+    output_dir = tmp_path / "accelerate"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    # `--multi_gpu` is Accelerate's name for its torchrun launcher; `--use_cpu` keeps the processes on the CPU (gloo).
+    # (Accelerate's `--cpu` would start one process, or hand several to MPI.)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()), str(SCRIPTS / "train_translation.py")]
+    common = ["--use_cpu", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "3",
+              "--max_tokens_per_batch", "300", "--log_level", "info"]
+
+    first = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "6", "--tokenizer_train_pairs", "200",
+                                                 *common)], capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_world_size"] == 2 and metrics["tokenizer_training_sentences"] == 400
+
+    second = subprocess.run([*launch, *train_args(corpus, output_dir, "--max_steps", "9", "--resume", *common)],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "Resuming from" in second.stderr and "checkpoint-6" in second.stderr
+    assert "Reusing the tokenized" in second.stderr and "Reading" not in second.stderr
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_world_size"] == 2 and 1 <= metrics["test_sentences"] <= 20
+    assert json.loads((output_dir / "checkpoint-9" / "trainer_state.json").read_text())["global_step"] == 9
+    for result in (first, second):
+        assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
+        assert json.loads(result.stdout[result.stdout.index("{"):])["train_world_size"] == 2
+    assert "Reading" in first.stderr and "Training a" in first.stderr

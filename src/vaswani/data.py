@@ -10,6 +10,11 @@ Every source gives the same schema:
   validation and test   one row per distinct source:       {"source", "target", "references"}
                         `references` holds every translation of that source; `target` is the first.
 
+Corpora of millions of lines stay on disk: a tsv file is read once, line by line, into Arrow files that are
+memory-mapped (`datasets`' own loaders do the same for csv, jsonl and Hub datasets), and every costly step
+(reading, tokenizer training, tokenization) leaves its result in a cache keyed by what it was made from, so a
+second run, or a second process of a distributed run, reuses it instead of repeating it.
+
 Tatoeba has many sentences with several translations ("Run!" -> "Cours !", "Courez !"). Splitting by
 pair would put some translations of a sentence in training and others in the test set, so the split is
 decided by a hash of the normalised source sentence: all its translations land in one split, and a
@@ -21,16 +26,20 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import sys
 import unicodedata
 import urllib.request
 import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from itertools import chain
 from pathlib import Path
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, List, Value, load_dataset, load_from_disk
 from torch.utils.data import Sampler
 
@@ -50,9 +59,17 @@ TSV_LANGUAGES = ("en", "fr")
 VALIDATION_FRACTION = 0.02
 TEST_FRACTION = 0.03
 
+PAIR_FEATURES = Features({"source": Value("string"), "target": Value("string")})
 EVAL_FEATURES = Features(
     {"source": Value("string"), "target": Value("string"), "references": List(Value("string"))}
 )
+
+# Part of every cache key: raise it when the rules that made a cached result change, so stale results are not reused.
+CACHE_FORMAT = 1
+# Rows per Arrow record batch written while reading a tsv file: what reading holds in memory at a time.
+WRITE_BATCH_ROWS = 100_000
+# Skipped lines named one by one in the log; later ones are only counted.
+NAMED_SKIPS = 5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,19 +201,27 @@ def read_parallel_tsv(path: str | os.PathLike) -> tuple[list[tuple[str, str]], R
     Malformed lines are skipped and counted in the returned summary, which is also logged. A gzip file cut
     short ends the reading with the pairs read so far. Only a file that cannot be opened raises.
     """
-    path = Path(path)
-    summary = ReadSummary(path=str(path))
-    pairs = []
-    with _open_binary(path) as stream:
+    summary = ReadSummary(path=str(Path(path)))
+    pairs = list(iter_parallel_tsv(path, summary))
+    _log_summary(summary)
+    return pairs, summary
+
+
+def iter_parallel_tsv(path: str | os.PathLike, summary: ReadSummary) -> Iterator[tuple[str, str]]:
+    """`read_parallel_tsv` one pair at a time, counting into `summary` (which the caller logs when done).
+    The first skipped lines are named in the log by number, so a bad line in a file of millions can be found."""
+    with _open_binary(Path(path)) as stream:
         for raw in _lines_until_truncation(stream, summary):
             summary.lines += 1
             pair = _parse_line(raw, summary)
             if pair is not None:
-                pairs.append(pair)
-    summary.pairs = len(pairs)
+                summary.pairs += 1
+                yield pair
+
+
+def _log_summary(summary: ReadSummary) -> None:
     log = logger.warning if summary.skipped or summary.truncated else logger.info
     log("Read %s", summary)
-    return pairs, summary
 
 
 def require_pairs(summary: ReadSummary) -> None:
@@ -246,25 +271,28 @@ def _parse_line(raw: bytes, summary: ReadSummary) -> tuple[str, str] | None:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
-        summary.invalid_utf8 += 1
-        return None
+        return _skip(summary, "invalid_utf8")
     line = line.rstrip("\r\n")
     if summary.lines == 1:
         line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
     if not line.strip():
-        summary.blank += 1
-        return None
+        return _skip(summary, "blank")
     columns = line.split("\t")
     if len(columns) < 2:
-        summary.no_tab += 1
-        return None
+        return _skip(summary, "no_tab")
     if len(columns) > 2:
         summary.extra_columns += 1
     first, second = columns[0].strip(), columns[1].strip()
     if not first or not second:
-        summary.empty_side += 1
-        return None
+        return _skip(summary, "empty_side")
     return first, second
+
+
+def _skip(summary: ReadSummary, reason: str) -> None:
+    setattr(summary, reason, getattr(summary, reason) + 1)
+    if summary.skipped <= NAMED_SKIPS:
+        later = "; further skipped lines are only counted" if summary.skipped == NAMED_SKIPS else ""
+        logger.warning("%s: skipping line %d (%s)%s.", summary.path, summary.lines, reason, later)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,9 +317,7 @@ def split_of(source: str, validation_fraction: float, test_fraction: float) -> s
 
 def split_by_source(pairs: Dataset, validation_fraction: float, test_fraction: float) -> DatasetDict:
     """Split a {"source", "target"} dataset into train / validation / test, keeping each source in one split."""
-    if not (0 <= validation_fraction and 0 <= test_fraction and validation_fraction + test_fraction < 1):
-        raise ValueError(f"validation_fraction={validation_fraction} and test_fraction={test_fraction} must be "
-                         "non-negative and sum to less than 1.")
+    _check_fractions(validation_fraction, test_fraction)
     assigned = pairs.map(
         lambda batch: {"split": [split_of(s, validation_fraction, test_fraction) for s in batch["source"]]},
         batched=True,
@@ -306,6 +332,12 @@ def split_by_source(pairs: Dataset, validation_fraction: float, test_fraction: f
         validation=group_references(rows_of("validation")),
         test=group_references(rows_of("test")),
     )
+
+
+def _check_fractions(validation_fraction: float, test_fraction: float) -> None:
+    if not (0 <= validation_fraction and 0 <= test_fraction and validation_fraction + test_fraction < 1):
+        raise ValueError(f"validation_fraction={validation_fraction} and test_fraction={test_fraction} must be "
+                         "non-negative and sum to less than 1.")
 
 
 def group_references(pairs: Dataset) -> Dataset:
@@ -346,6 +378,8 @@ def load_translation_dataset(
     target_lang: str = "fr",
     validation_fraction: float = VALIDATION_FRACTION,
     test_fraction: float = TEST_FRACTION,
+    cache_dir: str | os.PathLike | None = None,
+    overwrite_cache: bool = False,
 ) -> DatasetDict:
     """Load a parallel corpus as train / validation / test splits in this module's schema.
 
@@ -359,6 +393,10 @@ def load_translation_dataset(
       neither        the English-French Tatoeba corpus (`resolve_corpus_path()`).
     Validation and test splits the dataset provides are kept; missing ones are carved out of train by
     `split_by_source` with the given fractions.
+
+    The splits are memory-mapped Arrow files. A tsv file is read once into `cache_dir` (default: `datasets`'
+    cache, $HF_DATASETS_CACHE/vaswani), keyed by its content, the languages and the fractions; later calls reuse
+    that unless `overwrite_cache`. The other sources are cached by `datasets` itself.
     """
     if dataset_name is not None and data_file is not None:
         raise ValueError("Pass either dataset_name or data_file, not both.")
@@ -369,7 +407,11 @@ def load_translation_dataset(
             loaded = load_dataset(str(dataset_name), dataset_config)
     else:
         path = resolve_corpus_path(data_file)
-        loaded = _load_local_file(path, source_lang, target_lang)
+        name = path.name.removesuffix(".gz")
+        if not name.endswith((".csv", ".json", ".jsonl")):
+            return _tsv_splits(path, source_lang, target_lang, validation_fraction, test_fraction,
+                               Path(cache_dir) if cache_dir is not None else default_data_cache_dir(), overwrite_cache)
+        loaded = load_dataset("csv" if name.endswith(".csv") else "json", data_files=str(path))
     if isinstance(loaded, Dataset):
         loaded = DatasetDict(train=loaded)
     if "train" not in loaded:
@@ -392,20 +434,104 @@ def load_translation_dataset(
     )
 
 
-def _load_local_file(path: Path, source_lang: str, target_lang: str) -> DatasetDict | Dataset:
-    name = path.name.removesuffix(".gz")
-    if name.endswith(".csv"):
-        return load_dataset("csv", data_files=str(path))
-    if name.endswith((".json", ".jsonl")):
-        return load_dataset("json", data_files=str(path))
-    pairs, summary = read_parallel_tsv(path)
-    require_pairs(summary)
-    first, second = zip(*pairs) if pairs else ((), ())
-    columns = dict(zip(TSV_LANGUAGES, (list(first), list(second))))
-    if source_lang not in columns or target_lang not in columns:
+def default_data_cache_dir() -> Path:
+    """Where corpora read into Arrow, trained tokenizers and tokenized splits are kept: beside `datasets`' own
+    cache ($HF_DATASETS_CACHE), which users of large corpora already point at a large disk."""
+    return Path(datasets.config.HF_DATASETS_CACHE) / "vaswani"
+
+
+def _digest(*parts) -> str:
+    """A short cache key for the given parts (strings, numbers, None)."""
+    return hashlib.sha256(json.dumps([str(part) for part in parts]).encode("utf-8")).hexdigest()[:24]
+
+
+def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fraction: float, test_fraction: float,
+                cache_dir: Path, overwrite_cache: bool) -> DatasetDict:
+    """The splits of a tab-separated corpus as memory-mapped Arrow files, read once and then reused.
+
+    One pass over the file: each pair is parsed, given its split by `split_of`, and train pairs are written to
+    `train.arrow` a batch at a time, so memory does not grow with the corpus. Validation and test pairs (a few
+    percent) are grouped by `group_references` at the end. The read summary is kept beside the files and logged
+    again on reuse, so skipped lines are never forgotten.
+    """
+    if source_lang not in TSV_LANGUAGES or target_lang not in TSV_LANGUAGES:
         raise ValueError(f"Tab-separated files hold {TSV_LANGUAGES[0]!r} then {TSV_LANGUAGES[1]!r}; "
                          f"cannot read {source_lang!r} -> {target_lang!r} from {path}.")
-    return Dataset.from_dict({"source": columns[source_lang], "target": columns[target_lang]})
+    _check_fractions(validation_fraction, test_fraction)
+    if not path.is_file():
+        _open_binary(path)  # raises the reader's error for a missing file or a directory
+    key = _digest(_sha256(path), source_lang, target_lang, validation_fraction, test_fraction, CACHE_FORMAT)
+    directory = cache_dir / f"corpus-{key}"
+    if overwrite_cache or not (directory / "read.json").is_file():
+        _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
+                          validation_fraction, test_fraction, directory)
+    else:
+        summary = ReadSummary(**{**json.loads((directory / "read.json").read_text()), "path": str(path)})
+        logger.info("Reusing %s, read earlier into %s.", path, directory)
+        _log_summary(summary)
+    return DatasetDict({name: Dataset.from_file(str(directory / f"{name}.arrow"))
+                        for name in ("train", "validation", "test")})
+
+
+def _write_tsv_splits(path: Path, source_column: int, target_column: int, validation_fraction: float,
+                      test_fraction: float, directory: Path) -> None:
+    staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        _write_splits_into(staging, path, source_column, target_column, validation_fraction, test_fraction)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, directory)
+
+
+def _write_splits_into(staging: Path, path: Path, source_column: int, target_column: int, validation_fraction: float,
+                       test_fraction: float) -> None:
+    summary = ReadSummary(path=str(path))
+    held = {"validation": ([], []), "test": ([], [])}
+    schema = PAIR_FEATURES.arrow_schema
+    logger.info("Reading %s into %s.", path, staging.parent)
+    sources, targets = [], []
+    with pa.OSFile(str(staging / "train.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+
+        def write_held_rows():
+            writer.write_batch(pa.record_batch([pa.array(sources, pa.string()), pa.array(targets, pa.string())],
+                                               schema=schema))
+            sources.clear()
+            targets.clear()
+
+        for pair in iter_parallel_tsv(path, summary):
+            source, target = pair[source_column], pair[target_column]
+            split = split_of(source, validation_fraction, test_fraction)
+            if split != "train":
+                held[split][0].append(source)
+                held[split][1].append(target)
+                continue
+            sources.append(source)
+            targets.append(target)
+            if len(sources) == WRITE_BATCH_ROWS:
+                write_held_rows()
+        if sources:
+            write_held_rows()
+    _log_summary(summary)
+    require_pairs(summary)
+    for name, (sources, targets) in held.items():
+        grouped = group_references(Dataset.from_dict({"source": sources, "target": targets}, features=PAIR_FEATURES))
+        table = grouped.data.table
+        with pa.OSFile(str(staging / f"{name}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    (staging / "read.json").write_text(json.dumps(summary.__dict__, indent=1) + "\n")
+
+
+def _publish(staging: Path, directory: Path) -> None:
+    """Move a finished cache entry into place with one rename, so no reader ever sees it half-written."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    try:
+        staging.rename(directory)
+    except OSError:  # another process published the same entry meanwhile; theirs is as good as ours
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _to_pairs(split: Dataset, source_lang: str, target_lang: str) -> Dataset:
@@ -445,32 +571,113 @@ def train_corpus_tokenizer(
     corpus: str | os.PathLike | None = None,
     source_lang: str = "en",
     target_lang: str = "fr",
+    max_pairs: int | None = None,
+    seed: int = 0,
 ) -> VaswaniTokenizer:
-    """Train the joint tokenizer on both sides of the train split only, so test sentences stay unseen."""
+    """Train the joint tokenizer on both sides of the train split only, so test sentences stay unseen;
+    on at most `max_pairs` of its pairs (a seeded sample, see `tokenizer_training_sample`)."""
     train = load_translation_dataset(data_file=corpus, source_lang=source_lang, target_lang=target_lang)["train"]
-    return train_tokenizer(chain(train["source"][:], train["target"][:]), vocab_size)
+    return train_tokenizer(training_texts(tokenizer_training_sample(train, max_pairs, seed)), vocab_size)
+
+
+def tokenizer_training_sample(train: Dataset, max_pairs: int | None, seed: int = 0) -> Dataset:
+    """At most `max_pairs` pairs of `train`, drawn at random with `seed` and kept in corpus order; all of it if it
+    is no larger. BPE learns its merges from word counts, which a sample of a million sentences already estimates
+    well, while the time and memory of counting grow with every sentence seen."""
+    if max_pairs is None or len(train) <= max_pairs:
+        return train
+    chosen = np.random.default_rng(seed).choice(len(train), size=max_pairs, replace=False)
+    return train.select(np.sort(chosen))
+
+
+def training_texts(pairs: Dataset, batch_size: int = 10_000) -> Iterator[str]:
+    """Every source, then every target, of `pairs`, read from Arrow a batch at a time."""
+    for column in ("source", "target"):
+        for batch in pairs.select_columns([column]).iter(batch_size=batch_size):
+            yield from batch[column]
+
+
+def cached_corpus_tokenizer(
+    train: Dataset, vocab_size: int, max_pairs: int | None = None, seed: int = 0, overwrite_cache: bool = False
+) -> tuple[VaswaniTokenizer, int]:
+    """A tokenizer trained on `tokenizer_training_sample(train, max_pairs, seed)`, and how many sentences it saw.
+
+    Saved beside `train`'s Arrow files, keyed by the split's fingerprint, the sample, the vocabulary size and the
+    tokenizer's code, and loaded from there whenever it exists, by a later run or by the other processes of this
+    one: all then hold a tokenizer read from the same files. A split held only in memory is trained on directly.
+    """
+    sample = tokenizer_training_sample(train, max_pairs, seed)
+    sentences = 2 * len(sample)
+    if not train.cache_files:
+        return train_tokenizer(training_texts(sample), vocab_size), sentences
+    code = hashlib.sha256(Path(sys.modules[VaswaniTokenizer.__module__].__file__).read_bytes()).hexdigest()
+    key = _digest(train._fingerprint, vocab_size, len(sample), seed if len(sample) < len(train) else None, code,
+                  CACHE_FORMAT)
+    directory = Path(train.cache_files[0]["filename"]).parent / f"tokenizer-{key}"
+    if overwrite_cache or not (directory / "tokenizer.json").is_file():
+        logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
+        staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+        try:
+            train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _publish(staging, directory)
+    else:
+        logger.info("Reusing the tokenizer trained earlier on %d sentences, from %s.", sentences, directory)
+    return VaswaniTokenizer.from_pretrained(directory), sentences
 
 
 def tokenize_translation_dataset(
-    dataset: Dataset | DatasetDict, tokenizer, max_length: int = 256
+    dataset: Dataset | DatasetDict,
+    tokenizer,
+    max_length: int = 256,
+    num_proc: int | None = None,
+    overwrite_cache: bool = False,
 ) -> Dataset | DatasetDict:
     """`input_ids`, `attention_mask` and `labels` for seq2seq training; the text columns are dropped.
 
-    Both sides are truncated to `max_length` tokens (including the final </s>).
+    Both sides are truncated to `max_length` tokens (including the final </s>). `num_proc` processes tokenize
+    shards in parallel. A split kept in Arrow files is tokenized into a file beside them, keyed by the split's
+    fingerprint, the tokenizer and `max_length`, which later runs and the other processes of a distributed run
+    load instead of tokenizing again (unless `overwrite_cache`).
     """
     if isinstance(dataset, DatasetDict):
-        return DatasetDict({name: tokenize_translation_dataset(split, tokenizer, max_length)
+        return DatasetDict({name: tokenize_translation_dataset(split, tokenizer, max_length, num_proc, overwrite_cache)
                             for name, split in dataset.items()})
 
     def encode(batch):
         return tokenizer(batch["source"], text_target=batch["target"], truncation=True, max_length=max_length)
 
-    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
+    cache = {}
+    if dataset.cache_files:
+        key = _digest(dataset._fingerprint, tokenizer_fingerprint(tokenizer), max_length, CACHE_FORMAT)
+        path = Path(dataset.cache_files[0]["filename"]).parent / f"tokenized-{key}.arrow"
+        cache = {"cache_file_name": str(path), "new_fingerprint": key, "load_from_cache_file": not overwrite_cache}
+        if not overwrite_cache and any(path.parent.glob(f"{path.stem}*.arrow")):
+            logger.info("Reusing the tokenized %d examples in %s.", len(dataset), path.parent)
+        else:
+            logger.info("Tokenizing %d examples into %s.", len(dataset), path.parent)
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing",
+                       num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > num_proc else None, **cache)
 
 
-def example_lengths(tokenized: Dataset) -> list[int]:
-    """Per example, the longer of source and target: what `TokenBatchSampler` needs to bound both sides."""
-    return [max(len(source), len(target)) for source, target in zip(tokenized["input_ids"][:], tokenized["labels"][:])]
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What decides a tokenizer's output: its `tokenizers` pipeline and the settings transformers adds. The
+    backend's truncation and padding state, which every call resets, is left out."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    state.pop("truncation", None)
+    state.pop("padding", None)
+    return _digest(json.dumps(state, sort_keys=True), type(tokenizer).__name__, tokenizer.model_max_length)
+
+
+def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16) -> np.ndarray:
+    """Per example, the longer of source and target: what `TokenBatchSampler` needs to bound both sides.
+    Read from the Arrow lists' lengths a batch at a time, without turning token ids into Python objects."""
+    lengths = [np.maximum(pc.list_value_length(batch["input_ids"]).to_numpy(),
+                          pc.list_value_length(batch["labels"]).to_numpy())
+               for batch in tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)]
+    return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,9 +697,15 @@ class TokenBatchSampler(Sampler[list[int]]):
     shuffled. The order depends only on `seed` and the epoch given to `set_epoch`, so every process of a
     distributed run and every resumed run sees the same batches. Use as `DataLoader(dataset,
     batch_sampler=sampler, collate_fn=...)`.
+
+    With `num_replicas` processes, each taking every `num_replicas`-th batch (as Accelerate's batch-sampler
+    sharding does), the count of batches is made a multiple of `num_replicas` by halving the largest batches:
+    otherwise the sharding would repeat batches from the start to even out the processes, and the epoch would
+    hold some examples twice.
     """
 
-    def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0):
+    def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
+                 num_replicas: int = 1):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.max_tokens = max_tokens
         self.shuffle = shuffle
@@ -502,35 +715,68 @@ class TokenBatchSampler(Sampler[list[int]]):
         if too_long.size:
             raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {self.lengths[too_long[0]]} "
                              f"tokens) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
-        # Batch boundaries depend only on the sorted lengths, which ties do not change: the count is fixed.
-        self._num_batches = len(self._cut(np.argsort(self.lengths, kind="stable")))
+        # Batch boundaries depend only on the sorted lengths, which ties do not change: they are fixed.
+        self._starts = _even_out(_greedy_starts(np.sort(self.lengths), max_tokens), len(self.lengths), num_replicas)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _cut(self, order: np.ndarray) -> list[list[int]]:
-        """Greedy cut of indices sorted by length: each new example is the longest of its batch so far."""
-        batches, batch = [], []
-        for index in order.tolist():
-            if batch and (len(batch) + 1) * self.lengths[index] > self.max_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(index)
-        if batch:
-            batches.append(batch)
-        return batches
+    @property
+    def sampler(self) -> "TokenBatchSampler":
+        """Accelerate passes the epoch of a batch sampler it shards between processes to the wrapped sampler's
+        `.sampler.set_epoch`, not to the sampler itself: this way the epoch reaches the batches there too."""
+        return self
+
+    def _cut(self, order: np.ndarray) -> list[np.ndarray]:
+        return np.split(order, self._starts[1:])
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self.shuffle:
-            yield from self._cut(np.argsort(self.lengths, kind="stable"))
+            for batch in self._cut(np.argsort(self.lengths, kind="stable")):
+                yield batch.tolist()
             return
         rng = np.random.default_rng((self.seed, self.epoch))
         permutation = rng.permutation(len(self.lengths))
         order = permutation[np.argsort(self.lengths[permutation], kind="stable")]
         batches = self._cut(order)
         for position in rng.permutation(len(batches)).tolist():
-            yield batches[position]
+            yield batches[position].tolist()
 
     def __len__(self) -> int:
-        return self._num_batches
+        return len(self._starts)
 
+
+def _greedy_starts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Where each batch starts in `sorted_lengths` under the greedy cut: each new example is the longest of its
+    batch so far, and joins it while (batch size + 1) * its length <= max_tokens. Worked out per run of equal
+    lengths (a few hundred at most), not per example, so millions of examples take milliseconds."""
+    values, counts = np.unique(sorted_lengths, return_counts=True)
+    starts, size, position = [], 0, 0
+    for length, count in zip(values.tolist(), counts.tolist()):
+        capacity = max_tokens // length if length > 0 else len(sorted_lengths)
+        if size and size >= capacity:  # the open batch is full at this length
+            size = 0
+        if size == 0:
+            starts.append(position)
+        joined = min(count, capacity - size)
+        size += joined
+        rest = count - joined
+        if rest:
+            starts.extend(range(position + joined, position + count, capacity))
+            size = rest - (rest - 1) // capacity * capacity
+        position += count
+    return np.asarray(starts, dtype=np.int64)
+
+
+def _even_out(starts: np.ndarray, total: int, num_replicas: int) -> np.ndarray:
+    """Halve the largest batches until their count is a multiple of `num_replicas` (never more than
+    num_replicas - 1 halvings; a half of a batch within the budget is within it too). Batches of one example
+    cannot be halved: with too few examples to even out, the sharding's repeats stay."""
+    starts = starts.tolist()
+    while len(starts) % num_replicas:
+        sizes = np.diff([*starts, total])
+        largest = int(np.argmax(sizes))
+        if sizes[largest] < 2:
+            break
+        starts.insert(largest + 1, starts[largest] + int(sizes[largest]) // 2)
+    return np.asarray(starts, dtype=np.int64)

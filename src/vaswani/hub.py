@@ -117,6 +117,9 @@ def write_model_card(
         f"{dataset_name}.\n\n{dataset_attribution}\n\nThe sentence pairs are licensed CC-BY 2.0 France, and are "
         "credited here as that licence asks. The model's code and weights are released under Apache-2.0.\n",
     ]
+    if isinstance(metrics.get("tokenizer_training_sentences"), int):
+        sections.append(f"The tokenizer was trained on {metrics['tokenizer_training_sentences']:,} sentences of the "
+                        "train split (both languages).\n")
     if training_command:
         sections.append(f"## Training\n\n```bash\n{training_command}\n```\n")
     if scores:

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
+    PreTrainedTokenizerBase,
     ProgressCallback,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
@@ -38,7 +40,6 @@ from . import data as vdata
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
-from .tokenization_vaswani import train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ class ModelArguments:
         default=None, metadata={"help": "Tokenizer to use; default: the checkpoint's, or a new one trained on the data."}
     )
     vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of a newly trained tokenizer."})
+    tokenizer_train_pairs: int | None = field(
+        default=500_000,
+        metadata={"help": "A newly trained tokenizer learns from at most this many train pairs (a million sentences "
+                          "by default), a random sample drawn with --seed, or all of a smaller corpus; metrics.json "
+                          "and the model card record how many sentences it saw."},
+    )
     attn_implementation: str | None = field(
         default=None,
         metadata={"help": "Attention kernel (eager, sdpa, flash_attention_2, flex_attention); default: transformers' "
@@ -76,6 +83,8 @@ class ModelArguments:
             path = getattr(self, flag)
             if path and os.path.isfile(path):
                 raise NotADirectoryError(f"--{flag} {path} is a file; give the checkpoint directory (or a Hub id).")
+        if self.tokenizer_train_pairs is not None and self.tokenizer_train_pairs < 1:
+            raise ValueError(f"--tokenizer_train_pairs must be positive, got {self.tokenizer_train_pairs}.")
         VaswaniConfig.from_preset(self.preset, **parse_overrides(self.config_overrides))  # raises on a bad value
         known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
         if self.attn_implementation and "/" not in self.attn_implementation and self.attn_implementation not in known:
@@ -99,9 +108,21 @@ class DataArguments:
     max_train_samples: int | None = None
     max_eval_samples: int | None = field(default=None, metadata={"help": "Validation sentences used while training."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Test sentences for the final evaluation."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes that tokenize the corpus in parallel (default: one)."}
+    )
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where a tsv corpus read into Arrow, the tokenizer trained on it and the tokenized splits "
+                          "are kept for later runs (default: $HF_DATASETS_CACHE/vaswani)."},
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Read, train the tokenizer and tokenize again instead of reusing the cache."}
+    )
 
     def __post_init__(self):
-        for name in ("max_length", "max_train_samples", "max_eval_samples", "max_test_samples"):
+        for name in ("max_length", "max_train_samples", "max_eval_samples", "max_test_samples",
+                     "preprocessing_num_workers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be a positive number, got {value}.")
@@ -317,7 +338,8 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
         dataset = self._remove_unused_columns(self.train_dataset, description="training")
-        self.batch_sampler = vdata.TokenBatchSampler(vdata.example_lengths(dataset), self.max_tokens_per_batch, shuffle=True, seed=self.args.seed)
+        self.batch_sampler = vdata.TokenBatchSampler(vdata.example_lengths(dataset), self.max_tokens_per_batch,
+                                                     shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
@@ -417,16 +439,19 @@ def load_splits(data_args: DataArguments):
         data_file=data_args.corpus,
         source_lang=data_args.source_lang,
         target_lang=data_args.target_lang,
+        cache_dir=data_args.data_cache_dir,
+        overwrite_cache=data_args.overwrite_cache,
     )
 
 
-def build_model_and_tokenizer(model_args: ModelArguments, train_texts, checkpoint: str | None = None):
-    """A resumed run takes the tokenizer its checkpoint was trained with; its weights are loaded by the Trainer."""
+def build_model_and_tokenizer(model_args: ModelArguments, new_tokenizer, checkpoint: str | None = None):
+    """A resumed run takes the tokenizer its checkpoint was trained with; its weights are loaded by the Trainer.
+    `new_tokenizer()` gives the tokenizer where no checkpoint or tokenizer is named."""
     tokenizer_source = checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if tokenizer_source:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     else:
-        tokenizer = train_tokenizer(train_texts(), vocab_size=model_args.vocab_size)
+        tokenizer = new_tokenizer()
     if model_args.model_name_or_path:
         model = AutoModelForSeq2SeqLM.from_pretrained(
             model_args.model_name_or_path, use_safetensors=True, attn_implementation=model_args.attn_implementation
@@ -455,6 +480,54 @@ def build_model_and_tokenizer(model_args: ModelArguments, train_texts, checkpoin
     return model, tokenizer
 
 
+@dataclass
+class PreparedData:
+    splits: DatasetDict  # train / validation / test as read
+    train: Dataset  # the splits used, after --max_train_samples / --max_eval_samples
+    validation: Dataset
+    tokenizer: PreTrainedTokenizerBase | None  # newly trained; None where a checkpoint's or a named one is used
+    tokenizer_sentences: int | None  # how many sentences the new tokenizer learned from
+
+
+def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments,
+                 checkpoint: str | None = None) -> PreparedData:
+    """Read the corpus into its splits and train the tokenizer (unless one is given or resumed).
+
+    Both leave their results in caches (see `vaswani.data`); under N processes the main one does the work first
+    and the others then load its results instead of repeating it. A first run on a very large corpus can keep the
+    others waiting longer than the process group's default 30 minutes: raise --ddp_timeout then.
+    """
+    with args.main_process_first(desc="reading the corpus"):
+        splits = load_splits(data_args)
+    train = splits["train"]
+    if data_args.max_train_samples:
+        train = train.select(range(min(data_args.max_train_samples, len(train))))
+    validation = splits["validation"]
+    if data_args.max_eval_samples:
+        validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
+    # Found now rather than as an obscure error at the first evaluation, or after training.
+    for name, split, needed in (("train", train, True), ("validation", validation, args.eval_strategy != "no"),
+                                ("test", splits["test"], True)):
+        if needed and len(split) == 0:
+            raise ValueError(f"The {name} split of the corpus is empty; use a larger corpus"
+                             f"{' or --eval_strategy no' if name == 'validation' else ''}.")
+    tokenizer = sentences = None
+    if not (checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path):
+        with args.main_process_first(desc="training the tokenizer"):
+            tokenizer, sentences = vdata.cached_corpus_tokenizer(
+                train, model_args.vocab_size, model_args.tokenizer_train_pairs, args.seed, data_args.overwrite_cache)
+    return PreparedData(splits, train, validation, tokenizer, sentences)
+
+
+def tokenize_splits(data: PreparedData, tokenizer, data_args: DataArguments, args: VaswaniTrainingArguments):
+    """(train, validation) features, tokenized by the main process first and loaded from its cache by the others."""
+    with args.main_process_first(desc="tokenizing"):
+        return tuple(
+            vdata.tokenize_translation_dataset(split, tokenizer, data_args.max_length,
+                                               data_args.preprocessing_num_workers, data_args.overwrite_cache)
+            for split in (data.train, data.validation))
+
+
 def run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
     """Train (or fine-tune), evaluate on the test split with sacreBLEU/chrF/TER, save a complete checkpoint
     (weights, tokenizer, generation config, module files, model card) and optionally push it to the Hub.
@@ -471,26 +544,9 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
     last_checkpoint = prepare_output_dir(args)  # refuses a bad output_dir before anything is read or written
     set_seed(args.seed)
-    splits = load_splits(data_args)
-    train = splits["train"]
-    if data_args.max_train_samples:
-        train = train.select(range(min(data_args.max_train_samples, len(train))))
-    validation = splits["validation"]
-    if data_args.max_eval_samples:
-        validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
-    # Found now rather than as an obscure error at the first evaluation, or after training.
-    for name, split, needed in (("train", train, True), ("validation", validation, args.eval_strategy != "no"),
-                                ("test", splits["test"], True)):
-        if needed and len(split) == 0:
-            raise ValueError(f"The {name} split of the corpus is empty; use a larger corpus"
-                             f"{' or --eval_strategy no' if name == 'validation' else ''}.")
-
-    def train_texts():
-        # Whole columns at once: iterating a Dataset row by row is two orders of magnitude slower.
-        yield from train["source"][:]
-        yield from train["target"][:]
-
-    model, tokenizer = build_model_and_tokenizer(model_args, train_texts, last_checkpoint)
+    data = prepare_data(model_args, data_args, args, last_checkpoint)
+    splits, train, validation = data.splits, data.train, data.validation
+    model, tokenizer = build_model_and_tokenizer(model_args, lambda: data.tokenizer, last_checkpoint)
     if model.config.position_embedding_type == "learned":
         # `truncation=True` without a length then stops at the positions the model has.
         tokenizer.model_max_length = model.config.max_position_embeddings
@@ -505,8 +561,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_length
     model.generation_config.max_length = None
 
-    train_features = vdata.tokenize_translation_dataset(train, tokenizer, data_args.max_length)
-    validation_features = vdata.tokenize_translation_dataset(validation, tokenizer, data_args.max_length)
+    train_features, validation_features = tokenize_splits(data, tokenizer, data_args, args)
     references = validation["references"] if "references" in validation.column_names else None
 
     time_budget = TimeBudgetCallback(args.max_train_time) if args.max_train_time else None
@@ -545,6 +600,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
     metrics["train_wall_seconds"] = train_seconds
     metrics["train_world_size"] = args.world_size
+    if data.tokenizer_sentences is not None:
+        metrics["tokenizer_training_sentences"] = data.tokenizer_sentences
     if trainer.state.num_input_tokens_seen:  # with --include_num_input_tokens_seen non_padding
         metrics["train_source_tokens_per_second"] = trainer.state.num_input_tokens_seen / train_seconds
 
@@ -575,6 +632,13 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     return metrics
 
 
+def end_distributed() -> None:
+    """Destroy the process group, if one was started, before the process exits. Left for the interpreter's exit,
+    gloo's threads can abort a process whose work is done ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
     """Write the final model through a staging directory: each file is complete before it is moved into
     `output_dir` (`os.replace` is atomic), and `config.json`, without which nothing loads, is removed first and
@@ -595,7 +659,10 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
     if os.path.exists(config):
         os.remove(config)
     for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
-        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target):  # a directory (custom_generate/) of the model this one replaces: no atomic swap
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
     os.rmdir(staging)
 
 

@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""The data path at WMT's scale: time to the first training step and peak memory of `train_translation.py`, on
+stand-in corpora of a given number of pairs, on a first run (empty cache) and a second run (the cache filled by
+the first), with one process and with two (torchrun, gloo).
+
+    python benchmarks/bench_data.py --build 1000000 --corpus_dir /tmp/corpora       # stand-in corpora first
+    python benchmarks/bench_data.py --corpora /tmp/corpora/standin-1000000.tsv.gz --processes 1 2
+
+A stand-in corpus line joins 2-4 random fra-eng pairs (about 25 tokens a side, WMT's sentence length), drawn with
+a fixed seed. Each measurement runs the training script as a user would (`--preset small --vocab_size 8000`, the
+main job's 1,000-token batches, `--preprocessing_num_workers` 2), reads its log as it comes, and stops it at the
+first logged training step. Memory is sampled every 0.2 s from /proc for the whole process tree (launcher,
+training processes, tokenizing workers) as proportional set sizes, so pages shared between processes count once:
+`anon` is memory the processes own; `file` is pages of mapped files (the memory-mapped Arrow files, the libraries),
+which the kernel can drop and read again. Times are wall-clock seconds from the command's start.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
+
+from vaswani.data import read_parallel_tsv, resolve_corpus_path  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"
+# The main job's batches; max_steps only bounds a run that is not stopped.
+TRAINING_ARGUMENTS = ["--max_tokens_per_batch", "1000", "--max_steps", "3",
+                      "--logging_steps", "1", "--disable_tqdm", "true", "--eval_strategy", "no", "--save_strategy", "no",
+                      "--report_to", "none", "--log_level", "info", "--use_cpu", "--seed", "0"]
+# Log lines that end a stage, as (stage, pattern); the first match's time is recorded.
+STAGES = [("read", re.compile(r"\[vaswani\.data\] (Read |Reusing .*read earlier)")),
+          ("tokenizer", re.compile(r"\[vaswani\.data\] Tokeniz|\[vaswani\.data\] Reusing the tokenized")),
+          ("tokenized", re.compile(r"\[transformers\] \*+ Running training|Running training")),
+          ("first_step", re.compile(r"'loss'|\"loss\""))]
+GIB = 1024**3
+
+
+def build_stand_in_corpus(path: Path, pairs: int, seed: int = 0, source: Path | None = None) -> Path:
+    """`pairs` lines of WMT-like length: each joins 2-4 random fra-eng pairs (about 25 tokens a side)."""
+    base, _ = read_parallel_tsv(resolve_corpus_path(source))
+    rng = random.Random(seed)
+    partial = path.with_name(path.name + ".part")
+    with gzip.open(partial, "wt", encoding="utf-8", compresslevel=1) as out:
+        for _ in range(pairs):
+            chosen = [base[rng.randrange(len(base))] for _ in range(rng.randint(2, 4))]
+            out.write(" ".join(en for en, _ in chosen) + "\t" + " ".join(fr for _, fr in chosen) + "\n")
+    partial.replace(path)
+    return path
+
+
+def process_tree(root: int) -> list[int]:
+    children = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def cpu_seconds_of(pids: list[int]) -> float:
+    """CPU time of `pids` and of the children they have reaped (user + system)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def memory_of(pids: list[int]) -> dict[str, float]:
+    """Summed proportional set sizes (bytes) of `pids`, by kind, and the largest single resident set."""
+    total = {"anon": 0.0, "file": 0.0, "largest_rss": 0.0}
+    for pid in pids:
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+        except (OSError, ValueError):
+            continue
+        kib = {name: float(value.split()[0]) * 1024 for name, value in fields.items()}
+        total["anon"] += kib.get("Pss_Anon", 0.0) + kib.get("Pss_Shmem", 0.0)
+        total["file"] += kib.get("Pss_File", 0.0)
+        total["largest_rss"] = max(total["largest_rss"], kib.get("Rss", 0.0))
+    return total
+
+
+def measure(command: list[str], env: dict, timeout: float) -> dict:
+    """Run `command` until its first training step is logged; stage times and peak memory."""
+    start = time.monotonic()
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                               start_new_session=True)
+    times, tail = {}, []
+
+    def read_log():
+        for line in process.stderr:
+            tail.append(line)
+            del tail[:-40]
+            for stage, pattern in STAGES:
+                if stage not in times and pattern.search(line):
+                    times[stage] = time.monotonic() - start
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    peak = {"anon": 0.0, "file": 0.0, "largest_rss": 0.0}
+    cpu = 0.0
+    while process.poll() is None and "first_step" not in times and time.monotonic() - start < timeout:
+        tree = process_tree(process.pid)
+        sample = memory_of(tree)
+        peak = {key: max(peak[key], sample[key]) for key in peak}
+        cpu = max(cpu, cpu_seconds_of(tree))
+        time.sleep(0.2)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    process.wait()
+    reader.join(timeout=10)
+    if "first_step" not in times:
+        raise RuntimeError(f"No training step was logged ({' '.join(command)}):\n{''.join(tail)}")
+    return {**{f"{stage}_s": round(seconds, 1) for stage, seconds in times.items()}, "cpu_s": round(cpu),
+            "peak_anon_gib": round(peak["anon"] / GIB, 2), "peak_file_gib": round(peak["file"] / GIB, 2),
+            "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2)}
+
+
+def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, args) -> list[str]:
+    arguments = [str(SCRIPT), "--corpus", str(corpus), "--output_dir", str(output_dir), "--overwrite_output_dir",
+                 "--data_cache_dir", str(cache_dir), "--preprocessing_num_workers", str(args.workers),
+                 "--preset", args.preset, "--vocab_size", str(args.vocab_size), *TRAINING_ARGUMENTS]
+    if processes == 1:
+        return [sys.executable, *arguments]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+            "29517", *arguments, "--ddp_backend", "gloo"]
+
+
+def count_lines(path: Path) -> int:
+    with gzip.open(path, "rb") as file:
+        return sum(block.count(b"\n") for block in iter(lambda: file.read(1 << 24), b""))
+
+
+def slope_notes(rows: list[dict]) -> list[str]:
+    """The paper's En-Fr size (36M pairs) by linear extrapolation from the two largest corpora measured."""
+    notes = []
+    for processes in sorted({row["processes"] for row in rows}):
+        first = sorted((row for row in rows if row["processes"] == processes and row["run"] == "first"),
+                       key=lambda row: row["pairs"])
+        if len(first) < 2:
+            continue
+        small, large = first[-2], first[-1]
+        millions = (large["pairs"] - small["pairs"]) / 1e6
+        further = 36 - large["pairs"] / 1e6
+
+        def slope(key):
+            return (large[key] - small[key]) / millions
+
+        notes.append(f"{processes} process(es), first run, between {small['pairs'] / 1e6:g}M and "
+                     f"{large['pairs'] / 1e6:g}M pairs: {slope('first_step_s'):.0f} s (wall, on this shared machine) and "
+                     f"{slope('cpu_s'):.0f} CPU s per million pairs. Extrapolated linearly, not measured, to WMT14 "
+                     f"En-Fr's 36M pairs: first step after about {(large['first_step_s'] + slope('first_step_s') * further) / 60:.0f} "
+                     f"min here, {(large['cpu_s'] + slope('cpu_s') * further) / 60:.0f} CPU min; peak anon memory about "
+                     f"{large['peak_anon_gib'] + slope('peak_anon_gib') * further:.1f} GiB "
+                     f"({slope('peak_anon_gib'):+.3f} GiB per million pairs).")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
+    parser.add_argument("--source", type=Path, default=None, help="the corpus they are drawn from (default: fra-eng)")
+    parser.add_argument("--corpus_dir", type=Path, default=Path("stand-in-corpora"))
+    parser.add_argument("--corpora", type=Path, nargs="*", default=[], help="measure on these corpus files")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workers", type=int, default=2, help="--preprocessing_num_workers")
+    parser.add_argument("--preset", default="small", help="the model trained (its size matters little here)")
+    parser.add_argument("--vocab_size", type=int, default=8000)
+    parser.add_argument("--work_dir", type=Path, default=Path("bench-data-work"),
+                        help="the cache and output directories of the measured runs (emptied before first runs)")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--append", action="store_true", help="add to the rows of an existing report")
+    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
+    add_result_arguments(parser)
+    args = parser.parse_args(argv)
+
+    for pairs in args.build:
+        args.corpus_dir.mkdir(parents=True, exist_ok=True)
+        print(build_stand_in_corpus(args.corpus_dir / f"standin-{pairs}.tsv.gz", pairs, source=args.source))
+    if not args.corpora:
+        return
+    name = args.output_name or "data-cpu"
+    previous = args.results_dir / f"{name}.json"
+    rows = json.loads(previous.read_text())["results"] if args.append and previous.is_file() else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for corpus in args.corpora:
+        pairs = count_lines(corpus)
+        for processes in args.processes:
+            cache_dir = args.work_dir / "cache"
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            for run in ("first", "cached"):
+                command = training_command(corpus, processes, args.work_dir / "output", cache_dir, args)
+                result = measure(command, env, args.timeout)
+                row = {"corpus": corpus.name, "pairs": pairs, "processes": processes, "run": run, **result,
+                       "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
+                print(json.dumps(row), flush=True)
+                rows = [r for r in rows if (r["pairs"], r["processes"], r["run"]) != (pairs, processes, run)] + [row]
+                report(name, rows, args, argv)  # after every row: a long series stopped early keeps what it measured
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+
+
+def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
+    rows = sorted(rows, key=lambda row: (row["pairs"], row["processes"], row["run"] != "first"))
+    columns = [Column("pairs", "pairs", "{:,}"), Column("processes", "processes"), Column("run", "run"),
+               Column("read_s", "corpus read (s)"), Column("tokenizer_s", "tokenizer ready (s)"),
+               Column("tokenized_s", "tokenized, training starts (s)"), Column("first_step_s", "first step (s)"),
+               Column("first_step_s_per_million_pairs", "s per M pairs"), Column("cpu_s", "CPU s to first step"),
+               Column("peak_anon_gib", "peak anon (GiB)"), Column("peak_file_gib", "peak mapped files (GiB)"),
+               Column("peak_process_rss_gib", "largest process RSS (GiB)")]
+    notes = [
+        "Stand-in corpora: each line joins 2-4 random fra-eng pairs (seed 0), about 25 tokens a side.",
+        "Times: seconds from the command's start to the end of each stage, read from the training script's log; "
+        "'first step' is when the Trainer logs step 1. The machine (2 cores) was shared with other jobs while these "
+        "ran (load average about 15), so wall times are several times what an idle machine gives.",
+        "CPU s: user + system seconds of the process tree until the first step (what contention from other jobs "
+        "inflates least); on an otherwise idle machine, the first step comes after about CPU s / 2 (two cores) "
+        "where the work is parallel (tokenization), and CPU s where it is not (reading the corpus).",
+        "Memory: proportional set sizes summed over the process tree (sampled every 0.2 s). 'anon' is what the "
+        "processes own; 'mapped files' is pages of memory-mapped files (Arrow, libraries) the kernel can drop.",
+        *slope_notes(rows),
+    ]
+    if args.notes:
+        notes.append(args.notes)
+    write_report(name, "Data path at scale: time to the first training step and peak memory",
+                 command_line(__file__, argv), pick_device("cpu"),
+                 {"training_arguments": TRAINING_ARGUMENTS, "preprocessing_num_workers": args.workers,
+                  "preset": args.preset, "vocab_size": args.vocab_size}, rows, columns,
+                 notes, args.results_dir)
+
+
+if __name__ == "__main__":
+    main()
