@@ -651,7 +651,7 @@ def tokenize_translation_dataset(
 
     cache = {}
     if dataset.cache_files:
-        key = _digest(dataset._fingerprint, tokenizer_fingerprint(tokenizer), max_length, CACHE_FORMAT)
+        key = _digest(dataset._fingerprint, tokenizer_state_digest(tokenizer), max_length, CACHE_FORMAT)
         path = Path(dataset.cache_files[0]["filename"]).parent / f"tokenized-{key}.arrow"
         cache = {"cache_file_name": str(path), "new_fingerprint": key, "load_from_cache_file": not overwrite_cache}
         if not overwrite_cache and any(path.parent.glob(f"{path.stem}*.arrow")):
@@ -662,7 +662,7 @@ def tokenize_translation_dataset(
                        num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > num_proc else None, **cache)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_state_digest(tokenizer) -> str:
     """What decides a tokenizer's output: its `tokenizers` pipeline and the settings transformers adds. The
     backend's truncation and padding state, which every call resets, is left out."""
     state = json.loads(tokenizer.backend_tokenizer.to_str())
