@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
+from common import Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
 
 from vaswani.data import read_parallel_tsv, resolve_corpus_path  # noqa: E402
 

@@ -83,6 +83,29 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def trained():
+    """The tiny model of tiny_translation_model.py, trained on one thread, with its tokenizer, once per test module
+    that asks for it (a module may define its own `trained`)."""
+    from tiny_translation_model import build_model_and_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_model_and_tokenizer()
+    torch.set_num_threads(threads)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained, tmp_path_factory):
+    """`trained` saved as a checkpoint directory."""
+    model, tokenizer = trained
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def single_thread():
     """Run a test on one intra-op thread. For these tiny models, thread synchronisation costs more than it saves, and

@@ -6,7 +6,6 @@ import logging
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
 from transformers import DataCollatorForSeq2Seq, HfArgumentParser
 
 from vaswani import training

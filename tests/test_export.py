@@ -7,27 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import script_main
-from tiny_translation_model import SOURCES, TARGETS, build_model_and_tokenizer, build_tokenizer
+from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
 from vaswani.export import export_to_ctranslate2, load_ctranslate2, translate_ctranslate2
 
 ctranslate2 = pytest.importorskip("ctranslate2")
-
-
-@pytest.fixture(scope="module")
-def trained():
-    return build_model_and_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(trained, tmp_path_factory):
-    model, tokenizer = trained
-    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def tokens(tokenizer, texts, target=False):

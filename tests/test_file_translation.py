@@ -34,24 +34,6 @@ LINES = [*SOURCES, "", *SOURCES[::-1], "   ", *SOURCES[1:4]] * 3
 
 
 @pytest.fixture(scope="module")
-def trained():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = build_model_and_tokenizer()
-    torch.set_num_threads(threads)
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def checkpoint(trained, tmp_path_factory):
-    model, tokenizer = trained
-    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def expected(trained):
     """What the whole-file `translate` gives, one line per input line."""
     model, tokenizer = trained

@@ -9,28 +9,10 @@ import pytest
 import torch
 from torch import nn
 from conftest import SCRIPTS, script_main
-from tiny_translation_model import SOURCES, build_model_and_tokenizer
+from tiny_translation_model import SOURCES
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.inference import Int8Linear, quantize_for_cpu
-
-
-@pytest.fixture(scope="module")
-def trained():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = build_model_and_tokenizer()
-    torch.set_num_threads(threads)
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def checkpoint(trained, tmp_path_factory):
-    model, tokenizer = trained
-    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def plain_linears(model: nn.Module) -> list[str]:

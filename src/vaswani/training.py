@@ -545,7 +545,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     last_checkpoint = prepare_output_dir(args)  # refuses a bad output_dir before anything is read or written
     set_seed(args.seed)
     data = prepare_data(model_args, data_args, args, last_checkpoint)
-    splits, train, validation = data.splits, data.train, data.validation
+    splits, validation = data.splits, data.validation
     model, tokenizer = build_model_and_tokenizer(model_args, lambda: data.tokenizer, last_checkpoint)
     if model.config.position_embedding_type == "learned":
         # `truncation=True` without a length then stops at the positions the model has.
