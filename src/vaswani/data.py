@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import unicodedata
 import urllib.request
 import zipfile
@@ -663,12 +664,19 @@ def tokenize_translation_dataset(
 
 
 def tokenizer_state_digest(tokenizer) -> str:
-    """What decides a tokenizer's output: its `tokenizers` pipeline and the settings transformers adds. The
-    backend's truncation and padding state, which every call resets, is left out."""
-    state = json.loads(tokenizer.backend_tokenizer.to_str())
-    state.pop("truncation", None)
-    state.pop("padding", None)
-    return _digest(json.dumps(state, sort_keys=True), type(tokenizer).__name__, tokenizer.model_max_length)
+    """What decides a tokenizer's output: its `tokenizers` pipeline and the settings transformers adds (the backend's
+    truncation and padding state, which every call resets, left out). A tokenizer without a `tokenizers` backend
+    (a sentencepiece one, such as an OPUS-MT checkpoint's `MarianTokenizer`) is keyed by the files it saves."""
+    if getattr(tokenizer, "is_fast", False):
+        state = json.loads(tokenizer.backend_tokenizer.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        return _digest(json.dumps(state, sort_keys=True), type(tokenizer).__name__, tokenizer.model_max_length)
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save_pretrained(directory)
+        files = sorted(Path(directory).iterdir())
+        return _digest(type(tokenizer).__name__, tokenizer.model_max_length,
+                       *(f"{file.name}:{hashlib.sha256(file.read_bytes()).hexdigest()}" for file in files))
 
 
 def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16) -> np.ndarray:

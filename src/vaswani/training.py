@@ -347,7 +347,23 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
-        return self.accelerator.prepare(loader)
+        # The sampler already gives every process the same number of batches, so Accelerate must not even them out
+        # by repeating batches (accelerate 1.6, the oldest supported, refuses to try without a batch size).
+        even_batches, self.accelerator.even_batches = self.accelerator.even_batches, False
+        try:
+            prepared = self.accelerator.prepare(loader)
+        finally:
+            self.accelerator.even_batches = even_batches
+        # Accelerate 1.6 hands the Trainer's epoch to the batch sampler it shards with, never on to the one it
+        # wraps: hand it to ours too, so that each epoch has its own batch order whichever accelerate is installed.
+        set_epoch, token_batches = prepared.set_epoch, self.batch_sampler
+
+        def set_epoch_everywhere(epoch: int) -> None:
+            set_epoch(epoch)
+            token_batches.set_epoch(epoch)
+
+        prepared.set_epoch = set_epoch_everywhere
+        return prepared
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None and self.args.lr_decay_over_time_budget and self.time_budget is not None:
