@@ -14,7 +14,7 @@ import torch
 from conftest import SCRIPTS, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
-from vaswani.cli import generation_limits
+from vaswani.cli import decode_lines, generation_limits
 from vaswani.evaluation import translate
 from vaswani.file_translation import (
     CPU_BF16_MIN_D_MODEL,
@@ -22,7 +22,6 @@ from vaswani.file_translation import (
     TorchTranslator,
     choose_dtype,
     count_lines,
-    decode_chunk,
     read_raw_chunks,
     token_budget_batches,
     translate_file,
@@ -61,7 +60,7 @@ def test_token_budget_batches_are_longest_first_within_the_budget():
 def test_chunks_split_lines_at_newlines_only_and_drop_crs():
     raw = "a\r\nb\u2028c\n\nd".encode()
     chunks = list(read_raw_chunks(io.BytesIO(raw), chunk_lines=2))
-    assert [decode_chunk(chunk, "x", 1) for chunk in chunks] == [["a", "b\u2028c"], ["", "d"]]
+    assert [decode_lines(chunk, "x", 1) for chunk in chunks] == [["a", "b\u2028c"], ["", "d"]]
     assert list(read_raw_chunks(io.BytesIO(b""), 3)) == []
 
 

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Iterable
 
 import torch
 from safetensors import SafetensorError
@@ -157,18 +158,20 @@ def _check_checkpoint_files(model_dir: str) -> None:
 def read_lines(path: str) -> list[str]:
     """The lines of a UTF-8 text file, without their line ends; a decoding error names the file and the line."""
     with open(path, "rb") as f:
-        return decode_lines(f.read(), path)
+        return decode_lines((raw.removesuffix(b"\n") for raw in f), path)
 
 
-def decode_lines(raw: bytes, name: str) -> list[str]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = raw[: error.start].count(b"\n") + 1
-        raise ValueError(f"{name} is not UTF-8 text (line {line}: {error.reason}); convert it, e.g. with "
-                         "`iconv -t utf-8`.") from error
-    lines = [line.removesuffix("\r") for line in text.split("\n")]  # not splitlines(): U+2028 is not a line end
-    return lines[:-1] if lines[-1] == "" else lines
+def decode_lines(raw_lines: Iterable[bytes], name: str, first_line: int = 1) -> list[str]:
+    """UTF-8 lines (ended at b"\n" only: U+2028 is not a line end) without a trailing \r; an undecodable line is a
+    ValueError naming `name` and its line number (`first_line` is the number of the first)."""
+    lines = []
+    for number, raw in enumerate(raw_lines, first_line):
+        try:
+            lines.append(raw.decode("utf-8").removesuffix("\r"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{name} is not UTF-8 text (line {number}: {error.reason}); convert it, e.g. with "
+                             "`iconv -t utf-8`.") from error
+    return lines
 
 
 def write_atomically(path: str, text: str) -> None:

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 from tqdm.auto import tqdm
 
-from .cli import write_atomically
+from .cli import decode_lines, write_atomically
 from .evaluation import OUTPUT_SLACK
 
 DEFAULT_CHUNK_LINES = 4096
@@ -209,19 +209,6 @@ def read_raw_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
         yield chunk
 
 
-def decode_chunk(raw_lines: Iterable[bytes], name: str, first_line: int) -> list[str]:
-    """UTF-8 lines without a trailing \\r; an undecodable line is a ValueError naming `name` and its line number
-    (`first_line` is the number of the first)."""
-    lines = []
-    for number, raw in enumerate(raw_lines, first_line):
-        try:
-            lines.append(raw.decode("utf-8").removesuffix("\r"))
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{name} is not UTF-8 text (line {number}: {error.reason}); convert it, e.g. with "
-                             "`iconv -t utf-8`.") from error
-    return lines
-
-
 def count_lines(path: str) -> int:
     """The number of lines `read_raw_chunks` gives for the file at `path` (a last line without b"\\n" counts)."""
     count, last = 0, b"\n"
@@ -339,7 +326,7 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
                 continue
             if parts_dir and processes.world_size > 1 and os.path.exists(_part_path(parts_dir, index)):
                 continue  # translated before a kill: the resume state keeps its settings
-            lines = decode_chunk(raw_lines, name, index * chunk_lines + 1)
+            lines = decode_lines(raw_lines, name, index * chunk_lines + 1)
             if seed is not None:
                 torch.manual_seed(seed + index)
             translations, truncated = translate_chunk(engine, lines, max_tokens, max_sentences)
