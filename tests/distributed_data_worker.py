@@ -22,7 +22,7 @@ def main() -> None:
     logging.getLogger("vaswani").setLevel(logging.INFO)
 
     data = training.prepare_data(model_args, data_args, args)
-    model, tokenizer = training.build_model_and_tokenizer(model_args, lambda: data.tokenizer)
+    model, tokenizer = training.build_model_and_tokenizer(model_args, data.tokenizer)
     train_features, _ = training.tokenize_splits(data, tokenizer, data_args, args)
     trainer = training.VaswaniSeq2SeqTrainer(
         model=model, args=args, train_dataset=train_features, processing_class=tokenizer,

@@ -460,14 +460,15 @@ def load_splits(data_args: DataArguments):
     )
 
 
-def build_model_and_tokenizer(model_args: ModelArguments, new_tokenizer, checkpoint: str | None = None):
+def build_model_and_tokenizer(model_args: ModelArguments, new_tokenizer: PreTrainedTokenizerBase | None,
+                              checkpoint: str | None = None):
     """A resumed run takes the tokenizer its checkpoint was trained with; its weights are loaded by the Trainer.
-    `new_tokenizer()` gives the tokenizer where no checkpoint or tokenizer is named."""
+    `new_tokenizer` (`prepare_data`'s) is the tokenizer where no checkpoint or tokenizer is named."""
     tokenizer_source = checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if tokenizer_source:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     else:
-        tokenizer = new_tokenizer()
+        tokenizer = new_tokenizer
     if model_args.model_name_or_path:
         model = AutoModelForSeq2SeqLM.from_pretrained(
             model_args.model_name_or_path, use_safetensors=True, attn_implementation=model_args.attn_implementation
@@ -562,7 +563,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     set_seed(args.seed)
     data = prepare_data(model_args, data_args, args, last_checkpoint)
     splits, validation = data.splits, data.validation
-    model, tokenizer = build_model_and_tokenizer(model_args, lambda: data.tokenizer, last_checkpoint)
+    model, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, last_checkpoint)
     if model.config.position_embedding_type == "learned":
         # `truncation=True` without a length then stops at the positions the model has.
         tokenizer.model_max_length = model.config.max_position_embeddings
