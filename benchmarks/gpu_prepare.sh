@@ -2,8 +2,9 @@
 # Run here, before the first call on a lent GPU machine: it gathers what that machine lacks into folders that git
 # ignores (named in .git/info/exclude), to be carried there with the working tree.
 #
-#   .whl/     transformers at this checkout's version, as a wheel (the machine's image has an older one;
-#             gpu_session.sh installs .whl/*.whl first)
+#   .whl/     what the machine's image lacks or has too old, as wheels for Python 3.12: transformers at this
+#             checkout's version, datasets (5.x, and in .whl/datasets4/ datasets 4.0 for a pyarrow older than 24, with
+#             the dill, multiprocess and fsspec each pins) and evaluate. gpu_session.sh installs them first.
 #   .corpus/  the fra-eng corpus, which is not in the repository (../shared does not travel)
 #   benchmarks/.cache/ (already ignored) the benchmarks' joint BPE tokenizer, trained here on first use
 #
@@ -24,9 +25,16 @@ done
 install -m 0644 "$corpus" .corpus/fra_eng.tsv.gz
 about=$(dirname "$corpus")/ABOUT.txt
 [ -f "$about" ] && install -m 0644 "$about" .corpus/ABOUT.txt  # the corpus' attribution travels with it
-version=$(python3 -c "import transformers; print(transformers.__version__)")
-rm -f .whl/transformers-*.whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --dest .whl "transformers==$version"
+download() {  # wheels for the machine's Python 3.12, without their dependencies (the image has the rest)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$@"
+}
+rm -rf .whl/*.whl .whl/datasets4
+versions=$(python3 -c "import transformers, datasets, dill, multiprocess, fsspec
+print(f'transformers=={transformers.__version__} datasets=={datasets.__version__} dill=={dill.__version__} '
+      f'multiprocess=={multiprocess.__version__} fsspec=={fsspec.__version__}')")
+download --dest .whl $versions evaluate==0.4.6
+download --dest .whl/datasets4 datasets==4.0.0 dill==0.3.8 multiprocess==0.70.16 fsspec==2025.3.0
 # The tokenizer the benchmarks train on first use (a minute here, and the same on the GPU machine otherwise).
 python3 - <<'EOF'
 import argparse
@@ -41,4 +49,4 @@ corpus_and_tokenizer(parser.parse_args(["--corpus", ".corpus/fra_eng.tsv.gz"]))
 EOF
 
 echo "carry: .whl .corpus benchmarks/.cache ($(du -shc .whl .corpus benchmarks/.cache | tail -1 | cut -f1))"
-echo "command: RESULTS_DIR=\$OUT VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh STAGE…"
+echo "command: ARCHIVE=\$OUT/results.tar.gz RESULTS_DIR=/tmp/results VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh 2>&1 | tee \$OUT/session.log"

@@ -1,71 +1,166 @@
 #!/usr/bin/env bash
-# The GPU measurements of benchmarks/README.md, in stages that each fit a 10-minute slot on a lent GPU machine:
+# Every GPU measurement in one unattended command, most valuable first. Each stage writes its results as it
+# finishes. A stage is given only the time left in the budget (BUDGET_SECONDS, default 540), so a timeout loses only
+# the stage it cut short.
 #
-#   bash benchmarks/gpu_session.sh tests        # the CUDA tests (tests marked gpu), a few minutes (compilation)
-#   bash benchmarks/gpu_session.sh training     # bench_training.py: tiny, base, big; Vaswani eager and compiled, Marian
-#   bash benchmarks/gpu_session.sh translation  # bench_translation.py: base; batch 256 and 32 over all 3,000 sentences,
-#                                               #   greedy and beam 4: Vaswani (lean loop), transformers' loop, CUDA graphs; Marian
-#   bash benchmarks/gpu_session.sh translation-compiled  # the same for compile_for_generation, alone and under graphs
-#   bash benchmarks/gpu_session.sh translation-batch1    # as `translation`, at batch 1 over the first 100 draws
-#   bash benchmarks/gpu_session.sh scaling      # bench_scaling.py: modern decoder, 64 … 4096 tokens
-#   bash benchmarks/gpu_session.sh profile      # where a training step's GPU time goes (tiny, base; every engine)
-#   bash benchmarks/gpu_session.sh attention    # base training under each SDPA kernel: efficient, cudnn, math; and flex
+#   bash benchmarks/gpu_session.sh                 # the plan, below
+#   bash benchmarks/gpu_session.sh --dry_run       # the same plan at tiny sizes on any machine (CPU included): checks
+#                                                  #   every package, path and argument before GPU time is spent
+#   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order
 #
-# Several stages can be named in one call. Results go to benchmarks/results/ (or $RESULTS_DIR), logs next to them.
-# On a machine whose Python lacks some of this project's packages (or has older ones), put their wheels in .whl/:
-# they are installed into a scratch directory first. The corpus path comes from $VASWANI_FRA_ENG as usual.
-# benchmarks/gpu_prepare.sh, run beforehand where a package registry is reachable, gathers both (and the benchmarks'
-# tokenizer) into ignored folders to carry, and prints the command.
+# The plan:
+#   1. quality      benchmarks/gpu_quality.py: base preset, 300 s, two recipes side by side, validation picks one,
+#                   beam-4 multi-reference BLEU on the test split. While it trains, in the background:
+#      tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
+#      fsdp         benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as without
+#   2. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
+#                   sentences stopping at their end (forced length beside); lean loop, transformers' loop, CUDA
+#                   graphs (when their test passed in `tests`), Marian
+#   3. training     bench_training.py: base, 25,000-token batches, bf16; Vaswani compiled against Marian; MFU
+# Other stages: translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
+#
+# Results go to $RESULTS_DIR (default benchmarks/results), logs beside them. With $ARCHIVE set, the results folder
+# is also packed into that .tar.gz after every stage (a device machine returns few files). Wheels in .whl/ are
+# installed into a scratch directory first (benchmarks/gpu_prepare.sh gathers them, and the corpus, beforehand;
+# INSTALL_WHEELS=0 skips them, for a dry run on a machine whose Python is not the device's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+dry_run=0
+if [ "${1:-}" = --dry_run ]; then dry_run=1; shift; fi
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(plan)
 RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
+BUDGET_SECONDS=${BUDGET_SECONDS:-540}
+ARCHIVE=${ARCHIVE:-}
 mkdir -p "$RESULTS_DIR"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+
+if [ "${INSTALL_WHEELS:-1}" = 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
+    # datasets 5 needs pyarrow ≥ 24; where the machine's pyarrow is older, datasets 4.0 (our floor) and its pins.
+    wheels=(.whl/*.whl)
+    if compgen -G ".whl/datasets4/*.whl" > /dev/null &&
+        ! python3 -c "import sys, pyarrow; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
+        wheels=($(ls .whl/*.whl | grep -v -E '/(datasets|dill|multiprocess|fsspec)-') .whl/datasets4/*.whl)
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${wheels[@]}" || exit 1
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+python3 - <<'EOF' || exit 1
+import importlib
+import torch
+for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "pyarrow", "safetensors"):
+    print(name, importlib.import_module(name).__version__)
+print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+EOF
 
-run() {  # run a command, logging its output; return its own exit status
-    "$@" 2>&1 | tee -a "$log"
+left() { echo $((BUDGET_SECONDS - SECONDS)); }
+publish() {  # pack the results folder into $ARCHIVE (atomically: a kill mid-way leaves the last complete pack)
+    [ -n "$ARCHIVE" ] || return 0
+    tar -czf "$ARCHIVE.$BASHPID" -C "$RESULTS_DIR" . && mv -f "$ARCHIVE.$BASHPID" "$ARCHIVE"
+}
+run() {  # run a command under a time limit (seconds), logging its output; return its exit status
+    local limit=$1 log=$2
+    shift 2
+    if [ "$limit" -le 5 ]; then echo "skipped, no time left: $*" | tee -a "$log"; return 1; fi
+    echo "\$ $* (limit ${limit} s)" >> "$log"
+    timeout --kill-after 10 "$limit" "$@" 2>&1 | tee -a "$log"
     return "${PIPESTATUS[0]}"
+}
+at_most() { local a=$1 b=$2; echo $((a < b ? a : b)); }
+device_args=()
+[ $dry_run = 1 ] && device_args=(--device cpu --threads 2)
+
+stage() {
+    local stage=$1 log="$RESULTS_DIR/gpu-$1.log"
+    echo "== $stage at ${SECONDS} s, $(left) s left" | tee -a "$log"
+    case $stage in
+        tests)  # CUDA-only tests; without CUDA they are all skipped (the dry run checks only that they collect)
+            # -v: each result is in the log as it happens, should a crash end the run; the compiled CUDA graphs
+            # (which segfaulted inductor's launcher on the last GPU) run last, alone.
+            run "$(at_most 300 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_fast_paths.py \
+                tests/test_modeling.py tests/test_decoding.py -k "not (cuda_graphs and compiled)" -p no:cacheprovider &&
+            run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_decoding.py \
+                -k "cuda_graphs and compiled" -p no:cacheprovider ;;
+        fsdp)
+            local dry=(); [ $dry_run = 1 ] && dry=(--dry_run)
+            run "$(at_most 300 "$(left)")" "$log" python3 benchmarks/gpu_fsdp_check.py --results_dir "$RESULTS_DIR" \
+                --timeout 120 "${dry[@]}" ;;
+        quality-prepare)
+            local dry=(); [ $dry_run = 1 ] && dry=(--dry_run)
+            run "$(left)" "$log" python3 benchmarks/gpu_quality.py --prepare_only "${dry[@]}" ;;
+        quality)
+            local dry=(); [ $dry_run = 1 ] && dry=(--dry_run)
+            run "$(left)" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" "${dry[@]}" ;;
+        training)
+            local size=(--sizes base --steps 10 --engines vaswani-compiled,marian)
+            [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 512 --steps 1 --warmup_steps 1 --engines vaswani,marian)
+            run "$(at_most 200 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
+                --results_dir "$RESULTS_DIR" "${size[@]}" ;;
+        translation-trained)  # the quality run's model, as users translate; random weights if it has none
+            local model=() engines=vaswani,vaswani-hfloop,marian work=(--num_sentences 3000 --batch_sizes 256)
+            [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ] && model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
+            # The graphed engine only where its own CUDA test passed in this session (it also checks the outputs).
+            grep -q "test_cuda_graphs_return_what_generate_returns\[4-eager\] PASSED" "$RESULTS_DIR/gpu-tests.log" \
+                2>/dev/null && engines=$engines,vaswani-graphs
+            [ $dry_run = 1 ] && work=(--num_sentences 32 --batch_sizes 8 --max_new_tokens 40)  # tiny: 64 positions
+            run "$(left)" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
+                "${model[@]}" "${work[@]}" --beams 4 --engines $engines --keep_going \
+                --output_name "translation-trained-{device}" ;;
+        translation|translation-compiled|translation-batch1)  # random weights, forced length (earlier sessions' rows)
+            local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
+            [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
+            if run "$(at_most 150 "$(left)")" "$log" python3 -m pytest -q -m gpu tests/test_decoding.py \
+                   -k "cuda_graphs and $test" -p no:cacheprovider; then
+                engines=$engines,$graphs
+            fi
+            local options=(--batch_sizes 256,32 --output_name "$stage-{device}")
+            [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$stage-{device}")
+            run "$(at_most 420 "$(left)")" "$log" python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
+                "${options[@]}" --engines $engines,marian --keep_going ;;
+        profile) run "$(left)" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
+                     --output_name training-profile --sizes tiny,base --steps 3 --profile ;;
+        attention)  # the base training step under each SDPA kernel (the last profile's largest item), then flex
+            local kernel
+            for kernel in efficient cudnn math; do
+                run "$(at_most 150 "$(left)")" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
+                    --sizes base --steps 10 --sdpa_backend $kernel --output_name training-sdpa-$kernel || false
+            done
+            run "$(at_most 150 "$(left)")" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
+                --sizes base --steps 10 --engines vaswani-compiled,vaswani-compiled-flex,marian \
+                --output_name training-flex-{device} || false ;;
+        scaling) run "$(at_most 150 "$(left)")" "$log" python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
+                     --lengths 64,256,1024,4096 --steps 3 ;;
+        *) echo "unknown stage $stage" | tee -a "$log"; false ;;
+    esac
+    local status=$?
+    echo "== $stage: exit $status at ${SECONDS} s" | tee -a "$log"
+    publish
+    return $status
 }
 
 status=0
-for stage in "$@"; do
-    log="$RESULTS_DIR/gpu-$stage.log"
-    echo "== $stage" | tee "$log"
-    case $stage in
-        tests) run timeout 360 python3 -m pytest -q -m gpu tests/test_fast_paths.py tests/test_modeling.py \
-                   tests/test_decoding.py -p no:cacheprovider ;;
-        profile) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --output_name training-profile \
-                     --sizes tiny,base --steps 3 --profile ;;
-        training) run python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" ;;
-        translation|translation-compiled|translation-batch1)
-            # vaswani-graphs[-compiled] only once their own CUDA test has passed here (it checks their outputs too);
-            # --keep_going drops an engine that fails anyway (a crash included) and names it in the report.
-            engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
-            [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
-            if run timeout 150 python3 -m pytest -q -m gpu tests/test_decoding.py -k "cuda_graphs and $test" \
-                   -p no:cacheprovider; then
-                engines=$engines,$graphs
-            fi
-            options=(--batch_sizes 256,32 --output_name "$stage-{device}")
-            [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$stage-{device}")
-            run timeout 420 python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" "${options[@]}" \
-                --engines $engines,marian --keep_going ;;
-        attention)  # the same base training step under each SDPA kernel (the profile's largest item), then FlexAttention
-            for kernel in efficient cudnn math; do
-                run timeout 150 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \
-                    --sdpa_backend $kernel --output_name training-sdpa-$kernel || false
-            done
-            run timeout 150 python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" --sizes base --steps 10 \
-                --engines vaswani-compiled,vaswani-compiled-flex,marian --output_name training-flex-{device} || false ;;
-        scaling) run timeout 150 python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
-                     --lengths 64,256,1024,4096 --steps 3 ;;
-        *) echo "unknown stage $stage" | tee -a "$log"; false ;;
-    esac || status=1
+for name in "${stages[@]}"; do
+    if [ "$name" = plan ]; then
+        stage quality-prepare || status=1
+        # The correctness checks share the GPU with the quality run's training (they time nothing); whatever of them
+        # is still running when it ends is stopped, so that the speed stages run alone.
+        (stage tests) & tests=$!
+        (stage fsdp) & fsdp=$!
+        stage quality || status=1
+        for job in $tests $fsdp; do
+            sleep_until=$((SECONDS + 20))
+            while kill -0 "$job" 2>/dev/null && [ $SECONDS -lt $sleep_until ]; do sleep 1; done
+            kill -0 "$job" 2>/dev/null && { echo "stopping background job $job: the speed stages run alone"; pkill -TERM -P "$job"; }
+            wait "$job" || status=1
+        done
+        stage translation-trained || status=1
+        stage training || status=1
+    else
+        stage "$name" || status=1
+    fi
 done
+publish
+echo "== done at ${SECONDS} s, exit $status"
 exit $status

@@ -12,6 +12,7 @@ Each runs on the CPU (compilation makes them slow: a minute or so in all) and, w
 """
 
 import copy
+import importlib.util
 import subprocess
 import sys
 
@@ -138,6 +139,50 @@ def test_bf16_sdpa_matches_fp32_eager(device):
     valid = batch["labels"] != -100
     error = (actual - expected)[valid].norm() / expected[valid].norm()
     assert error < 2e-2, f"relative error {error:.3g}"
+
+
+def _flash_attention_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+ATTENTION_IMPLEMENTATIONS = [
+    "sdpa",
+    "flex_attention",
+    pytest.param("flash_attention_2", marks=pytest.mark.skipif(
+        not (torch.cuda.is_available() and _flash_attention_installed()), reason="needs CUDA and flash_attn")),
+]
+
+
+@pytest.mark.parametrize("implementation", ATTENTION_IMPLEMENTATIONS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_implementations_match_eager(device, implementation):
+    """Every attention kernel the model accepts computes the eager reference's logits on a padded batch: the
+    translation model (padded source, causal target, cross-attention) and the modern decoder (causal, GQA, RoPE).
+    fp32 on the CPU; on CUDA the kernels run in bf16, as training and translation do there."""
+    if implementation == "flash_attention_2" and device == "cpu":
+        pytest.skip("flash attention runs on CUDA only")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    config = _config()
+    modern = VaswaniConfig.modern(vocab_size=99, d_model=64, decoder_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, d_ff=128, max_position_embeddings=64, dropout=0.0)
+    ids, mask = padded_batch(modern, [9, 6, 4], seed=5)
+    cases = [
+        (VaswaniForConditionalGeneration(config), _translation_batch(config, [9, 6, 4], [5, 7, 3], seed=3, device="cpu")),
+        (VaswaniForCausalLM(modern), {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}),
+    ]
+    for reference, batch in cases:
+        batch = {key: value.to(device) for key, value in batch.items()}
+        reference = reference.to(device).eval()
+        reference.config._attn_implementation = "eager"
+        fast = copy.deepcopy(reference).to(dtype)
+        fast.config._attn_implementation = implementation
+        with torch.no_grad():
+            expected = reference(**batch).logits
+            actual = fast(**batch).logits.float()
+        valid = batch["labels"] != -100
+        error = (actual - expected)[valid].norm() / expected[valid].norm()
+        assert error < tolerance, f"{type(reference).__name__} {implementation}: relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -616,6 +616,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     train_seconds = time.monotonic() - start
     metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
     metrics["train_wall_seconds"] = train_seconds
+    metrics["train_steps"] = trainer.state.global_step
     metrics["train_world_size"] = args.world_size
     if data.tokenizer_sentences is not None:
         metrics["tokenizer_training_sentences"] = data.tokenizer_sentences
