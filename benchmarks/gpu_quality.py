@@ -5,7 +5,8 @@ Several recipes can train side by side on the one GPU (each gets the whole budge
 fewer steps than it would alone). The one reported is chosen on the validation split (multi-reference BLEU of
 `scripts/evaluate_bleu.py --split validation`), never on the test split; every recipe's figures are recorded.
 
-    python benchmarks/gpu_quality.py                                  # on a GPU: base, 300 s, recipes dropout-0.1 and dropout-0.3
+    python benchmarks/gpu_quality.py                                  # on a GPU: base, 300 s, recipe dropout-0.1
+    python benchmarks/gpu_quality.py --recipes dropout-0.1,dropout-0.3   # both side by side, validation picks
     python benchmarks/gpu_quality.py --recipes dropout-0.1 --train_seconds 600
     python benchmarks/gpu_quality.py --dry_run                        # anywhere: tiny, 20 s, 64 test sentences
 
@@ -36,8 +37,9 @@ from vaswani.training import (
 )
 
 # Each recipe's own arguments, on top of the shared ones below. The paper's base model regularizes with dropout 0.1
-# (§6.3); a corpus of 150k short pairs is seen dozens of times in the budget, where 0.3 is the usual choice for
-# corpora of this size (IWSLT'14's 160k pairs). Validation BLEU decides.
+# (§6.3); 0.3 is the usual choice for corpora of this size (IWSLT'14's 160k pairs) trained for dozens of epochs.
+# On the H100 (2026-11-26, results/gpu-quality-cuda-h100-80gb-hbm3.md) the two side by side each got about 1,000
+# steps of 12,000 tokens (8 epochs) in 300 s, where 0.1 led by 12 validation BLEU; so 0.1 alone is the default.
 RECIPES = {
     "dropout-0.1": ["--config_overrides", "dropout=0.1"],
     "dropout-0.3": ["--config_overrides", "dropout=0.3"],
@@ -88,13 +90,16 @@ def read_json(path: Path) -> dict | None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
+    parser.add_argument("--recipes", default="dropout-0.1", help=f"comma-separated, of {', '.join(RECIPES)}")
     parser.add_argument("--preset", default="base")
     parser.add_argument("--train_seconds", type=float, default=300)
     parser.add_argument("--vocab_size", type=int, default=16000)
-    parser.add_argument("--max_tokens", type=int, default=12000, help="padded tokens per side per batch")
+    # The H100 run with 12,000-token batches and a 1,000-step warm-up stopped at 1,027 steps, just as the rate
+    # peaked. Smaller batches give more steps in the budget (the CPU main job's finding too), and a 400-step
+    # warm-up (the main job's, benchmarks/results/main-job-recipes.md) leaves most of them past the peak.
+    parser.add_argument("--max_tokens", type=int, default=4000, help="padded tokens per side per batch")
     parser.add_argument("--lr", type=float, default=7e-4)
-    parser.add_argument("--warmup", type=int, default=1000)
+    parser.add_argument("--warmup", type=int, default=400)
     parser.add_argument("--eval_batch_size", type=int, default=256)
     parser.add_argument("--validation_samples", type=int, default=None, help="default: the whole validation split")
     parser.add_argument("--output_root", type=Path, default=REPO_ROOT / "outputs" / "gpu-quality")

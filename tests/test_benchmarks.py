@@ -1,6 +1,7 @@
 """Smoke runs of every benchmark script at the tiny size on a small synthetic corpus: each must finish in seconds
 and write its JSON and Markdown reports with the fields the issue asks for (device, versions, exact command)."""
 
+import argparse
 import gzip
 import importlib.util
 import json
@@ -332,3 +333,23 @@ def test_data_benchmark(corpus, tmp_path):
     first, cached = report["results"]
     assert (first["run"], cached["run"], first["pairs"]) == ("first", "cached", 300)
     assert 0 < first["read_s"] <= first["first_step_s"] and cached["peak_anon_gib"] > 0
+
+
+def test_gpu_scripts_give_train_translation_arguments_it_parses():
+    """The GPU scripts' train_translation.py command lines (built here, run only on a lent GPU) parse: a wrong flag or
+    value would otherwise surface only after the device's start-up had been paid for."""
+    from transformers import HfArgumentParser
+
+    from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments
+
+    quality, fsdp = load("gpu_quality"), load("gpu_fsdp_check")
+    parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
+    for dry_run in (False, True):
+        args = argparse.Namespace(dry_run=dry_run, preset="base", vocab_size=16000, train_seconds=300, max_tokens=4000,
+                                  lr=7e-4, warmup=400, eval_batch_size=256)
+        for recipe in quality.RECIPES.values():
+            namespace = parser.parse_args(quality.shared_arguments(args, Path("out")) + recipe)  # exits on an error
+            assert namespace.max_train_time == 300 and namespace.bf16 is (not dry_run)
+    sharded = fsdp.training_arguments(Path("out"), 10) + ["--fsdp", "--fsdp_config", '{"reshard_after_forward": true}']
+    namespace = parser.parse_args(sharded)
+    assert namespace.fsdp is True and namespace.max_steps == 10
