@@ -17,7 +17,6 @@ The corpus is train_translation.py's default ($VASWANI_FRA_ENG, ../shared/data/f
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
