@@ -20,6 +20,7 @@ import contextlib
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
     if args.keep_freed_memory and not device.is_cuda and not keep_freed_cpu_memory(largest_block_mib=None):
         raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
+    started = time.monotonic()
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
@@ -173,6 +175,9 @@ def run(args: argparse.Namespace, argv) -> Path:
     chosen = order[: 1 + warmup + steps]
     batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
     timed_batches = batches[1 + warmup :]
+    # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
+    print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
+          file=sys.stderr, flush=True)
 
     rows = []
     for size in args.sizes:
@@ -185,6 +190,8 @@ def run(args: argparse.Namespace, argv) -> Path:
             # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
             for i in range(1, 1 + warmup):
                 trainee.step(i)
+            print(f"{size} {engine_label(trainee.name)}: {warmup} warm-up steps done after "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
             with PeakMemory(device) as peak:
                 trainee.step(0)
             memory[trainee.name] = (trainee.state_mib(), peak.added_mib)
