@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -157,6 +158,8 @@ class TorchEngine:
 
     def close(self):
         del self.model
+
+STARTED = time.monotonic()  # for the progress lines
 
 
 def quantize_per_tensor_with_torch_ao(model):
@@ -545,6 +548,9 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
         for warmup in {0, len(batches) - 1}:
             if name in engines:
                 call(name, "timed_translate", batches[warmup])
+        # Progress on stderr: a GPU run cut short by its time limit still says how far it got.
+        print(f"{name}: warm ({'eos' if stop_at_eos else 'forced'}, beams {beams}) after "
+              f"{time.monotonic() - STARTED:.0f} s", file=sys.stderr, flush=True)
     names = list(engines)
     best = {name: [float("inf")] * len(batches) for name in names}
     outputs = {name: [None] * len(batches) for name in names}
