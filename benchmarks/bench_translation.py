@@ -159,6 +159,7 @@ class TorchEngine:
     def close(self):
         del self.model
 
+
 STARTED = time.monotonic()  # for the progress lines
 
 
