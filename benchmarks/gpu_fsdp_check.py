@@ -97,7 +97,8 @@ def main(argv=None):
     losses = {}
     for row, directory in zip(rows, ("plain", "sharded")):
         if row["returncode"] == 0:
-            row["held_out_loss"] = losses[directory] = held_out_loss(args.output_root / directory, args.pairs, device.device)
+            loss = held_out_loss(args.output_root / directory, args.pairs, device.device)
+            row["held_out_loss"] = losses[directory] = loss
     agree = len(losses) == 2 and abs(losses["sharded"] - losses["plain"]) <= TOLERANCE * abs(losses["plain"])
     rows[1]["agrees_with_plain"] = "yes" if agree else "no"
 
@@ -108,13 +109,15 @@ def main(argv=None):
     if not device.is_cuda:
         readme = ["--preset", "tiny", "--use_cpu", "true", "--ddp_backend", "gloo", "--output_dir",
                   str(args.output_root / "readme"), "--max_train_time", "5", "--max_tokens_per_batch", "2000",
-                  "--paper_recipe", "--save_strategy", "no", "--max_test_samples", "16", "--overwrite_output_dir", "true"]
+                  "--paper_recipe", "--save_strategy", "no", "--max_test_samples", "16",
+                  "--overwrite_output_dir", "true"]
     rows.append(run(f"{name}-readme-command", torchrun(script, *readme), results_dir, args.timeout))
     rows[-1]["saved"] = "yes" if (args.output_root / "readme" / "model.safetensors").is_file() else "no"
 
     notes = [f"Both first runs: tiny preset, {args.steps} steps, fp32, dropout 0, seed 0; loss of each reloaded "
              f"checkpoint on the first {args.pairs} validation pairs; agreement within {TOLERANCE:g} relative.",
-             "The sharded run is `torchrun --nproc_per_node 1 ... --fsdp --fsdp_config '{\"reshard_after_forward\": true}'` "
+             "The sharded run is `torchrun --nproc_per_node 1 ... --fsdp "
+             "--fsdp_config '{\"reshard_after_forward\": true}'` "
              "(FSDP2 through accelerate)"
              + ("" if device.is_cuda else "; on this CPU dry run it is DDP over gloo instead") + ".",
              "The README command runs on one process (the README's has 8) for 20 s with 64 test sentences.",

@@ -128,7 +128,8 @@ def main(argv=None):
     runs = {}
     for recipe in recipes:
         output_dir = args.output_root / recipe
-        command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir), *RECIPES[recipe],
+        command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir),
+                   *RECIPES[recipe],
                    "--overwrite_output_dir", "true"]
         runs[recipe] = {"recipe": recipe, "output_dir": output_dir, "command": command,
                         "process": launch(command, results_dir / f"{name}-{recipe}.log")}
@@ -143,7 +144,8 @@ def main(argv=None):
         if run["metrics"] is None:
             continue
         output_file = args.output_root / f"{recipe}-validation.json"
-        command = [sys.executable, "scripts/evaluate_bleu.py", "--model", str(run["output_dir"]), "--split", "validation",
+        command = [sys.executable, "scripts/evaluate_bleu.py", "--model", str(run["output_dir"]),
+                   "--split", "validation",
                    "--num_beams", "4", "--batch_size", str(args.eval_batch_size), "--output_file", str(output_file)]
         if args.validation_samples:
             command += ["--max_samples", str(args.validation_samples)]
@@ -169,7 +171,8 @@ def main(argv=None):
     if chosen:
         (results_dir / "gpu-quality-selected.txt").write_text(str(runs[chosen["recipe"]]["output_dir"]) + "\n")
 
-    target = "target ≥ 56 multi-reference BLEU (beam 4), aim 58; MarianMTModel with the same data, tokenizer and budget ≈ 54"
+    target = ("target ≥ 56 multi-reference BLEU (beam 4), aim 58; MarianMTModel with the same data, tokenizer and "
+              "budget ≈ 54")
     notes = [
         f"{len(recipes)} recipe(s) trained side by side on the one device, each for {args.train_seconds:.0f} s "
         "(so each had a share of the GPU, fewer steps than alone); the chosen one has the best validation BLEU.",
@@ -181,7 +184,8 @@ def main(argv=None):
     if chosen:
         notes.insert(0, f"Chosen: {chosen['recipe']}, test BLEU {chosen['test_bleu']:.2f} "
                         f"(validation {chosen['validation_bleu']:.2f}).")
-    columns = [Column("recipe", "recipe"), Column("chosen", "chosen"), Column("validation_bleu", "valid BLEU", "{:.2f}"),
+    columns = [Column("recipe", "recipe"), Column("chosen", "chosen"),
+               Column("validation_bleu", "valid BLEU", "{:.2f}"),
                Column("test_bleu", "test BLEU", "{:.2f}"), Column("test_chrf", "test chrF", "{:.2f}"),
                Column("test_ter", "test TER", "{:.2f}"), Column("train_steps", "steps"),
                Column("train_epochs", "epochs", "{:.1f}"), Column("train_loss", "train loss", "{:.3f}")]

@@ -170,10 +170,9 @@ def test_attention_implementations_match_eager(device, implementation):
     modern = VaswaniConfig.modern(vocab_size=99, d_model=64, decoder_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, d_ff=128, max_position_embeddings=64, dropout=0.0)
     ids, mask = padded_batch(modern, [9, 6, 4], seed=5)
-    cases = [
-        (VaswaniForConditionalGeneration(config), _translation_batch(config, [9, 6, 4], [5, 7, 3], seed=3, device="cpu")),
-        (VaswaniForCausalLM(modern), {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}),
-    ]
+    translation = _translation_batch(config, [9, 6, 4], [5, 7, 3], seed=3, device="cpu")
+    causal = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    cases = [(VaswaniForConditionalGeneration(config), translation), (VaswaniForCausalLM(modern), causal)]
     for reference, batch in cases:
         batch = {key: value.to(device) for key, value in batch.items()}
         reference = reference.to(device).eval()
