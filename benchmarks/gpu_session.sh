@@ -70,8 +70,8 @@ run() {  # run a command under a time limit (seconds), logging its output; retur
     return "${PIPESTATUS[0]}"
 }
 at_most() { local a=$1 b=$2; echo $((a < b ? a : b)); }
-device_args=()
-[ $dry_run = 1 ] && device_args=(--device cpu --threads 2)
+device_args=() dry=()  # what a dry run adds to the benchmarks' and the GPU scripts' arguments
+[ $dry_run = 1 ] && device_args=(--device cpu --threads 2) dry=(--dry_run)
 
 stage() {
     local stage=$1 log="$RESULTS_DIR/gpu-$1.log"
@@ -86,14 +86,11 @@ stage() {
             run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_decoding.py \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
         fsdp)
-            local dry=(); [ $dry_run = 1 ] && dry=(--dry_run)
             run "$(at_most 300 "$(left)")" "$log" python3 benchmarks/gpu_fsdp_check.py --results_dir "$RESULTS_DIR" \
                 --timeout 120 "${dry[@]}" ;;
         quality-prepare)
-            local dry=(); [ $dry_run = 1 ] && dry=(--dry_run)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --prepare_only "${dry[@]}" ;;
         quality)
-            local dry=(); [ $dry_run = 1 ] && dry=(--dry_run)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" "${dry[@]}" ;;
         training)
             local size=(--sizes base --steps 10 --engines vaswani-compiled,marian)
