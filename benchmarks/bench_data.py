@@ -106,6 +106,7 @@ def memory_of(pids: list[int]) -> dict[str, float]:
 
 def measure(command: list[str], env: dict, timeout: float) -> dict:
     """Run `command` until its first training step is logged; stage times and peak memory."""
+    load = os.getloadavg()[0]  # what else was running: 2 cores are busy at a load of 2
     start = time.monotonic()
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
                                start_new_session=True)
@@ -137,7 +138,7 @@ def measure(command: list[str], env: dict, timeout: float) -> dict:
         raise RuntimeError(f"No training step was logged ({' '.join(command)}):\n{''.join(tail)}")
     return {**{f"{stage}_s": round(seconds, 1) for stage, seconds in times.items()}, "cpu_s": round(cpu),
             "peak_anon_gib": round(peak["anon"] / GIB, 2), "peak_file_gib": round(peak["file"] / GIB, 2),
-            "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2)}
+            "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2), "load_before": round(load, 1)}
 
 
 def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, args) -> list[str]:
@@ -230,12 +231,14 @@ def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str
                Column("tokenized_s", "tokenized, training starts (s)"), Column("first_step_s", "first step (s)"),
                Column("first_step_s_per_million_pairs", "s per M pairs"), Column("cpu_s", "CPU s to first step"),
                Column("peak_anon_gib", "peak anon (GiB)"), Column("peak_file_gib", "peak mapped files (GiB)"),
-               Column("peak_process_rss_gib", "largest process RSS (GiB)")]
+               Column("peak_process_rss_gib", "largest process RSS (GiB)"),
+               Column("load_before", "load average before")]
     notes = [
         "Stand-in corpora: each line joins 2-4 random fra-eng pairs (seed 0), about 25 tokens a side.",
         "Times: seconds from the command's start to the end of each stage, read from the training script's log; "
-        "'first step' is when the Trainer logs step 1. The machine (2 cores) was shared with other jobs while these "
-        "ran (load average about 15), so wall times are several times what an idle machine gives.",
+        "'first step' is when the Trainer logs step 1. 'load average before' is the machine's 1-minute load "
+        "average as the run started: about 0-2 on an otherwise idle 2-core machine; well above 2, other jobs shared "
+        "the cores and wall times grow with them.",
         "CPU s: user + system seconds of the process tree until the first step (what contention from other jobs "
         "inflates least); on an otherwise idle machine, the first step comes after about CPU s / 2 (two cores) "
         "where the work is parallel (tokenization), and CPU s where it is not (reading the corpus).",

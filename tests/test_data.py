@@ -17,6 +17,7 @@ import datasets
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
+from tokenizers import normalizers
 
 from vaswani import data
 from vaswani.data import (
@@ -377,6 +378,73 @@ def test_tokenize_translation_dataset(small_tokenizer):
     assert small_tokenizer.decode(row["input_ids"], skip_special_tokens=True) == pairs[0][0]
     assert max(example_lengths(tokenized["train"])) == 6
     assert all(ids[-1] == small_tokenizer.eos_token_id for ids in tokenized["train"]["labels"][:])
+
+
+# Text where a word-by-word encoding could part from the tokenizer's own: spaces of every kind, characters that
+# normalising turns into spaces, letters or "<", added tokens written out, "▁", controls, combining marks.
+TRICKY = (list("aé e\u0301ß.,!?'-«»…") + ["\u00a0", "\u202f", "\t", "\n", "\x1c", "\u2028", "\u2003", "´", "¨", "＜",
+          "＞", "<", ">", "/s", "</s>", "<s>", "<pad>", "<0x41>", "▁", "▁▁", "  ", "😀", "ﬁ", "①", "\u200b", "\x85",
+          "\x00", "\ufeff", "\U0001e030", "ǅ", "İ", "U.S.A.", "l'a", "don't", "est-il", "(x)", '"q"', "chat", "chien"])
+
+
+def tricky_texts(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    texts = ["", " ", "  a  ", "\t", "a\x1cb", *(s for pair in made_up_pairs(50) for s in pair)]
+    texts += ["".join(rng.choice(TRICKY) for _ in range(rng.randint(0, 30))) for _ in range(count)]
+    # Every code point of the first planes' common scripts, and some beyond, inside and around a word.
+    points = [*range(0x3000), *rng.sample(range(0xE000, 0x110000), 2000)]
+    return texts + [f"a{chr(point)}b {chr(point)}x {chr(point)}" for point in points if not 0xD800 <= point < 0xE000]
+
+
+@pytest.mark.parametrize("max_length", [128, 6, 2])
+def test_word_cached_encoding_gives_the_tokenizers_own_ids(small_tokenizer, max_length):
+    texts = tricky_texts(3000)
+    encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length)
+    encoded = [ids for start in range(0, len(texts), 500) for ids in encoder(texts[start:start + 500])]
+    expected = small_tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    assert [text for text, got, want in zip(texts, encoded, expected) if got != want] == []
+
+
+def test_word_cache_stays_within_its_bound(small_tokenizer):
+    texts = tricky_texts(500, seed=1)
+    encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length=20, max_words=50)
+    encoded, sizes, most_in_a_batch = [], [], 0
+    for start in range(0, len(texts), 40):
+        batch = texts[start:start + 40]
+        encoded += encoder(batch)
+        sizes.append(len(encoder._ids))
+        most_in_a_batch = max(most_in_a_batch, len({w for t in batch for w in encoder._words(t) or []}))
+    assert any(later < earlier for earlier, later in zip(sizes, sizes[1:]))  # it started over
+    assert max(sizes) <= max(50, most_in_a_batch)  # only one batch's own words can take it past its bound
+    assert encoded == small_tokenizer(texts, truncation=True, max_length=20)["input_ids"]
+
+
+def test_tokenizing_word_by_word_gives_the_same_dataset(small_tokenizer, monkeypatch):
+    split = Dataset.from_dict({"source": tricky_texts(200, seed=2)[:1000], "target": tricky_texts(200, seed=3)[-1000:]})
+    words = tokenize_translation_dataset(split, small_tokenizer, max_length=24)
+    monkeypatch.setattr(data.WordCachedEncoder, "for_tokenizer", lambda *args, **kwargs: None)
+    whole = tokenize_translation_dataset(split, small_tokenizer, max_length=24)
+    assert words.features == whole.features and words[:] == whole[:]
+
+
+def test_tokenizers_with_another_pipeline_are_called_as_usual(small_tokenizer, tmp_path):
+    """Word-by-word encoding is only for the pipeline it is exact for; any other tokenizer is called whole."""
+    other = VaswaniTokenizer.from_pretrained(save_to(small_tokenizer, tmp_path / "other"))
+    other.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert data.WordCachedEncoder.for_tokenizer(other, 32) is None
+    assert data.WordCachedEncoder.for_tokenizer(small_tokenizer, 1) is None  # no room beside </s>
+    left = VaswaniTokenizer.from_pretrained(tmp_path / "other", truncation_side="left")
+    assert data.WordCachedEncoder.for_tokenizer(left, 32) is None
+    pairs = made_up_pairs(20)
+    split = Dataset.from_dict({"source": [p[0].upper() for p in pairs], "target": [p[1] for p in pairs]})
+    tokenized = tokenize_translation_dataset(split, other, max_length=32)
+    assert tokenized["input_ids"][:] == other(split["source"][:], truncation=True, max_length=32)["input_ids"]
+    assert tokenized["input_ids"][:] != tokenize_translation_dataset(split, small_tokenizer, 32)["input_ids"][:]
+
+
+def save_to(tokenizer, directory: Path) -> Path:
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def random_lengths(count: int = 2000, seed: int = 0) -> list[int]:

@@ -42,9 +42,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, List, Value, load_dataset, load_from_disk
+from tokenizers import Tokenizer
 from torch.utils.data import Sampler
 
-from .tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+from .tokenization_vaswani import WORD_START, VaswaniTokenizer, _build_backend, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -647,8 +648,14 @@ def tokenize_translation_dataset(
         return DatasetDict({name: tokenize_translation_dataset(split, tokenizer, max_length, num_proc, overwrite_cache)
                             for name, split in dataset.items()})
 
-    def encode(batch):
-        return tokenizer(batch["source"], text_target=batch["target"], truncation=True, max_length=max_length)
+    words = WordCachedEncoder.for_tokenizer(tokenizer, max_length)
+    if words is None:
+        def encode(batch):
+            return tokenizer(batch["source"], text_target=batch["target"], truncation=True, max_length=max_length)
+    else:
+        def encode(batch):
+            input_ids, labels = words(batch["source"]), words(batch["target"])
+            return {"input_ids": input_ids, "attention_mask": [[1] * len(ids) for ids in input_ids], "labels": labels}
 
     cache = {}
     if dataset.cache_files:
@@ -661,6 +668,85 @@ def tokenize_translation_dataset(
             logger.info("Tokenizing %d examples into %s.", len(dataset), path.parent)
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing",
                        num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > num_proc else None, **cache)
+
+
+class WordCachedEncoder:
+    """`tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]`, a word at a time from a cache.
+
+    A `VaswaniTokenizer` normalises a sentence, cuts it at its spaces and encodes each word on its own (see
+    tokenization_vaswani), so a sentence's ids are its words' ids end to end. `tokenizers` spends most of its time
+    per sentence on bookkeeping that training does not use (offsets, alignments, an `Encoding` object), while a
+    corpus repeats its words: looking each word up in a dict, and encoding only the words not seen yet, a batch at
+    a time, gives the same ids several times faster (benchmarks/results/data-cpu.md). The cache holds at most
+    `max_words` words and starts over when full, so its memory does not grow with the corpus.
+
+    Sentences that might hold an added token such as "</s>" (which `tokenizers` finds in the raw text, before
+    normalising) are encoded whole, as are all sentences of a tokenizer with another pipeline: `for_tokenizer`
+    then returns None and the tokenizer is called as usual.
+    """
+
+    def __init__(self, backend: Tokenizer, prefix: list[int], suffix: list[int], max_length: int,
+                 max_words: int = 500_000):
+        self._backend = backend
+        self._normalize = backend.normalizer.normalize_str
+        self._prefix, self._suffix = prefix, suffix
+        self._keep = max_length - len(prefix) - len(suffix)  # how transformers truncates a single sequence
+        # Added tokens are found in the raw text, and a "▁" in the text is cut at like a space but not merged with
+        # the space before it: sentences holding either are encoded whole.
+        added = [token.content for token in backend.get_added_tokens_decoder().values() if token.content]
+        self._whole_if = frozenset([WORD_START, *(content[0] for content in added)])
+        self._max_words = max_words
+        self._ids: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, max_length: int, max_words: int = 500_000) -> "WordCachedEncoder | None":
+        """An encoder for `tokenizer`, or None where its pipeline does not encode words independently."""
+        if not getattr(tokenizer, "is_fast", False) or tokenizer.truncation_side != "right":
+            return None
+        reference = json.loads(_build_backend({}, []).to_str())
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        state = json.loads(backend.to_str())
+        if any(state[part] != reference[part] for part in ("normalizer", "pre_tokenizer")):
+            return None
+        # The special tokens the tokenizer adds around a sentence, found from one encoded word.
+        backend.no_truncation()
+        backend.no_padding()
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = tokenizer("a")["input_ids"]
+        starts = [k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain]
+        if not starts or max_length <= len(full) - len(plain):
+            return None
+        return cls(backend, full[:starts[0]], full[starts[0] + len(plain):], max_length, max_words)
+
+    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
+        sentences = [self._words(text) for text in texts]
+        ids = self._ids
+        missing = {word for words in sentences if words is not None for word in words if word not in ids}
+        if len(ids) + len(missing) > self._max_words:
+            ids.clear()
+            missing = {word for words in sentences if words is not None for word in words}
+        if missing:
+            missing = list(missing)
+            for word, encoding in zip(missing, self._backend.encode_batch_fast(missing, add_special_tokens=False)):
+                ids[word] = encoding.ids
+        whole = [text for text, words in zip(texts, sentences) if words is None]
+        whole = iter(encoding.ids for encoding in self._backend.encode_batch_fast(whole, add_special_tokens=False))
+        encoded = []
+        for words in sentences:
+            content = next(whole) if words is None else [i for word in words for i in ids[word]]
+            encoded.append(self._prefix + content[:self._keep] + self._suffix)
+        return encoded
+
+    def _words(self, text: str) -> list[str] | None:
+        """`text` normalised and cut at its spaces, or None if it must be encoded whole."""
+        if text.isascii() and text.isprintable():
+            normalized, words = text, text.split()  # normalising leaves printable ASCII as it is; its only space is " "
+        else:
+            normalized = self._normalize(text)
+            words = normalized.split(" ")
+        if any(start in text or start in normalized for start in self._whole_if):
+            return None
+        return words
 
 
 def tokenizer_state_digest(tokenizer) -> str:
