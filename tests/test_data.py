@@ -396,16 +396,28 @@ def tricky_texts(count: int, seed: int = 0) -> list[str]:
     return texts + [f"a{chr(point)}b {chr(point)}x {chr(point)}" for point in points if not 0xD800 <= point < 0xE000]
 
 
-@pytest.mark.parametrize("max_length", [128, 6, 2])
-def test_word_cached_encoding_gives_the_tokenizers_own_ids(small_tokenizer, max_length):
+@pytest.mark.parametrize(("max_length", "mostly_new"), [(128, 2.0), (6, 2.0), (2, 2.0), (128, 0.0)],
+                         ids=["words", "words-truncated", "words-only-eos", "sentences"])
+def test_word_cached_encoding_gives_the_tokenizers_own_ids(small_tokenizer, max_length, mostly_new, monkeypatch):
+    """Word by word (a batch is never too new for it) and a sentence at a time (every batch is)."""
+    monkeypatch.setattr(data, "MOSTLY_NEW", mostly_new)
     texts = tricky_texts(3000)
     encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length)
     encoded = [ids for start in range(0, len(texts), 500) for ids in encoder(texts[start:start + 500])]
     expected = small_tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     assert [text for text, got, want in zip(texts, encoded, expected) if got != want] == []
+    assert (len(encoder._ids) > 1000) == (mostly_new > 1)
 
 
-def test_word_cache_stays_within_its_bound(small_tokenizer):
+def test_ordinary_text_is_encoded_from_the_word_cache(small_tokenizer):
+    encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, 64)
+    texts = [s for pair in made_up_pairs(300) for s in pair]
+    assert encoder(texts) == small_tokenizer(texts, truncation=True, max_length=64)["input_ids"]
+    assert "chèvre" in encoder._ids and "dort." in encoder._ids  # the words went through the cache
+
+
+def test_word_cache_stays_within_its_bound(small_tokenizer, monkeypatch):
+    monkeypatch.setattr(data, "MOSTLY_NEW", 2.0)  # never a sentence at a time
     texts = tricky_texts(500, seed=1)
     encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length=20, max_words=50)
     encoded, sizes, most_in_a_batch = [], [], 0

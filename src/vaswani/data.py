@@ -670,6 +670,12 @@ def tokenize_translation_dataset(
                        num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > num_proc else None, **cache)
 
 
+# Words not in `WordCachedEncoder`'s cache are encoded this many to a text.
+WORDS_PER_TEXT = 256
+# A batch whose words are more than this share new ones is encoded a sentence at a time: cheaper then.
+MOSTLY_NEW = 0.35
+
+
 class WordCachedEncoder:
     """`tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]`, a word at a time from a cache.
 
@@ -696,7 +702,7 @@ class WordCachedEncoder:
         added = [token.content for token in backend.get_added_tokens_decoder().values() if token.content]
         self._whole_if = frozenset([WORD_START, *(content[0] for content in added)])
         self._max_words = max_words
-        self._ids: dict[str, list[int]] = {}
+        self._ids: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def for_tokenizer(cls, tokenizer, max_length: int, max_words: int = 500_000) -> "WordCachedEncoder | None":
@@ -722,20 +728,34 @@ class WordCachedEncoder:
         sentences = [self._words(text) for text in texts]
         ids = self._ids
         missing = {word for words in sentences if words is not None for word in words if word not in ids}
+        if len(missing) > MOSTLY_NEW * sum(len(words) for words in sentences if words is not None):
+            # A new word costs several times its share of a whole sentence's encoding.
+            return [self._complete(encoding.ids)
+                    for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         if len(ids) + len(missing) > self._max_words:
             ids.clear()
             missing = {word for words in sentences if words is not None for word in words}
         if missing:
-            missing = list(missing)
-            for word, encoding in zip(missing, self._backend.encode_batch_fast(missing, add_special_tokens=False)):
-                ids[word] = encoding.ids
+            self._encode_words(list(missing))
         whole = [text for text, words in zip(texts, sentences) if words is None]
         whole = iter(encoding.ids for encoding in self._backend.encode_batch_fast(whole, add_special_tokens=False))
-        encoded = []
-        for words in sentences:
-            content = next(whole) if words is None else [i for word in words for i in ids[word]]
-            encoded.append(self._prefix + content[:self._keep] + self._suffix)
-        return encoded
+        return [self._complete(next(whole) if words is None else [i for word in words for i in ids[word]])
+                for words in sentences]
+
+    def _complete(self, content: list[int]) -> list[int]:
+        """A sentence's ids, truncated and with the special tokens the tokenizer adds."""
+        return self._prefix + content[:self._keep] + self._suffix
+
+    def _encode_words(self, words: list[str]) -> None:
+        """Put `words`' ids in the cache. They are encoded many to a text, as a pre-split text whose `word_ids` say
+        which word each token comes from: `tokenizers` costs most per text, not per word."""
+        chunks = [words[start:start + WORDS_PER_TEXT] for start in range(0, len(words), WORDS_PER_TEXT)]
+        for chunk, encoding in zip(chunks, self._backend.encode_batch(chunks, is_pretokenized=True,
+                                                                     add_special_tokens=False)):
+            per_word = [[] for _ in chunk]
+            for token, word in zip(encoding.ids, encoding.word_ids):
+                per_word[word].append(token)
+            self._ids.update(zip(chunk, map(tuple, per_word)))  # tuples of ints: smaller, and not tracked by the GC
 
     def _words(self, text: str) -> list[str] | None:
         """`text` normalised and cut at its spaces, or None if it must be encoded whole."""
