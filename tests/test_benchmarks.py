@@ -317,7 +317,7 @@ def test_streaming_benchmark(corpus, tmp_path):
     assert [row["identical"] for row in compared] == [6, 6]
 
 
-def test_data_benchmark(corpus, tmp_path):
+def test_data_benchmark(corpus, tmp_path, monkeypatch):
     """Stand-in corpora built from a corpus, then a first and a cached run of the training script, measured to its
     first step: the cached run reads nothing again."""
     bench = load("bench_data")
@@ -333,6 +333,13 @@ def test_data_benchmark(corpus, tmp_path):
     first, cached = report["results"]
     assert (first["run"], cached["run"], first["pairs"]) == ("first", "cached", 300)
     assert 0 < first["read_s"] <= first["first_step_s"] and cached["peak_anon_gib"] > 0
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # what the stage sets, undone after the test
+    bench.main(["--corpora", str(stand_in), "--encoder_shares", "0", "1", "--encoder_sentences", "200",
+                "--vocab_size", "300", "--results_dir", str(tmp_path / "results")])  # raises if the ids differ
+    report = check_report(tmp_path / "results" / "data-encoder-cpu.json", "bench_data",
+                          {"new_word_share", "tokenizer_call_cpu_s", "word_cache_cpu_s", "speedup"})
+    shares = [row["new_word_share"] for row in report["results"]]
+    assert shares == [0, 1] and all(row["sentences"] == 200 for row in report["results"])
 
 
 def test_gpu_scripts_give_train_translation_arguments_it_parses():
