@@ -712,11 +712,12 @@ class WordCachedEncoder:
         if not getattr(tokenizer, "is_fast", False) or tokenizer.truncation_side != "right":
             return None
         reference = json.loads(_build_backend({}, []).to_str())
-        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-        state = json.loads(backend.to_str())
+        saved = tokenizer.backend_tokenizer.to_str()
+        state = json.loads(saved)
         if any(state[part] != reference[part] for part in ("normalizer", "pre_tokenizer")):
             return None
         # The special tokens the tokenizer adds around a sentence, found from one encoded word.
+        backend = Tokenizer.from_str(saved)  # a copy whose truncation and padding the tokenizer's calls leave alone
         backend.no_truncation()
         backend.no_padding()
         plain = backend.encode("a", add_special_tokens=False).ids
@@ -728,15 +729,16 @@ class WordCachedEncoder:
 
     def __call__(self, texts: Sequence[str]) -> list[list[int]]:
         sentences = [self._words(text) for text in texts]
+        cut = [words for words in sentences if words is not None]
         ids = self._ids
-        missing = {word for words in sentences if words is not None for word in words if word not in ids}
-        if len(missing) > MOSTLY_NEW * sum(len(words) for words in sentences if words is not None):
+        missing = {word for words in cut for word in words if word not in ids}
+        if len(missing) > MOSTLY_NEW * sum(map(len, cut)):
             # A new word costs several times its share of a whole sentence's encoding.
             return [self._complete(encoding.ids)
                     for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         if len(ids) + len(missing) > self._max_words:
             ids.clear()
-            missing = {word for words in sentences if words is not None for word in words}
+            missing = {word for words in cut for word in words}
         if missing:
             self._encode_words(list(missing))
         whole = [text for text, words in zip(texts, sentences) if words is None]
