@@ -8,15 +8,17 @@
 #                                                  #   every package, path and argument before GPU time is spent
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order
 #
-# The plan:
-#   1. quality      benchmarks/gpu_quality.py: base preset, 300 s, beam-4 multi-reference BLEU on the test split
-#                   (with several recipes, side by side, validation picks one). While it trains, in the background:
-#      tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
+# The plan, each stage alone on the GPU (a timed stage shares it with nothing):
+#   1. quality      benchmarks/gpu_quality.py: base preset, 300 s (compilation included), beam-4 multi-reference BLEU
+#                   on the test split, whose translations it keeps
 #   2. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
-#                   sentences stopping at their end (forced length beside); lean loop, transformers' loop, CUDA
-#                   graphs (when their test passed in `tests`), Marian
-# The plan fits one 9-minute call. Next, in a second call while the machine is still warm:
-#      training     bench_training.py: base, 25,000-token batches, bf16; Vaswani compiled against Marian; MFU
+#                   sentences stopping at their end (no forced-length rows); lean loop, transformers' loop, CUDA
+#                   graphs, Marian with the same weights, each engine in its own process
+#   3. training     bench_training.py: base, 25,000-token batches, bf16; Vaswani compiled and eager against Marian;
+#                   compilation done in the warm-up steps, before timing; MFU
+#   4. tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
+# A stage gets the time left, so a call cut short loses only the stages it did not reach; `bash
+# benchmarks/gpu_session.sh training tests` runs the last two in a second call.
 # Other stages: fsdp (benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as without),
 # translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
 #
@@ -93,19 +95,26 @@ stage() {
         quality)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" "${dry[@]}" ;;
         training)
-            local size=(--sizes base --steps 10 --engines vaswani-compiled,marian)
+            local size=(--sizes base --steps 10 --engines vaswani-compiled,vaswani,marian)
             [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 512 --steps 1 --warmup_steps 1 --engines vaswani,marian)
             run "$(at_most 200 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
-                --results_dir "$RESULTS_DIR" "${size[@]}" ;;
+                --results_dir "$RESULTS_DIR" "${size[@]}" || false
+            local first=$?
+            # The eager engines again under the memory-efficient SDPA kernel instead of torch's choice (cuDNN's on
+            # Hopper, the largest item of the last compiled profile): a few seconds, no compilation.
+            [ $dry_run = 1 ] || run "$(at_most 60 "$(left)")" "$log" python3 benchmarks/bench_training.py \
+                --results_dir "$RESULTS_DIR" --sizes base --steps 10 --engines vaswani,marian --sdpa_backend efficient \
+                --output_name "training-sdpa-efficient-{device}" && [ $first = 0 ] ;;
         translation-trained)  # the quality run's model, as users translate; random weights if it has none
-            local model=() engines=vaswani,vaswani-hfloop,marian work=(--num_sentences 3000 --batch_sizes 256)
+            # Every engine runs in its own process (--keep_going), so one that crashes costs only its own rows; each
+            # row counts the translations identical to the lean loop's.
+            local model=() engines=vaswani,vaswani-hfloop,vaswani-graphs,marian
+            local work=(--num_sentences 3000 --batch_sizes 256)
             [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ] && model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
-            # The graphed engine only where its own CUDA test passed in this session (it also checks the outputs).
-            grep -q "test_cuda_graphs_return_what_generate_returns\[4-eager\] PASSED" "$RESULTS_DIR/gpu-tests.log" \
-                2>/dev/null && engines=$engines,vaswani-graphs
-            [ $dry_run = 1 ] && work=(--num_sentences 32 --batch_sizes 8 --max_new_tokens 40)  # tiny: 64 positions
+            [ $dry_run = 1 ] && engines=vaswani,vaswani-hfloop,marian work=(--num_sentences 32 --batch_sizes 8 \
+                --max_new_tokens 40)  # tiny: 64 positions; no CUDA graphs on a CPU
             run "$(left)" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
-                "${model[@]}" "${work[@]}" --beams 4 --engines $engines --keep_going \
+                "${model[@]}" "${work[@]}" --beams 4 --stopping eos --engines $engines --keep_going \
                 --output_name "translation-trained-{device}" ;;
         translation|translation-compiled|translation-batch1)  # random weights, forced length (earlier sessions' rows)
             local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
@@ -142,19 +151,9 @@ stage() {
 status=0
 for name in "${stages[@]}"; do
     if [ "$name" = plan ]; then
-        stage quality-prepare || status=1
-        # The CUDA tests share the GPU with the quality run's training (they time nothing); if they are still
-        # running when it ends they are stopped, so that the speed stages run alone. (The FSDP check passed on the
-        # H100 on 2026-11-26 and is a stage of its own now: beside the training it cost the quality run steps.)
-        (stage tests) & tests=$!
-        stage quality || status=1
-        for job in $tests; do
-            sleep_until=$((SECONDS + 20))
-            while kill -0 "$job" 2>/dev/null && [ $SECONDS -lt $sleep_until ]; do sleep 1; done
-            kill -0 "$job" 2>/dev/null && { echo "stopping background job $job: the speed stages run alone"; pkill -TERM -P "$job"; }
-            wait "$job" || status=1
+        for planned in quality-prepare quality translation-trained training tests; do
+            stage $planned || status=1
         done
-        stage translation-trained || status=1
     else
         stage "$name" || status=1
     fi

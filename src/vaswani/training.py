@@ -14,6 +14,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -641,7 +642,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         )
         metrics.update({f"test_{k}": v for k, v in test_metrics.items() if k != "hypotheses"})
         metrics["test_sentences"] = len(test)
-        save_final(trainer, tokenizer, args.output_dir, metrics)
+        save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"])
         if push:
             from .hub import push_to_hub
 
@@ -657,11 +658,13 @@ def end_distributed() -> None:
         dist.destroy_process_group()
 
 
-def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
+def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translations: Sequence[str] = ()) -> None:
     """Write the final model through a staging directory: each file is complete before it is moved into
     `output_dir` (`os.replace` is atomic), and `config.json`, without which nothing loads, is removed first and
     moved in last. So a crash never leaves a truncated file, nor the weights of one model beside the config of
-    another: a directory with a `config.json` holds one complete model."""
+    another: a directory with a `config.json` holds one complete model. `test_translations`, the test split's
+    hypotheses in its order, go to `test_translations.txt` (one a line), so that the reported scores can be
+    recomputed against the split's references."""
     from .hub import attach_translation_pipeline, write_model_card
 
     staging = os.path.join(output_dir, STAGING_PREFIX + "final")
@@ -672,6 +675,9 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict) -> None:
     replace_pickled_arguments(staging, trainer.args)
     with open(os.path.join(staging, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
+    if test_translations:
+        with open(os.path.join(staging, "test_translations.txt"), "w", encoding="utf-8") as f:
+            f.writelines(line.replace("\n", " ") + "\n" for line in test_translations)
     write_model_card(staging, metrics=metrics, training_command=shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
     config = os.path.join(output_dir, "config.json")
     if os.path.exists(config):
