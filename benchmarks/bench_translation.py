@@ -69,15 +69,16 @@ from common import (  # noqa: E402
     write_report,
 )
 
-ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop", "vaswani-int8": "Vaswani int8",
+ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop",
+                 "vaswani-lean": "Vaswani lean loop", "vaswani-int8": "Vaswani int8",
                  "vaswani-int8-hfloop": "Vaswani int8 transformers' loop", "vaswani-compiled": "Vaswani compiled",
                  "vaswani-int8-pertensor": "Vaswani int8 per-tensor (torch.ao)",
                  "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32",
                  "vaswani-bf16": "Vaswani bf16", "marian-bf16": "Marian (HF) bf16"}
-TORCH_OPTIONS = {"int8", "pertensor", "hfloop", "graphs", "compiled", "bf16"}
+TORCH_OPTIONS = {"int8", "pertensor", "hfloop", "lean", "graphs", "compiled", "bf16"}
 
-DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-hfloop", "vaswani-graphs", "vaswani-compiled", "marian"]
+DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-compiled", "marian"]
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
                        "ct2-int8", "vaswani-ct2-int8"]
 
@@ -96,7 +97,8 @@ LINEAR_KERNELS = {"aten::addmm", "aten::mm", "quantized::linear_with_input_q_dq_
 
 class TorchEngine:
     """A transformers model translating through `generate()`, as a user would call it (a Vaswani model's decodes
-    with its lean loop, `vaswani.generation_vaswani`). Options, joined to the model's name with dashes
+    with its lean loop on a CPU and transformers' loop elsewhere, `vaswani.generation_vaswani`). Options, joined to
+    the model's name with dashes
     (`vaswani-int8-hfloop`):
 
     * `int8`: `vaswani.inference.quantize_for_cpu` (fp32 weights quantized once at load) and
@@ -105,6 +107,7 @@ class TorchEngine:
       per-channel int8 weights, one activation scale per tensor and call), what `--int8` ran before its scales
       became per row, so that both are measured in the same run;
     * `hfloop`: transformers' own decoding loop (`generate(..., lean_decoding=False)`);
+    * `lean`: the lean loop on any device (`generate(..., lean_decoding=True)`);
     * `graphs`: `generate(..., cuda_graphs=True)`: static shapes, each decoding step recorded once as a
       CUDA graph and replayed by later batches of the same shape (on a CPU the same steps run as they are);
     * `compiled`: `vaswani.inference.compile_for_generation`: a static (pre-allocated) KV cache and the decoding step
@@ -118,7 +121,8 @@ class TorchEngine:
         base, *options = name.split("-")
         if set(options) - TORCH_OPTIONS or (base == "marian" and set(options) - {"bf16"}) or base not in (
                 "vaswani", "marian") or {"int8", "bf16"} <= set(options):
-            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8[-pertensor]|-bf16][-hfloop|-graphs][-compiled] "
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8[-pertensor]|-bf16][-hfloop|-lean|-graphs]"
+                             "[-compiled] "
                              "or marian[-bf16].")
         if "pertensor" in options and "int8" not in options:
             raise ValueError(f"Engine {name!r}: -pertensor is a kind of -int8 (vaswani-int8-pertensor).")
@@ -134,8 +138,8 @@ class TorchEngine:
             quantize = quantize_per_tensor_with_torch_ao if "pertensor" in options else quantize_for_cpu
             self.model = quantize(self.model)
             keep_freed_cpu_memory()
-        if "hfloop" in options:
-            self.model.generate = functools.partial(self.model.generate, lean_decoding=False)
+        if "hfloop" in options or "lean" in options:
+            self.model.generate = functools.partial(self.model.generate, lean_decoding="lean" in options)
         if "graphs" in options:
             self.model = use_lean_decoding(self.model, cuda_graphs=True)
         if "compiled" in options:
@@ -470,7 +474,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         "Vaswani int8 per-tensor = torch.ao's dynamic quantization instead (the same weights, one activation scale "
         "per tensor and call), what --int8 ran before. "
         "Vaswani = generate() as users call it, which decodes with the lean loop of vaswani.generation_vaswani "
-        "(the same tokens as transformers' loop, less work per step); Vaswani transformers' loop = "
+        "on a CPU (the same tokens as transformers' loop, less work per step) and with transformers' loop on other "
+        "devices; Vaswani lean loop = generate(..., lean_decoding=True); Vaswani transformers' loop = "
         "generate(..., lean_decoding=False); Vaswani CUDA graphs = generate(..., cuda_graphs=True) (static "
         "shapes, every step a replayed CUDA graph); Vaswani int8 is what the scripts' --int8 runs. CTranslate2 int8 = int8 weights, "
         "dynamically quantized activations; inter_threads 1, intra_threads = torch threads. Vaswani→CT2 = the Vaswani "
@@ -624,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani[-int8[-pertensor] (CPU only)|-bf16][-hfloop|-graphs][-compiled], marian[-bf16], "
+                        help="vaswani[-int8[-pertensor] (CPU only)|-bf16][-hfloop|-lean|-graphs][-compiled], marian[-bf16], "
                         "ct2-<compute type> "
                         "(CTranslate2 running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), "
                         "vaswani-ct2-<compute type> (CTranslate2 running the exported Vaswani model); default: "

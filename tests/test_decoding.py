@@ -5,6 +5,7 @@ batches and int8 weights; what it does not cover falls back to transformers' own
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -89,6 +90,28 @@ def test_lean_decoding_returns_what_generate_returns(trained, search):
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     reference, lean = _generate_both(model, batch, **search)
     assert torch.equal(reference, lean)
+
+
+def test_the_default_loop_follows_the_device_and_the_call_overrides_it(trained, monkeypatch):
+    """The lean loop by default on the CPU, transformers' loop on other devices (where it measured faster);
+    `lean_decoding=True`/`False` and `cuda_graphs=True` choose on any device."""
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    assert generation_vaswani._lean_by_default(model)
+    ran = []
+    original = generation_vaswani.decode
+    # functools.wraps: generate() reads the decoding method's signature for the arguments it accepts.
+    monkeypatch.setattr(generation_vaswani, "decode",
+                        functools.wraps(original)(lambda *a, **k: ran.append(1) or original(*a, **k)))
+    search = dict(num_beams=4, max_new_tokens=10)
+    with torch.no_grad():
+        reference = model.generate(**batch, **search, lean_decoding=False)
+        assert ran == []
+        assert torch.equal(model.generate(**batch, **search), reference) and ran == [1]
+        monkeypatch.setattr(generation_vaswani, "_lean_by_default", lambda model: False)  # as on a GPU
+        assert torch.equal(model.generate(**batch, **search), reference) and ran == [1]
+        assert torch.equal(model.generate(**batch, **search, lean_decoding=True), reference) and ran == [1, 1]
+        assert torch.equal(model.generate(**batch, **search, cuda_graphs=True), reference) and ran == [1, 1, 1]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -1,9 +1,11 @@
 """Greedy and beam search as transformers runs them, with less work per decoding step: the decoding loop of every
 `VaswaniForConditionalGeneration.generate()` call that it covers.
 
-    model.generate(**batch, num_beams=4)                         # this loop where it gives transformers' outputs
+    model.generate(**batch, num_beams=4)                         # on a CPU, this loop where it gives transformers'
+                                                                 #   outputs; on other devices transformers' loop
+    model.generate(**batch, num_beams=4, lean_decoding=True)     # this loop on any device
     model.generate(**batch, num_beams=4, lean_decoding=False)    # transformers' own loop
-    model.generate(**batch, num_beams=4, cuda_graphs=True)       # on a GPU: item 6
+    model.generate(**batch, num_beams=4, cuda_graphs=True)       # on a GPU: steps replayed as CUDA graphs (item 6)
 
 This file imports only torch and transformers, so that it can ship on its own: with every checkpoint, next to
 modeling_vaswani.py, whose `generate()` calls `generate` below; and with every translation checkpoint as
@@ -53,8 +55,8 @@ multiplications are int8 (benchmarks/README.md):
    projects the source for cross-attention, runs as usual. Not with logits processors or stopping criteria other
    than max_length and eos_token_id (they may read values on the host); those calls decode as items 1–5 do. On
    other devices the same static steps run without graphs, which is how the CPU tests check them.
-   Measured on a GPU only by `benchmarks/gpu_session.sh translation` (engine `vaswani-graphs`), which has not
-   run yet.
+   Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
+   benchmarks/results/translation-trained-cuda-h200.md).
 
 Anything else (sampling, `return_dict_in_generate`, a decoder-only or non-Vaswani model, a pre-filled or static
 cache, an assistant model, a streamer, synced GPUs, the decoding methods that transformers moved to the Hub) goes
@@ -384,23 +386,33 @@ def _keep_rows(state, sources, rows):
     return encoder_outputs, attention_mask[sources] if attention_mask is not None else None, cache
 
 
-def generate(*args, model, lean_decoding: bool = True, cuda_graphs: bool = False, **kwargs):
+def generate(*args, model, lean_decoding: bool | None = None, cuda_graphs: bool = False, **kwargs):
     """`model.generate(*args, **kwargs)`, decoded by `decode` where it returns what transformers' loop returns
     (greedy and beam search of a Vaswani encoder-decoder, see `_decodes`), by transformers' loop otherwise.
 
     The entry point of `custom_generate/generate.py`: transformers calls it with `model` as a keyword
     (`functools.partial(generate, model=model)` replaces the loaded model's `generate`), and the model's own
-    `generate()` does the same. `lean_decoding=False` runs transformers' loop (for comparisons and debugging);
-    `cuda_graphs=True` replays the lean loop's steps as CUDA graphs (item 6 of the module docstring); a
+    `generate()` does the same. `lean_decoding` chooses the loop: by default (None) the lean one for a model on
+    the CPU and transformers' own on any other device, where the lean loop's per-step work (sentences leaving the
+    batch, a host read for each) measured slower than the steps it saves
+    (benchmarks/results/translation-trained-cuda-h200.md); True or False forces one. `cuda_graphs=True` replays the
+    lean loop's steps as CUDA graphs (item 6 of the module docstring), whatever `lean_decoding` says; a
     `custom_generate` of the caller's own is used as given."""
     arguments = inspect.signature(GenerationMixin.generate).bind(model, *args, **kwargs).arguments
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
-    if lean_decoding and _decodes(model, arguments):
+    if lean_decoding is None:
+        lean_decoding = cuda_graphs or _lean_by_default(model)
+    if (lean_decoding or cuda_graphs) and _decodes(model, arguments):
         arguments["custom_generate"] = decode
         if cuda_graphs:
             arguments["cuda_graphs"] = True
     return GenerationMixin.generate(model, **arguments)
+
+
+def _lean_by_default(model) -> bool:
+    """Whether `generate()` decodes with the lean loop when the call does not say: on the CPU only."""
+    return model.device.type == "cpu"
 
 
 def _decodes(model, arguments: dict) -> bool:

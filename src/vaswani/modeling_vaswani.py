@@ -957,7 +957,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
     def generate(self, *args, **kwargs):
         """transformers' `generate()`, decoded by the lean loop of `generation_vaswani` wherever that returns the same
-        outputs (greedy and beam search), by transformers' own loop otherwise or with `lean_decoding=False`."""
+        outputs (greedy and beam search) on a CPU, by transformers' own loop otherwise; `lean_decoding=True` or
+        `False` chooses the loop on any device (`generation_vaswani.generate`)."""
         return lean_generate(*args, model=self, **kwargs)
 
     @can_return_tuple
