@@ -40,8 +40,8 @@ from vaswani.training import (
 
 # Each recipe's own arguments, on top of the shared ones below. The paper's base model regularizes with dropout 0.1
 # (§6.3); 0.3 is the usual choice for corpora of this size (IWSLT'14's 160k pairs) trained for dozens of epochs.
-# On the H100 (2026-11-26, results/gpu-quality-cuda-h100-80gb-hbm3.md) the two side by side each got about 1,000
-# steps of 12,000 tokens (8 epochs) in 300 s, where 0.1 led by 12 validation BLEU; so 0.1 alone is the default.
+# Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
+# alone is the default.
 RECIPES = {
     "dropout-0.1": ["--config_overrides", "dropout=0.1"],
     "dropout-0.3": ["--config_overrides", "dropout=0.3"],
@@ -96,9 +96,9 @@ def main(argv=None):
     parser.add_argument("--preset", default="base")
     parser.add_argument("--train_seconds", type=float, default=300)
     parser.add_argument("--vocab_size", type=int, default=16000)
-    # The H100 run with 12,000-token batches and a 1,000-step warm-up stopped at 1,027 steps, just as the rate
-    # peaked. Smaller batches give more steps in the budget (the CPU main job's finding too), and a 400-step
-    # warm-up (the main job's, benchmarks/results/main-job-recipes.md) leaves most of them past the peak.
+    # Smaller batches than the first GPU run's 12,000 tokens give more steps in the budget, and a 400-step warm-up
+    # (the CPU main job's, results/main-job-recipes.md) leaves most of them past the peak rate
+    # (results/gpu-quality-cuda-h100-80gb-hbm3.md ended just as a 1,000-step warm-up peaked).
     parser.add_argument("--max_tokens", type=int, default=4000, help="padded tokens per side per batch")
     parser.add_argument("--lr", type=float, default=7e-4)
     parser.add_argument("--warmup", type=int, default=400)
