@@ -4,15 +4,13 @@ without remote code where `import vaswani` fails."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import SCRIPTS, WITHOUT_THE_PACKAGE, padded_batch, script_main
+from conftest import SCRIPTS, WITHOUT_THE_PACKAGE, padded_batch, run_without_the_package, script_main
 from vaswani import VaswaniConfig, VaswaniForCausalLM, VaswaniForConditionalGeneration
 from vaswani.convert import from_llama, to_llama
 from vaswani.tokenization_vaswani import train_tokenizer
@@ -171,10 +169,7 @@ def test_llama_checkpoint_loads_without_remote_code_and_converts_back(tmp_path, 
     work.mkdir()
     input_ids, attention_mask = padded_batch(config, [5, 3], seed=3, side="left")
     save_file({"input_ids": input_ids, "attention_mask": attention_mask}, work / "inputs.safetensors")
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-I", "-c", FRESH_PROCESS, str(exported), str(work)], cwd=work, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_without_the_package(FRESH_PROCESS, str(exported), str(work), work=work, home=tmp_path / "hf_home")
     remote = load_file(work / "outputs.safetensors")
     with torch.no_grad():
         expected = model(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -30,9 +30,9 @@ then permuted so that Marian's layout computes the same model.
 
 The tokenizer stays Marian's own (sentencepiece, `MarianTokenizer`); `scripts/convert_marian.py` copies it.
 
-`LlamaForCausalLM` is the decoder-only model of the `modern` preset: pre-RMSNorm, rotary positions, a gated FFN,
-grouped-query attention, no embedding scale, a final norm. `to_llama` gives a `VaswaniForCausalLM` a stock exit (a
-checkpoint that vLLM, TGI, llama.cpp's converter and every Llama user load without remote code), `from_llama` brings
+`LlamaForCausalLM` is the decoder-only model of the `modern` preset's recipe: pre-RMSNorm, rotary positions, a
+gated FFN, grouped-query attention, a final norm. `to_llama` gives a `VaswaniForCausalLM` a stock exit (a checkpoint
+that vLLM, TGI, llama.cpp's converter and every Llama user load without remote code), `from_llama` brings
 any Llama checkpoint in; both compute the same logits, left padding and cached generation included:
 
     Vaswani (VaswaniForCausalLM)                   Llama
@@ -47,11 +47,12 @@ any Llama checkpoint in; both compute the same logits, left padding and cached g
 
 What the other cannot express is refused with a `ValueError` naming the field: from Vaswani, post-norm, LayerNorm,
 learned or sinusoidal positions, an ungated FFN (ReLU, GeLU), an output bias, or dropout (a training setting; set
-it to 0 first). A scaled embedding is folded into Llama's input table (which is then untied from the output
-projection); biases in every linear layer are Llama's attention_bias and mlp_bias. From Llama, RoPE scaling (`rope_type` other than "default", a partial rotary
-factor), a head_dim other than hidden_size / num_attention_heads, biases on attention but not the MLP (or the
-reverse), or another activation. The Llama model's loss is the plain cross-entropy, so `from_llama` sets
-`label_smoothing` to 0. `scripts/convert_llama.py` converts whole checkpoints either way.
+it to 0 first); from Llama, RoPE scaling (`rope_type` other than "default", a partial rotary factor), a head_dim
+other than hidden_size / num_attention_heads, biases on attention but not the MLP (or the reverse), or another
+activation. A scaled embedding is folded into Llama's input table (which is then untied from the output
+projection); biases in every linear layer are Llama's attention_bias and mlp_bias. The Llama model's loss is the
+plain cross-entropy, so `from_llama` sets `label_smoothing` to 0. `scripts/convert_llama.py` converts whole
+checkpoints either way.
 """
 
 from __future__ import annotations
@@ -483,7 +484,9 @@ def to_llama(model: VaswaniForCausalLM) -> LlamaForCausalLM:
     # The embedding scale (√d_model, §3.4) becomes part of the input table: the same product, computed once.
     ours["model.embed_tokens.weight"] = ours["model.embed_tokens.weight"] * model.model.embed_scale
     llama.load_state_dict({name: ours[name].float().cpu() for name in llama.state_dict()})
-    llama.generation_config = GenerationConfig.from_dict(model.generation_config.to_dict())
+    settings = model.generation_config.to_dict()
+    settings.pop("decoder_start_token_id", None)  # an encoder-decoder setting, which a decoder-only model never reads
+    llama.generation_config = GenerationConfig.from_dict(settings)
     return llama.eval()
 
 

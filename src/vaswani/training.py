@@ -728,8 +728,8 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict, averaged_chec
     replace_pickled_arguments(staging, trainer.args)
     with open(os.path.join(staging, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
-    write_model_card(staging, metrics=metrics, training_command=shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-                     averaged_checkpoints=averaged_checkpoints)
+    command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    write_model_card(staging, metrics=metrics, training_command=command, averaged_checkpoints=averaged_checkpoints)
     publish_staged(staging, output_dir)
 
 
