@@ -41,6 +41,7 @@ def write_run(run_dir, tokenizer, steps=(10, 20, 30), **overrides):
 def test_the_average_is_the_exact_float32_mean_and_stays_tied(tmp_path, tokenizer):
     models = write_run(tmp_path / "run", tokenizer)
     (tmp_path / "run" / "checkpoint-40").mkdir()  # being written (no trainer_state.json): not a checkpoint to average
+    models[0].save_pretrained(tmp_path / "run")  # the run's final model, beside its checkpoints
     output = tmp_path / "average"
     averaged = average_checkpoints([tmp_path / "run"], output, last=2)
 
@@ -93,6 +94,12 @@ def test_a_list_of_checkpoints_averages_in_any_order(tmp_path, tokenizer):
     assert all(torch.equal(forward[name], backward[name]) for name in forward)
     with pytest.raises(ValueError, match="3 checkpoints asked for, but only 2 found"):
         last_checkpoints(checkpoints, 3)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
+        last_checkpoints([tmp_path / "empty"])
+    (tmp_path / "empty" / "checkpoint-5").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint-N directory"):
+        last_checkpoints([tmp_path / "empty"])
 
 
 REMOTE = WITHOUT_THE_PACKAGE + """

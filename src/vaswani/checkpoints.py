@@ -73,20 +73,21 @@ def publish_staged(staging: str | Path, output_dir: str | Path) -> None:
 
 
 def last_checkpoints(sources: Sequence[str | Path], last: int | None = None) -> list[str]:
-    """The checkpoints to average: the complete `checkpoint-N` directories of a run directory (one source), or the
-    given checkpoint directories in the given order; the last `last` of them where `last` is set."""
-    if len(sources) == 1 and not os.path.isfile(os.path.join(sources[0], "config.json")):
-        run_dir = str(sources[0])
-        if not os.path.isdir(run_dir):
-            raise FileNotFoundError(f"{run_dir} is not a directory.")
+    """The checkpoints to average: the complete `checkpoint-N` directories of a run directory (one source that holds
+    any, whether or not its final model is saved beside them), or the given checkpoint directories in the given
+    order; the last `last` of them where `last` is set."""
+    run_dir = str(sources[0]) if len(sources) == 1 else None
+    if run_dir is not None and os.path.isdir(run_dir) and checkpoints_in(run_dir):
         checkpoints = [path for path in checkpoints_in(run_dir) if is_complete_checkpoint(path)]
         if not checkpoints:
-            raise FileNotFoundError(f"{run_dir} holds no complete checkpoint-N directory (nor a config.json).")
+            raise FileNotFoundError(f"{run_dir} holds no complete checkpoint-N directory (each lacks "
+                                    f"{TRAINER_STATE_NAME}).")
     else:
         checkpoints = [str(path) for path in sources]
         for path in checkpoints:
             if not os.path.isfile(os.path.join(path, "config.json")):
-                raise FileNotFoundError(f"{path} is not a checkpoint directory (it has no config.json).")
+                raise FileNotFoundError(f"{path} is neither a checkpoint directory (it has no config.json) nor a run "
+                                        "directory with checkpoint-N directories.")
     if last is not None:
         if last < 1:
             raise ValueError(f"The number of checkpoints to average must be positive, got {last}.")
