@@ -197,7 +197,8 @@ def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, l
     """Average the last `last` checkpoints of a run directory (or the given checkpoint directories) and write a
     complete checkpoint to `output_dir` through a staging directory (`publish_staged`): float32 weights, the newest
     checkpoint's config, generation config, tokenizer and module files, the translation pipeline for a translation
-    model, and a model card that lists what was averaged. Returns the averaged model."""
+    model, and a model card that lists what was averaged (and reports no scores: evaluate the average itself).
+    Returns the averaged model."""
     from .hub import attach_translation_pipeline, write_model_card
 
     checkpoints = last_checkpoints(sources, last)
@@ -220,11 +221,10 @@ def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, l
     if model.config.is_encoder_decoder:
         attach_translation_pipeline(model, staging)
     model.save_pretrained(staging)
-    if _tokenizer_fingerprint_of(newest) is not None:
+    if os.path.isfile(os.path.join(newest, "tokenizer_config.json")):
         AutoTokenizer.from_pretrained(newest).save_pretrained(staging)
-    metrics_file = Path(newest) / "metrics.json"
-    write_model_card(staging, metrics=json.loads(metrics_file.read_text()) if metrics_file.exists() else None,
-                     averaged_checkpoints=[_checkpoint_summary(path) for path in checkpoints])
+    # No scores: those of any checkpoint averaged are not the average's.
+    write_model_card(staging, averaged_checkpoints=[_checkpoint_summary(path) for path in checkpoints])
     publish_staged(staging, output_dir)
     return model
 
