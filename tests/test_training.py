@@ -413,3 +413,9 @@ def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp
     assert metrics["averaged_checkpoints"] == 3 and "test_bleu" in metrics
     card = (output_dir / "README.md").read_text()
     assert "## Checkpoint averaging" in card and all(path.name in card for path in checkpoints[-3:])
+
+    # The interval checkpoints are ordinary ones: --resume continues from the last.
+    resumed = run_script("train_translation.py", *args, "--resume", "--log_level", "info")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from {checkpoints[-1]}." in resumed.stderr
+    assert json.loads(resumed.stdout)["train_steps"] > states[-1]["global_step"]
