@@ -190,6 +190,18 @@ def test_llama_checkpoint_loads_without_remote_code_and_converts_back(tmp_path, 
     assert AutoTokenizer.from_pretrained(back)("I have two cats.")["input_ids"] == remote["ids"].tolist()
 
 
+def test_a_bf16_llama_checkpoint_converts_to_a_bf16_vaswani_one(tmp_path, single_thread):
+    llama = random_llama(tie_word_embeddings=True)
+    llama.to(torch.bfloat16).save_pretrained(tmp_path / "llama")
+    script_main("convert_llama")(["--model", str(tmp_path / "llama"), "--output_dir", str(tmp_path / "vaswani")])
+    stored = load_file(tmp_path / "llama" / "model.safetensors")
+    converted = load_file(tmp_path / "vaswani" / "model.safetensors")
+    assert {tensor.dtype for tensor in converted.values()} == {torch.bfloat16}
+    assert torch.equal(converted["model.layers.0.self_attn_layer_norm.weight"],
+                       stored["model.layers.0.input_layernorm.weight"])
+    assert torch.equal(converted["model.embed_tokens.weight"], stored["model.embed_tokens.weight"])
+
+
 def test_convert_command_refuses_a_translation_checkpoint(tmp_path):
     VaswaniForConditionalGeneration(modern_config()).save_pretrained(tmp_path / "translator")
     with pytest.raises(SystemExit) as exit_info:

@@ -544,8 +544,9 @@ def convert_llama_checkpoint(model_name_or_path: str, output_dir: str | Path, fo
                              check: bool = True):
     """Convert a checkpoint either way, by its config.json: a Vaswani decoder-only checkpoint becomes a stock Llama
     one (weights, config, generation config, tokenizer as a transformers class, no module files), a Llama
-    checkpoint a Vaswani one (with its module files and the Llama tokenizer). With `check`, both models first
-    compare logits on a left-padded batch and greedy continuations, or nothing is written. Returns the new model."""
+    checkpoint a Vaswani one (with its module files and the Llama tokenizer). The weights keep the dtype the source
+    stored. With `check`, both models first compare logits (in float32) on a left-padded batch and greedy
+    continuations, or nothing is written. Returns the new model."""
     from transformers import AutoConfig
 
     output_dir = Path(output_dir)
@@ -577,6 +578,8 @@ def convert_llama_checkpoint(model_name_or_path: str, output_dir: str | Path, fo
         pass  # a checkpoint without a tokenizer converts to one without
     if check:
         check_same_logits(source, converted, source.config.vocab_size, source.config.pad_token_id)
+    if isinstance(config.dtype, torch.dtype) and config.dtype.is_floating_point:
+        converted.to(config.dtype)  # compared in float32, stored as the source was (a bf16 Llama stays bf16)
     output_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(converted, VaswaniForCausalLM):
         if tokenizer is not None:
