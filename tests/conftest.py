@@ -29,6 +29,20 @@ else:
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+def run_without_the_package(script: str, *args: str, work: Path, home: Path):
+    """Run `script` (which starts with WITHOUT_THE_PACKAGE) in a fresh, isolated Python (-I: no user site-packages,
+    no PYTHON* variables, no cwd on sys.path) in `work`, offline, with its own HF_HOME; it must succeed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-I", "-c", script, *args], cwd=work, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def free_port() -> int:
     """A TCP port that is free now, for a launcher's rendezvous."""
     with socket.socket() as s:

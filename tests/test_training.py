@@ -293,6 +293,11 @@ def test_the_learning_rate_decays_over_the_time_budget(tmp_path):
      "Pass one of them"),
     (["--ema_decay", "1.5"], "between 0 and 1"),
     (["--attn_implementation", "fastest"], "Unknown --attn_implementation 'fastest'"),
+    (["--average_last_checkpoints", "5"], "write some with --save_interval_seconds"),
+    (["--average_last_checkpoints", "5", "--save_interval_seconds", "60", "--save_total_limit", "3"],
+     "keeps fewer checkpoints"),
+    (["--average_last_checkpoints", "5", "--save_interval_seconds", "60", "--ema_decay", "0.9"], "Pass one of them"),
+    (["--save_interval_seconds", "0"], "must be positive"),
 ])
 def test_schedule_and_averaging_options_refuse_what_they_cannot_do(tmp_path, extra, message):
     result = run_script("train_translation.py", *train_args(tmp_path / "none.tsv", tmp_path / "out", *extra))
@@ -378,3 +383,39 @@ def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evalua
         assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
         assert json.loads(result.stdout[result.stdout.index("{"):])["train_world_size"] == 2
     assert "Reading" in first.stderr and "Training a" in first.stderr
+
+
+def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp_path):
+    """--save_interval_seconds writes checkpoints by the clock, through the same atomic writer; with
+    --average_last_checkpoints the final model (evaluated, saved, carded) is the mean of the last ones."""
+    from safetensors.torch import load_file
+
+    from vaswani.checkpoints import average_state_dicts
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv")
+    output_dir = tmp_path / "averaged"
+    args = train_args(corpus, output_dir, "--max_steps", "100000", "--max_train_time", "5",
+                      "--save_interval_seconds", "0.5", "--average_last_checkpoints", "3", "--save_total_limit", "4")
+    result = run_script("train_translation.py", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    assert len(checkpoints) == 4, checkpoints  # rotated by --save_total_limit, none half-written
+    assert not list(output_dir.glob(".tmp-*"))
+    assert all((path / "trainer_state.json").is_file() for path in checkpoints)
+    states = [json.loads((path / "trainer_state.json").read_text()) for path in checkpoints]
+    assert states[-1]["global_step"] == json.loads(result.stdout)["train_steps"]  # the last step is one of them
+    final = load_file(output_dir / "model.safetensors")
+    expected = average_state_dicts([str(path) for path in checkpoints[-3:]])
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["averaged_checkpoints"] == 3 and "test_bleu" in metrics
+    card = (output_dir / "README.md").read_text()
+    assert "## Checkpoint averaging" in card and all(path.name in card for path in checkpoints[-3:])
+
+    # The interval checkpoints are ordinary ones: --resume continues from the last.
+    resumed = run_script("train_translation.py", *args, "--resume", "--log_level", "info")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from {checkpoints[-1]}." in resumed.stderr
+    assert json.loads(resumed.stdout)["train_steps"] > states[-1]["global_step"]

@@ -1,4 +1,5 @@
-"""Marian / OPUS-MT checkpoints as Vaswani checkpoints, and back.
+"""Stock transformers checkpoints as Vaswani checkpoints, and back: Marian / OPUS-MT for the translation model,
+Llama for the decoder-only model.
 
 transformers' `MarianMTModel` (the Hub's OPUS-MT translators, transformer-base and transformer-big) is this
 architecture: post-LayerNorm encoder and decoder layers, sinusoidal positions, token embeddings scaled by √d_model.
@@ -28,6 +29,30 @@ express: those with Marian's sinusoid layout, or with the paper's interleaved on
 then permuted so that Marian's layout computes the same model.
 
 The tokenizer stays Marian's own (sentencepiece, `MarianTokenizer`); `scripts/convert_marian.py` copies it.
+
+`LlamaForCausalLM` is the decoder-only model of the `modern` preset's recipe: pre-RMSNorm, rotary positions, a
+gated FFN, grouped-query attention, a final norm. `to_llama` gives a `VaswaniForCausalLM` a stock exit (a checkpoint
+that vLLM, TGI, llama.cpp's converter and every Llama user load without remote code), `from_llama` brings
+any Llama checkpoint in; both compute the same logits, left padding and cached generation included:
+
+    Vaswani (VaswaniForCausalLM)                   Llama
+    norm_first=True, norm_type="rmsnorm"           (always), rms_norm_eps = layer_norm_eps
+    position_embedding_type="rope", rope_theta     rope_parameters {"rope_type": "default", "rope_theta"}
+    ffn_activation swiglu / geglu                  hidden_act silu / gelu (always gated)
+    bias                                           attention_bias = mlp_bias
+    scale_embedding (√d_model)                     folded into embed_tokens, untied from lm_head (to_llama)
+    decoder_layers, d_model, d_ff, heads, kv heads num_hidden_layers, hidden_size, intermediate_size, …
+    self_attn_layer_norm / final_layer_norm        input_layernorm / post_attention_layernorm
+    model.layer_norm                               model.norm
+
+What the other cannot express is refused with a `ValueError` naming the field: from Vaswani, post-norm, LayerNorm,
+learned or sinusoidal positions, an ungated FFN (ReLU, GeLU), an output bias, or dropout (a training setting; set
+it to 0 first); from Llama, RoPE scaling (`rope_type` other than "default", a partial rotary factor), a head_dim
+other than hidden_size / num_attention_heads, biases on attention but not the MLP (or the reverse), or another
+activation. A scaled embedding is folded into Llama's input table (which is then untied from the output
+projection); biases in every linear layer are Llama's attention_bias and mlp_bias. The Llama model's loss is the
+plain cross-entropy, so `from_llama` sets `label_smoothing` to 0. `scripts/convert_llama.py` converts whole
+checkpoints either way.
 """
 
 from __future__ import annotations
@@ -36,11 +61,23 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, MarianConfig, MarianMTModel
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MarianConfig,
+    MarianMTModel,
+    TokenizersBackend,
+)
 
 from .configuration_vaswani import VaswaniConfig, tokenizer_fingerprint
 from .hub import REPO_ID_PLACEHOLDER, _how_to_load, attach_translation_pipeline
-from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
+from .modeling_vaswani import (
+    VaswaniForCausalLM,
+    VaswaniForConditionalGeneration,
+    VaswaniSinusoidalPositionalEmbedding,
+)
 
 # Marian's activation_function → our ffn_activation (ACT2FN: "swish" and "silu" are both nn.SiLU).
 MARIAN_ACTIVATIONS = {"swish": "silu", "silu": "silu", "gelu": "gelu", "relu": "relu"}
@@ -323,5 +360,239 @@ model's own (`MarianTokenizer`, sentencepiece; needs `pip install sentencepiece`
     return path
 
 
+# Llama ---------------------------------------------------------------------------------------------------------------
+
+# Our gated ffn_activation → Llama's hidden_act (Llama's MLP is always gated: down(act(gate(x)) * up(x))).
+LLAMA_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
+# Our parameter names → Llama's, where they differ.
+LLAMA_NAMES = {".self_attn_layer_norm.": ".input_layernorm.", ".final_layer_norm.": ".post_attention_layernorm.",
+               "model.layer_norm.": "model.norm."}
+
+
+def llama_config_from_vaswani(config: VaswaniConfig) -> LlamaConfig:
+    """The LlamaConfig of the same decoder-only model as `config`; a ValueError names any field Llama cannot
+    express."""
+    required = {"norm_first": True, "norm_type": "rmsnorm", "position_embedding_type": "rope",
+                "final_logits_bias": False}
+    for name, value in required.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"VaswaniConfig.{name}={getattr(config, name)!r}: Llama models need {value!r}.")
+    if config.ffn_activation not in LLAMA_ACTIVATIONS:
+        raise ValueError(f"VaswaniConfig.ffn_activation={config.ffn_activation!r}: Llama's MLP is gated; it "
+                         f"expresses {' and '.join(LLAMA_ACTIVATIONS)}.")
+    for name in ("dropout", "activation_dropout"):
+        if getattr(config, name):
+            raise ValueError(f"VaswaniConfig.{name}={getattr(config, name)}: Llama models have no such dropout; set "
+                             f"model.config.{name} = 0.0 before converting (it only acts in training).")
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.decoder_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=LLAMA_ACTIVATIONS[config.ffn_activation],
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.layer_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        attention_bias=config.bias,
+        mlp_bias=config.bias,
+        attention_dropout=config.attention_dropout,
+        # A scaled embedding is folded into Llama's input table, which then differs from the output projection.
+        tie_word_embeddings=config.tie_word_embeddings and not config.scale_embedding,
+        use_cache=config.use_cache,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+    )
+
+
+def vaswani_config_from_llama(llama: LlamaConfig, tie_word_embeddings: bool | None = None) -> VaswaniConfig:
+    """The VaswaniConfig of the same decoder-only model as `llama`; a ValueError names any field it cannot
+    express. `tie_word_embeddings` overrides what the config says (`from_llama` reads it off the model)."""
+    rope = dict(llama.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"LlamaConfig.rope_parameters['rope_type']={rope['rope_type']!r}: Vaswani models have only "
+                         "the default (unscaled) rotary embedding.")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"LlamaConfig.rope_parameters['partial_rotary_factor']={rope['partial_rotary_factor']}: "
+                         "Vaswani models rotate every channel of a head.")
+    unknown = sorted(set(rope) - {"rope_type", "rope_theta", "partial_rotary_factor"})
+    if unknown:
+        raise ValueError(f"LlamaConfig.rope_parameters has {', '.join(unknown)}, which Vaswani models cannot express.")
+    if llama.head_dim * llama.num_attention_heads != llama.hidden_size:
+        raise ValueError(f"LlamaConfig.head_dim={llama.head_dim}: Vaswani models have head_dim = hidden_size / "
+                         f"num_attention_heads = {llama.hidden_size / llama.num_attention_heads:g}.")
+    activations = {theirs: ours for ours, theirs in LLAMA_ACTIVATIONS.items()}
+    if llama.hidden_act not in activations:
+        raise ValueError(f"LlamaConfig.hidden_act={llama.hidden_act!r} has no Vaswani equivalent; supported: "
+                         f"{', '.join(activations)}.")
+    if llama.attention_bias != llama.mlp_bias:
+        raise ValueError(f"LlamaConfig.attention_bias={llama.attention_bias} and mlp_bias={llama.mlp_bias}: a "
+                         "Vaswani model has biases in every linear layer or in none (one field, bias).")
+    return VaswaniConfig(
+        vocab_size=llama.vocab_size,
+        d_model=llama.hidden_size,
+        encoder_layers=0,
+        decoder_layers=llama.num_hidden_layers,
+        num_attention_heads=llama.num_attention_heads,
+        num_key_value_heads=llama.num_key_value_heads,
+        d_ff=llama.intermediate_size,
+        ffn_activation=activations[llama.hidden_act],
+        dropout=0.0,
+        attention_dropout=float(llama.attention_dropout),
+        activation_dropout=0.0,
+        norm_first=True,
+        norm_type="rmsnorm",
+        layer_norm_eps=llama.rms_norm_eps,
+        position_embedding_type="rope",
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=llama.max_position_embeddings,
+        scale_embedding=False,
+        tie_word_embeddings=llama.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings,
+        final_logits_bias=False,
+        bias=llama.attention_bias,
+        label_smoothing=0.0,
+        use_cache=llama.use_cache,
+        is_encoder_decoder=False,
+        pad_token_id=llama.pad_token_id,
+        bos_token_id=llama.bos_token_id,
+        eos_token_id=llama.eos_token_id,
+        decoder_start_token_id=llama.bos_token_id,
+    )
+
+
+def llama_name(name: str) -> str:
+    """Our parameter name → Llama's."""
+    for ours, theirs in LLAMA_NAMES.items():
+        name = name.replace(ours, theirs)
+    return name
+
+
+@torch.no_grad()
+def to_llama(model: VaswaniForCausalLM) -> LlamaForCausalLM:
+    """A LlamaForCausalLM computing exactly what the decoder-only `model` computes (same weights, same generation
+    config), in fp32 on the CPU, in eval mode; a ValueError names any config field Llama cannot express. A scaled
+    embedding (`scale_embedding`, the presets' default) is folded into Llama's input table, so a model whose output
+    projection is tied to it becomes an untied Llama model: the same function, the table stored twice."""
+    if not isinstance(model, VaswaniForCausalLM):
+        raise ValueError(f"to_llama converts a VaswaniForCausalLM (the decoder-only model), not a "
+                         f"{type(model).__name__}.")
+    llama = LlamaForCausalLM(llama_config_from_vaswani(model.config))
+    ours = {llama_name(name): tensor for name, tensor in model.state_dict().items()}
+    # The embedding scale (√d_model, §3.4) becomes part of the input table: the same product, computed once.
+    ours["model.embed_tokens.weight"] = ours["model.embed_tokens.weight"] * model.model.embed_scale
+    llama.load_state_dict({name: ours[name].float().cpu() for name in llama.state_dict()})
+    settings = model.generation_config.to_dict()
+    settings.pop("decoder_start_token_id", None)  # an encoder-decoder setting, which a decoder-only model never reads
+    llama.generation_config = GenerationConfig.from_dict(settings)
+    return llama.eval()
+
+
+@torch.no_grad()
+def from_llama(llama: LlamaForCausalLM) -> VaswaniForCausalLM:
+    """A VaswaniForCausalLM computing exactly what `llama` computes (same weights, same generation config), in fp32
+    on the CPU, in eval mode; a ValueError names any config field it cannot express."""
+    tied = llama.lm_head.weight is llama.model.embed_tokens.weight
+    model = VaswaniForCausalLM(vaswani_config_from_llama(llama.config, tie_word_embeddings=tied))
+    theirs = llama.state_dict()
+    model.load_state_dict({name: theirs[llama_name(name)].float().cpu() for name in model.state_dict()})
+    model.generation_config = GenerationConfig.from_dict(llama.generation_config.to_dict())
+    return model.eval()
+
+
+def stock_tokenizer(tokenizer):
+    """The tokenizer as a class of transformers itself, so that its checkpoint loads without remote code: a custom
+    class over a `tokenizers` pipeline (VaswaniTokenizer) becomes a `TokenizersBackend` over the same pipeline and
+    special tokens, which encodes and decodes alike."""
+    if type(tokenizer).__module__.startswith("transformers."):
+        return tokenizer
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError(f"The tokenizer ({type(tokenizer).__name__}) is neither a transformers class nor built on "
+                         "a `tokenizers` pipeline; a Llama checkpoint could not load it without remote code.")
+    special = {name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if getattr(tokenizer, name, None) is not None}
+    return TokenizersBackend(tokenizer_object=tokenizer.backend_tokenizer, model_max_length=tokenizer.model_max_length,
+                             padding_side=tokenizer.padding_side,
+                             clean_up_tokenization_spaces=tokenizer.clean_up_tokenization_spaces, **special)
+
+
+@torch.no_grad()
+def check_same_logits(expected_model, model, vocab_size: int, pad_token_id: int | None) -> None:
+    """Both decoder-only models must give the same logits on a left-padded batch and the same greedy continuation
+    (cached), or the conversion is refused before anything is written."""
+    generator = torch.Generator().manual_seed(0)
+    low = min(4, vocab_size - 1)
+    input_ids = torch.randint(low, vocab_size, (2, 6), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :2] = 0
+    if pad_token_id is not None:
+        input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    expected, got = expected_model(**inputs).logits, model(**inputs).logits
+    difference = (expected - got)[attention_mask.bool()].abs().max().item()
+    if difference > 1e-4:
+        raise ValueError(f"The converted model's logits differ by {difference:.2e}; not saved.")
+    settings = {"do_sample": False, "num_beams": 1, "max_new_tokens": 8, "min_new_tokens": 8,
+                "pad_token_id": pad_token_id if pad_token_id is not None else 0}
+    if not torch.equal(expected_model.generate(**inputs, **settings), model.generate(**inputs, **settings)):
+        raise ValueError("The converted model's greedy continuations differ; not saved.")
+
+
+def convert_llama_checkpoint(model_name_or_path: str, output_dir: str | Path, force: bool = False,
+                             check: bool = True):
+    """Convert a checkpoint either way, by its config.json: a Vaswani decoder-only checkpoint becomes a stock Llama
+    one (weights, config, generation config, tokenizer as a transformers class, no module files), a Llama
+    checkpoint a Vaswani one (with its module files and the Llama tokenizer). The weights keep the dtype the source
+    stored. With `check`, both models first compare logits (in float32) on a left-padded batch and greedy
+    continuations, or nothing is written. Returns the new model."""
+    from transformers import AutoConfig
+
+    output_dir = Path(output_dir)
+    if output_dir.exists() and any(output_dir.iterdir()) and not force:
+        raise FileExistsError(f"{output_dir} already exists and is not empty; choose another directory or pass "
+                              "force=True (--force).")
+    try:
+        config = AutoConfig.from_pretrained(model_name_or_path)
+    except OSError as error:
+        raise FileNotFoundError(f"Cannot load a model config from {model_name_or_path}: "
+                                f"{str(error).splitlines()[0]}") from error
+    model_type = config.model_type
+    if model_type == VaswaniConfig.model_type and VaswaniForCausalLM.__name__ not in (config.architectures or []):
+        raise ValueError(f"{model_name_or_path} holds a {', '.join(config.architectures or ['Vaswani model'])}; only "
+                         "the decoder-only VaswaniForCausalLM has a Llama equivalent.")
+    if model_type == LlamaConfig.model_type:
+        source = LlamaForCausalLM.from_pretrained(model_name_or_path, dtype=torch.float32).eval()
+        converted = from_llama(source)
+    elif model_type == VaswaniConfig.model_type:
+        source = VaswaniForCausalLM.from_pretrained(model_name_or_path, dtype=torch.float32).eval()
+        converted = to_llama(source)
+    else:
+        raise ValueError(f"{model_name_or_path} holds a {model_type!r} model; this converts Llama and Vaswani "
+                         "decoder-only checkpoints.")
+    tokenizer = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    except (OSError, ValueError):
+        pass  # a checkpoint without a tokenizer converts to one without
+    if check:
+        check_same_logits(source, converted, source.config.vocab_size, source.config.pad_token_id)
+    if isinstance(config.dtype, torch.dtype) and config.dtype.is_floating_point:
+        converted.to(config.dtype)  # compared in float32, stored as the source was (a bf16 Llama stays bf16)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(converted, VaswaniForCausalLM):
+        if tokenizer is not None:
+            converted.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        converted.save_pretrained(output_dir)
+    else:
+        converted.save_pretrained(output_dir)
+        tokenizer = stock_tokenizer(tokenizer) if tokenizer is not None else None
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output_dir)
+    return converted
+
+
 __all__ = ["from_marian", "to_marian", "convert_marian_checkpoint", "vaswani_config_from_marian",
-           "marian_config_from_vaswani"]
+           "marian_config_from_vaswani", "from_llama", "to_llama", "convert_llama_checkpoint",
+           "llama_config_from_vaswani", "vaswani_config_from_llama"]

@@ -69,6 +69,7 @@ def write_model_card(
     dataset_ids: Sequence[str] = (),
     metrics_split: str = "test",
     training_command: str | None = None,
+    averaged_checkpoints: Sequence[str] = (),
 ) -> Path:
     """Write `output_dir/README.md`: YAML metadata, what the model is, how to load it, data attribution, scores.
 
@@ -80,6 +81,7 @@ def write_model_card(
     `repo_id`, the loading examples name a placeholder that `push_to_hub` replaces.
     `dataset_ids` are Hub dataset ids for the `datasets` metadata field (the manythings.org corpus has none).
     Code and weights are licensed Apache-2.0; the card states the data's own licence and attribution.
+    `averaged_checkpoints` names the checkpoints whose mean the weights are (`vaswani.checkpoints`).
     """
     source, target = languages
     repo = repo_id or REPO_ID_PLACEHOLDER
@@ -122,6 +124,10 @@ def write_model_card(
                         "train split (both languages).\n")
     if training_command:
         sections.append(f"## Training\n\n```bash\n{training_command}\n```\n")
+    if averaged_checkpoints:
+        listed = "\n".join(f"- {name}" for name in averaged_checkpoints)
+        sections.append(f"## Checkpoint averaging\n\nThe weights are the element-wise mean (in float32) of these "
+                        f"{len(averaged_checkpoints)} checkpoints, as in §6.1 of the paper:\n\n{listed}\n")
     if scores:
         signatures = metrics.get("test_signatures", metrics.get("signatures"))
         sections.append(_scores_section(scores, metrics_split, signatures if isinstance(signatures, dict) else {}))

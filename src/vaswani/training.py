@@ -38,15 +38,12 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
+from .checkpoints import STAGING_PREFIX, checkpoints_in, is_complete_checkpoint, load_average, publish_staged
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
 
 logger = logging.getLogger(__name__)
-
-# Checkpoints are written under this prefix and renamed into place when complete. The name must not match
-# `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
-STAGING_PREFIX = ".tmp-"
 
 
 @dataclass
@@ -163,6 +160,18 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "α (§6.1, with GNMT's penalty ((5 + length) / 6)**α); it also won on the main job's "
                           "validation split (benchmarks/results/main-job-recipes.md). 1.0 is transformers' default."},
     )
+    save_interval_seconds: float | None = field(
+        default=None,
+        metadata={"help": "Also write a checkpoint every this many seconds of training (the paper's 10 minutes: 600), "
+                          "and at the last step; with --save_strategy no, only these."},
+    )
+    average_last_checkpoints: int | None = field(
+        default=None,
+        metadata={"help": "Make the element-wise mean of the last N checkpoints the final model (§6.1: the last 5 "
+                          "for the base models, written at 10-minute intervals; 20 for the big ones), evaluated and "
+                          "saved as the final model is. Needs checkpoints (--save_interval_seconds or "
+                          "--save_strategy) and --save_total_limit of at least N, if set."},
+    )
     resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in output_dir."})
     overwrite_output_dir: bool = field(
         default=False,
@@ -182,10 +191,21 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError("--fsdp: transformers' Trainer shards with FSDP only on GPUs (and other accelerators); "
                              "on CPUs it would train with DDP instead. Drop --fsdp to train with DDP over gloo "
                              "(torchrun ... --ddp_backend gloo), or run on GPUs.")
-        for name in ("max_train_time", "max_tokens_per_batch"):
+        for name in ("max_train_time", "max_tokens_per_batch", "save_interval_seconds", "average_last_checkpoints"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}.")
+        if self.average_last_checkpoints:
+            if self.save_strategy == "no" and not self.save_interval_seconds:
+                raise ValueError("--average_last_checkpoints averages checkpoints; write some with "
+                                 "--save_interval_seconds or --save_strategy steps/epoch.")
+            if self.save_total_limit is not None and self.save_total_limit < self.average_last_checkpoints:
+                raise ValueError(f"--save_total_limit {self.save_total_limit} keeps fewer checkpoints than the "
+                                 f"--average_last_checkpoints {self.average_last_checkpoints} to average.")
+            for other in ("ema_decay", "load_best_model_at_end"):
+                if getattr(self, other):
+                    raise ValueError(f"--average_last_checkpoints makes the averaged weights the final model; "
+                                     f"--{other} makes another one. Pass one of them.")
         if self.lr_decay_over_time_budget:
             if not self.max_train_time:
                 raise ValueError("--lr_decay_over_time_budget needs --max_train_time, the budget it decays over.")
@@ -233,18 +253,45 @@ class TimeBudgetCallback(TrainerCallback):
         self.fraction = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
-        elapsed = time.monotonic() - self.start
-        if dist.is_available() and dist.is_initialized():
-            shared = torch.tensor(elapsed, dtype=torch.float64, device=args.device if args.device.type == "cuda" else "cpu")
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-            elapsed = float(shared.item())
+        elapsed = slowest_rank(time.monotonic() - self.start, args)
         self.fraction = min(elapsed / self.seconds, 1.0)
         if elapsed >= self.seconds:
             logger.info("Time budget of %.0f s reached at step %d.", self.seconds, state.global_step)
             control.should_training_stop = True
             # A last checkpoint (for --resume) only where checkpoints were asked for; the final model is saved anyway.
-            control.should_save = args.save_strategy != "no"
+            control.should_save = args.save_strategy != "no" or bool(args.save_interval_seconds)
         return control
+
+
+def slowest_rank(seconds: float, args) -> float:
+    """The largest of every DDP rank's `seconds`, so that decisions taken on elapsed time agree on every rank."""
+    if dist.is_available() and dist.is_initialized():
+        shared = torch.tensor(seconds, dtype=torch.float64, device=args.device if args.device.type == "cuda" else "cpu")
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        seconds = float(shared.item())
+    return seconds
+
+
+class IntervalCheckpointCallback(TrainerCallback):
+    """Asks the Trainer for a checkpoint every `seconds` of training and at the last step (§6.1 writes
+    checkpoints at 10-minute intervals and averages the last ones). The checkpoints are the Trainer's own, written by
+    `VaswaniSeq2SeqTrainer` as every other: complete before they appear, resumable, rotated by --save_total_limit.
+    The clock restarts with each (resumed) run."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.last = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if slowest_rank(time.monotonic() - self.last, args) >= self.seconds or state.global_step >= state.max_steps:
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last = time.monotonic()  # any checkpoint, also one of --save_steps, starts the next interval
 
 
 def time_budget_schedule(optimizer, kind: str, warmup_steps: int, budget: TimeBudgetCallback):
@@ -586,6 +633,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     callbacks = [time_budget] if time_budget else []
     if args.ema_decay is not None:
         callbacks.append(WeightAverageCallback(args.ema_decay))
+    if args.save_interval_seconds:
+        callbacks.append(IntervalCheckpointCallback(args.save_interval_seconds))
     # The final model is pushed once, complete, by `push_to_hub` below; the Trainer's own pushes (a repo set up at
     # the start and an upload at every save) would publish intermediate states.
     push, args.push_to_hub = args.push_to_hub, False
@@ -631,6 +680,15 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         references = test["references"] if "references" in test.column_names else [[t] for t in test["target"]]
         # Without the autocast that --bf16/--fp16 wrapped around forward: the report is what the saved weights give.
         model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
+        averaged = []
+        if args.average_last_checkpoints:
+            averaged = [path for path in checkpoints_in(args.output_dir) if is_complete_checkpoint(path)]
+            averaged = averaged[-args.average_last_checkpoints:]
+            if len(averaged) < args.average_last_checkpoints:
+                logger.warning("--average_last_checkpoints %d: training wrote only %d checkpoints; averaging those.",
+                               args.average_last_checkpoints, len(averaged))
+            load_average(model, averaged)
+            metrics["averaged_checkpoints"] = len(averaged)
         test_metrics = evaluate_model(
             model,
             tokenizer,
@@ -642,7 +700,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         )
         metrics.update({f"test_{k}": v for k, v in test_metrics.items() if k != "hypotheses"})
         metrics["test_sentences"] = len(test)
-        save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"])
+        save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"],
+                   [os.path.basename(path) for path in averaged])
         if push:
             from .hub import push_to_hub
 
@@ -658,13 +717,12 @@ def end_distributed() -> None:
         dist.destroy_process_group()
 
 
-def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translations: Sequence[str] = ()) -> None:
-    """Write the final model through a staging directory: each file is complete before it is moved into
-    `output_dir` (`os.replace` is atomic), and `config.json`, without which nothing loads, is removed first and
-    moved in last. So a crash never leaves a truncated file, nor the weights of one model beside the config of
-    another: a directory with a `config.json` holds one complete model. `test_translations`, the test split's
-    hypotheses in its order, go to `test_translations.txt` (one a line), so that the reported scores can be
-    recomputed against the split's references."""
+def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translations: Sequence[str] = (),
+               averaged_checkpoints: list[str] = ()) -> None:
+    """Write the final model through a staging directory, published into `output_dir` by `publish_staged`: a crash
+    never leaves a truncated file, nor the weights of one model beside the config of another. `test_translations`,
+    the test split's hypotheses in its order, go to `test_translations.txt` (one a line), so that the reported
+    scores can be recomputed against the split's references."""
     from .hub import attach_translation_pipeline, write_model_card
 
     staging = os.path.join(output_dir, STAGING_PREFIX + "final")
@@ -678,16 +736,9 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translat
     if test_translations:
         with open(os.path.join(staging, "test_translations.txt"), "w", encoding="utf-8") as f:
             f.writelines(line.replace("\n", " ") + "\n" for line in test_translations)
-    write_model_card(staging, metrics=metrics, training_command=shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
-    config = os.path.join(output_dir, "config.json")
-    if os.path.exists(config):
-        os.remove(config)
-    for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
-        target = os.path.join(output_dir, name)
-        if os.path.isdir(target):  # a directory (custom_generate/) of the model this one replaces: no atomic swap
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)
-    os.rmdir(staging)
+    command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    write_model_card(staging, metrics=metrics, training_command=command, averaged_checkpoints=averaged_checkpoints)
+    publish_staged(staging, output_dir)
 
 
 def replace_pickled_arguments(directory: str, args) -> None:
@@ -701,22 +752,6 @@ def replace_pickled_arguments(directory: str, args) -> None:
 
 
 # What output_dir may already hold -----------------------------------------------------------------------------------
-
-
-def checkpoints_in(output_dir: str) -> list[str]:
-    """The `checkpoint-N` directories of `output_dir`, oldest step first."""
-    steps = []
-    for name in os.listdir(output_dir):
-        prefix, _, step = name.partition("-")
-        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
-            steps.append(int(step))
-    return [os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") for step in sorted(steps)]
-
-
-def is_complete_checkpoint(path: str) -> bool:
-    """The Trainer writes `trainer_state.json` last. Our checkpoints appear only complete (see
-    `VaswaniSeq2SeqTrainer`); this also rejects a directory cut short by another writer."""
-    return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
 
 
 def holds_final_model(output_dir: str) -> bool:

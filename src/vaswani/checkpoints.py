@@ -1,0 +1,244 @@
+"""Checkpoint directories: which are complete, how one is published atomically, and checkpoint averaging.
+
+§6.1 of the paper reports single models "obtained by averaging the last 5 checkpoints, which were written at
+10-minute intervals" (the last 20 for the big models); fairseq ships the same step as `average_checkpoints.py`.
+`average_checkpoints` writes that average as a complete checkpoint: the element-wise mean of the weights in float32,
+with the config, tokenizer, generation config, module files and a model card of the newest checkpoint averaged.
+Checkpoints of different shapes, configs or tokenizers are refused, naming the difference. Weights that a model
+ties (the shared embeddings and the output projection) are stored once, so their average is tied too.
+
+Training writes checkpoints at a fixed wall-clock interval with `--save_interval_seconds` and makes the average of
+the last N its final model with `--average_last_checkpoints N` (see `vaswani.training`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from . import modeling_vaswani
+from .configuration_vaswani import tokenizer_fingerprint
+
+# Checkpoints are written under this prefix and renamed into place when complete. The name must not match
+# `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
+STAGING_PREFIX = ".tmp-"
+# Config fields that say how a checkpoint was saved or is run, not which model it holds.
+CONFIG_FIELDS_NOT_COMPARED = {"transformers_version", "dtype", "torch_dtype", "use_cache", "_name_or_path",
+                              "architectures"}
+
+
+def checkpoints_in(output_dir: str | Path) -> list[str]:
+    """The `checkpoint-N` directories of `output_dir`, oldest step first."""
+    steps = []
+    for name in os.listdir(output_dir):
+        prefix, _, step = name.partition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+            steps.append(int(step))
+    return [os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") for step in sorted(steps)]
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """The Trainer writes `trainer_state.json` last. Our checkpoints appear only complete (see
+    `VaswaniSeq2SeqTrainer`); this also rejects a directory cut short by another writer."""
+    return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+
+
+def publish_staged(staging: str | Path, output_dir: str | Path) -> None:
+    """Move the complete model in `staging` into `output_dir`, then remove `staging`. Each file is complete before
+    it is moved (`os.replace` is atomic), and `config.json`, without which nothing loads, is removed first and moved
+    in last. So a crash never leaves a truncated file, nor the weights of one model beside the config of another: a
+    directory with a `config.json` holds one complete model."""
+    config = os.path.join(output_dir, "config.json")
+    if os.path.exists(config):
+        os.remove(config)
+    for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target):  # a directory (custom_generate/) of the model this one replaces: no atomic swap
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
+    os.rmdir(staging)
+
+
+# Averaging ----------------------------------------------------------------------------------------------------------
+
+
+def last_checkpoints(sources: Sequence[str | Path], last: int | None = None) -> list[str]:
+    """The checkpoints to average: the complete `checkpoint-N` directories of a run directory (one source that holds
+    any, whether or not its final model is saved beside them), or the given checkpoint directories in the given
+    order; the last `last` of them where `last` is set."""
+    run_dir = str(sources[0]) if len(sources) == 1 else None
+    if run_dir is not None and os.path.isdir(run_dir) and checkpoints_in(run_dir):
+        checkpoints = [path for path in checkpoints_in(run_dir) if is_complete_checkpoint(path)]
+        if not checkpoints:
+            raise FileNotFoundError(f"{run_dir} holds no complete checkpoint-N directory (each lacks "
+                                    f"{TRAINER_STATE_NAME}).")
+    else:
+        checkpoints = [str(path) for path in sources]
+        for path in checkpoints:
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise FileNotFoundError(f"{path} is neither a checkpoint directory (it has no config.json) nor a run "
+                                        "directory with checkpoint-N directories.")
+    if last is not None:
+        if last < 1:
+            raise ValueError(f"The number of checkpoints to average must be positive, got {last}.")
+        if len(checkpoints) < last:
+            raise ValueError(f"{last} checkpoints asked for, but only {len(checkpoints)} found: "
+                             f"{', '.join(checkpoints)}.")
+        checkpoints = checkpoints[-last:]
+    return checkpoints
+
+
+def weight_files(checkpoint: str | Path) -> list[str]:
+    """The safetensors files of a checkpoint, sharded or not."""
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(checkpoint, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (nor {SAFE_WEIGHTS_INDEX_NAME}).")
+    return [single]
+
+
+def check_same_model(checkpoints: Sequence[str]) -> None:
+    """Refuse checkpoints that do not hold the same model with the same tokenizer, naming the first difference."""
+    first = checkpoints[0]
+    reference = _compared_config(first)
+    reference_tokenizer = _tokenizer_fingerprint_of(first)
+    for other in checkpoints[1:]:
+        config = _compared_config(other)
+        for name in sorted(set(reference) | set(config)):
+            if reference.get(name) != config.get(name):
+                raise ValueError(f"{other} has config {name}={config.get(name)!r}, {first} has "
+                                 f"{reference.get(name)!r}: checkpoints of different models cannot be averaged.")
+        if _tokenizer_fingerprint_of(other) != reference_tokenizer:
+            raise ValueError(f"{other} has another tokenizer than {first} (tokenizer fingerprints "
+                             f"{_tokenizer_fingerprint_of(other)} and {reference_tokenizer}): checkpoints trained with "
+                             "different vocabularies cannot be averaged.")
+
+
+def _compared_config(checkpoint: str) -> dict:
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    return {name: value for name, value in config.items() if name not in CONFIG_FIELDS_NOT_COMPARED}
+
+
+def _tokenizer_fingerprint_of(checkpoint: str) -> str | None:
+    """None for a checkpoint saved without a tokenizer: only the weights are then compared."""
+    if not os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")):
+        return None
+    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(checkpoint))
+
+
+@torch.no_grad()
+def average_state_dicts(checkpoints: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the checkpoints' stored tensors, in float32. Each sum is accumulated in float64 (one
+    model's worth of memory beside one checkpoint's tensors), so the result is the exact mean rounded once to
+    float32, whatever the number of checkpoints. Different tensor names or shapes are refused, naming them."""
+    total: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple] = {}
+    for index, checkpoint in enumerate(checkpoints):
+        seen = set()
+        for file in weight_files(checkpoint):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    seen.add(name)
+                    if index == 0:
+                        total[name] = tensor.to(torch.float64)
+                        shapes[name] = tuple(tensor.shape)
+                        continue
+                    if name not in total:
+                        raise ValueError(f"{checkpoint} has a tensor {name} that {checkpoints[0]} lacks: checkpoints "
+                                         "of different models cannot be averaged.")
+                    if tuple(tensor.shape) != shapes[name]:
+                        raise ValueError(f"{name} has shape {tuple(tensor.shape)} in {checkpoint} but {shapes[name]} "
+                                         f"in {checkpoints[0]}: checkpoints of different shapes cannot be averaged.")
+                    total[name] += tensor
+        missing = sorted(set(total) - seen)
+        if missing:
+            raise ValueError(f"{checkpoint} lacks {', '.join(missing[:5])}, which {checkpoints[0]} has: checkpoints "
+                             "of different models cannot be averaged.")
+    return {name: (tensor / len(checkpoints)).to(torch.float32) for name, tensor in total.items()}
+
+
+@torch.no_grad()
+def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn.Module:
+    """Put the average of `checkpoints` into `model` (in place; parameters keep their dtype and device). Every stored
+    tensor must be one of the model's; a model tensor that no checkpoint stores must be tied to one that is (as
+    save_pretrained leaves the output projection out when tied to the embedding)."""
+    check_same_model(checkpoints)
+    average = average_state_dicts(checkpoints)
+    state = model.state_dict()
+    unknown = sorted(set(average) - set(state))
+    if unknown:
+        raise ValueError(f"{checkpoints[-1]} stores {', '.join(unknown[:5])}, which this model does not have.")
+    stored = {state[name].data_ptr() for name in average}
+    untied = sorted(name for name in set(state) - set(average) if state[name].data_ptr() not in stored)
+    if untied:
+        raise ValueError(f"The checkpoints do not store {', '.join(untied[:5])}, which this model has untied.")
+    for name, tensor in average.items():
+        state[name].copy_(tensor)
+    return model
+
+
+def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, last: int | None = None,
+                        force: bool = False):
+    """Average the last `last` checkpoints of a run directory (or the given checkpoint directories) and write a
+    complete checkpoint to `output_dir` through a staging directory (`publish_staged`): float32 weights, the newest
+    checkpoint's config, generation config, tokenizer and module files, the translation pipeline for a translation
+    model, and a model card that lists what was averaged (and reports no scores: evaluate the average itself).
+    Returns the averaged model."""
+    from .hub import attach_translation_pipeline, write_model_card
+
+    checkpoints = last_checkpoints(sources, last)
+    output_dir = Path(output_dir)
+    if output_dir.exists() and any(output_dir.iterdir()) and not force:
+        raise FileExistsError(f"{output_dir} already exists and is not empty; choose another directory or pass "
+                              "force=True (--force).")
+    newest = checkpoints[-1]
+    architectures = AutoConfig.from_pretrained(newest).architectures or []
+    model_class = getattr(modeling_vaswani, architectures[0], None) if architectures else None
+    if model_class is None:
+        raise ValueError(f"{newest}/config.json names no Vaswani model class (architectures={architectures}).")
+    model = model_class.from_pretrained(newest, dtype=torch.float32)
+    load_average(model, checkpoints)
+    model.eval()
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    staging = output_dir / (STAGING_PREFIX + "average")
+    shutil.rmtree(staging, ignore_errors=True)
+    if model.config.is_encoder_decoder:
+        attach_translation_pipeline(model, staging)
+    model.save_pretrained(staging)
+    if os.path.isfile(os.path.join(newest, "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(newest).save_pretrained(staging)
+    # No scores: those of any checkpoint averaged are not the average's.
+    write_model_card(staging, averaged_checkpoints=[_checkpoint_summary(path) for path in checkpoints])
+    publish_staged(staging, output_dir)
+    return model
+
+
+def _checkpoint_summary(checkpoint: str) -> str:
+    """`checkpoint-N` (step N, epoch E) for the model card."""
+    state_file = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    if not os.path.isfile(state_file):
+        return str(checkpoint)
+    with open(state_file) as f:
+        state = json.load(f)
+    return f"{os.path.basename(os.path.normpath(checkpoint))} (step {state.get('global_step')}, epoch " \
+           f"{state.get('epoch', 0):.2f})"
+
+
+__all__ = ["average_checkpoints", "average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
+           "is_complete_checkpoint", "publish_staged"]
