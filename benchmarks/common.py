@@ -60,7 +60,7 @@ BF16_PEAK_TFLOPS = (
 
 @dataclass
 class Device:
-    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (the issue's rule)."""
+    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU."""
 
     device: torch.device
 

@@ -261,7 +261,7 @@ def test_finished_sentences_leave_the_batch(trained, monkeypatch, num_beams):
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(SENTENCES)
 
 
-# Static shapes and CUDA graphs (item 6 of generation_vaswani) ---------------------------------------------------------
+# Static shapes and CUDA graphs (6 in generation_vaswani's docstring) --------------------------------------------------
 
 # What a recorded CUDA graph cannot contain: reading a device value on the host (`.item()`, `bool(tensor)`, the
 # data-dependent shapes of nonzero/masked_select/unique) and tensors made from host data (a host-to-device copy).

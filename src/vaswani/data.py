@@ -683,8 +683,8 @@ class WordCachedEncoder:
     tokenization_vaswani), so a sentence's ids are its words' ids end to end. `tokenizers` spends most of its time
     per sentence on bookkeeping that training does not use (offsets, alignments, an `Encoding` object), while a
     corpus repeats its words: looking each word up in a dict, and encoding only the words not seen yet, a batch at
-    a time, gives the same ids for about a third of the CPU time where words repeat as in Tatoeba, and less of a
-    gain where more of them are new (benchmarks/results/data-encoder-cpu.md). A batch of mostly new words is
+    a time, gives the same ids for much less CPU time where words repeat as in Tatoeba, and less of a gain where
+    more of them are new (benchmarks/results/data-encoder-cpu.md). A batch of mostly new words is
     encoded a sentence at a time instead (`MOSTLY_NEW`). The cache holds at most `max_words` words and starts over
     when full, so its memory does not grow with the corpus.
 

@@ -249,8 +249,8 @@ class TimeBudgetCallback(TrainerCallback):
 def time_budget_schedule(optimizer, kind: str, warmup_steps: int, budget: TimeBudgetCallback):
     """A learning-rate schedule over a time budget: linear warm-up over `warmup_steps` steps, then the `kind` decay
     (`TIME_SCHEDULES`) of the part of the budget spent, read from the budget's callback. The step-based schedules
-    of transformers decay over `max_steps`, which a run stopped by its budget never reaches: a 600 s run that
-    allows 7,830 steps by epoch count stops after ~900, with the rate barely lowered."""
+    of transformers decay over `max_steps`, which a run stopped by its budget never reaches: the epochs' step count
+    can be many times the steps that fit in the budget, and the rate would end barely lowered."""
     decay = TIME_SCHEDULES[kind]
 
     def factor(step: int) -> float:
@@ -292,8 +292,8 @@ class WeightAverageCallback(TrainerCallback):
 
 class TimeBudgetProgressCallback(ProgressCallback):
     """The training progress bar under a time budget: it counts the budget's seconds, with the step beside them.
-    The stock bar counts `max_steps`, which under a budget is only the epochs' step count (7,830 with a one-hour
-    ETA for the main job's 600 s), not where training will stop."""
+    The stock bar counts `max_steps`, which under a budget is only the epochs' step count (with an ETA far beyond
+    the budget), not where training will stop."""
 
     def __init__(self, seconds: float):
         super().__init__()
