@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
+from common import SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
 
 from vaswani.data import (  # noqa: E402
     ReadSummary,
@@ -63,7 +63,7 @@ GIB = 1024**3
 
 def build_stand_in_corpus(path: Path, pairs: int, seed: int = 0, source: Path | None = None) -> Path:
     """`pairs` lines of WMT-like length: each joins 2-4 random fra-eng pairs (about 25 tokens a side)."""
-    base, _ = read_parallel_tsv(resolve_corpus_path(source))
+    base, _ = read_parallel_tsv(resolve_corpus_path(source, SHARED_CORPUS))
     rng = random.Random(seed)
     partial = path.with_name(path.name + ".part")
     with gzip.open(partial, "wt", encoding="utf-8", compresslevel=1) as out:

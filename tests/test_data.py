@@ -34,9 +34,11 @@ from vaswani.data import (
     tokenize_translation_dataset,
 )
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
-from conftest import free_port
+from conftest import free_port, script_module
 
 REPO = Path(__file__).parents[1]
+# Where this repository keeps the English-French corpus, beside the checkout (as the scripts look for it).
+SHARED_CORPUS = REPO.resolve().parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 ANIMALS = ["cat", "dog", "bird", "horse", "fish", "cow", "duck", "goat"]
 ANIMAUX = ["chat", "chien", "oiseau", "cheval", "poisson", "vache", "canard", "chèvre"]
 
@@ -138,14 +140,44 @@ def test_resolution_order_path_then_env_then_shared_then_download(tmp_path, monk
     shared = write_tsv(tmp_path / "shared.tsv.gz", [("a", "b")], compress=True)
     downloaded = tmp_path / "downloaded.txt"
     monkeypatch.setattr(data, "download_corpus", lambda: downloaded)
-    monkeypatch.setattr(data, "SHARED_CORPUS", tmp_path / "not-there.tsv.gz")
 
     assert resolve_corpus_path() == downloaded
-    monkeypatch.setattr(data, "SHARED_CORPUS", shared)
-    assert resolve_corpus_path() == shared
+    assert resolve_corpus_path(default_corpus=tmp_path / "not-there.tsv.gz") == downloaded
+    assert resolve_corpus_path(default_corpus=shared) == shared
     monkeypatch.setenv(data.CORPUS_ENV_VAR, str(from_env))
-    assert resolve_corpus_path() == from_env
-    assert resolve_corpus_path(explicit) == explicit
+    assert resolve_corpus_path(default_corpus=shared) == from_env
+    assert resolve_corpus_path(explicit, default_corpus=shared) == explicit
+
+
+class Called(Exception):
+    pass
+
+
+def test_the_scripts_pass_the_repository_copy_that_the_package_does_not_know(monkeypatch, tmp_path):
+    """The copy beside a checkout is the scripts' default; the installed package names no such place."""
+    assert not hasattr(data, "SHARED_CORPUS")
+    seen = {}
+
+    def capture(**found):
+        seen.update(found)
+        raise Called
+
+    tokenizer_script = script_module("train_tokenizer")
+    monkeypatch.setattr(tokenizer_script, "train_corpus_tokenizer", lambda *args, **kwargs: capture(**kwargs))
+    with pytest.raises(Called):
+        tokenizer_script.main(["--output_dir", str(tmp_path / "tokenizer")])
+    assert seen["default_corpus"] == SHARED_CORPUS
+
+    training_script = script_module("train_translation")
+    monkeypatch.setattr(training_script, "keep_freed_cpu_memory", lambda **kwargs: None)  # process-wide otherwise
+    monkeypatch.setattr(training_script, "run_training", lambda model_args, data_args, args: capture(
+        default_corpus=Path(data_args.default_corpus), corpus=data_args.corpus))
+    with pytest.raises(Called):
+        training_script.main(["--output_dir", str(tmp_path / "model"), "--use_cpu", "true"])
+    assert seen == {"default_corpus": SHARED_CORPUS, "corpus": None}
+
+    bleu_script = script_module("evaluate_bleu")
+    assert bleu_script.SHARED_CORPUS == SHARED_CORPUS
 
 
 def test_a_wrong_explicit_path_or_env_var_is_an_error_not_a_fallback(tmp_path, monkeypatch):
@@ -295,9 +327,9 @@ def test_references_differing_only_in_unicode_spaces_count_once():
 
 
 def test_real_corpus_splits():
-    if not data.SHARED_CORPUS.is_file():
-        pytest.skip(f"the English-French corpus is not at {data.SHARED_CORPUS}")
-    splits = load_translation_dataset()
+    if not SHARED_CORPUS.is_file():
+        pytest.skip(f"the English-French corpus is not at {SHARED_CORPUS}")
+    splits = load_translation_dataset(default_corpus=SHARED_CORPUS)
     assert 150_000 < len(splits["train"]) < 160_000
     assert 2_000 < len(splits["validation"]) < 2_600 and 3_000 < len(splits["test"]) < 3_800
     assert any(len(refs) > 1 for refs in splits["test"]["references"][:])

@@ -52,8 +52,6 @@ logger = logging.getLogger(__name__)
 CORPUS_URL = "http://www.manythings.org/anki/fra-eng.zip"
 CORPUS_MEMBER = "fra.txt"  # the member of the zip that holds the sentence pairs
 CORPUS_ENV_VAR = "VASWANI_FRA_ENG"
-# Where this project keeps a copy next to the repository (<repo>/../shared/...), so nothing is downloaded.
-SHARED_CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 # manythings' files put English first and the other language second.
 TSV_LANGUAGES = ("en", "fr")
 
@@ -78,8 +76,9 @@ NAMED_SKIPS = 5
 # Finding the corpus
 
 
-def resolve_corpus_path(path: str | os.PathLike | None = None) -> Path:
-    """The corpus file to read: `path`, else $VASWANI_FRA_ENG, else the shared copy, else a download.
+def resolve_corpus_path(path: str | os.PathLike | None = None, default_corpus: str | os.PathLike | None = None) -> Path:
+    """The corpus file to read: `path`, else $VASWANI_FRA_ENG, else `default_corpus` if that file exists (a copy
+    the caller keeps, such as the one the scripts find beside a checkout), else a download.
 
     An explicit path or environment variable that points nowhere is an error rather than a reason to
     fall through to the next candidate: a typo should not silently train on another corpus.
@@ -90,8 +89,8 @@ def resolve_corpus_path(path: str | os.PathLike | None = None) -> Path:
             if not candidate.is_file():
                 raise FileNotFoundError(f"Corpus file {candidate} (from {origin}) does not exist or is not a file.")
             return candidate
-    if SHARED_CORPUS.is_file():
-        return SHARED_CORPUS
+    if default_corpus is not None and Path(default_corpus).is_file():
+        return Path(default_corpus)
     return download_corpus()
 
 
@@ -376,6 +375,7 @@ def load_translation_dataset(
     dataset_config: str | None = None,
     *,
     data_file: str | os.PathLike | None = None,
+    default_corpus: str | os.PathLike | None = None,
     source_lang: str = "en",
     target_lang: str = "fr",
     validation_fraction: float = VALIDATION_FRACTION,
@@ -392,7 +392,7 @@ def load_translation_dataset(
                      `source`/`target` columns.
       data_file      a local file: .csv, .json or .jsonl (columns as above), or tab-separated text, plain or
                      gzipped, laid out like manythings' files (English first).
-      neither        the English-French Tatoeba corpus (`resolve_corpus_path()`).
+      neither        the English-French Tatoeba corpus (`resolve_corpus_path(None, default_corpus)`).
     Validation and test splits the dataset provides are kept; missing ones are carved out of train by
     `split_by_source` with the given fractions.
 
@@ -408,7 +408,7 @@ def load_translation_dataset(
         else:
             loaded = load_dataset(str(dataset_name), dataset_config)
     else:
-        path = resolve_corpus_path(data_file)
+        path = resolve_corpus_path(data_file, default_corpus)
         name = path.name.removesuffix(".gz")
         if not name.endswith((".csv", ".json", ".jsonl")):
             return _tsv_splits(path, source_lang, target_lang, validation_fraction, test_fraction,
@@ -575,10 +575,14 @@ def train_corpus_tokenizer(
     target_lang: str = "fr",
     max_pairs: int | None = None,
     seed: int = 0,
+    *,
+    default_corpus: str | os.PathLike | None = None,
 ) -> VaswaniTokenizer:
     """Train the joint tokenizer on both sides of the train split only, so test sentences stay unseen;
-    on at most `max_pairs` of its pairs (a seeded sample, see `tokenizer_training_sample`)."""
-    train = load_translation_dataset(data_file=corpus, source_lang=source_lang, target_lang=target_lang)["train"]
+    on at most `max_pairs` of its pairs (a seeded sample, see `tokenizer_training_sample`). The corpus is found as
+    `resolve_corpus_path(corpus, default_corpus)` finds it."""
+    train = load_translation_dataset(data_file=corpus, default_corpus=default_corpus, source_lang=source_lang,
+                                     target_lang=target_lang)["train"]
     return train_tokenizer(training_texts(tokenizer_training_sample(train, max_pairs, seed)), vocab_size)
 
 

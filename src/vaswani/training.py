@@ -98,8 +98,11 @@ class DataArguments:
     corpus: str | None = field(
         default=None,
         metadata={"help": "Local parallel corpus (tsv[.gz] English-first, csv, jsonl). Default: the fra-eng corpus "
-                          f"from ${vdata.CORPUS_ENV_VAR}, ../shared/data/fra-eng, or its public download."},
+                          f"from ${vdata.CORPUS_ENV_VAR}, the caller's copy, or its public download."},
     )
+    # Not an option: the fra-eng file to read when neither --corpus nor the environment names one, set by the
+    # calling script (the package does not know where a repository keeps its data); None downloads it.
+    default_corpus: str | None = field(default=None, init=False)
     dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face dataset instead of a file."})
     dataset_config: str | None = field(default=None, metadata={"help": "Its configuration name, e.g. 'fr-en'."})
     source_lang: str = "en"
@@ -453,6 +456,7 @@ def load_splits(data_args: DataArguments):
         data_args.dataset_name,
         data_args.dataset_config,
         data_file=data_args.corpus,
+        default_corpus=data_args.default_corpus,
         source_lang=data_args.source_lang,
         target_lang=data_args.target_lang,
         cache_dir=data_args.data_cache_dir,
