@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from vaswani.cli import load_translator
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus, translate
+from vaswani.loading import load_translator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402

@@ -11,18 +11,12 @@ import argparse
 import json
 from pathlib import Path
 
-from vaswani.cli import (
-    add_decoding_arguments,
-    generation_limits,
-    load_translator,
-    read_lines,
-    user_errors_exit,
-    write_atomically,
-)
+from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import evaluate_model, score_corpus
 from vaswani.export import load_ctranslate2, translate_ctranslate2
-from vaswani.file_translation import DTYPES
+from vaswani.files import read_lines, write_atomically
+from vaswani.loading import DTYPES, generation_limits, load_translator
 
 # This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
 # names a file, so that nothing is downloaded.

@@ -215,7 +215,7 @@ def test_top_1_breaks_ties_like_argmax():
 
 
 def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
-    from vaswani.cli import load_translator
+    from vaswani.loading import load_translator
 
     model, tokenizer = trained
     model.save_pretrained(tmp_path)

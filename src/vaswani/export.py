@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from transformers import MarianTokenizer
 
-from .cli import load_translator
 from .configuration_vaswani import VaswaniConfig
 from .evaluation import OUTPUT_SLACK, longest_first_batches
+from .loading import load_translator
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 from .tokenization_vaswani import VaswaniTokenizer
 
