@@ -1,4 +1,5 @@
-"""data.py: corpus resolution and download, robust reading, splits, dataset loading, tokenization, batching."""
+"""corpus.py, data.py and batching.py: corpus resolution and download, robust reading, splits, dataset loading,
+tokenization, batching."""
 
 import gzip
 import hashlib
@@ -19,16 +20,13 @@ import torch
 from datasets import Dataset, DatasetDict
 from tokenizers import normalizers
 
+from vaswani import corpus as vcorpus
 from vaswani import data
+from vaswani.batching import TokenBatchSampler, example_lengths
+from vaswani.corpus import ReadSummary, download_corpus, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import (
-    ReadSummary,
-    TokenBatchSampler,
-    download_corpus,
-    example_lengths,
     group_references,
     load_translation_dataset,
-    read_parallel_tsv,
-    resolve_corpus_path,
     split_by_source,
     split_of,
     tokenize_translation_dataset,
@@ -65,7 +63,7 @@ def isolated_caches(tmp_path, monkeypatch):
     """Keep datasets' cache and any download in the test's own directory."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv(data.CORPUS_ENV_VAR, raising=False)
+    monkeypatch.delenv(vcorpus.CORPUS_ENV_VAR, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +137,12 @@ def test_resolution_order_path_then_env_then_shared_then_download(tmp_path, monk
     from_env = write_tsv(tmp_path / "env.tsv", [("a", "b")])
     shared = write_tsv(tmp_path / "shared.tsv.gz", [("a", "b")], compress=True)
     downloaded = tmp_path / "downloaded.txt"
-    monkeypatch.setattr(data, "download_corpus", lambda: downloaded)
+    monkeypatch.setattr(vcorpus, "download_corpus", lambda: downloaded)
 
     assert resolve_corpus_path() == downloaded
     assert resolve_corpus_path(default_corpus=tmp_path / "not-there.tsv.gz") == downloaded
     assert resolve_corpus_path(default_corpus=shared) == shared
-    monkeypatch.setenv(data.CORPUS_ENV_VAR, str(from_env))
+    monkeypatch.setenv(vcorpus.CORPUS_ENV_VAR, str(from_env))
     assert resolve_corpus_path(default_corpus=shared) == from_env
     assert resolve_corpus_path(explicit, default_corpus=shared) == explicit
 
@@ -155,7 +153,7 @@ class Called(Exception):
 
 def test_the_scripts_pass_the_repository_copy_that_the_package_does_not_know(monkeypatch, tmp_path):
     """The copy beside a checkout is the scripts' default; the installed package names no such place."""
-    assert not hasattr(data, "SHARED_CORPUS")
+    assert not hasattr(data, "SHARED_CORPUS") and not hasattr(vcorpus, "SHARED_CORPUS")
     seen = {}
 
     def capture(**found):
@@ -183,8 +181,8 @@ def test_the_scripts_pass_the_repository_copy_that_the_package_does_not_know(mon
 def test_a_wrong_explicit_path_or_env_var_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="given path"):
         resolve_corpus_path(tmp_path / "typo.tsv")
-    monkeypatch.setenv(data.CORPUS_ENV_VAR, str(tmp_path / "typo.tsv"))
-    with pytest.raises(FileNotFoundError, match=data.CORPUS_ENV_VAR):
+    monkeypatch.setenv(vcorpus.CORPUS_ENV_VAR, str(tmp_path / "typo.tsv"))
+    with pytest.raises(FileNotFoundError, match=vcorpus.CORPUS_ENV_VAR):
         resolve_corpus_path()
 
 

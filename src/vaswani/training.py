@@ -37,7 +37,9 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
+from .batching import TokenBatchSampler, example_lengths
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
+from .corpus import CORPUS_ENV_VAR
 from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
 
@@ -98,7 +100,7 @@ class DataArguments:
     corpus: str | None = field(
         default=None,
         metadata={"help": "Local parallel corpus (tsv[.gz] English-first, csv, jsonl). Default: the fra-eng corpus "
-                          f"from ${vdata.CORPUS_ENV_VAR}, the caller's copy, or its public download."},
+                          f"from ${CORPUS_ENV_VAR}, the caller's copy, or its public download."},
     )
     # Not an option: the fra-eng file to read when neither --corpus nor the environment names one, set by the
     # calling script (the package does not know where a repository keeps its data); None downloads it.
@@ -341,7 +343,7 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
         dataset = self._remove_unused_columns(self.train_dataset, description="training")
-        self.batch_sampler = vdata.TokenBatchSampler(vdata.example_lengths(dataset), self.max_tokens_per_batch,
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch,
                                                      shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
         loader = DataLoader(
             dataset,
