@@ -46,7 +46,7 @@ from .corpus import (
     require_pairs,
     resolve_corpus_path,
 )
-from .tokenization_vaswani import WORD_START, VaswaniTokenizer, _build_backend, train_tokenizer
+from .tokenization_vaswani import WORD_START, VaswaniTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -483,13 +483,9 @@ class WordCachedEncoder:
     @classmethod
     def for_tokenizer(cls, tokenizer, max_length: int, max_words: int = 500_000) -> "WordCachedEncoder | None":
         """An encoder for `tokenizer`, or None where its pipeline does not encode words independently."""
-        if not getattr(tokenizer, "is_fast", False) or tokenizer.truncation_side != "right":
+        if not VaswaniTokenizer.encodes_words_independently(tokenizer) or tokenizer.truncation_side != "right":
             return None
-        reference = json.loads(_build_backend({}, []).to_str())
         saved = tokenizer.backend_tokenizer.to_str()
-        state = json.loads(saved)
-        if any(state[part] != reference[part] for part in ("normalizer", "pre_tokenizer")):
-            return None
         # The special tokens the tokenizer adds around a sentence, found from one encoded word.
         backend = Tokenizer.from_str(saved)  # a copy whose truncation and padding the tokenizer's calls leave alone
         backend.no_truncation()
