@@ -37,15 +37,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
+from common import SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
 
-from vaswani.data import (  # noqa: E402
-    ReadSummary,
-    WordCachedEncoder,
-    iter_parallel_tsv,
-    read_parallel_tsv,
-    resolve_corpus_path,
-)
+from vaswani.corpus import ReadSummary, iter_parallel_tsv, read_parallel_tsv, resolve_corpus_path  # noqa: E402
+from vaswani.data import WordCachedEncoder  # noqa: E402
 from vaswani.tokenization_vaswani import train_tokenizer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"
@@ -54,7 +49,7 @@ TRAINING_ARGUMENTS = ["--max_tokens_per_batch", "1000", "--max_steps", "3",
                       "--logging_steps", "1", "--disable_tqdm", "true", "--eval_strategy", "no", "--save_strategy", "no",
                       "--report_to", "none", "--log_level", "info", "--use_cpu", "--seed", "0"]
 # Log lines that end a stage, as (stage, pattern); the first match's time is recorded.
-STAGES = [("read", re.compile(r"\[vaswani\.data\] (Read |Reusing .*read earlier)")),
+STAGES = [("read", re.compile(r"\[vaswani\.corpus\] Read |\[vaswani\.data\] Reusing .*read earlier")),
           ("tokenizer", re.compile(r"\[vaswani\.data\] Tokeniz|\[vaswani\.data\] Reusing the tokenized")),
           ("tokenized", re.compile(r"\[transformers\] \*+ Running training|Running training")),
           ("first_step", re.compile(r"'loss'|\"loss\""))]
@@ -63,7 +58,7 @@ GIB = 1024**3
 
 def build_stand_in_corpus(path: Path, pairs: int, seed: int = 0, source: Path | None = None) -> Path:
     """`pairs` lines of WMT-like length: each joins 2-4 random fra-eng pairs (about 25 tokens a side)."""
-    base, _ = read_parallel_tsv(resolve_corpus_path(source))
+    base, _ = read_parallel_tsv(resolve_corpus_path(source, SHARED_CORPUS))
     rng = random.Random(seed)
     partial = path.with_name(path.name + ".part")
     with gzip.open(partial, "wt", encoding="utf-8", compresslevel=1) as out:

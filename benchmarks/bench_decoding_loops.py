@@ -4,7 +4,7 @@ test sentences with real end-of-sentence stopping. It reports how many translati
 loops, BLEU for each, and the time `vaswani.evaluation.translate` takes (best of `--repeats`, the loops interleaved),
 which is what `scripts/evaluate_bleu.py` and the training script's final evaluation spend decoding. A second table
 checks, in fp32, that every sentence's generated tokens are identical between the loops for each option of greedy
-and beam search in `SEARCHES` (issue 20, item 3).
+and beam search in `SEARCHES`.
 
 bench_translation.py measures speed on identical work (random weights, a fixed output length, against Marian and
 CTranslate2); this measures what the lean loop changes on a real model, where sentences stop at different steps.
@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from vaswani.cli import load_translator
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus, translate
+from vaswani.loading import load_translator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, argv) -> Path:
 
 def quantize_with_torchao(model) -> None:
     """torchao's int8 dynamic-activation / int8-weight quantization, in place: the maintained successor of
-    `torch.ao.quantization.quantize_dynamic`, which `--int8` ran before (issue 20, item 7), measured beside `--int8`."""
+    `torch.ao.quantization.quantize_dynamic`, which `--int8` ran before, measured beside `--int8`."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
     quantize_(model, Int8DynamicActivationInt8WeightConfig())

@@ -1,4 +1,4 @@
-"""The int8 matrix-product kernels that a CPU `--int8` path could stand on, one layer at a time (issue 20, item 7).
+"""The int8 matrix-product kernels that a CPU `--int8` path could stand on, one layer at a time.
 
 `--int8` (`vaswani.inference.quantize_for_cpu`) runs torch.ao's dynamic quantization, whose quantized-tensor functions
 newer torch releases mark deprecated. This measures each candidate on the shapes of a checkpoint's linear layers

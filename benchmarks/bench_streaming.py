@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani.cli import generation_limits, load_translator
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import translate
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, TorchTranslator, translate_file
+from vaswani.loading import generation_limits, load_translator
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

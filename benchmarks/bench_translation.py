@@ -317,10 +317,10 @@ class LocalEngine:
 class EngineProcess:
     """A `LocalEngine` in a process of its own, driven over a pipe; each call is timed inside that process.
 
-    Deployments run one engine per process, and sharing one distorts the comparison: on this project's CPU machine,
-    after CTranslate2 had translated once in a process, PyTorch's generate() in the same process ran 1.5–1.8×
-    slower for the rest of its life (one of torch's two OpenMP threads then sat idle about half the time), and
-    CTranslate2 ran about 12% slower next to torch (benchmarks/README.md; `--same_process` reproduces it).
+    Deployments run one engine per process, and sharing one distorts the comparison: after CTranslate2 has translated
+    once in a process, PyTorch's generate() in the same process can run slower for the rest of its life (one of
+    torch's OpenMP threads then sits idle much of the time), and CTranslate2 slower next to torch
+    (results/translation-cpu-same-process.md; `--same_process` reproduces it).
     """
 
     def __init__(self, **spec):

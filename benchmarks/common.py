@@ -30,6 +30,7 @@ import transformers
 from transformers import MarianConfig, MarianMTModel
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.loading import choose_device
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
@@ -60,7 +61,7 @@ BF16_PEAK_TFLOPS = (
 
 @dataclass
 class Device:
-    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (the issue's rule)."""
+    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU."""
 
     device: torch.device
 
@@ -95,15 +96,16 @@ class Device:
 
 
 def pick_device(name: str = "auto", threads: int | None = None) -> Device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    """The device the package's loader would choose for `name` (`vaswani.loading.choose_device`), with the harness's
+    thread count and TF32 settings."""
+    device = choose_device(name)
     if threads:
         torch.set_num_threads(threads)
-    if name.startswith("cuda"):
+    if device.type == "cuda":
         # TF32 matmuls for any fp32 leftovers (bf16 autocast covers the model itself).
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return Device(torch.device(name))
+    return Device(device)
 
 
 def timed(device: Device, fn: Callable[[], object]) -> tuple[object, float]:

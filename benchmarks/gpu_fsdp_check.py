@@ -21,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from common import REPO_ROOT, Column, add_result_arguments, command_line, pick_device, result_name, write_report
+from common import (
+    REPO_ROOT,
+    SHARED_CORPUS,
+    Column,
+    add_result_arguments,
+    command_line,
+    pick_device,
+    result_name,
+    write_report,
+)
 from vaswani import VaswaniForConditionalGeneration, VaswaniTokenizer
 from vaswani.data import load_translation_dataset
 
@@ -63,7 +72,7 @@ def held_out_loss(model_dir: Path, pairs: int, device: torch.device) -> float:
     """Mean label-smoothed loss of the saved model on the first `pairs` validation pairs, in fp32."""
     tokenizer = VaswaniTokenizer.from_pretrained(model_dir)
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    validation = load_translation_dataset()["validation"].select(range(pairs))
+    validation = load_translation_dataset(default_corpus=SHARED_CORPUS)["validation"].select(range(pairs))
     batch = tokenizer(list(validation["source"]), text_target=list(validation["target"]), padding=True,
                       return_tensors="pt")
     batch["labels"][batch["labels"] == tokenizer.pad_token_id] = -100

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import REPO_ROOT, Column, add_result_arguments, command_line, pick_device, result_name, write_report
+from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device, result_name, write_report
 from vaswani.training import (
     DataArguments,
     ModelArguments,
@@ -70,6 +70,7 @@ def prepare_caches(argv: list[str]) -> None:
     (`vaswani.data`), so that recipes started together do not all do it at once."""
     model_args, data_args, training_args = HfArgumentParser(
         (ModelArguments, DataArguments, VaswaniTrainingArguments)).parse_args_into_dataclasses(args=argv)
+    data_args.default_corpus = str(SHARED_CORPUS)  # as train_translation.py, which the recipes run, finds it
     data = prepare_data(model_args, data_args, training_args)
     _, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, None)
     tokenize_splits(data, tokenizer, data_args, training_args)

@@ -9,26 +9,26 @@
 
 import argparse
 import json
+from pathlib import Path
 
-from vaswani.cli import (
-    add_decoding_arguments,
-    generation_limits,
-    load_translator,
-    read_lines,
-    user_errors_exit,
-    write_atomically,
-)
+from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import evaluate_model, score_corpus
 from vaswani.export import load_ctranslate2, translate_ctranslate2
-from vaswani.file_translation import DTYPES
+from vaswani.files import read_lines, write_atomically
+from vaswani.loading import DTYPES, generation_limits, load_translator
+
+# This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
+# names a file, so that nothing is downloaded.
+SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 
 
 @user_errors_exit
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory or Hub id")
-    parser.add_argument("--corpus", help="parallel corpus file (default: the fra-eng corpus)")
+    parser.add_argument("--corpus", help="parallel corpus file (default: the fra-eng corpus from $VASWANI_FRA_ENG, "
+                                         "../shared/data/fra-eng/fra_eng.tsv.gz or its download)")
     parser.add_argument("--dataset_name", help="a Hugging Face dataset instead")
     parser.add_argument("--dataset_config")
     parser.add_argument("--split", default="test", choices=["test", "validation"])
@@ -64,7 +64,8 @@ def main(argv=None):
         # Empty lines mean "no such reference" for that sentence (a variable number of references).
         references = [[refs[i] for refs in reference_sets if refs[i]] for i in range(len(sources))]
     else:
-        split = load_translation_dataset(args.dataset_name, args.dataset_config, data_file=args.corpus)[args.split]
+        split = load_translation_dataset(args.dataset_name, args.dataset_config, data_file=args.corpus,
+                                         default_corpus=SHARED_CORPUS)[args.split]
         if args.max_samples:
             split = split.select(range(min(args.max_samples, len(split))))
         sources, references = split["source"], split["references"]

@@ -15,11 +15,12 @@ rm -rf "$OUTPUT_DIR"
 
 # On two CPU cores the budget covers about one epoch. Batches of 1,000 tokens (twice the steps of 2,000-token ones
 # at nearly the same tokens/s), a 400-step warm-up to a fixed peak, then its inverse square root (the paper's
-# schedule shape with Adam β2 0.98, §5.3; 400 steps beat 100 and 800), all chosen on the validation split
-# (benchmarks/results/main-job-recipes.md), and no dropout, which only slows a model that sees each sentence about
-# once. Label smoothing 0.1 stays (§5.4); beam 4 with length penalty 0.6 (§6.1, train_translation.py's default)
-# decodes. Where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), training runs under bf16 autocast with eager
-# attention (in this script sdpa's bf16 steps are slower): about 1.8x the steps in the budget; weights stay float32.
+# schedule shape with Adam β2 0.98, §5.3; 400 steps against shorter and longer warm-ups), all chosen on the
+# validation split (benchmarks/results/main-job-recipes.md), and no dropout, which only slows a model that sees
+# each sentence about once. Label smoothing 0.1 stays (§5.4); beam 4 with length penalty 0.6 (§6.1,
+# train_translation.py's default) decodes. Where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), training runs
+# under bf16 autocast with eager attention (in this script sdpa's bf16 steps are slower), which fits more steps in
+# the budget (benchmarks/results/training-cpu-bf16-dropout0.md); weights stay float32.
 precision=()
 if python3 -c "import sys, torch; sys.exit(torch.cuda.is_available() or not (torch.cpu._is_avx512_bf16_supported()
     or torch.cpu._is_amx_tile_supported()))" 2>/dev/null; then

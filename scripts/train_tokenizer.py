@@ -5,9 +5,14 @@
 
 import argparse
 import logging
+from pathlib import Path
 
 from vaswani.cli import user_errors_exit
 from vaswani.data import train_corpus_tokenizer
+
+# This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
+# names a file, so that nothing is downloaded.
+SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 
 
 @user_errors_exit
@@ -28,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tokenizer = train_corpus_tokenizer(args.vocab_size, args.corpus, args.source_lang, args.target_lang,
-                                       args.tokenizer_train_pairs, args.seed)
+                                       args.tokenizer_train_pairs, args.seed, default_corpus=SHARED_CORPUS)
     tokenizer.save_pretrained(args.output_dir)
     logging.getLogger(__name__).info("Saved a %d-token tokenizer to %s", len(tokenizer), args.output_dir)
 

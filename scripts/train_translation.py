@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import sys
+from pathlib import Path
 
 from transformers import HfArgumentParser
 
@@ -16,11 +17,16 @@ from vaswani.cli import user_errors_exit
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, end_distributed, run_training
 
+# This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
+# names a file, so that nothing is downloaded.
+SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+
 
 @user_errors_exit
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    data_args.default_corpus = str(SHARED_CORPUS)
     # The package's own messages (what was read, trained or reused from the cache) at the Trainer's --log_level.
     logging.basicConfig(format="[%(name)s] %(message)s")
     logging.getLogger("vaswani").setLevel(training_args.get_process_log_level())

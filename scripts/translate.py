@@ -18,26 +18,23 @@ terminal (--progress: always).
 
 One output line per input line: an empty input line gives an empty output line. Sources longer than the model's
 positions are truncated (a warning on stderr counts them). --dtype auto translates in bf16 where the hardware
-multiplies it natively and that is faster (see vaswani.file_translation.choose_dtype), fp32 elsewhere.
+multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp32 elsewhere.
 """
 
 import argparse
 import io
 
-import torch
-
-from vaswani.cli import add_decoding_arguments, generation_limits, load_translator, user_errors_exit
+from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.export import load_ctranslate2
 from vaswani.file_translation import (
     DEFAULT_CHUNK_LINES,
     DEFAULT_MAX_TOKENS,
-    DTYPES,
     CTranslate2Translator,
     Processes,
     TorchTranslator,
-    choose_dtype,
     translate_file,
 )
+from vaswani.loading import DTYPES, generation_limits, load_translator
 
 
 @user_errors_exit
@@ -91,18 +88,14 @@ def main(argv=None):
         precision = args.compute_type
     else:
         beams = 1 if args.do_sample else args.num_beams
-        requested = None if args.dtype == "auto" else choose_dtype(args.dtype, torch.device(device), 0, int8=args.int8)
-        model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding, dtype=requested)
-        # auto needs the model's width, known once it is loaded; casting the loaded weights gives the same model.
-        dtype = requested or choose_dtype("auto", model.device, model.config.d_model, num_beams=beams, int8=args.int8)
-        if not args.int8:
-            model = model.to(dtype)
+        model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding,
+                                           dtype=args.dtype, num_beams=beams)
         max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
         engine = TorchTranslator(model, tokenizer, num_beams=beams,
                                  max_new_tokens=max_new_tokens, max_source_length=max_source_length,
                                  **(sampling if args.do_sample else {}))
-        precision = str(dtype).removeprefix("torch.")
+        precision = str(model.dtype).removeprefix("torch.")
     settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding",
                                                     "ctranslate2", "compute_type", "do_sample", "temperature",
                                                     "top_k", "top_p")} | {"precision": precision}

@@ -7,7 +7,8 @@ self-attention and cross-attention, one image per layer with every head.
 
 import argparse
 
-from vaswani.cli import load_translator, user_errors_exit
+from vaswani.cli import user_errors_exit
+from vaswani.loading import load_translator
 from vaswani.visualize import attention_maps, plot_attention
 
 

@@ -50,12 +50,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def script_main(name: str):
-    """The `main` of scripts/<name>.py, called in this process (a user error is a SystemExit with status 2)."""
+def script_module(name: str):
+    """scripts/<name>.py as a module of this process."""
     spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def script_main(name: str):
+    """The `main` of scripts/<name>.py, called in this process (a user error is a SystemExit with status 2)."""
+    return script_module(name).main
 
 
 def tiny_config(**overrides) -> VaswaniConfig:

@@ -1,4 +1,5 @@
-"""data.py: corpus resolution and download, robust reading, splits, dataset loading, tokenization, batching."""
+"""corpus.py, data.py and batching.py: corpus resolution and download, robust reading, splits, dataset loading,
+tokenization, batching."""
 
 import gzip
 import hashlib
@@ -19,24 +20,23 @@ import torch
 from datasets import Dataset, DatasetDict
 from tokenizers import normalizers
 
+from vaswani import corpus as vcorpus
 from vaswani import data
+from vaswani.batching import TokenBatchSampler, example_lengths
+from vaswani.corpus import ReadSummary, download_corpus, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import (
-    ReadSummary,
-    TokenBatchSampler,
-    download_corpus,
-    example_lengths,
     group_references,
     load_translation_dataset,
-    read_parallel_tsv,
-    resolve_corpus_path,
     split_by_source,
     split_of,
     tokenize_translation_dataset,
 )
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
-from conftest import free_port
+from conftest import free_port, script_module
 
 REPO = Path(__file__).parents[1]
+# Where this repository keeps the English-French corpus, beside the checkout (as the scripts look for it).
+SHARED_CORPUS = REPO.resolve().parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 ANIMALS = ["cat", "dog", "bird", "horse", "fish", "cow", "duck", "goat"]
 ANIMAUX = ["chat", "chien", "oiseau", "cheval", "poisson", "vache", "canard", "chèvre"]
 
@@ -63,7 +63,7 @@ def isolated_caches(tmp_path, monkeypatch):
     """Keep datasets' cache and any download in the test's own directory."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv(data.CORPUS_ENV_VAR, raising=False)
+    monkeypatch.delenv(vcorpus.CORPUS_ENV_VAR, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -137,22 +137,52 @@ def test_resolution_order_path_then_env_then_shared_then_download(tmp_path, monk
     from_env = write_tsv(tmp_path / "env.tsv", [("a", "b")])
     shared = write_tsv(tmp_path / "shared.tsv.gz", [("a", "b")], compress=True)
     downloaded = tmp_path / "downloaded.txt"
-    monkeypatch.setattr(data, "download_corpus", lambda: downloaded)
-    monkeypatch.setattr(data, "SHARED_CORPUS", tmp_path / "not-there.tsv.gz")
+    monkeypatch.setattr(vcorpus, "download_corpus", lambda: downloaded)
 
     assert resolve_corpus_path() == downloaded
-    monkeypatch.setattr(data, "SHARED_CORPUS", shared)
-    assert resolve_corpus_path() == shared
-    monkeypatch.setenv(data.CORPUS_ENV_VAR, str(from_env))
-    assert resolve_corpus_path() == from_env
-    assert resolve_corpus_path(explicit) == explicit
+    assert resolve_corpus_path(default_corpus=tmp_path / "not-there.tsv.gz") == downloaded
+    assert resolve_corpus_path(default_corpus=shared) == shared
+    monkeypatch.setenv(vcorpus.CORPUS_ENV_VAR, str(from_env))
+    assert resolve_corpus_path(default_corpus=shared) == from_env
+    assert resolve_corpus_path(explicit, default_corpus=shared) == explicit
+
+
+class Called(Exception):
+    pass
+
+
+def test_the_scripts_pass_the_repository_copy_that_the_package_does_not_know(monkeypatch, tmp_path):
+    """The copy beside a checkout is the scripts' default; the installed package names no such place."""
+    assert not hasattr(data, "SHARED_CORPUS") and not hasattr(vcorpus, "SHARED_CORPUS")
+    seen = {}
+
+    def capture(**found):
+        seen.update(found)
+        raise Called
+
+    tokenizer_script = script_module("train_tokenizer")
+    monkeypatch.setattr(tokenizer_script, "train_corpus_tokenizer", lambda *args, **kwargs: capture(**kwargs))
+    with pytest.raises(Called):
+        tokenizer_script.main(["--output_dir", str(tmp_path / "tokenizer")])
+    assert seen["default_corpus"] == SHARED_CORPUS
+
+    training_script = script_module("train_translation")
+    monkeypatch.setattr(training_script, "keep_freed_cpu_memory", lambda **kwargs: None)  # process-wide otherwise
+    monkeypatch.setattr(training_script, "run_training", lambda model_args, data_args, args: capture(
+        default_corpus=Path(data_args.default_corpus), corpus=data_args.corpus))
+    with pytest.raises(Called):
+        training_script.main(["--output_dir", str(tmp_path / "model"), "--use_cpu", "true"])
+    assert seen == {"default_corpus": SHARED_CORPUS, "corpus": None}
+
+    bleu_script = script_module("evaluate_bleu")
+    assert bleu_script.SHARED_CORPUS == SHARED_CORPUS
 
 
 def test_a_wrong_explicit_path_or_env_var_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="given path"):
         resolve_corpus_path(tmp_path / "typo.tsv")
-    monkeypatch.setenv(data.CORPUS_ENV_VAR, str(tmp_path / "typo.tsv"))
-    with pytest.raises(FileNotFoundError, match=data.CORPUS_ENV_VAR):
+    monkeypatch.setenv(vcorpus.CORPUS_ENV_VAR, str(tmp_path / "typo.tsv"))
+    with pytest.raises(FileNotFoundError, match=vcorpus.CORPUS_ENV_VAR):
         resolve_corpus_path()
 
 
@@ -295,9 +325,9 @@ def test_references_differing_only_in_unicode_spaces_count_once():
 
 
 def test_real_corpus_splits():
-    if not data.SHARED_CORPUS.is_file():
-        pytest.skip(f"the English-French corpus is not at {data.SHARED_CORPUS}")
-    splits = load_translation_dataset()
+    if not SHARED_CORPUS.is_file():
+        pytest.skip(f"the English-French corpus is not at {SHARED_CORPUS}")
+    splits = load_translation_dataset(default_corpus=SHARED_CORPUS)
     assert 150_000 < len(splits["train"]) < 160_000
     assert 2_000 < len(splits["validation"]) < 2_600 and 3_000 < len(splits["test"]) < 3_800
     assert any(len(refs) > 1 for refs in splits["test"]["references"][:])

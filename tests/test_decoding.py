@@ -238,7 +238,7 @@ def test_top_1_breaks_ties_like_argmax():
 
 
 def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
-    from vaswani.cli import load_translator
+    from vaswani.loading import load_translator
 
     model, tokenizer = trained
     model.save_pretrained(tmp_path)
@@ -265,10 +265,10 @@ def test_translate_script_with_either_loop(trained, tmp_path, capsys):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     outputs = []
-    for loop in ("lean", "graphs", "transformers"):
+    for loop in ("auto", "lean", "graphs", "transformers"):
         script_main("translate")(["--model", str(tmp_path), "--device", "cpu", "--decoding", loop, *SOURCES[:3]])
         outputs.append(capsys.readouterr().out.splitlines())
-    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 3
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3] and len(outputs[0]) == 3
 
 
 @pytest.mark.parametrize("num_beams", [1, 4])
@@ -284,7 +284,7 @@ def test_finished_sentences_leave_the_batch(trained, monkeypatch, num_beams):
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(SENTENCES)
 
 
-# Static shapes and CUDA graphs (item 6 of generation_vaswani) ---------------------------------------------------------
+# Static shapes and CUDA graphs (6 in generation_vaswani's docstring) --------------------------------------------------
 
 # What a recorded CUDA graph cannot contain: reading a device value on the host (`.item()`, `bool(tensor)`, the
 # data-dependent shapes of nonzero/masked_select/unique) and tensors made from host data (a host-to-device copy).

@@ -14,18 +14,17 @@ import torch
 from conftest import SCRIPTS, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
-from vaswani.cli import decode_lines, generation_limits
 from vaswani.evaluation import translate
 from vaswani.file_translation import (
-    CPU_BF16_MIN_D_MODEL,
     Processes,
     TorchTranslator,
-    choose_dtype,
     count_lines,
     read_raw_chunks,
     token_budget_batches,
     translate_file,
 )
+from vaswani.files import decode_lines
+from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, generation_limits
 
 GREEDY = {"num_beams": 1, "max_new_tokens": 8}
 # Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.

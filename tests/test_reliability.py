@@ -32,9 +32,9 @@ from tiny_translation_model import build_model_and_tokenizer
 import vaswani.data
 import vaswani.training
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani.cli import load_translator
 from vaswani.configuration_vaswani import tokenizer_fingerprint
 from vaswani.evaluation import translate
+from vaswani.loading import load_translator
 from vaswani.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS, VaswaniTokenizer, train_tokenizer
 from vaswani.training import (
     DataArguments,

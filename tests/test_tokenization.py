@@ -10,6 +10,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from tokenizers import normalizers
 from transformers import AutoTokenizer
 
 import vaswani  # importing the package registers its classes with the Auto* factories
@@ -99,6 +100,23 @@ def test_padded_batch_uses_pad_id_and_decodes_back(tokenizer):
     batch = tokenizer(texts, padding=True)
     assert batch["input_ids"][0][-1] == tokenizer.pad_token_id and batch["attention_mask"][0][-1] == 0
     assert tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True) == texts
+
+
+def test_it_says_whether_a_pipeline_encodes_each_word_on_its_own(tmp_path):
+    """What `vaswani.data.WordCachedEncoder` relies on: a sentence's ids are its words' ids end to end, for any
+    vocabulary of this pipeline, and a tokenizer with another pipeline is told apart."""
+    sentences = ["The cat sat on the mat.", "Je suis calme !", "Il a dit « non »,  puis\tpartit…", "l'oiseau a volé"]
+    small = train_tokenizer(sentences * 3, 320)
+    assert VaswaniTokenizer.encodes_words_independently(small)
+    for sentence in sentences:
+        words = [small(word, add_special_tokens=False)["input_ids"] for word in sentence.split()]
+        assert small(sentence, add_special_tokens=False)["input_ids"] == [i for ids in words for i in ids]
+    small.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert VaswaniTokenizer.encodes_words_independently(reloaded)
+    reloaded.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert not VaswaniTokenizer.encodes_words_independently(reloaded)
+    assert not VaswaniTokenizer.encodes_words_independently(object())  # not a fast tokenizer
 
 
 def test_too_small_vocabulary_is_refused():

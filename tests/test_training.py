@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-import vaswani.cli
 import vaswani.data
 import vaswani.evaluation
 import vaswani.inference
+import vaswani.loading
 import vaswani.training
 from conftest import free_port, script_main
 
@@ -244,7 +244,7 @@ def test_a_trained_translator_translates_unseen_sentences(counting_translator):
     metrics = json.loads((output_dir / "metrics.json").read_text())  # the training script's own test evaluation
     assert metrics["test_bleu"] >= 90, metrics
     for decoding in ("lean", "transformers"):  # the scripts' loader: the lean loop (its default), or transformers' own
-        model, tokenizer = vaswani.cli.load_translator(str(output_dir), decoding=decoding)
+        model, tokenizer = vaswani.loading.load_translator(str(output_dir), decoding=decoding)
         batch = tokenizer(sources, return_tensors="pt", padding=True)
         for use_cache in (True, False):  # the checkpoint's own generation settings (beam search), cached or not
             output = model.generate(**batch, use_cache=use_cache)

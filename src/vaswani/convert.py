@@ -72,7 +72,7 @@ from transformers import (
 )
 
 from .configuration_vaswani import VaswaniConfig, tokenizer_fingerprint
-from .hub import REPO_ID_PLACEHOLDER, _how_to_load, attach_translation_pipeline
+from .hub import REPO_ID_PLACEHOLDER, attach_translation_pipeline, how_to_load
 from .modeling_vaswani import (
     VaswaniForCausalLM,
     VaswaniForConditionalGeneration,
@@ -354,7 +354,7 @@ output checked against the Marian model at conversion time), with vaswani's deco
 Source model: `{source}`. Its weights, and so these, are licensed {stated}. The tokenizer is the source
 model's own (`MarianTokenizer`, sentencepiece; needs `pip install sentencepiece`).
 
-{_how_to_load(REPO_ID_PLACEHOLDER)}"""
+{how_to_load(REPO_ID_PLACEHOLDER)}"""
     path = output_dir / "README.md"
     ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{text}").save(path)
     return path

@@ -1,9 +1,7 @@
-"""Parallel corpora -> `datasets.DatasetDict` splits -> tokenized examples -> token-budget batches.
+"""Parallel corpora -> `datasets.DatasetDict` splits -> tokenized examples (batched by `vaswani.batching`).
 
-The default corpus is manythings.org's English-French Anki file, built from Tatoeba sentences
-(CC-BY 2.0; attribution: www.manythings.org/anki and tatoeba.org): about 163k lines `english<TAB>french`,
-found through `resolve_corpus_path`. Any Hugging Face translation dataset or local tsv/csv/jsonl file
-can be used instead (`load_translation_dataset`).
+The default corpus is the English-French Tatoeba file that `vaswani.corpus` finds and reads. Any Hugging Face
+translation dataset or local tsv/csv/jsonl file can be used instead (`load_translation_dataset`).
 
 Every source gives the same schema:
   train                 one row per sentence pair:         {"source", "target"}
@@ -21,7 +19,6 @@ decided by a hash of the normalised source sentence: all its translations land i
 sentence's split depends on nothing else, so it does not move when the corpus grows.
 """
 
-import gzip
 import hashlib
 import json
 import logging
@@ -30,32 +27,29 @@ import shutil
 import sys
 import tempfile
 import unicodedata
-import urllib.request
-import zipfile
-import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, List, Value, load_dataset, load_from_disk
 from tokenizers import Tokenizer
-from torch.utils.data import Sampler
 
-from .tokenization_vaswani import WORD_START, VaswaniTokenizer, _build_backend, train_tokenizer
+from .corpus import (
+    TSV_LANGUAGES,
+    ReadSummary,
+    file_sha256,
+    iter_parallel_tsv,
+    log_read_summary,
+    open_corpus,
+    require_pairs,
+    resolve_corpus_path,
+)
+from .tokenization_vaswani import WORD_START, VaswaniTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
-CORPUS_URL = "http://www.manythings.org/anki/fra-eng.zip"
-CORPUS_MEMBER = "fra.txt"  # the member of the zip that holds the sentence pairs
-CORPUS_ENV_VAR = "VASWANI_FRA_ENG"
-# Where this project keeps a copy next to the repository (<repo>/../shared/...), so nothing is downloaded.
-SHARED_CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
-# manythings' files put English first and the other language second.
-TSV_LANGUAGES = ("en", "fr")
 
 # On the 2019 Tatoeba file (113,830 distinct English sentences) these give 2,257 validation and 3,437 test sources.
 VALIDATION_FRACTION = 0.02
@@ -70,231 +64,6 @@ EVAL_FEATURES = Features(
 CACHE_FORMAT = 1
 # Rows per Arrow record batch written while reading a tsv file: what reading holds in memory at a time.
 WRITE_BATCH_ROWS = 100_000
-# Skipped lines named one by one in the log; later ones are only counted.
-NAMED_SKIPS = 5
-
-
-# --------------------------------------------------------------------------------------------------
-# Finding the corpus
-
-
-def resolve_corpus_path(path: str | os.PathLike | None = None) -> Path:
-    """The corpus file to read: `path`, else $VASWANI_FRA_ENG, else the shared copy, else a download.
-
-    An explicit path or environment variable that points nowhere is an error rather than a reason to
-    fall through to the next candidate: a typo should not silently train on another corpus.
-    """
-    for candidate, origin in ((path, "the given path"), (os.environ.get(CORPUS_ENV_VAR), f"${CORPUS_ENV_VAR}")):
-        if candidate:
-            candidate = Path(candidate).expanduser()
-            if not candidate.is_file():
-                raise FileNotFoundError(f"Corpus file {candidate} (from {origin}) does not exist or is not a file.")
-            return candidate
-    if SHARED_CORPUS.is_file():
-        return SHARED_CORPUS
-    return download_corpus()
-
-
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vaswani" / "fra-eng"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def download_corpus(
-    cache_dir: str | os.PathLike | None = None, url: str = CORPUS_URL, expected_sha256: str | None = None
-) -> Path:
-    """Download manythings' zip once, check it, and return the path of the extracted `fra.txt`.
-
-    manythings.org publishes no checksums and updates the file in place, so none can be pinned here. Instead
-    the first download checks the structure (a zip whose `fra.txt` starts with a `english<TAB>french` line)
-    and records the zip's and the extracted file's sha256 in `download.json`; later calls verify the cached
-    file against that record. Pass `expected_sha256` (the zip's, as logged and recorded) to pin a version.
-    Files go to `cache_dir`, by default $XDG_CACHE_HOME/vaswani/fra-eng (~/.cache/vaswani/fra-eng).
-    """
-    cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    corpus, record_path = cache_dir / CORPUS_MEMBER, cache_dir / "download.json"
-
-    if corpus.is_file() and record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if _sha256(corpus) != record["sha256"][CORPUS_MEMBER]:
-            raise ValueError(f"{corpus} no longer matches the sha256 recorded when it was downloaded; "
-                             f"delete {cache_dir} to download it again.")
-        if expected_sha256 is not None and record["sha256"]["zip"] != expected_sha256:
-            raise ValueError(f"The corpus cached in {cache_dir} came from a zip with sha256 "
-                             f"{record['sha256']['zip']}, not the expected {expected_sha256}.")
-        return corpus
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    archive = cache_dir / "download.zip.part"
-    logger.info("Downloading %s to %s", url, cache_dir)
-    # manythings.org refuses urllib's default User-Agent.
-    request = urllib.request.Request(url, headers={"User-Agent": "Mozilla/5.0 (vaswani corpus download)"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response, open(archive, "wb") as out:
-            for block in iter(lambda: response.read(1 << 20), b""):
-                out.write(block)
-        zip_sha256 = _sha256(archive)
-        if expected_sha256 is not None and zip_sha256 != expected_sha256:
-            raise ValueError(f"{url} has sha256 {zip_sha256}, not the expected {expected_sha256}.")
-        _extract_corpus(archive, url, corpus)
-    finally:
-        archive.unlink(missing_ok=True)
-
-    record = {"url": url, "sha256": {"zip": zip_sha256, CORPUS_MEMBER: _sha256(corpus)}}
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
-    logger.info("Downloaded %s (zip sha256 %s); pass expected_sha256 to pin this version.", url, zip_sha256)
-    return corpus
-
-
-def _extract_corpus(archive: Path, url: str, corpus: Path) -> None:
-    """Check that `archive` is manythings' zip and write its sentence file to `corpus`."""
-    try:
-        with zipfile.ZipFile(archive) as bundle:
-            if CORPUS_MEMBER not in bundle.namelist():
-                raise ValueError(f"{url} has no {CORPUS_MEMBER} (it holds {bundle.namelist()}).")
-            data = bundle.read(CORPUS_MEMBER)
-    except zipfile.BadZipFile as err:
-        raise ValueError(f"{url} did not return a zip file ({err}).") from err
-    first_line = data.split(b"\n", 1)[0].decode("utf-8", errors="replace").split("\t")
-    if len(first_line) < 2 or not all(column.strip() for column in first_line[:2]):
-        raise ValueError(f"{CORPUS_MEMBER} from {url} does not start with an `english<TAB>french` line.")
-    partial = corpus.with_name(corpus.name + ".part")
-    partial.write_bytes(data)
-    partial.replace(corpus)  # atomic: a crash never leaves a half-written corpus that looks complete
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading tab-separated sentence pairs
-
-
-@dataclass
-class ReadSummary:
-    """What `read_parallel_tsv` found. Skipped lines are counted by reason; nothing is dropped silently."""
-
-    path: str
-    lines: int = 0
-    pairs: int = 0
-    blank: int = 0  # skipped
-    no_tab: int = 0  # skipped
-    empty_side: int = 0  # skipped: one side is empty or whitespace
-    invalid_utf8: int = 0  # skipped
-    extra_columns: int = 0  # kept: manythings' newer files add an attribution column; the first two are used
-    truncated: bool = False  # the gzip stream is cut short or corrupt; the pairs read before the damage are kept
-
-    @property
-    def skipped(self) -> int:
-        return self.blank + self.no_tab + self.empty_side + self.invalid_utf8
-
-    def __str__(self) -> str:
-        counts = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)[1:])
-        return f"{self.path}: {counts}"
-
-
-def read_parallel_tsv(path: str | os.PathLike) -> tuple[list[tuple[str, str]], ReadSummary]:
-    """Read `first<TAB>second[<TAB>...]` lines, plain or gzip-compressed (detected by content, not name).
-
-    Malformed lines are skipped and counted in the returned summary, which is also logged. A gzip file cut
-    short ends the reading with the pairs read so far. Only a file that cannot be opened raises.
-    """
-    summary = ReadSummary(path=str(Path(path)))
-    pairs = list(iter_parallel_tsv(path, summary))
-    _log_summary(summary)
-    return pairs, summary
-
-
-def iter_parallel_tsv(path: str | os.PathLike, summary: ReadSummary) -> Iterator[tuple[str, str]]:
-    """`read_parallel_tsv` one pair at a time, counting into `summary` (which the caller logs when done).
-    The first skipped lines are named in the log by number, so a bad line in a file of millions can be found."""
-    with _open_binary(Path(path)) as stream:
-        for raw in _lines_until_truncation(stream, summary):
-            summary.lines += 1
-            pair = _parse_line(raw, summary)
-            if pair is not None:
-                summary.pairs += 1
-                yield pair
-
-
-def _log_summary(summary: ReadSummary) -> None:
-    log = logger.warning if summary.skipped or summary.truncated else logger.info
-    log("Read %s", summary)
-
-
-def require_pairs(summary: ReadSummary) -> None:
-    """Refuse a corpus file that gave no sentence pair, saying whether it is empty or why no line parsed: read on,
-    it would fail later with an error about dataset columns, or train a tokenizer on nothing."""
-    if summary.pairs:
-        return
-    layout = f"one {TSV_LANGUAGES[0]}<TAB>{TSV_LANGUAGES[1]} sentence pair per line"
-    if not summary.lines:
-        damaged = " (its gzip stream is damaged before the first line)" if summary.truncated else ""
-        raise ValueError(f"Corpus file {summary.path} is empty{damaged}; it must hold {layout}.")
-    reasons = ", ".join(f"{name}={getattr(summary, name)}" for name in ("no_tab", "blank", "empty_side", "invalid_utf8")
-                        if getattr(summary, name))
-    raise ValueError(f"No line of corpus file {summary.path} holds a sentence pair ({summary.lines} lines: {reasons}); "
-                     f"it must hold {layout}.")
-
-
-def _open_binary(path: Path):
-    if not path.exists():
-        raise FileNotFoundError(f"Corpus file {path} does not exist.")
-    if not path.is_file():
-        raise IsADirectoryError(f"Corpus path {path} is not a file.")
-    try:
-        with open(path, "rb") as probe:
-            is_gzip = probe.read(2) == b"\x1f\x8b"
-        return gzip.open(path, "rb") if is_gzip else open(path, "rb")
-    except OSError as err:
-        # Same exception type (PermissionError stays PermissionError), so the scripts report it in one line.
-        raise type(err)(f"Cannot read corpus file {path}: {err.strerror or err}") from err
-
-
-def _lines_until_truncation(stream, summary: ReadSummary) -> Iterator[bytes]:
-    while True:
-        try:
-            raw = stream.readline()
-        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-            summary.truncated = True
-            logger.warning("%s is damaged or cut short after %d lines (%s); keeping what was read.",
-                           summary.path, summary.lines, err)
-            return
-        if not raw:
-            return
-        yield raw
-
-
-def _parse_line(raw: bytes, summary: ReadSummary) -> tuple[str, str] | None:
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return _skip(summary, "invalid_utf8")
-    line = line.rstrip("\r\n")
-    if summary.lines == 1:
-        line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
-    if not line.strip():
-        return _skip(summary, "blank")
-    columns = line.split("\t")
-    if len(columns) < 2:
-        return _skip(summary, "no_tab")
-    if len(columns) > 2:
-        summary.extra_columns += 1
-    first, second = columns[0].strip(), columns[1].strip()
-    if not first or not second:
-        return _skip(summary, "empty_side")
-    return first, second
-
-
-def _skip(summary: ReadSummary, reason: str) -> None:
-    setattr(summary, reason, getattr(summary, reason) + 1)
-    if summary.skipped <= NAMED_SKIPS:
-        later = "; further skipped lines are only counted" if summary.skipped == NAMED_SKIPS else ""
-        logger.warning("%s: skipping line %d (%s)%s.", summary.path, summary.lines, reason, later)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,6 +145,7 @@ def load_translation_dataset(
     dataset_config: str | None = None,
     *,
     data_file: str | os.PathLike | None = None,
+    default_corpus: str | os.PathLike | None = None,
     source_lang: str = "en",
     target_lang: str = "fr",
     validation_fraction: float = VALIDATION_FRACTION,
@@ -392,7 +162,7 @@ def load_translation_dataset(
                      `source`/`target` columns.
       data_file      a local file: .csv, .json or .jsonl (columns as above), or tab-separated text, plain or
                      gzipped, laid out like manythings' files (English first).
-      neither        the English-French Tatoeba corpus (`resolve_corpus_path()`).
+      neither        the English-French Tatoeba corpus (`resolve_corpus_path(None, default_corpus)`).
     Validation and test splits the dataset provides are kept; missing ones are carved out of train by
     `split_by_source` with the given fractions.
 
@@ -408,7 +178,7 @@ def load_translation_dataset(
         else:
             loaded = load_dataset(str(dataset_name), dataset_config)
     else:
-        path = resolve_corpus_path(data_file)
+        path = resolve_corpus_path(data_file, default_corpus)
         name = path.name.removesuffix(".gz")
         if not name.endswith((".csv", ".json", ".jsonl")):
             return _tsv_splits(path, source_lang, target_lang, validation_fraction, test_fraction,
@@ -461,8 +231,8 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
                          f"cannot read {source_lang!r} -> {target_lang!r} from {path}.")
     _check_fractions(validation_fraction, test_fraction)
     if not path.is_file():
-        _open_binary(path)  # raises the reader's error for a missing file or a directory
-    key = _digest(_sha256(path), source_lang, target_lang, validation_fraction, test_fraction, CACHE_FORMAT)
+        open_corpus(path)  # raises the reader's error for a missing file or a directory
+    key = _digest(file_sha256(path), source_lang, target_lang, validation_fraction, test_fraction, CACHE_FORMAT)
     directory = cache_dir / f"corpus-{key}"
     if overwrite_cache or not (directory / "read.json").is_file():
         _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
@@ -470,7 +240,7 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
     else:
         summary = ReadSummary(**{**json.loads((directory / "read.json").read_text()), "path": str(path)})
         logger.info("Reusing %s, read earlier into %s.", path, directory)
-        _log_summary(summary)
+        log_read_summary(summary)
     return DatasetDict({name: Dataset.from_file(str(directory / f"{name}.arrow"))
                         for name in ("train", "validation", "test")})
 
@@ -516,7 +286,7 @@ def _write_splits_into(staging: Path, path: Path, source_column: int, target_col
                 write_held_rows()
         if sources:
             write_held_rows()
-    _log_summary(summary)
+    log_read_summary(summary)
     require_pairs(summary)
     for name, (sources, targets) in held.items():
         grouped = group_references(Dataset.from_dict({"source": sources, "target": targets}, features=PAIR_FEATURES))
@@ -575,10 +345,14 @@ def train_corpus_tokenizer(
     target_lang: str = "fr",
     max_pairs: int | None = None,
     seed: int = 0,
+    *,
+    default_corpus: str | os.PathLike | None = None,
 ) -> VaswaniTokenizer:
     """Train the joint tokenizer on both sides of the train split only, so test sentences stay unseen;
-    on at most `max_pairs` of its pairs (a seeded sample, see `tokenizer_training_sample`)."""
-    train = load_translation_dataset(data_file=corpus, source_lang=source_lang, target_lang=target_lang)["train"]
+    on at most `max_pairs` of its pairs (a seeded sample, see `tokenizer_training_sample`). The corpus is found as
+    `resolve_corpus_path(corpus, default_corpus)` finds it."""
+    train = load_translation_dataset(data_file=corpus, default_corpus=default_corpus, source_lang=source_lang,
+                                     target_lang=target_lang)["train"]
     return train_tokenizer(training_texts(tokenizer_training_sample(train, max_pairs, seed)), vocab_size)
 
 
@@ -683,8 +457,8 @@ class WordCachedEncoder:
     tokenization_vaswani), so a sentence's ids are its words' ids end to end. `tokenizers` spends most of its time
     per sentence on bookkeeping that training does not use (offsets, alignments, an `Encoding` object), while a
     corpus repeats its words: looking each word up in a dict, and encoding only the words not seen yet, a batch at
-    a time, gives the same ids for about a third of the CPU time where words repeat as in Tatoeba, and less of a
-    gain where more of them are new (benchmarks/results/data-encoder-cpu.md). A batch of mostly new words is
+    a time, gives the same ids for much less CPU time where words repeat as in Tatoeba, and less of a gain where
+    more of them are new (benchmarks/results/data-encoder-cpu.md). A batch of mostly new words is
     encoded a sentence at a time instead (`MOSTLY_NEW`). The cache holds at most `max_words` words and starts over
     when full, so its memory does not grow with the corpus.
 
@@ -709,13 +483,9 @@ class WordCachedEncoder:
     @classmethod
     def for_tokenizer(cls, tokenizer, max_length: int, max_words: int = 500_000) -> "WordCachedEncoder | None":
         """An encoder for `tokenizer`, or None where its pipeline does not encode words independently."""
-        if not getattr(tokenizer, "is_fast", False) or tokenizer.truncation_side != "right":
+        if not VaswaniTokenizer.encodes_words_independently(tokenizer) or tokenizer.truncation_side != "right":
             return None
-        reference = json.loads(_build_backend({}, []).to_str())
         saved = tokenizer.backend_tokenizer.to_str()
-        state = json.loads(saved)
-        if any(state[part] != reference[part] for part in ("normalizer", "pre_tokenizer")):
-            return None
         # The special tokens the tokenizer adds around a sentence, found from one encoded word.
         backend = Tokenizer.from_str(saved)  # a copy whose truncation and padding the tokenizer's calls leave alone
         backend.no_truncation()
@@ -787,114 +557,3 @@ def tokenizer_state_digest(tokenizer) -> str:
         files = sorted(Path(directory).iterdir())
         return _digest(type(tokenizer).__name__, tokenizer.model_max_length,
                        *(f"{file.name}:{hashlib.sha256(file.read_bytes()).hexdigest()}" for file in files))
-
-
-def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16) -> np.ndarray:
-    """Per example, the longer of source and target: what `TokenBatchSampler` needs to bound both sides.
-    Read from the Arrow lists' lengths a batch at a time, without turning token ids into Python objects."""
-    lengths = [np.maximum(pc.list_value_length(batch["input_ids"]).to_numpy(),
-                          pc.list_value_length(batch["labels"]).to_numpy())
-               for batch in tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)]
-    return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
-
-
-# --------------------------------------------------------------------------------------------------
-# Batching
-
-
-class TokenBatchSampler(Sampler[list[int]]):
-    """Batches of similar-length examples holding at most `max_tokens` tokens each, padding included.
-
-    The paper batched "sentence pairs ... by approximate sequence length", about 25,000 source and 25,000
-    target tokens per batch (Section 5.1): a budget in tokens rather than sentences keeps the work per step
-    roughly constant, and grouping by length wastes little on padding. With `lengths` from
-    `example_lengths`, `len(batch) * max(lengths in batch) <= max_tokens` bounds both padded sides (a
-    collator's `pad_to_multiple_of` can add to that).
-
-    Examples are sorted by length, ties broken at random, cut greedily into batches, and the batches are
-    shuffled. The order depends only on `seed` and the epoch given to `set_epoch`, so every process of a
-    distributed run and every resumed run sees the same batches. Use as `DataLoader(dataset,
-    batch_sampler=sampler, collate_fn=...)`.
-
-    With `num_replicas` processes, each taking every `num_replicas`-th batch (as Accelerate's batch-sampler
-    sharding does), the count of batches is made a multiple of `num_replicas` by halving the largest batches:
-    otherwise the sharding would repeat batches from the start to even out the processes, and the epoch would
-    hold some examples twice.
-    """
-
-    def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int = 1):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.max_tokens = max_tokens
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-        too_long = np.flatnonzero(self.lengths > max_tokens)
-        if too_long.size:
-            raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {self.lengths[too_long[0]]} "
-                             f"tokens) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
-        # Batch boundaries depend only on the sorted lengths, which ties do not change: they are fixed.
-        self._starts = _even_out(_greedy_starts(np.sort(self.lengths), max_tokens), len(self.lengths), num_replicas)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    @property
-    def sampler(self) -> "TokenBatchSampler":
-        """Accelerate passes the epoch of a batch sampler it shards between processes to the wrapped sampler's
-        `.sampler.set_epoch`, not to the sampler itself: this way the epoch reaches the batches there too."""
-        return self
-
-    def _cut(self, order: np.ndarray) -> list[np.ndarray]:
-        return np.split(order, self._starts[1:])
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if not self.shuffle:
-            for batch in self._cut(np.argsort(self.lengths, kind="stable")):
-                yield batch.tolist()
-            return
-        rng = np.random.default_rng((self.seed, self.epoch))
-        permutation = rng.permutation(len(self.lengths))
-        order = permutation[np.argsort(self.lengths[permutation], kind="stable")]
-        batches = self._cut(order)
-        for position in rng.permutation(len(batches)).tolist():
-            yield batches[position].tolist()
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-
-def _greedy_starts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Where each batch starts in `sorted_lengths` under the greedy cut: each new example is the longest of its
-    batch so far, and joins it while (batch size + 1) * its length <= max_tokens. Worked out per run of equal
-    lengths (a few hundred at most), not per example, so millions of examples take milliseconds."""
-    values, counts = np.unique(sorted_lengths, return_counts=True)
-    starts, size, position = [], 0, 0
-    for length, count in zip(values.tolist(), counts.tolist()):
-        capacity = max_tokens // length if length > 0 else len(sorted_lengths)
-        if size and size >= capacity:  # the open batch is full at this length
-            size = 0
-        if size == 0:
-            starts.append(position)
-        joined = min(count, capacity - size)
-        size += joined
-        rest = count - joined
-        if rest:
-            starts.extend(range(position + joined, position + count, capacity))
-            size = rest - (rest - 1) // capacity * capacity
-        position += count
-    return np.asarray(starts, dtype=np.int64)
-
-
-def _even_out(starts: np.ndarray, total: int, num_replicas: int) -> np.ndarray:
-    """Halve the largest batches until their count is a multiple of `num_replicas` (never more than
-    num_replicas - 1 halvings; a half of a batch within the budget is within it too). Batches of one example
-    cannot be halved: with too few examples to even out, the sharding's repeats stay."""
-    starts = starts.tolist()
-    while len(starts) % num_replicas:
-        sizes = np.diff([*starts, total])
-        largest = int(np.argmax(sizes))
-        if sizes[largest] < 2:
-            break
-        starts.insert(largest + 1, starts[largest] + int(sizes[largest]) // 2)
-    return np.asarray(starts, dtype=np.int64)

@@ -4,7 +4,7 @@ outputs, so this module is for models whose class does not: a model loaded from 
 existed, or any model a benchmark compares it on.
 
     vaswani.decoding.use_lean_decoding(model)                     # every later generate() call
-    vaswani.decoding.use_lean_decoding(model, cuda_graphs=True)   # with CUDA graphs (generation_vaswani, item 6)
+    vaswani.decoding.use_lean_decoding(model, cuda_graphs=True)   # with CUDA graphs (see generation_vaswani)
 """
 
 import functools

@@ -35,58 +35,12 @@ from datetime import timedelta
 import torch
 from tqdm.auto import tqdm
 
-from .cli import decode_lines, write_atomically
 from .evaluation import OUTPUT_SLACK
+from .files import decode_lines, write_atomically
+from .loading import choose_device
 
 DEFAULT_CHUNK_LINES = 4096
 DEFAULT_MAX_TOKENS = 4096
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-# --------------------------------------------------------------------------------------------------
-# Precision
-
-
-def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which oneDNN uses for bf16 GEMMs;
-    without them bf16 is converted to fp32 around every product and is slower than fp32. From the kernel's CPU
-    flags (torch does not say); False where there are none to read (not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-# The narrowest models for which bf16 weights decoded faster than fp32 on an AMX CPU, greedy and with beam search:
-# at d_model 512 (base, OPUS-MT's shape) both ran faster in bf16; at the main job's width, 256, beam search did and
-# greedy did not (the bf16 rows of benchmarks/results/translation-cpu-*bf16*.md). Narrower models stay in fp32.
-CPU_BF16_MIN_D_MODEL = {"greedy": 512, "beam": 256}
-
-
-def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beams: int = 1, int8: bool = False,
-                 cuda_bf16: bool | None = None, cpu_bf16: bool | None = None) -> torch.dtype:
-    """The precision to translate in. `requested` is "float32", "bfloat16" or "auto": bf16 where the hardware
-    multiplies it natively and it is faster (GPUs with bf16; CPUs with AMX or AVX512-BF16 for models at least
-    `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
-    `cpu_bf16` say what the hardware does (default: ask it)."""
-    if requested != "auto":
-        if requested not in DTYPES:
-            raise ValueError(f"dtype={requested!r}; choose auto, {', '.join(DTYPES)}.")
-        if int8 and requested != "float32":
-            raise ValueError("--int8 quantizes fp32 weights; leave --dtype at auto or float32 with it.")
-        return DTYPES[requested]
-    if int8:
-        return torch.float32
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
-        return torch.bfloat16 if native else torch.float32
-    if device.type == "cpu":
-        native = cpu_multiplies_bf16() if cpu_bf16 is None else cpu_bf16
-        wide_enough = d_model >= CPU_BF16_MIN_D_MODEL["beam" if num_beams > 1 else "greedy"]
-        return torch.bfloat16 if native and wide_enough else torch.float32
-    return torch.float32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,7 +152,7 @@ def translate_chunk(engine, lines: Sequence[str], max_tokens: int | None, max_se
 
 def read_raw_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
     """Lists of `chunk_lines` raw lines (the last may be shorter) from a binary stream, line ends removed. A line
-    ends at b"\\n" only (not at U+2028 or other characters `str.splitlines` takes), as in `vaswani.cli.read_lines`."""
+    ends at b"\\n" only (not at U+2028 or other characters `str.splitlines` takes), as in `vaswani.files.read_lines`."""
     chunk: list[bytes] = []
     for raw in stream:
         chunk.append(raw[:-1] if raw.endswith(b"\n") else raw)
@@ -235,11 +189,9 @@ class Processes:
     def from_environment(cls, environ=os.environ) -> Processes:
         return cls(int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_RANK", 0)))
 
-    def device(self, device: str | None) -> str | None:
+    def device(self, device: str | None) -> str:
         """`device`, with "auto" (or None) meaning this process's own GPU when there are GPUs, else the CPU."""
-        if device in (None, "auto"):
-            return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
-        return device
+        return str(choose_device(device, self.local_rank))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
                                                                  #   outputs; on other devices transformers' loop
     model.generate(**batch, num_beams=4, lean_decoding=True)     # this loop on any device
     model.generate(**batch, num_beams=4, lean_decoding=False)    # transformers' own loop
-    model.generate(**batch, num_beams=4, cuda_graphs=True)       # on a GPU: steps replayed as CUDA graphs (item 6)
+    model.generate(**batch, num_beams=4, cuda_graphs=True)       # on a GPU: steps replayed as CUDA graphs
 
 This file imports only torch and transformers, so that it can ship on its own: with every checkpoint, next to
 modeling_vaswani.py, whose `generate()` calls `generate` below; and with every translation checkpoint as
@@ -18,9 +18,10 @@ still validates the arguments, runs the encoder, expands the batch for the beams
 logits processors and stopping criteria; `decode` replaces only the loop over decoding steps. The outputs are
 transformers' own: the same tokens for greedy search, and the same hypotheses for beam search, whose bookkeeping
 (finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are
-(tests/test_decoding.py compares both with transformers' loop; on the main job's model, 1,000 of 1,000 test
-translations are identical in fp32). One caveat: items 4 and 5 change the shapes of the matrix products, which may
-change the last bit of a result. int8 (`vaswani.inference.quantize_for_cpu`) adds nothing to that: each activation
+(tests/test_decoding.py compares both with transformers' loop; benchmarks/results/decoding-loops-cpu-main-job-model.md
+counts identical translations on a trained model). One caveat: one source row per sentence and finished sentences
+leaving the batch (4 and 5 below) change the shapes of the matrix products, which may change the last bit of a
+result. int8 (`vaswani.inference.quantize_for_cpu`) adds nothing to that: each activation
 row has its own scale and integer products add up exactly, so a row's numbers do not depend on the rows beside it or
 on which of them have left the batch.
 What changes is the work around the model, which on a CPU is a large share of each step once the matrix
@@ -41,7 +42,7 @@ multiplications are int8 (benchmarks/README.md):
 5. Finished sentences leave the batch. transformers decodes every row until the whole batch stops; here a greedy
    row leaves once it has stopped (it gets padding from then on, as in transformers), and a beam-search sentence
    leaves once transformers' own early-stopping test says no later step can change its finished hypotheses (that
-   test never turns back). On the main job's test set that is 44% of beam search's sentence-steps. Not done when
+   test never turns back; benchmarks/README.md counts the sentence-steps this saves on a test set). Not done when
    logits processors are given: some of them (`prefix_allowed_tokens_fn`) address rows by their batch index.
 6. With `cuda_graphs=True` (a generate() argument, opt-in), on a GPU each decoding step is recorded once as a CUDA
    graph and replayed from then on: one launch per step instead of hundreds of kernel launches from Python, which
@@ -49,11 +50,11 @@ multiplications are int8 (benchmarks/README.md):
    replays fixed work on fixed memory, so these steps have static shapes: the self-attention cache is
    pre-allocated for max_length positions (transformers' `StaticCache`), the source is padded with masked
    positions to a power of two of at least 32 tokens, and every row stays in the batch until the whole batch has
-   stopped, as in transformers (item 5 is left out). Everything a step reads or writes lives in buffers kept per
+   stopped, as in transformers (unlike 5). Everything a step reads or writes lives in buffers kept per
    batch shape (`_StaticDecoding`), so later batches of the same shape replay the first one's graphs; the search's
    state stays on the device, and the host reads one flag per step, whether to go on. A batch's first step, which
    projects the source for cross-attention, runs as usual. Not with logits processors or stopping criteria other
-   than max_length and eos_token_id (they may read values on the host); those calls decode as items 1–5 do. On
+   than max_length and eos_token_id (they may read values on the host); those calls decode as 1–5 describe. On
    other devices the same static steps run without graphs, which is how the CPU tests check them.
    Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
    benchmarks/results/translation-trained-cuda-h200.md).
@@ -97,9 +98,9 @@ def _block_size(vocab_size: int, k: int) -> int | None:
 def _top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`scores.topk(k, dim=-1)` over rows of vocabulary size, in two levels: the k best entries of a row lie in the
     k blocks with the highest maxima (a block holding one of them has a maximum at least as high as the k-th best,
-    and at most k blocks do), so only those k blocks are searched. On this project's 2-core CPU it is 3.4× faster
-    than `topk(8)` over 128 rows × 32,000, and 6× faster than `argmax` over 32 rows, which it matches exactly for
-    k = 1 (the first maximal block, then the first maximum in it). For k > 1, equal scores may be ordered
+    and at most k blocks do), so only those k blocks are searched, which on a CPU is faster than `topk` and than
+    `argmax` over vocabulary-sized rows (benchmarks/README.md, "Changes toward the CPU targets"). It matches `argmax`
+    exactly for k = 1 (the first maximal block, then the first maximum in it). For k > 1, equal scores may be ordered
     differently."""
     rows, vocab_size = scores.shape
     block = _block_size(vocab_size, k)
@@ -117,7 +118,8 @@ def _top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _lean_mode(model, generation_config, model_kwargs, static: bool = False) -> GenerationMode | None:
     """The mode when `decode` covers this call (greedy or beam search); None sends it to transformers' own method.
-    The `static` steps (item 6) make their own cache, so generate()'s may be a static one too, if still empty."""
+    The `static` steps (CUDA graphs, 6 in the module docstring) make their own cache, so generate()'s may be a static
+    one too, if still empty."""
     mode = generation_config.get_generation_mode()
     cache = model_kwargs.get(CACHE_NAME)
     layer_types = (DynamicLayer, StaticLayer) if static else (DynamicLayer,)
@@ -140,7 +142,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
            **model_kwargs):
     """A `custom_generate` decoding method for `generate()`: greedy or beam search (see the module docstring).
     `cuda_graphs=True` (a `generate()` argument) decodes with static shapes and replays each step as a CUDA graph
-    (item 6 of the module docstring)."""
+    (6 in the module docstring)."""
     static = cuda_graphs and _static_covers(logits_processor, stopping_criteria)
     mode = _lean_mode(model, generation_config, model_kwargs, static)
     if mode is None:
@@ -155,7 +157,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         return method(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
     cache = model_kwargs[CACHE_NAME]
     encoder_outputs, attention_mask = model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask")
-    if mode == GenerationMode.BEAM_SEARCH:  # one source row per sentence (item 4 of the module docstring)
+    if mode == GenerationMode.BEAM_SEARCH:  # one source row per sentence (4 in the module docstring)
         beams = generation_config.num_beams
         encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state[::beams])
         attention_mask = attention_mask[::beams] if attention_mask is not None else None
@@ -189,7 +191,7 @@ def _stops_at_eos(stopping_criteria) -> bool:
 
 def _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_sample` without sampling: the argmax token, padding after a sequence has stopped; stopped
-    sequences leave the batch (item 5 of the module docstring)."""
+    sequences leave the batch (5 in the module docstring)."""
     pad_token_id = generation_config._pad_token_tensor
     stops_at_eos = _stops_at_eos(stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
@@ -271,7 +273,7 @@ def _advance(model, log_probs, beams: _Beams, cur_len: int, stopping_criteria, s
     """One step of beam search from the (B·N, vocab) log-probabilities of the next token: the new state, which
     candidates hit a stopping criterion (B, C), and the row each new beam continues (B·N,), for the cache.
 
-    The candidates are ranked as item 3 of the module docstring says; the rest is transformers' helper methods."""
+    The candidates are ranked as 3 in the module docstring says; the rest is transformers' helper methods."""
     num_beams, beams_to_keep, prompt_len = settings.num_beams, settings.beams_to_keep, settings.prompt_len
     batch_size = beams.running_scores.shape[0]
     rows, device = batch_size * num_beams, log_probs.device
@@ -334,7 +336,7 @@ def _advance(model, log_probs, beams: _Beams, cur_len: int, stopping_criteria, s
 def _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_beam_search` (deterministic, sequences only), with the candidate ranking of the module
     docstring; its helper methods keep the hypotheses. Sentences whose hypotheses can no longer change leave the
-    batch (item 5)."""
+    batch (5 in the module docstring)."""
     beams, settings = _start_beams(input_ids, generation_config)
     num_beams, cur_len = settings.num_beams, settings.prompt_len
     # The results of sentences that left the batch, and the original index of each sentence still in it.
@@ -396,7 +398,7 @@ def generate(*args, model, lean_decoding: bool | None = None, cuda_graphs: bool 
     the CPU and transformers' own on any other device, where the lean loop's per-step work (sentences leaving the
     batch, a host read for each) measured slower than the steps it saves
     (benchmarks/results/translation-trained-cuda-h200.md); True or False forces one. `cuda_graphs=True` replays the
-    lean loop's steps as CUDA graphs (item 6 of the module docstring), whatever `lean_decoding` says; a
+    lean loop's steps as CUDA graphs (6 in the module docstring), whatever `lean_decoding` says; a
     `custom_generate` of the caller's own is used as given."""
     arguments = inspect.signature(GenerationMixin.generate).bind(model, *args, **kwargs).arguments
     arguments.pop("self")
@@ -442,7 +444,7 @@ def _decodes(model, arguments: dict) -> bool:
 _GENERATE_PARAMETERS = set(inspect.signature(GenerationMixin.generate).parameters)
 
 
-# Static shapes and CUDA graphs (item 6) ------------------------------------------------------------------------------
+# Static shapes and CUDA graphs (6 in the module docstring) ------------------------------------------------------------
 
 _STATIC_SHAPES_KEPT = 8  # per model: batch shapes whose buffers and graphs are kept, the least recently used dropped
 _static_states: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()

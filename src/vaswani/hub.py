@@ -114,7 +114,7 @@ def write_model_card(
         f"# {model_name}\n",
         f"An encoder-decoder Transformer ({_PAPER}) that translates {source} to {target}, implemented in the "
         "`vaswani` package as a transformers model.\n",
-        _how_to_load(repo),
+        how_to_load(repo),
         "## Training data\n",
         f"{dataset_name}.\n\n{dataset_attribution}\n\nThe sentence pairs are licensed CC-BY 2.0 France, and are "
         "credited here as that licence asks. The model's code and weights are released under Apache-2.0.\n",
@@ -212,7 +212,8 @@ def _upload_files(output_dir: Path) -> list[str]:
 _PAPER = "[Vaswani et al., 2017, *Attention Is All You Need*](https://arxiv.org/abs/1706.03762)"
 
 
-def _how_to_load(repo: str) -> str:
+def how_to_load(repo: str) -> str:
+    """The model card's "How to use" section for `repo` (also used by `vaswani.convert` for converted models)."""
     return f"""## How to use
 
 With the `vaswani` package installed, importing it registers the model with transformers:

@@ -3,7 +3,7 @@ device and decoding method) and, for CPUs, int8 weights with `quantize_for_cpu(m
 freed memory, `keep_freed_cpu_memory()`.
 
 Why: on a CPU, `generate()` is bound by fp32 matrix multiplications — the linear layers and the vocabulary-sized
-output projection take 71–78 % of its time (benchmarks/README.md, "Profile"). `quantize_for_cpu` stores every
+output projection take most of its time (benchmarks/results/profile-cpu.md). `quantize_for_cpu` stores every
 `nn.Linear` weight as int8 (one scale per output row) and quantizes each activation row on the fly (one scale per
 row, that is per token), so the GEMMs run on fbgemm's int8 kernels with int32 accumulation. This is what
 CTranslate2's `int8` compute type does. Because integer products accumulate exactly, a row's result depends on that
@@ -42,9 +42,9 @@ def compile_for_generation(model: nn.Module) -> nn.Module:
       crashed (benchmarks/results/gpu-notes.md).
 
     Outputs are those of the eager model (tests/test_fast_paths.py). The first calls with a new batch size or source
-    length compile (seconds each) until torch marks those dimensions dynamic; later calls reuse the graph. Measured on
-    an H200: 1.1–1.2× the eager model's sentences/s at batch 32 and for beam 4 at batch 256, 0.8× for greedy at batch
-    256; no gain in fp32 on a CPU (benchmarks/README.md).
+    length compile (seconds each) until torch marks those dimensions dynamic; later calls reuse the graph. It pays on
+    a GPU, not in fp32 on a CPU: its sentences/s against the eager model's are in
+    benchmarks/results/translation-cuda-h200.md and benchmarks/README.md, "Changes toward the CPU targets".
     """
     model.generation_config.cache_implementation = "static"
     model.generation_config.disable_compile = True  # ours below covers beam search too
@@ -58,15 +58,15 @@ def keep_freed_cpu_memory(largest_block_mib: int | None = 32) -> bool:
     By default glibc maps every block of more than a few hundred KiB fresh from the kernel and unmaps it when it is
     freed, so each new large tensor pays a page fault per 4 KiB page. Decoding allocates several vocabulary-sized
     tensors per step (the logits, their float copy, the log-probabilities: 16 MiB each for 32 sentences × 4 beams ×
-    32k tokens): on this project's CPU machine, beam search's log-softmax over 128 × 32,000 took 5.5 ms per step
-    inside `generate()` and 3.3 ms with freed memory reused (benchmarks/README.md). This raises the mapping threshold
+    32k tokens), and beam search's log-softmax over them is measurably slower inside `generate()` than with freed
+    memory reused (benchmarks/README.md, "Changes toward the CPU targets"). This raises the mapping threshold
     to `largest_block_mib` (glibc's maximum is 32 MiB on 64-bit) and keeps freed memory in the heap, which is what a
     caching allocator (CTranslate2's, or jemalloc/tcmalloc preloaded) gives.
 
     `largest_block_mib=None` maps no block at all, so tensors of any size reuse freed memory. That is for training:
     a step's vocabulary-sized tensors (2,000 tokens × 32k logits, 250 MiB each, and their gradients) are far above
-    32 MiB; without their page faults the base model trained at 750 instead of 584 tokens/s on the 2-core CPU
-    (benchmarks/README.md, "CPU results"). `scripts/train_translation.py` does this when it trains on a CPU.
+    32 MiB, and their page faults slow training down (benchmarks/results/training-cpu-default-malloc.md against
+    training-cpu.md). `scripts/train_translation.py` does this when it trains on a CPU.
 
     The cost: the process keeps its peak heap instead of returning it. Not glibc (musl, macOS): returns False and
     changes nothing.
@@ -141,10 +141,11 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
 
     Weights are quantized per output channel (int8 with zero point 0; the row-wise scale keeps rare vocabulary rows of
     the output projection as precise as frequent ones); activations per row at run time. The output projection
-    `lm_head` is included: it is ~40 % of the decoding FLOPs. Its weight is tied to the embedding table, but
-    quantizing packs a *copy* of that weight, so the fp32 embeddings (and the model's other non-Linear
-    parameters) are left exactly as they were. In place, like `model.to()`: quantize a `copy.deepcopy` to keep an
-    fp32 model too. The result is for inference on CPU only (no autograd through int8 weights, no `.to("cuda")`).
+    `lm_head` is included: with a vocabulary of tens of thousands it is a large share of the decoding FLOPs. Its
+    weight is tied to the embedding table, but quantizing packs a *copy* of that weight, so the fp32 embeddings (and
+    the model's other non-Linear parameters) are left exactly as they were. In place, like `model.to()`: quantize a
+    `copy.deepcopy` to keep an fp32 model too. The result is for inference on CPU only (no autograd through int8
+    weights, no `.to("cuda")`).
 
     Why fbgemm through torch's quantized operators: every other int8 kernel torch offers measured slower than it on
     the main job's layer shapes (torchao's eager int8, oneDNN's qlinear, `_int_mm`, `_weight_int8pack_mm`:

@@ -774,8 +774,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     The same numbers; the point is the backward pass over the (tokens × vocabulary) logits. Autograd's takes four
     passes, each into a fresh vocabulary-sized tensor: zeros for the label term, its scatter, the sum with the
     smoothing term's gradient, the log-softmax backward. This one takes one softmax and three in-place passes, and
-    keeps the logits (which the model returns anyway) rather than their log-softmax. On the 2-core CPU this took
-    the base model's training from 0.94× to 1.08× Marian's tokens/s on the same batches (benchmarks/README.md)."""
+    keeps the logits (which the model returns anyway) rather than their log-softmax, which speeds up training on a
+    CPU (benchmarks/results/training-cpu-default-malloc.md against training-cpu-autograd-loss.md)."""
 
     @staticmethod
     def forward(ctx, logits, labels, smoothing: float):  # logits (N, V) float, labels (N,) with -100 = ignored

@@ -114,6 +114,17 @@ class VaswaniTokenizer(TokenizersBackend):
             )
         return super()._from_pretrained(resolved_vocab_files, pretrained_model_name_or_path, *args, **kwargs)
 
+    @classmethod
+    def encodes_words_independently(cls, tokenizer) -> bool:
+        """Whether `tokenizer` (any fast tokenizer, this class or not) normalises and cuts text at its spaces as this
+        class's pipeline does, before BPE: then each word is encoded on its own, and a sentence's ids are its words'
+        ids end to end, so that words can be encoded once and looked up (`vaswani.data.WordCachedEncoder`)."""
+        if not getattr(tokenizer, "is_fast", False):
+            return False
+        reference = json.loads(_build_backend({}, []).to_str())
+        state = json.loads(tokenizer.backend_tokenizer.to_str())
+        return all(state[part] == reference[part] for part in ("normalizer", "pre_tokenizer"))
+
 
 # save_pretrained copies this file next to the vocabulary and writes `auto_map` in tokenizer_config.json,
 # so `AutoTokenizer.from_pretrained(path, trust_remote_code=True)` works where `vaswani` is not installed.

@@ -38,8 +38,10 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
+from .batching import TokenBatchSampler, example_lengths
 from .checkpoints import STAGING_PREFIX, checkpoints_in, is_complete_checkpoint, load_average, publish_staged
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
+from .corpus import CORPUS_ENV_VAR
 from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
 
@@ -96,8 +98,11 @@ class DataArguments:
     corpus: str | None = field(
         default=None,
         metadata={"help": "Local parallel corpus (tsv[.gz] English-first, csv, jsonl). Default: the fra-eng corpus "
-                          f"from ${vdata.CORPUS_ENV_VAR}, ../shared/data/fra-eng, or its public download."},
+                          f"from ${CORPUS_ENV_VAR}, the caller's copy, or its public download."},
     )
+    # Not an option: the fra-eng file to read when neither --corpus nor the environment names one, set by the
+    # calling script (the package does not know where a repository keeps its data); None downloads it.
+    default_corpus: str | None = field(default=None, init=False)
     dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face dataset instead of a file."})
     dataset_config: str | None = field(default=None, metadata={"help": "Its configuration name, e.g. 'fr-en'."})
     source_lang: str = "en"
@@ -297,8 +302,8 @@ class IntervalCheckpointCallback(TrainerCallback):
 def time_budget_schedule(optimizer, kind: str, warmup_steps: int, budget: TimeBudgetCallback):
     """A learning-rate schedule over a time budget: linear warm-up over `warmup_steps` steps, then the `kind` decay
     (`TIME_SCHEDULES`) of the part of the budget spent, read from the budget's callback. The step-based schedules
-    of transformers decay over `max_steps`, which a run stopped by its budget never reaches: a 600 s run that
-    allows 7,830 steps by epoch count stops after ~900, with the rate barely lowered."""
+    of transformers decay over `max_steps`, which a run stopped by its budget never reaches: the epochs' step count
+    can be many times the steps that fit in the budget, and the rate would end barely lowered."""
     decay = TIME_SCHEDULES[kind]
 
     def factor(step: int) -> float:
@@ -340,8 +345,8 @@ class WeightAverageCallback(TrainerCallback):
 
 class TimeBudgetProgressCallback(ProgressCallback):
     """The training progress bar under a time budget: it counts the budget's seconds, with the step beside them.
-    The stock bar counts `max_steps`, which under a budget is only the epochs' step count (7,830 with a one-hour
-    ETA for the main job's 600 s), not where training will stop."""
+    The stock bar counts `max_steps`, which under a budget is only the epochs' step count (with an ETA far beyond
+    the budget), not where training will stop."""
 
     def __init__(self, seconds: float):
         super().__init__()
@@ -386,7 +391,7 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
         dataset = self._remove_unused_columns(self.train_dataset, description="training")
-        self.batch_sampler = vdata.TokenBatchSampler(vdata.example_lengths(dataset), self.max_tokens_per_batch,
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch,
                                                      shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
         loader = DataLoader(
             dataset,
@@ -501,6 +506,7 @@ def load_splits(data_args: DataArguments):
         data_args.dataset_name,
         data_args.dataset_config,
         data_file=data_args.corpus,
+        default_corpus=data_args.default_corpus,
         source_lang=data_args.source_lang,
         target_lang=data_args.target_lang,
         cache_dir=data_args.data_cache_dir,
