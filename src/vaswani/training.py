@@ -559,7 +559,7 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 
 
 def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
-    if args.resume and (metrics := finished_run(args.output_dir)) is not None:
+    if args.resume and not args.resume_from_checkpoint and (metrics := finished_run(args.output_dir)) is not None:
         # A requeued `--resume` of a run that has ended: nothing to train, and the final model stays as it is.
         logger.warning("--resume: %s holds the finished model of this run (newer than any checkpoint); nothing to "
                        "train. Pass --model_name_or_path %s with another --output_dir to train it further.",
