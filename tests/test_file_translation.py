@@ -245,10 +245,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.mark.parametrize("mode", ["slow", "after_write", "before_output", "before_first_chunk"])
 def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, mode):
+    """The same command line twice, `--resume` included, as a scheduler requeues a preempted job."""
     output = tmp_path / "out.fr"
     argv = ["-c", KILLABLE, str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu",
             "--input_file", write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "5",
-            "--num_beams", "1", "--max_new_tokens", "8"]
+            "--num_beams", "1", "--max_new_tokens", "8", "--resume"]
     process = run_script(argv, env={"KILL_MODE": mode})
     state = tmp_path / "out.fr.resume.json"
     if mode == "slow":  # kill it once two chunks are recorded, while it translates the third
@@ -269,7 +270,7 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
     if mode == "after_write":  # the third chunk reached the file, its record did not
         assert output.stat().st_size > recorded["bytes"]
 
-    resumed = run_script([argv[2], *argv[3:], "--resume"])
+    resumed = run_script(argv[2:])
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err.decode()
     assert output.read_text(encoding="utf-8") == expected
