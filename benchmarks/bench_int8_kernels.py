@@ -4,7 +4,8 @@
 newer torch releases mark deprecated. This measures each candidate on the shapes of a checkpoint's linear layers
 (attention projections, feed-forward in and out, the output projection over the vocabulary) at the row counts that
 decoding gives them (a batch of sentences, or of sentences × beams), in microseconds per call, beside fp32 and
-bf16, with each kernel's largest error against fp32 relative to the largest fp32 output:
+bf16, with each kernel's largest error against fp32 relative to the largest fp32 output, and whether its int8 products
+saturate on this CPU (`saturating_kernels`):
 
 * `torch.ao`: `quantize_dynamic` with per-channel weights, what `--int8` runs (fbgemm; it quantizes the activations
   per tensor inside the same call);
@@ -22,6 +23,7 @@ bf16, with each kernel's largest error against fp32 relative to the largest fp32
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 import warnings
@@ -114,6 +116,32 @@ def kernels(linear: torch.nn.Linear, rows: int, names) -> dict[str, Callable[[to
     return {name: makers[name]() for name in names}
 
 
+# x86 int8 kernels multiply unsigned by signed bytes. With VNNI (vpdpbusd) they add the products in 32 bits; without
+# it (AVX2, or AVX-512 before VNNI) they use vpmaddubsw, which adds each pair of products in 16 bits and saturates
+# above 32,767: the same reason vaswani.inference keeps its activations in [-63, 63]. Which instructions a kernel
+# runs depends on the CPU and on ONEDNN_MAX_CPU_ISA / FBGEMM_ENABLE_INSTRUCTIONS, and torch does not say, so each
+# kernel is asked: on the probe below, int8 rounding is exact, and a kernel off by more than this saturates.
+SATURATION_ERROR = 0.01
+
+
+def saturating_kernels(names) -> set[str]:
+    """Those of the kernels `names` that saturate on this CPU: their error on a layer whose weights are all one,
+    given inputs of zeros and ones, where every kernel's int8 values are exact (127 for the weights; 255 or 127 for
+    the ones) and every pair of byte products (2 · 255 · 127, or 2 · 127 · 127 after the +128 shift that s8 · s8
+    kernels apply without VNNI) overflows 16 bits."""
+    linear = torch.nn.Linear(256, 16)
+    with torch.no_grad():
+        linear.weight.fill_(1.0)
+        linear.bias.zero_()
+    x = torch.ones(4, 256)
+    x[:, 0] = 0  # the asymmetric kernels' zero point then maps 0 to 0 and 1 to 255
+    with torch.inference_mode():
+        expected = F.linear(x, linear.weight, linear.bias)
+        made = kernels(linear, len(x), names)
+        return {name for name, fn in made.items()
+                if ((fn(x) - expected).abs().max() / expected.abs().max()).item() > SATURATION_ERROR}
+
+
 def microseconds(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
     """The fastest of `repeats` timings of `fn`, each a loop of at least `min_seconds` (warm: one untimed call)."""
     fn()
@@ -145,6 +173,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         dims = {"d_model": config.d_model, "d_ff": config.d_ff, "vocab_size": config.vocab_size}
     else:
         dims = MAIN_JOB_SHAPES
+    saturating = saturating_kernels(args.kernels)
     rows = []
     for layer, (in_features, out_features) in layer_shapes(**dims).items():
         linear = torch.nn.Linear(in_features, out_features)
@@ -165,7 +194,7 @@ def run(args: argparse.Namespace, argv) -> Path:
                     "kernel": name, "microseconds": timings[name],
                     "x_torch_ao": timings["torch.ao"] / timings[name] if "torch.ao" in timings else None,
                     "x_fp32": timings["fp32"] / timings[name] if "fp32" in timings else None,
-                    "relative_error": errors[name],
+                    "relative_error": errors[name], "saturates": name in saturating,
                 })
                 print(rows[-1], flush=True)
     columns = [
@@ -178,6 +207,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("x_fp32", "speed × fp32", "{:.2f}"),
         Column("x_torch_ao", "speed × torch.ao", "{:.2f}"),
         Column("relative_error", "max error ÷ max output", "{:.1e}"),
+        Column("saturates", "16-bit sums saturate"),
     ]
     source = (f"the weights of checkpoint {args.model}" if args.model else
               "random weights at the main job's shapes (d_model 256, d_ff 1,024, 8,000 tokens)")
@@ -188,6 +218,12 @@ def run(args: argparse.Namespace, argv) -> Path:
         "from the fp32 output, divided by the largest fp32 output.",
         "Every int8 kernel uses the same symmetric per-output-channel int8 weights; torch.ao, torchao and onednn "
         "quantize activations per tensor and call, _int_mm per row.",
+        "16-bit sums saturate: True where the kernel adds pairs of int8 products in 16 bits on this CPU (without VNNI, "
+        "or with ONEDNN_MAX_CPU_ISA / FBGEMM_ENABLE_INSTRUCTIONS set below it), found on a probe layer where int8 "
+        "rounding is exact; its error is then that of the saturation, not int8 rounding's. torch.ao keeps 7-bit "
+        f"activations (reduce_range) for that reason. ATen's CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+        + "".join(f"; {name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+                  if name in os.environ) + ".",
     ]
     if "torchao" in args.kernels:
         import torchao

@@ -45,7 +45,8 @@ def main(argv=None):
     parser.add_argument("--input_file", help="one sentence per line (default: stdin)")
     parser.add_argument("--output_file", help="one translation per line (default: stdout)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue a killed run into the same --output_file from its last complete chunk")
+                        help="continue a killed run into the same --output_file from its last complete chunk "
+                        "(safe on every run: one that wrote nothing starts again, a complete file is left as it is)")
     parser.add_argument("--progress", action="store_true", help="show the progress bar on stderr even when it is "
                         "not a terminal (it is shown on a terminal anyway)")
     parser.add_argument("--chunk_lines", type=int, default=DEFAULT_CHUNK_LINES,

@@ -4,14 +4,26 @@ Token ids follow `VaswaniConfig`'s special-token layout (pad 0, eos 1, bos/decod
 drawn from [4, vocab_size) so that no test input accidentally contains a special token.
 """
 
+import getpass
 import importlib.util
+import os
 import socket
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# Inductor compiles its CPU kernels for the vector ISA that ATEN_CPU_CAPABILITY names, but its on-disk cache (torch
+# 2.13) does not key compiled graphs by it: a graph compiled with the default capability and loaded under avx2 gave
+# wrong outputs, and the reverse crashed the process. A run under a forced capability (as .ci/run's AVX2 suite)
+# therefore keeps a cache of its own, inherited by the scripts the tests start. Set before torch and vaswani are
+# imported: importing them fixes the cache directory in the environment.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_aten_{os.environ['ATEN_CPU_CAPABILITY']}")
 
-from vaswani import VaswaniConfig
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vaswani import VaswaniConfig  # noqa: E402
 
 FIRST_ORDINARY_ID = 4
 # The start of a script for a fresh process in which `import vaswani` fails, as for a Hub user without the package:

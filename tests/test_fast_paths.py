@@ -147,8 +147,7 @@ def _flash_attention_installed() -> bool:
 
 ATTENTION_IMPLEMENTATIONS = [
     "sdpa",
-    # Slow: flex attention compiles its block mask and kernel with inductor, whose CPU kernels fail under a forced
-    # ATen capability (.ci/run's AVX2 rerun leaves the slow tests out for that reason).
+    # Slow: flex attention compiles its block mask and kernel with inductor, minutes on one CPU thread.
     pytest.param("flex_attention", marks=pytest.mark.slow),
     pytest.param("flash_attention_2", marks=pytest.mark.skipif(
         not (torch.cuda.is_available() and _flash_attention_installed()), reason="needs CUDA and flash_attn")),

@@ -78,7 +78,9 @@ def test_a_file_translates_to_the_lines_whole_file_translate_gives(trained, expe
                             progress=False)
     assert output.read_text(encoding="utf-8") == expected
     assert result.lines == len(LINES) and result.chunks == -(-len(LINES) // chunk_lines)
-    assert not os.path.exists(f"{output}.resume.json")  # a complete output leaves nothing beside it
+    # The resume state stays, marked complete, and nothing else is left beside the output.
+    assert json.loads((tmp_path / "out.fr.resume.json").read_text())["complete"] is True
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.en", "out.fr", "out.fr.resume.json"]
 
 
 def test_stdin_to_stdout_and_an_empty_input(trained, expected):
@@ -149,7 +151,7 @@ def test_the_ctranslate2_export_streams_the_same_lines(trained, expected, tmp_pa
     assert capsys.readouterr().out == expected  # greedy: CTranslate2's outputs equal generate()'s
 
 
-def test_resuming_needs_the_same_settings(checkpoint, tmp_path):
+def test_resuming_needs_the_same_settings(checkpoint, tmp_path, capsys):
     output = tmp_path / "out.fr"
     output.write_text("x\n")
     (tmp_path / "out.fr.resume.json").write_text(json.dumps(
@@ -158,9 +160,54 @@ def test_resuming_needs_the_same_settings(checkpoint, tmp_path):
             str(output), "--resume", "--num_beams", "1"]
     with pytest.raises(SystemExit):
         script_main("translate")(argv)
-    (tmp_path / "out.fr.resume.json").unlink()
-    with pytest.raises(SystemExit):  # an output without a resume state: complete, or not ours
+    assert "was started with other settings (" in capsys.readouterr().err and output.read_text() == "x\n"
+
+
+def test_resume_refuses_an_output_it_did_not_write_and_leaves_it_untouched(checkpoint, tmp_path, capsys):
+    output = tmp_path / "out.fr"
+    output.write_text("someone else's\n")
+    with pytest.raises(SystemExit) as exit_info:
+        script_main("translate")(["--model", str(checkpoint), "--device", "cpu", "--input_file",
+                                  write_input(tmp_path), "--output_file", str(output), "--resume"])
+    assert exit_info.value.code == 2
+    assert f"{output} has no resume state beside it" in capsys.readouterr().err
+    assert output.read_text() == "someone else's\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.en",
+                                                                                                        "out.fr"]
+
+
+@pytest.mark.parametrize("output_exists", [True, False])
+def test_resume_of_a_run_that_wrote_nothing_starts_from_the_beginning(trained, expected, tmp_path, output_exists):
+    """An empty output without a resume state (what a kill right after creating it leaves, in versions that wrote
+    the state after the output) or no output at all: nothing to lose, so `resume` translates the whole input."""
+    model, tokenizer = trained
+    output = tmp_path / "out.fr"
+    if output_exists:
+        output.write_bytes(b"")
+    result = translate_file(TorchTranslator(model, tokenizer, **GREEDY), write_input(tmp_path), str(output),
+                            chunk_lines=7, max_tokens=24, resume=True, progress=False)
+    assert output.read_text(encoding="utf-8") == expected and result.resumed_chunks == 0
+
+
+def test_resume_of_a_complete_output_says_so_and_leaves_it(checkpoint, tmp_path, capsys, monkeypatch):
+    output = tmp_path / "out.fr"
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--input_file", write_input(tmp_path), "--output_file",
+            str(output), "--chunk_lines", "7", "--num_beams", "1", "--max_new_tokens", "4", "--resume"]
+    script_main("translate")(argv)
+    capsys.readouterr()
+    before = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in tmp_path.iterdir()}
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a complete output was translated again")
+
+    monkeypatch.setattr("vaswani.file_translation.translate_chunk", must_not_run)
+    script_main("translate")(argv)  # returns: status 0
+    assert f"{output} is already complete ({len(LINES)} lines); nothing to do." in capsys.readouterr().err
+    assert {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in tmp_path.iterdir()} == before
+    with output.open("ab") as f:  # changed after it was completed: not ours to resume any more
+        f.write(b"more\n")
+    with pytest.raises(SystemExit):
         script_main("translate")(argv)
+    assert f"{output} holds" in capsys.readouterr().err
 
 
 def run_script(argv, env=None, **kwargs):
@@ -170,29 +217,38 @@ def run_script(argv, env=None, **kwargs):
 
 
 # Runs scripts/translate.py with each chunk slowed down, so that a kill lands mid-way, or with SIGKILL sent by the
-# process itself at the worst moment: a chunk's lines on disk, the resume state not yet updated.
+# process itself at the worst moments: a chunk's lines on disk, the resume state not yet updated ("after_write");
+# the first resume state written, the output not yet created ("before_output"); the output created, empty, before
+# the first chunk is translated ("before_first_chunk").
 KILLABLE = """
 import os, runpy, signal, sys, time
 import vaswani.file_translation as ft
 mode = os.environ["KILL_MODE"]
+kill = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if mode == "slow":
     chunk = ft.translate_chunk
     ft.translate_chunk = lambda *a, **k: (time.sleep(0.3), chunk(*a, **k))[1]
-elif mode == "after_write":
+elif mode == "after_write":  # the state is written at the start, then after each chunk: killed at the third chunk
     calls = iter(range(10**6))
     save = ft.write_atomically
-    ft.write_atomically = lambda *a: save(*a) if next(calls) < 2 else os.kill(os.getpid(), signal.SIGKILL)
+    ft.write_atomically = lambda *a: save(*a) if next(calls) < 3 else kill()
+elif mode == "before_output":
+    save = ft.write_atomically
+    ft.write_atomically = lambda *a: (save(*a), kill())
+elif mode == "before_first_chunk":
+    ft.translate_chunk = kill
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("mode", ["slow", "after_write"])
+@pytest.mark.parametrize("mode", ["slow", "after_write", "before_output", "before_first_chunk"])
 def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, mode):
+    """The same command line twice, `--resume` included, as a scheduler requeues a preempted job."""
     output = tmp_path / "out.fr"
     argv = ["-c", KILLABLE, str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu",
             "--input_file", write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "5",
-            "--num_beams", "1", "--max_new_tokens", "8"]
+            "--num_beams", "1", "--max_new_tokens", "8", "--resume"]
     process = run_script(argv, env={"KILL_MODE": mode})
     state = tmp_path / "out.fr.resume.json"
     if mode == "slow":  # kill it once two chunks are recorded, while it translates the third
@@ -204,15 +260,20 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
     process.wait(timeout=120)
     assert process.returncode == -signal.SIGKILL
     recorded = json.loads(state.read_text())
-    assert 0 < recorded["bytes"] <= output.stat().st_size and output.read_text() != expected
+    if mode == "before_output":
+        assert recorded["bytes"] == 0 and not output.exists()
+    elif mode == "before_first_chunk":
+        assert recorded["bytes"] == 0 and output.read_bytes() == b""
+    else:
+        assert 0 < recorded["bytes"] <= output.stat().st_size and output.read_text() != expected
     if mode == "after_write":  # the third chunk reached the file, its record did not
         assert output.stat().st_size > recorded["bytes"]
 
-    resumed = run_script([argv[2], *argv[3:], "--resume"])
+    resumed = run_script(argv[2:])
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err.decode()
     assert output.read_text(encoding="utf-8") == expected
-    assert not state.exists() and not (tmp_path / "out.fr.parts").exists()
+    assert json.loads(state.read_text())["complete"] is True and not (tmp_path / "out.fr.parts").exists()
 
 
 # accelerate's --multi_gpu is its torchrun launcher, which on a machine without GPUs starts CPU processes.

@@ -41,6 +41,7 @@ from vaswani.training import (
     ModelArguments,
     VaswaniSeq2SeqTrainer,
     VaswaniTrainingArguments,
+    finished_run,
     prepare_output_dir,
     run_training,
 )
@@ -549,11 +550,40 @@ def test_output_dir_holding_a_model_is_refused_and_left_untouched(corpus, tmp_pa
     assert snapshot(output_dir) == before
 
 
-def test_resume_of_a_finished_model_without_checkpoints_is_refused(corpus, tmp_path, capsys):
+def test_resume_of_a_finished_run_does_not_train_again(corpus, tmp_path, capsys, caplog, monkeypatch):
+    """A requeued `--resume` of a run that has ended: status 0, its metrics on stdout, DIR untouched, nothing read."""
     output_dir = tmp_path / "out"
-    fake_finished_model(output_dir)
-    fails_with_one_line(script_main("train_translation"), train_args(corpus, output_dir, "--resume"), capsys,
-                        "holds a finished model but no checkpoint")
+    fake_finished_model(output_dir, 5, 10)
+    (output_dir / "metrics.json").write_text(json.dumps({"test_bleu": 12.5}))
+    written = (output_dir / "checkpoint-10" / "trainer_state.json").stat().st_mtime
+    os.utime(output_dir / "config.json", (written + 1, written + 1))  # the final model is saved after checkpoints
+    before = snapshot(output_dir)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished run read its corpus again")
+
+    monkeypatch.setattr(vaswani.training, "prepare_data", must_not_run)
+    with caplog.at_level("WARNING", logger="vaswani.training"):
+        script_main("train_translation")(train_args(corpus, output_dir, "--resume"))
+    assert json.loads(capsys.readouterr().out) == {"test_bleu": 12.5}
+    assert "holds the finished model of this run" in caplog.text
+    assert snapshot(output_dir) == before
+
+
+def test_a_finished_run_is_a_final_model_newer_than_every_complete_checkpoint(tmp_path):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    assert finished_run(str(output_dir)) is None
+    fake_finished_model(output_dir, 5)
+    (output_dir / "checkpoint-7").mkdir()  # incomplete: not a checkpoint
+    written = (output_dir / "checkpoint-5" / "trainer_state.json").stat().st_mtime
+    os.utime(output_dir / "config.json", (written + 1, written + 1))
+    assert finished_run(str(output_dir)) == {}  # no metrics.json: finished all the same
+    # An --overwrite_output_dir run that stopped after its first checkpoint: the old model is not its end.
+    os.utime(output_dir / "config.json", (written - 1, written - 1))
+    assert finished_run(str(output_dir)) is None
+    (output_dir / "config.json").unlink()  # weights without config.json: no complete model
+    assert finished_run(str(output_dir)) is None
 
 
 def test_resume_ignores_incomplete_checkpoints_and_removes_staging_directories(tmp_path):
@@ -769,6 +799,45 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
     weights, reference_weights = load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors")
     for name, tensor in reference_weights.items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5)
+
+
+# Runs scripts/train_translation.py and SIGKILLs it at the start of training: output_dir created, no checkpoint yet.
+KILLED_AS_TRAINING_STARTS = """
+import os, runpy, signal, sys
+import vaswani.training
+vaswani.training.VaswaniSeq2SeqTrainer.train = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # three runs of the training script, about 30 s
+def test_sigkill_before_the_first_checkpoint_then_resume_trains_from_the_start_and_only_once(tmp_path):
+    """The same command line, `--resume` included, as a scheduler requeues it: after a kill before any checkpoint it
+    trains from the start; once the run has ended, it trains no more and leaves the output as it is."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=200)
+    output_dir = tmp_path / "out"
+    argv = [str(SCRIPTS / "train_translation.py"),
+            *train_args(corpus, output_dir, "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
+                        "--max_test_samples", "4", "--generation_num_beams", "1", "--generation_max_length", "8",
+                        "--disable_tqdm", "true", "--resume")]
+    env = subprocess_env()
+    killed = subprocess.run([sys.executable, "-c", KILLED_AS_TRAINING_STARTS, *argv], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert output_dir.is_dir() and not any(path.name.startswith("checkpoint-") for path in output_dir.iterdir())
+
+    resumed = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "holds no complete checkpoint; starting from scratch" in resumed.stderr
+    assert {"checkpoint-2", "checkpoint-4", "config.json", "model.safetensors"} <= {p.name for p in output_dir.iterdir()}
+
+    before = snapshot(output_dir), {path: path.stat().st_mtime_ns for path in output_dir.rglob("*")}
+    again = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds the finished model of this run" in again.stderr
+    assert json.loads(again.stdout) == json.loads((output_dir / "metrics.json").read_text())
+    assert (snapshot(output_dir), {path: path.stat().st_mtime_ns for path in output_dir.rglob("*")}) == before
 
 
 # Safety --------------------------------------------------------------------------------------------------------------

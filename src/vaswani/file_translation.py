@@ -10,7 +10,10 @@ Resuming: after each chunk, the output file is flushed to disk and a small state
 (`<output>.resume.json`) records how many chunks and bytes are complete, written atomically. A run killed at any
 point and restarted with `resume=True` cuts the output back to the last complete chunk and goes on from there; the
 result is the same file, byte for byte, as an uninterrupted run's, because every chunk is translated the same way
-(the same batches, and with sampling the same seed) whichever run or process translates it.
+(the same batches, and with sampling the same seed) whichever run or process translates it. The state is written
+before the output is created and stays beside the finished output, marked complete, so that a scheduler can requeue
+the same command line, `resume=True` included, whenever it likes: a run killed before its first chunk starts
+again, a complete one is left as it is, and an output this tool did not write is refused untouched.
 
 Processes: under `torchrun` or `accelerate launch` (which set RANK and WORLD_SIZE), process r translates the
 chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 also appends the finished chunks to
@@ -249,6 +252,11 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
         if processes.rank != 0:
             resumed = resume and os.path.exists(state_path)
             state = _read_state(state_path) if resumed else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
+        if state.get("complete"):
+            if processes.rank == 0:
+                print(f"{output_path} is already complete ({state['lines']} lines); nothing to do.", file=sys.stderr)
+            return FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
+                                   resumed_chunks=state["chunks"], settings=settings)
         return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir, state,
                                  settings, processes, max_tokens, max_sentences, progress, seed, chunk_lines)
     finally:
@@ -343,8 +351,8 @@ class _Merger:
                 time.sleep(0.05)
         if self.parts_dir:
             shutil.rmtree(self.parts_dir, ignore_errors=True)
-        if self.state_path and os.path.exists(self.state_path):
-            os.remove(self.state_path)
+        if self.state_path:  # kept, marked complete: the same command with --resume then has nothing to do
+            write_atomically(self.state_path, json.dumps({**self.state, "complete": True, "settings": self.settings}))
         self.bar.close()
         if self.state["truncated"]:
             print(f"warning: {self.state['truncated']} sentence(s) longer than {self.limit} were truncated.",
@@ -380,7 +388,9 @@ def _read_state(state_path: str) -> dict:
 
 def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dict:
     """The state to start from: a fresh output, or with `resume` the killed run's, its output cut back to the last
-    complete chunk."""
+    complete chunk, or a complete run's (which `translate_file` leaves as it is). The state is written before the
+    output is created, so an output this tool has created always has one beside it; with `resume`, an output
+    without one is started again only if it is missing or empty (nothing to lose), and refused otherwise."""
     fresh = {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
     if output_path is None:
         return fresh
@@ -392,21 +402,22 @@ def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dic
             listed = ", ".join(f"{key} {state['settings'].get(key)!r} → {settings.get(key)!r}" for key in changed)
             raise ValueError(f"{output_path} was started with other settings ({listed}); resume with the same "
                              "ones, or start again without --resume.")
-        if not os.path.exists(output_path) or os.path.getsize(output_path) < state["bytes"]:
-            raise ValueError(f"{output_path} is shorter than its resume state records; start again without "
-                             "--resume.")
-        with open(output_path, "r+b") as f:
-            f.truncate(state["bytes"])
+        size = os.path.getsize(output_path) if os.path.exists(output_path) else 0
+        if size < state["bytes"] or (state.get("complete") and size != state["bytes"]):
+            raise ValueError(f"{output_path} holds {size} bytes, its resume state {state_path} records "
+                             f"{state['bytes']}: it was changed by something else; start again without --resume.")
+        if not state.get("complete"):
+            with open(output_path, "ab") as f:  # created here if the kill came before the output was
+                f.truncate(state["bytes"])
         del state["settings"]
         return state
-    if resume and os.path.exists(output_path):
-        raise ValueError(f"{output_path} has no resume state beside it ({state_path}): it is complete, or was not "
-                         "written by this tool. Start again without --resume.")
+    if resume and os.path.exists(output_path) and os.path.getsize(output_path) > 0:
+        raise ValueError(f"{output_path} has no resume state beside it ({state_path}), so it was not written by this "
+                         "tool; it is left as it is. Start again without --resume to replace it.")
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    write_atomically(state_path, json.dumps({**fresh, "settings": settings}))
     with open(output_path, "wb"):
         pass
-    if os.path.exists(state_path):
-        os.remove(state_path)
-    shutil.rmtree(parts_dir, ignore_errors=True)
     return fresh
 
 

@@ -613,6 +613,12 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 
 
 def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
+    if args.resume and not args.resume_from_checkpoint and (metrics := finished_run(args.output_dir)) is not None:
+        # A requeued `--resume` of a run that has ended: nothing to train, and the final model stays as it is.
+        logger.warning("--resume: %s holds the finished model of this run (newer than any checkpoint); nothing to "
+                       "train. Pass --model_name_or_path %s with another --output_dir to train it further.",
+                       args.output_dir, args.output_dir)
+        return metrics
     last_checkpoint = prepare_output_dir(args)  # refuses a bad output_dir before anything is read or written
     set_seed(args.seed)
     data = prepare_data(model_args, data_args, args, last_checkpoint)
@@ -764,6 +770,25 @@ def holds_final_model(output_dir: str) -> bool:
     return any(os.path.exists(os.path.join(output_dir, name)) for name in ("config.json", "model.safetensors"))
 
 
+def finished_run(output_dir: str) -> dict | None:
+    """The final metrics of the run that ended in `output_dir` (empty where it has no `metrics.json`), or None where
+    none did: a final model is complete once its `config.json` is there (`save_final` moves it in last), and it is
+    this run's end only if no complete checkpoint was written after it (an `--overwrite_output_dir` run that
+    stopped leaves the old model beside its newer checkpoints)."""
+    config = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(config):
+        return None
+    saved = os.path.getmtime(config)
+    if any(os.path.getmtime(os.path.join(path, TRAINER_STATE_NAME)) > saved
+           for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)):
+        return None
+    metrics = os.path.join(output_dir, "metrics.json")
+    if not os.path.isfile(metrics):
+        return {}
+    with open(metrics, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
     """Decide, before anything is read or written, what to do with what `output_dir` already holds, and return the
     checkpoint to resume from (or None).
@@ -771,7 +796,9 @@ def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
     * nothing there (or only other files, e.g. logs): train;
     * a model or checkpoints, and neither flag: refused, naming both flags;
     * `--resume`: the last complete checkpoint; incomplete ones and staging directories are skipped (the
-      staging directories, remains of a crash, are deleted). A finished model without checkpoints is refused;
+      staging directories, remains of a crash, are deleted); none yet: train from the start. A finished run
+      (`finished_run`) is not trained again: `run_training` returns before this. Model files without a
+      checkpoint, and not a finished run, are refused;
     * `--resume_from_checkpoint PATH` (the Trainer's flag): that checkpoint, which must be complete;
     * `--overwrite_output_dir`: earlier checkpoints are deleted (they would mix with the new run's in rotation
       and resumption); the final model files are replaced when the new one is saved.
@@ -808,7 +835,7 @@ def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
             return complete[-1]
         if holds_final_model(output_dir):
             raise FileExistsError(
-                f"--resume: {output_dir} holds a finished model but no checkpoint to resume from. Pass "
+                f"--resume: {output_dir} holds model files but no checkpoint to resume from. Pass "
                 f"--model_name_or_path {output_dir} with another --output_dir to fine-tune it, or "
                 "--overwrite_output_dir to train a new one there."
             )
