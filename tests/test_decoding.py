@@ -245,12 +245,14 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     for int8 in (False, True):
         loaded, _ = load_translator(str(tmp_path), device="cpu", int8=int8)
-        assert "generate" not in vars(loaded)  # the class's own method, which decodes with the lean loop
+        assert "generate" not in vars(loaded)  # the class's own method, which decodes with the lean loop on a CPU
     plain, _ = load_translator(str(tmp_path), device="cpu", decoding="transformers")
     assert plain.generate.keywords == {"lean_decoding": False}
+    lean, _ = load_translator(str(tmp_path), device="cpu", decoding="lean")
+    assert lean.generate.keywords == {"lean_decoding": True}
     graphs, _ = load_translator(str(tmp_path), device="cpu", decoding="graphs")
     assert graphs.generate.keywords == {"model": graphs, "cuda_graphs": True}
-    with pytest.raises(ValueError, match="choose one of lean, graphs, transformers"):
+    with pytest.raises(ValueError, match="choose one of auto, lean, graphs, transformers"):
         load_translator(str(tmp_path), device="cpu", decoding="fast")
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     loaded, _ = load_translator(str(tmp_path), device="cpu")
