@@ -414,7 +414,9 @@ def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp
     card = (output_dir / "README.md").read_text()
     assert "## Checkpoint averaging" in card and all(path.name in card for path in checkpoints[-3:])
 
-    # The interval checkpoints are ordinary ones: --resume continues from the last.
+    # The interval checkpoints are ordinary ones: --resume continues from the last, here as if the run had been
+    # killed after it, before its final model was saved (a finished run's --resume trains nothing).
+    (output_dir / "config.json").unlink()
     resumed = run_script("train_translation.py", *args, "--resume", "--log_level", "info")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from {checkpoints[-1]}." in resumed.stderr

@@ -613,12 +613,13 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 
 
 def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments) -> dict:
-    if args.resume and not args.resume_from_checkpoint and (metrics := finished_run(args.output_dir)) is not None:
+    finished = finished_run(args.output_dir, args) if args.resume and not args.resume_from_checkpoint else None
+    if finished is not None:
         # A requeued `--resume` of a run that has ended: nothing to train, and the final model stays as it is.
         logger.warning("--resume: %s holds the finished model of this run (newer than any checkpoint); nothing to "
-                       "train. Pass --model_name_or_path %s with another --output_dir to train it further.",
-                       args.output_dir, args.output_dir)
-        return metrics
+                       "train. Ask for more steps, epochs or time to continue it from its last checkpoint.",
+                       args.output_dir)
+        return finished
     last_checkpoint = prepare_output_dir(args)  # refuses a bad output_dir before anything is read or written
     set_seed(args.seed)
     data = prepare_data(model_args, data_args, args, last_checkpoint)
@@ -770,11 +771,17 @@ def holds_final_model(output_dir: str) -> bool:
     return any(os.path.exists(os.path.join(output_dir, name)) for name in ("config.json", "model.safetensors"))
 
 
-def finished_run(output_dir: str) -> dict | None:
+# What sets how long a run trains: a run asking for other values continues a finished one instead of stopping.
+TRAINING_LENGTH = ("max_steps", "num_train_epochs", "max_train_time")
+
+
+def finished_run(output_dir: str, args: VaswaniTrainingArguments | None = None) -> dict | None:
     """The final metrics of the run that ended in `output_dir` (empty where it has no `metrics.json`), or None where
     none did: a final model is complete once its `config.json` is there (`save_final` moves it in last), and it is
     this run's end only if no complete checkpoint was written after it (an `--overwrite_output_dir` run that
-    stopped leaves the old model beside its newer checkpoints)."""
+    stopped leaves the old model beside its newer checkpoints). With `args`, also None where the finished run was
+    of another length (`TRAINING_LENGTH`, read from its `training_args.json`): a longer run continues from the last
+    checkpoint."""
     config = os.path.join(output_dir, "config.json")
     if not os.path.isfile(config):
         return None
@@ -782,6 +789,12 @@ def finished_run(output_dir: str) -> dict | None:
     if any(os.path.getmtime(os.path.join(path, TRAINER_STATE_NAME)) > saved
            for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)):
         return None
+    recorded = os.path.join(output_dir, "training_args.json")
+    if args is not None and os.path.isfile(recorded):
+        with open(recorded, encoding="utf-8") as f:
+            trained = json.load(f)
+        if any(trained.get(name) != getattr(args, name) for name in TRAINING_LENGTH):
+            return None
     metrics = os.path.join(output_dir, "metrics.json")
     if not os.path.isfile(metrics):
         return {}
