@@ -28,10 +28,10 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from . import modeling_vaswani
 from .configuration_vaswani import tokenizer_fingerprint
+from .files import publish_files, staging_path
 
-# Checkpoints are written under this prefix and renamed into place when complete. The name must not match
-# `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
-STAGING_PREFIX = ".tmp-"
+# Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
+# complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
 # Config fields that say how a checkpoint was saved or is run, not which model it holds.
 CONFIG_FIELDS_NOT_COMPARED = {"transformers_version", "dtype", "torch_dtype", "use_cache", "_name_or_path",
                               "architectures"}
@@ -54,19 +54,11 @@ def is_complete_checkpoint(path: str | Path) -> bool:
 
 
 def publish_staged(staging: str | Path, output_dir: str | Path) -> None:
-    """Move the complete model in `staging` into `output_dir`, then remove `staging`. Each file is complete before
-    it is moved (`os.replace` is atomic), and `config.json`, without which nothing loads, is removed first and moved
-    in last. So a crash never leaves a truncated file, nor the weights of one model beside the config of another: a
+    """Move the complete model in `staging` into `output_dir` (which also holds checkpoints and logs), then remove
+    `staging` (`files.publish_files`). `config.json`, without which nothing loads, is removed first and moved in
+    last, so a crash never leaves a truncated file, nor the weights of one model beside the config of another: a
     directory with a `config.json` holds one complete model."""
-    config = os.path.join(output_dir, "config.json")
-    if os.path.exists(config):
-        os.remove(config)
-    for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
-        target = os.path.join(output_dir, name)
-        if os.path.isdir(target):  # a directory (custom_generate/) of the model this one replaces: no atomic swap
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)
-    os.rmdir(staging)
+    publish_files(staging, output_dir, last="config.json")
 
 
 # Averaging ----------------------------------------------------------------------------------------------------------
@@ -216,7 +208,7 @@ def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, l
     model.eval()
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    staging = output_dir / (STAGING_PREFIX + "average")
+    staging = staging_path(output_dir / "average")
     shutil.rmtree(staging, ignore_errors=True)
     if model.config.is_encoder_decoder:
         attach_translation_pipeline(model, staging)

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from .files import write_atomically
+
 logger = logging.getLogger(__name__)
 
 CORPUS_URL = "http://www.manythings.org/anki/fra-eng.zip"
@@ -104,7 +106,7 @@ def download_corpus(
         archive.unlink(missing_ok=True)
 
     record = {"url": url, "sha256": {"zip": zip_sha256, CORPUS_MEMBER: file_sha256(corpus)}}
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    write_atomically(record_path, json.dumps(record, indent=2) + "\n")
     logger.info("Downloaded %s (zip sha256 %s); pass expected_sha256 to pin this version.", url, zip_sha256)
     return corpus
 
@@ -121,9 +123,7 @@ def _extract_corpus(archive: Path, url: str, corpus: Path) -> None:
     first_line = data.split(b"\n", 1)[0].decode("utf-8", errors="replace").split("\t")
     if len(first_line) < 2 or not all(column.strip() for column in first_line[:2]):
         raise ValueError(f"{CORPUS_MEMBER} from {url} does not start with an `english<TAB>french` line.")
-    partial = corpus.with_name(corpus.name + ".part")
-    partial.write_bytes(data)
-    partial.replace(corpus)  # atomic: a crash never leaves a half-written corpus that looks complete
+    write_atomically(corpus, data)  # a crash never leaves a half-written corpus that looks complete
 
 
 # --------------------------------------------------------------------------------------------------

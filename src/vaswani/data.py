@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import unicodedata
@@ -46,6 +45,7 @@ from .corpus import (
     require_pairs,
     resolve_corpus_path,
 )
+from .files import staged_directory
 from .tokenization_vaswani import WORD_START, VaswaniTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -247,15 +247,9 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
 
 def _write_tsv_splits(path: Path, source_column: int, target_column: int, validation_fraction: float,
                       test_fraction: float, directory: Path) -> None:
-    staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    # Several processes may build the same entry at once: each stages its own, and the first published stands.
+    with staged_directory(directory, tag=f"-{os.getpid()}") as staging:
         _write_splits_into(staging, path, source_column, target_column, validation_fraction, test_fraction)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _publish(staging, directory)
 
 
 def _write_splits_into(staging: Path, path: Path, source_column: int, target_column: int, validation_fraction: float,
@@ -294,16 +288,6 @@ def _write_splits_into(staging: Path, path: Path, source_column: int, target_col
         with pa.OSFile(str(staging / f"{name}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
     (staging / "read.json").write_text(json.dumps(summary.__dict__, indent=1) + "\n")
-
-
-def _publish(staging: Path, directory: Path) -> None:
-    """Move a finished cache entry into place with one rename, so no reader ever sees it half-written."""
-    if directory.exists():
-        shutil.rmtree(directory)
-    try:
-        staging.rename(directory)
-    except OSError:  # another process published the same entry meanwhile; theirs is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _to_pairs(split: Dataset, source_lang: str, target_lang: str) -> Dataset:
@@ -392,13 +376,8 @@ def cached_corpus_tokenizer(
     directory = Path(train.cache_files[0]["filename"]).parent / f"tokenizer-{key}"
     if overwrite_cache or not (directory / "tokenizer.json").is_file():
         logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
-        staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-        try:
+        with staged_directory(directory, tag=f"-{os.getpid()}") as staging:
             train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        _publish(staging, directory)
     else:
         logger.info("Reusing the tokenizer trained earlier on %d sentences, from %s.", sentences, directory)
     return VaswaniTokenizer.from_pretrained(directory), sentences

@@ -39,7 +39,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluation import OUTPUT_SLACK
-from .files import decode_lines, write_atomically
+from . import files
+from .files import decode_lines, sync_file, write_atomically
 from .loading import choose_device
 
 DEFAULT_CHUNK_LINES = 4096
@@ -323,9 +324,10 @@ class _Merger:
     def append(self, index: int, text: bytes, lines: int, truncated: int) -> None:
         assert index == self.state["chunks"], "chunks are appended in input order"
         self.sink.write(text)
-        self.sink.flush()
         if self.state_path:
-            os.fsync(self.sink.fileno())
+            sync_file(self.sink)
+        else:
+            self.sink.flush()
         self.state.update(chunks=index + 1, lines=self.state["lines"] + lines,
                           bytes=self.state["bytes"] + len(text), truncated=self.state["truncated"] + truncated)
         if self.state_path:
@@ -372,13 +374,7 @@ def _write_part(parts_dir: str, index: int, text: bytes, lines: int, truncated: 
     """A chunk's translation for process 0 to append: a header line, then the text; complete or absent."""
     os.makedirs(parts_dir, exist_ok=True)
     path = _part_path(parts_dir, index)
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as f:
-        f.write(json.dumps([lines, truncated]).encode() + b"\n")
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    files.write_atomically(path, json.dumps([lines, truncated]).encode() + b"\n" + text)
 
 
 def _read_state(state_path: str) -> dict:

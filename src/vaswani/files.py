@@ -1,8 +1,11 @@
-"""The tools' text files: UTF-8 lines read with the file and line named on error, and whole files written
-atomically."""
+"""Files: UTF-8 lines read with the file and line named on error, and the one way the package writes a file or
+directory atomically."""
 
 import os
+import shutil
 from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
 
 
 def read_lines(path: str) -> list[str]:
@@ -24,13 +27,126 @@ def decode_lines(raw_lines: Iterable[bytes], name: str, first_line: int = 1) -> 
     return lines
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling and a rename: the file is complete or absent."""
-    temporary = f"{path}.tmp-{os.getpid()}"
+# Atomic writes --------------------------------------------------------------------------------------------------------
+# Every file and directory the package publishes goes through the helpers below, with one set of rules: the new entry
+# is written under a staging name beside its target; its bytes (every file of a staged directory) are fsynced; one
+# rename puts it in place; the parent directory is fsynced, so that the rename itself survives a power cut. A reader
+# therefore sees the old entry or the complete new one, never part of either. Staging names start with
+# `STAGING_PREFIX`, which no reader of the package looks for; a crash leaves at most such a name behind.
+
+STAGING_PREFIX = ".tmp-"
+
+
+def staging_path(target: str | os.PathLike, tag: str = "") -> Path:
+    """The staging name of `target`, beside it: `.tmp-<name><tag>`. Writers that may run at once in several
+    processes pass a `tag` of their own (e.g. the process id)."""
+    target = Path(target)
+    return target.with_name(f"{STAGING_PREFIX}{target.name}{tag}")
+
+
+def sync_file(f) -> None:
+    """Flush an open file and its data to disk."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def sync_directory(path: str | os.PathLike) -> None:
+    """Make the entries of a directory (a rename into it) durable. Platforms that cannot open a directory (Windows)
+    have nothing to sync."""
     try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write(text)
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under `path` (a staged directory about to be published)."""
+    for root, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        sync_directory(root)
+
+
+def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8, or bytes) to `path`: the file is the complete new one or the old one (or
+    absent), whenever the process or the machine stops."""
+    temporary = staging_path(path, f"-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            sync_file(f)
         os.replace(temporary, path)
+        sync_directory(Path(path).parent)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> bool:
+    """Publish the complete directory `staging` as `target`, replacing any directory there. Returns False, with
+    `staging` removed, where another process published `target` while this one was renaming (a cache entry both
+    built; theirs is as good).
+
+    POSIX renames a directory only onto an absent or empty one, so an existing `target` is first renamed aside
+    (to a staging name) and removed once the new one is in. Between those two renames `target` is absent: a reader
+    finds no entry, never a partial or mixed one, and a crash there leaves the old entry under its staging name.
+    Only Linux's renameat2(RENAME_EXCHANGE), which the standard library does not offer, would close that window."""
+    staging, target = Path(staging), Path(target)
+    sync_tree(staging)
+    aside = None
+    if target.exists():
+        aside = staging_path(target, f".old-{os.getpid()}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(target, aside)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not target.exists():
+            if aside is not None:
+                os.replace(aside, target)
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        published = False
+    else:
+        published = True
+    sync_directory(target.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return published
+
+
+@contextmanager
+def staged_directory(target: str | os.PathLike, tag: str = ""):
+    """Yield an empty staging directory beside `target` to write into; when the block ends without an error, publish
+    it as `target` (`replace_directory`), otherwise remove it."""
+    staging = staging_path(target, tag)
+    shutil.rmtree(staging, ignore_errors=True)  # the remains of a crash
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def publish_files(staging: str | os.PathLike, directory: str | os.PathLike, last: str) -> None:
+    """Move the files of the complete directory `staging` into `directory`, which holds other entries too (so it
+    cannot be replaced whole), then remove `staging`. Each file is renamed in complete (subdirectories with
+    `replace_directory`), and `last`, the file whose presence says the set is complete, is removed first and
+    moved in last: a crash never leaves a truncated file, nor `last` beside files of another set."""
+    staging, directory = Path(staging), Path(directory)
+    sync_tree(staging)
+    (directory / last).unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir(), key=lambda entry: entry.name == last):
+        if entry.is_dir():
+            replace_directory(entry, directory / entry.name)
+        else:
+            os.replace(entry, directory / entry.name)
+    sync_directory(directory)
+    staging.rmdir()

@@ -16,6 +16,8 @@ from pathlib import Path
 import sacrebleu
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
+from .files import write_atomically
+
 logger = logging.getLogger(__name__)
 
 PIPELINE_FILE = Path(__file__).with_name("pipeline_vaswani.py")
@@ -190,7 +192,7 @@ def push_to_hub(
         logger.info("No README.md in %s: writing a model card without scores.", output_dir)
         write_model_card(output_dir, repo_id=repo_id)
     elif REPO_ID_PLACEHOLDER in (text := readme.read_text(encoding="utf-8")):
-        readme.write_text(text.replace(REPO_ID_PLACEHOLDER, repo_id), encoding="utf-8")
+        write_atomically(readme, text.replace(REPO_ID_PLACEHOLDER, repo_id))
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=output_dir,

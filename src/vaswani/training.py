@@ -35,15 +35,16 @@ from transformers import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import data as vdata
 from .batching import TokenBatchSampler, example_lengths
-from .checkpoints import STAGING_PREFIX, checkpoints_in, is_complete_checkpoint, load_average, publish_staged
+from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average, publish_staged
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .corpus import CORPUS_ENV_VAR
 from .evaluation import build_compute_metrics, evaluate_model
+from .files import STAGING_PREFIX, staging_path
 from .modeling_vaswani import VaswaniForConditionalGeneration
+from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 
 logger = logging.getLogger(__name__)
 
@@ -367,16 +368,15 @@ class TimeBudgetProgressCallback(ProgressCallback):
             self.training_bar.update(elapsed - self.training_bar.n)
 
 
-class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
+class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     """Seq2SeqTrainer with three additions:
 
     * token-budget batches (`max_tokens_per_batch`);
     * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
       step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
-    * checkpoints that are never visible half-written: each is written into a hidden staging directory beside it
-      (`.tmp-checkpoint-N`) and renamed to `checkpoint-N` once complete. A crash leaves only the staging directory,
-      which `--resume` ignores and removes. The pickled `training_args.bin` is replaced by `training_args.json`.
+    * checkpoints that are never visible half-written (`trainer_internals.StagedCheckpoints`), resumable and rotated
+      as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`.
     """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, time_budget: TimeBudgetCallback | None = None,
@@ -384,15 +384,15 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
         super().__init__(*args, **kwargs)
         self.max_tokens_per_batch = max_tokens_per_batch
         self.time_budget = time_budget
+        self.time_budget_schedule = None
         self._first_bad_step = None
-        self._staging_run_dir = None
 
     def get_train_dataloader(self) -> DataLoader:
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
-        dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        dataset = self.unused_columns_removed(self.train_dataset, description="training")
         self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch,
-                                                     shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
+                                               shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
@@ -400,31 +400,17 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
-        # The sampler already gives every process the same number of batches, so Accelerate must not even them out
-        # by repeating batches (accelerate 1.6, the oldest supported, refuses to try without a batch size).
-        even_batches, self.accelerator.even_batches = self.accelerator.even_batches, False
-        try:
-            prepared = self.accelerator.prepare(loader)
-        finally:
-            self.accelerator.even_batches = even_batches
-        # Accelerate 1.6 hands the Trainer's epoch to the batch sampler it shards with, never on to the one it
-        # wraps: hand it to ours too, so that each epoch has its own batch order whichever accelerate is installed.
-        set_epoch, token_batches = prepared.set_epoch, self.batch_sampler
-
-        def set_epoch_everywhere(epoch: int) -> None:
-            set_epoch(epoch)
-            token_batches.set_epoch(epoch)
-
-        prepared.set_epoch = set_epoch_everywhere
-        return prepared
+        return prepare_uneven_loader(self.accelerator, loader)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if self.lr_scheduler is None and self.args.lr_decay_over_time_budget and self.time_budget is not None:
-            self.lr_scheduler = time_budget_schedule(
+        # A schedule made here is made again by the next `train()`, whose optimiser may be another, as the Trainer
+        # does with its own; one passed in through `optimizers` is kept.
+        if (self.args.lr_decay_over_time_budget and self.time_budget is not None
+                and (self.lr_scheduler is None or self.lr_scheduler is self.time_budget_schedule)):
+            self.lr_scheduler = self.time_budget_schedule = time_budget_schedule(
                 optimizer or self.optimizer, str(self.args.lr_scheduler_type).split(".")[-1].lower(),
                 self.args.get_warmup_steps(num_training_steps), self.time_budget,
             )
-            self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -447,39 +433,11 @@ class VaswaniSeq2SeqTrainer(Seq2SeqTrainer):
                 "use bf16 instead of fp16, or check the data for empty or corrupted examples."
             )
 
-    def _get_output_dir(self, trial) -> str:
-        return self._staging_run_dir or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
+    def before_checkpoint(self) -> None:
         self.raise_on_nonfinite_loss()
-        run_dir = self._get_output_dir(trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging_root = os.path.join(run_dir, STAGING_PREFIX + name)
-        if self.args.should_save:
-            shutil.rmtree(staging_root, ignore_errors=True)  # the remains of a crash at this very step
-        self.accelerator.wait_for_everyone()
-        # The Trainer writes `<run_dir>/checkpoint-N`; pointing it at the staging root makes that the staged copy.
-        self._staging_run_dir = staging_root
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_run_dir = None
-        # The Trainer looked for the best checkpoint among the staged ones, where only this step's can be.
-        if self.state.best_global_step:
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
-                self.state.best_model_checkpoint = best
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state
-        if self.args.should_save:
-            staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
-            replace_pickled_arguments(staged, self.args)
-            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the corrected best path
-            if os.path.isdir(final):  # left by an earlier run at the same step (see prepare_output_dir)
-                shutil.rmtree(final)
-            os.replace(staged, final)
-            shutil.rmtree(staging_root)
-            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
-        self.accelerator.wait_for_everyone()
+
+    def finish_checkpoint(self, directory: str) -> None:
+        replace_pickled_arguments(directory, self.args)
 
 
 def parse_overrides(text: str | None) -> dict:
@@ -738,7 +696,7 @@ def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translat
     scores can be recomputed against the split's references."""
     from .hub import attach_translation_pipeline, write_model_card
 
-    staging = os.path.join(output_dir, STAGING_PREFIX + "final")
+    staging = str(staging_path(os.path.join(output_dir, "final")))
     shutil.rmtree(staging, ignore_errors=True)
     attach_translation_pipeline(trainer.model, staging)  # pipeline("translation", model=dir, trust_remote_code=True)
     trainer.save_model(staging)

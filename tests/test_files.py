@@ -1,0 +1,103 @@
+"""The one atomic writer (`vaswani.files`): files and directories are replaced whole, staging names are cleaned up,
+and a failed or lost publish leaves the entry that was there."""
+
+import os
+
+import pytest
+
+from vaswani import files
+from vaswani.files import STAGING_PREFIX, publish_files, replace_directory, staged_directory, write_atomically
+
+
+def entries(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def test_write_atomically_replaces_text_or_bytes_and_leaves_no_staging_file(tmp_path):
+    path = tmp_path / "state.json"
+    write_atomically(path, "first")
+    write_atomically(path, b"second \xc3\xa9")
+    assert path.read_text(encoding="utf-8") == "second é"
+    assert entries(tmp_path) == ["state.json"]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    write_atomically(path, "old")
+    monkeypatch.setattr(files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(path, "new")
+    assert path.read_text() == "old"
+    assert entries(tmp_path) == ["state.json"]
+
+
+def test_replace_directory_swaps_a_whole_directory(tmp_path):
+    target = tmp_path / "entry"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with staged_directory(target, tag="-1") as staging:
+        assert staging.name.startswith(STAGING_PREFIX)
+        (staging / "new.txt").write_text("new")
+        assert entries(target) == ["old.txt"]  # the old entry stays whole until the new one is complete
+    assert entries(target) == ["new.txt"]
+    assert entries(tmp_path) == ["entry"]  # neither the staging nor the old entry is left
+
+
+def test_an_error_while_staging_keeps_the_old_directory(tmp_path):
+    target = tmp_path / "entry"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), staged_directory(target) as staging:
+        (staging / "half.txt").write_text("half")
+        raise RuntimeError
+    assert entries(target) == ["old.txt"]
+    assert entries(tmp_path) == ["entry"]
+
+
+def test_a_failed_rename_puts_the_old_directory_back(tmp_path, monkeypatch):
+    target, staging = tmp_path / "entry", tmp_path / "staged"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    staging.mkdir()
+    monkeypatch.setattr(files.os, "rename", lambda *a: (_ for _ in ()).throw(OSError("no space")))
+    with pytest.raises(OSError, match="no space"):
+        replace_directory(staging, target)
+    assert entries(target) == ["old.txt"]
+
+
+def test_an_entry_another_process_published_meanwhile_stands(tmp_path, monkeypatch):
+    target, staging = tmp_path / "entry", tmp_path / "staged"
+    staging.mkdir()
+    (staging / "ours.txt").write_text("ours")
+    rename = os.rename
+
+    def theirs_first(source, destination):
+        os.mkdir(destination)
+        (destination / "theirs.txt").write_text("theirs")
+        rename(source, destination)  # onto a non-empty directory: refused
+
+    monkeypatch.setattr(files.os, "rename", theirs_first)
+    assert replace_directory(staging, target) is False
+    assert entries(target) == ["theirs.txt"]
+    assert entries(tmp_path) == ["entry"]
+
+
+def test_publish_files_moves_the_marker_last_and_keeps_other_entries(tmp_path, monkeypatch):
+    directory, staging = tmp_path / "run", tmp_path / "run" / ".tmp-final"
+    (directory / "checkpoint-2").mkdir(parents=True)
+    (directory / "config.json").write_text("old config")
+    (directory / "extra").mkdir()
+    (directory / "extra" / "old.py").write_text("old")
+    staging.mkdir()
+    for name in ("config.json", "model.safetensors", "a.json"):
+        (staging / name).write_text(f"new {name}")
+    (staging / "extra").mkdir()
+    (staging / "extra" / "new.py").write_text("new")
+    moved, replace = [], os.replace
+    monkeypatch.setattr(files.os, "replace", lambda source, target: (moved.append(os.path.basename(target)),
+                                                                     replace(source, target)))
+    publish_files(staging, directory, last="config.json")
+    assert [name for name in moved if not name.startswith(STAGING_PREFIX)][-1] == "config.json"
+    assert entries(directory) == ["a.json", "checkpoint-2", "config.json", "extra", "model.safetensors"]
+    assert (directory / "config.json").read_text() == "new config.json"
+    assert entries(directory / "extra") == ["new.py"]
