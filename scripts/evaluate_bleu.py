@@ -5,6 +5,10 @@
     python scripts/evaluate_bleu.py --model outputs/en-fr --device cpu --int8          # int8 CPU decoding
     python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --ctranslate2 --compute_type int8  # an exported model
     python scripts/evaluate_bleu.py --model outputs/en-fr --source_file src.en --reference_file ref1.fr --reference_file ref2.fr
+
+Whichever engine decodes, the sources go through `vaswani.translation.translate`, as in scripts/translate.py:
+batches of --batch_size sentences, longest first; sources longer than the model takes are truncated (a warning on
+stderr counts them).
 """
 
 import argparse

@@ -53,9 +53,10 @@ DEFAULT_MAX_TOKENS = 4096
 
 def translate_chunk(engine, lines: Sequence[str], max_tokens: int | None, max_sentences: int | None = None,
                     ) -> tuple[list[str], int]:
-    """(one translation per line in input order, how many sources were truncated), by `vaswani.translation.translate`.
-    Empty or blank lines give empty lines; a line break inside a translation becomes a space, so that output line i
-    is input line i's. The truncation warning is `translate_file`'s, once for the whole file."""
+    """(one translation per line in input order, how many sources were truncated), by
+    `vaswani.translation.translate`. Empty or blank lines give empty lines; a line break inside a translation
+    becomes a space, so that output line i is input line i's. The truncation warning is `translate_file`'s, once
+    for the whole file."""
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
     output = [""] * len(lines)
     texts, truncated = translate(engine, [lines[i] for i in nonempty], max_tokens=max_tokens,
@@ -140,9 +141,9 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
 
     `max_tokens`/`max_sentences` bound a batch (`vaswani.batching.token_budget_batches`). `resume` continues a
     killed run from its last complete chunk; `settings` (what changes the output: model, beams, …) must equal the
-    killed run's, and is checked together with `chunk_lines` and the input's size. `progress`: a bar on stderr (None: when stderr is a
-    terminal). `seed`: with sampling, chunk i is sampled with seed `seed + i`, which makes resumed and
-    multi-process runs reproduce a single run.
+    killed run's, and is checked together with `chunk_lines` and the input's size. `progress`: a bar on stderr
+    (None: when stderr is a terminal). `seed`: with sampling, chunk i is sampled with seed `seed + i`, which makes
+    resumed and multi-process runs reproduce a single run.
     """
     processes = processes or Processes.from_environment()
     stdin = stdin if stdin is not None else sys.stdin.buffer
