@@ -31,9 +31,10 @@ import torch
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import translate
-from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, TorchTranslator, translate_file
+from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, translate_file
 from vaswani.loading import generation_limits, load_translator
 from vaswani.tokenization_vaswani import VaswaniTokenizer
+from vaswani.translation import TorchEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -122,7 +123,7 @@ def whole_file_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
             return translate(model, tokenizer, sentences, batch_size=WHOLE_FILE_BATCH, **options)
 
         def streamed():
-            translate_file(TorchTranslator(model, tokenizer, **options), str(input_path), str(output_path),
+            translate_file(TorchEngine(model, tokenizer, **options), str(input_path), str(output_path),
                            progress=False)
             return output_path.read_text(encoding="utf-8").split("\n")[:-1]
 

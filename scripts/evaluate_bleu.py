@@ -5,6 +5,10 @@
     python scripts/evaluate_bleu.py --model outputs/en-fr --device cpu --int8          # int8 CPU decoding
     python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --ctranslate2 --compute_type int8  # an exported model
     python scripts/evaluate_bleu.py --model outputs/en-fr --source_file src.en --reference_file ref1.fr --reference_file ref2.fr
+
+Whichever engine decodes, the sources go through `vaswani.translation.translate`, as in scripts/translate.py:
+batches of --batch_size sentences, longest first; sources longer than the model takes are truncated (a warning on
+stderr counts them).
 """
 
 import argparse
@@ -13,10 +17,11 @@ from pathlib import Path
 
 from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.data import load_translation_dataset
-from vaswani.evaluation import evaluate_model, score_corpus
-from vaswani.export import load_ctranslate2, translate_ctranslate2
+from vaswani.evaluation import evaluation_engine, score_corpus
+from vaswani.export import load_ctranslate2
 from vaswani.files import read_lines, write_atomically
 from vaswani.loading import DTYPES, generation_limits, load_translator
+from vaswani.translation import CTranslate2Engine, translate
 
 # This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
 # names a file, so that nothing is downloaded.
@@ -80,22 +85,21 @@ def main(argv=None):
         if args.length_penalty is not None:
             raise ValueError("--length_penalty is generate()'s; CTranslate2 decodes with its own defaults here")
         translator, tokenizer = load_ctranslate2(args.model, device=args.device, compute_type=args.compute_type)
-        hypotheses = translate_ctranslate2(translator, tokenizer, sources, num_beams=args.num_beams,
-                                           batch_size=args.batch_size)
-        result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
+        engine = CTranslate2Engine(translator, tokenizer, num_beams=args.num_beams)
     else:
         model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding,
                                            dtype=DTYPES.get(args.dtype))
         max_source_length, max_new_tokens = generation_limits(model, None)
         options = {} if args.length_penalty is None else {"length_penalty": args.length_penalty}
-        result = evaluate_model(model, tokenizer, sources, references, num_beams=args.num_beams,
-                                batch_size=args.batch_size, max_source_length=max_source_length,
-                                max_new_tokens=max_new_tokens, **options)
-    engine = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else \
+        engine = evaluation_engine(model, tokenizer, num_beams=args.num_beams, max_new_tokens=max_new_tokens,
+                                   max_source_length=max_source_length, **options)
+    hypotheses = translate(engine, sources, max_sentences=args.batch_size).texts
+    result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
+    engine_name = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else \
         f"pytorch {args.dtype}" if args.dtype else "pytorch"
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources), "num_beams": args.num_beams,
                                                                   "length_penalty": args.length_penalty,
-                                                                  "int8": args.int8, "engine": engine,
+                                                                  "int8": args.int8, "engine": engine_name,
                                                                   "signatures": result.get("signatures")}
     print(json.dumps(summary, indent=2))
     if args.output_file:

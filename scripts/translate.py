@@ -26,15 +26,9 @@ import io
 
 from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.export import load_ctranslate2
-from vaswani.file_translation import (
-    DEFAULT_CHUNK_LINES,
-    DEFAULT_MAX_TOKENS,
-    CTranslate2Translator,
-    Processes,
-    TorchTranslator,
-    translate_file,
-)
+from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
 from vaswani.loading import DTYPES, generation_limits, load_translator
+from vaswani.translation import CTranslate2Engine, TorchEngine
 
 
 @user_errors_exit
@@ -84,8 +78,7 @@ def main(argv=None):
             raise ValueError("--int8, --dtype and --do_sample are the PyTorch path's; with --ctranslate2 use "
                              "--compute_type")
         translator, tokenizer = load_ctranslate2(args.model, device=device, compute_type=args.compute_type)
-        engine = CTranslate2Translator(translator, tokenizer, num_beams=args.num_beams,
-                                       max_new_tokens=args.max_new_tokens)
+        engine = CTranslate2Engine(translator, tokenizer, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
         precision = args.compute_type
     else:
         beams = 1 if args.do_sample else args.num_beams
@@ -93,9 +86,8 @@ def main(argv=None):
                                            dtype=args.dtype, num_beams=beams)
         max_source_length, max_new_tokens = generation_limits(model, args.max_new_tokens)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-        engine = TorchTranslator(model, tokenizer, num_beams=beams,
-                                 max_new_tokens=max_new_tokens, max_source_length=max_source_length,
-                                 **(sampling if args.do_sample else {}))
+        engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=max_new_tokens,
+                             max_source_length=max_source_length, **(sampling if args.do_sample else {}))
         precision = str(model.dtype).removeprefix("torch.")
     settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding",
                                                     "ctranslate2", "compute_type", "do_sample", "temperature",

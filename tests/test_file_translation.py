@@ -14,17 +14,12 @@ import torch
 from conftest import SCRIPTS, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
+from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate
-from vaswani.file_translation import (
-    Processes,
-    TorchTranslator,
-    count_lines,
-    read_raw_chunks,
-    token_budget_batches,
-    translate_file,
-)
+from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
 from vaswani.files import decode_lines
 from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, generation_limits
+from vaswani.translation import TorchEngine
 
 GREEDY = {"num_beams": 1, "max_new_tokens": 8}
 # Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.
@@ -72,7 +67,7 @@ def test_count_lines_counts_a_last_line_without_a_newline(tmp_path):
 @pytest.mark.parametrize("chunk_lines", [1, 7, 1000])
 def test_a_file_translates_to_the_lines_whole_file_translate_gives(trained, expected, tmp_path, chunk_lines):
     model, tokenizer = trained
-    engine = TorchTranslator(model, tokenizer, **GREEDY)
+    engine = TorchEngine(model, tokenizer, **GREEDY)
     output = tmp_path / "out.fr"
     result = translate_file(engine, write_input(tmp_path), str(output), chunk_lines=chunk_lines, max_tokens=24,
                             progress=False)
@@ -85,7 +80,7 @@ def test_a_file_translates_to_the_lines_whole_file_translate_gives(trained, expe
 
 def test_stdin_to_stdout_and_an_empty_input(trained, expected):
     model, tokenizer = trained
-    engine = TorchTranslator(model, tokenizer, **GREEDY)
+    engine = TorchEngine(model, tokenizer, **GREEDY)
     stdout = io.BytesIO()
     translate_file(engine, None, None, chunk_lines=5, stdin=io.BytesIO("".join(f"{x}\n" for x in LINES).encode()),
                    stdout=stdout, progress=False)
@@ -108,7 +103,7 @@ def test_an_undecodable_line_is_reported_with_its_number(checkpoint, tmp_path, c
 def test_long_lines_are_truncated_and_counted(tmp_path, capsys):
     model, tokenizer = build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
     max_source_length, max_new_tokens = generation_limits(model, 4)
-    engine = TorchTranslator(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
+    engine = TorchEngine(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
                              max_source_length=max_source_length)
     stdout = io.BytesIO()
     long = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
@@ -183,7 +178,7 @@ def test_resume_of_a_run_that_wrote_nothing_starts_from_the_beginning(trained, e
     output = tmp_path / "out.fr"
     if output_exists:
         output.write_bytes(b"")
-    result = translate_file(TorchTranslator(model, tokenizer, **GREEDY), write_input(tmp_path), str(output),
+    result = translate_file(TorchEngine(model, tokenizer, **GREEDY), write_input(tmp_path), str(output),
                             chunk_lines=7, max_tokens=24, resume=True, progress=False)
     assert output.read_text(encoding="utf-8") == expected and result.resumed_chunks == 0
 

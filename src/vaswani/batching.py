@@ -1,5 +1,6 @@
-"""Token-budget batches for training: examples of similar length, at most a given number of tokens (padding
-included) per batch, in an order that every process and every resumed run shares."""
+"""Token-budget batches: examples of similar length, at most a given number of tokens (padding included) per
+batch. For training (`TokenBatchSampler`), in a shuffled order that every process and every resumed run shares;
+for translation (`token_budget_batches`), longest first."""
 
 from collections.abc import Iterator, Sequence
 
@@ -16,6 +17,25 @@ def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16) -> np.ndarray
                           pc.list_value_length(batch["labels"]).to_numpy())
                for batch in tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)]
     return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
+
+
+def token_budget_batches(lengths: Sequence[int], max_tokens: int | None, max_sentences: int | None = None
+                         ) -> list[list[int]]:
+    """Indices into `lengths`, longest first, cut into batches of at most `max_tokens` padded tokens (a batch's
+    size times its longest length) and at most `max_sentences` sentences (None: no bound). A sentence longer than
+    `max_tokens` is a batch of its own. Longest first, so that running out of memory, if it happens, happens on the
+    first batch."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    batches: list[list[int]] = []
+    for index in order:
+        batch = batches[-1] if batches else None
+        fits = batch is not None and (max_sentences is None or len(batch) < max_sentences) and (
+            max_tokens is None or (len(batch) + 1) * lengths[batch[0]] <= max_tokens)
+        if fits:
+            batch.append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 class TokenBatchSampler(Sampler[list[int]]):

@@ -1,4 +1,4 @@
-"""Translation quality: corpus BLEU, chrF and TER with several references per sentence, and batched translation.
+"""Translation quality: corpus BLEU, chrF and TER with several references per sentence, and `translate` for a model.
 
 All scores come from sacreBLEU (Post, 2018, "A Call for Clarity in Reporting BLEU Scores") with its default
 settings: detokenized text in, 13a tokenization for BLEU, chrF with character order 6 and no word n-grams, TER
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from sacrebleu.metrics import BLEU, CHRF, TER
 
-from .configuration_vaswani import check_tokenizer_fits
+from .translation import TorchEngine
+from .translation import translate as run_translation
 
 References = Sequence[str] | Sequence[Sequence[str]]
 """One reference string per hypothesis, or a sequence of references per hypothesis (their number may vary)."""
@@ -27,8 +28,6 @@ References = Sequence[str] | Sequence[Sequence[str]]
 # Label and generated-token positions that hold no token are filled with this by the data collator and by
 # Seq2SeqTrainer when it pads generations from different batches to one length.
 IGNORE_INDEX = -100
-# Output-length limit when none is given: the source length plus 50 tokens (§6.1).
-OUTPUT_SLACK = 50
 
 
 def reference_streams(references: References, num_hypotheses: int) -> list[list[str | None]]:
@@ -94,11 +93,17 @@ def build_compute_metrics(
     return compute_metrics
 
 
-@torch.inference_mode()
-def longest_first_batches(encoded: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    """Indices of `encoded` in batches of `batch_size`, longest sequences first (see `translate`)."""
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+def evaluation_engine(model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
+                      max_source_length: int | None = None, **generate_kwargs) -> TorchEngine:
+    """The `TorchEngine` that `translate` and `scripts/evaluate_bleu.py` evaluate with: sources are truncated to
+    `max_source_length`, by default to the tokenizer's `model_max_length` (what training sets to the model's
+    positions)."""
+    if max_source_length is not None:
+        limit, positions = max_source_length, "learned positions"
+    else:
+        limit, positions = tokenizer.model_max_length, "tokens (its tokenizer's model_max_length)"
+    return TorchEngine(model, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                       max_source_length=limit, positions=positions, **generate_kwargs)
 
 
 def translate(
@@ -107,45 +112,25 @@ def translate(
     sentences: Sequence[str],
     *,
     batch_size: int = 32,
-    num_beams: int = 4,
-    max_new_tokens: int | None = None,
-    max_source_length: int | None = None,
     device: str | torch.device | None = None,
-    **generate_kwargs,
+    **engine_options,
 ) -> list[str]:
-    """Translate `sentences` with `model.generate`, returning one string per sentence in the input order.
-
-    Sentences are batched by token length (longest first), so that a batch wastes little compute on padding and
-    an out-of-memory error, if any, happens on the first batch rather than at the end. `num_beams=4` is the
-    paper's beam size (Section 6.1). With `max_new_tokens=None`, each batch may generate up to its longest source
-    plus 50 tokens, the paper's output-length limit; since batches hold sentences of similar length, that is close
-    to the per-sentence rule. `max_source_length` truncates inputs (default: the tokenizer's `model_max_length`).
-    `device` moves the model there first; by default the model's own device is used.
+    """Translate `sentences` with `model.generate`, returning one string per sentence in the input order: the
+    package's one translation path (`vaswani.translation.translate`) with `evaluation_engine`, in batches of
+    `batch_size` sentences, longest first. `engine_options`: `num_beams` (default 4, the paper's beam size,
+    Section 6.1), `max_new_tokens` (default: each batch's longest source plus 50 tokens, the paper's output-length
+    limit), `max_source_length` (default: the tokenizer's `model_max_length`; a truncation is reported on stderr)
+    and `generate()`'s options. `device` moves the model there first; by default the model's own device is used.
+    The model's training mode is restored afterwards, so that this can run in the middle of training.
     """
     if not sentences:
-        return []  # the tokenizer refuses an empty batch
-    check_tokenizer_fits(model, tokenizer)
+        return []
     if device is not None:
         model.to(device)
     was_training = model.training
-    model.eval()  # dropout off; restored below so that this can run in the middle of training
     try:
-        encoded = tokenizer(list(sentences), truncation=True, max_length=max_source_length)["input_ids"]
-        translations: list[str | None] = [None] * len(encoded)
-        for indices in longest_first_batches(encoded, batch_size):
-            batch = tokenizer.pad({"input_ids": [encoded[i] for i in indices]}, return_tensors="pt")
-            input_ids = batch["input_ids"].to(model.device)  # (batch, longest source in batch)
-            limit = max_new_tokens if max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
-            output_ids = model.generate(
-                input_ids=input_ids,
-                attention_mask=batch["attention_mask"].to(model.device),
-                num_beams=num_beams,
-                max_new_tokens=limit,
-                **generate_kwargs,
-            )
-            for index, text in zip(indices, tokenizer.batch_decode(output_ids, skip_special_tokens=True)):
-                translations[index] = text.strip()
-        return translations
+        engine = evaluation_engine(model, tokenizer, **engine_options)
+        return run_translation(engine, sentences, max_sentences=batch_size).texts
     finally:
         model.train(was_training)
 

@@ -32,10 +32,10 @@ import torch
 from transformers import MarianTokenizer
 
 from .configuration_vaswani import VaswaniConfig
-from .evaluation import OUTPUT_SLACK, longest_first_batches
 from .loading import load_translator
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 from .tokenization_vaswani import VaswaniTokenizer
+from .translation import CTranslate2Engine, translate
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
 FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("SWISH", False),
@@ -99,24 +99,12 @@ def load_ctranslate2(path: str, device: str = "cpu", compute_type: str = "defaul
 
 def translate_ctranslate2(translator, tokenizer, sentences, *, batch_size: int = 32, num_beams: int = 4,
                           max_new_tokens: int | None = None, max_source_length: int | None = None) -> list[str]:
-    """`vaswani.evaluation.translate` run by CTranslate2: the same length-sorted batches and the same output limit
-    (with `max_new_tokens=None`, the batch's longest source plus 50 tokens), one string per sentence in input
-    order. Sources longer than `max_source_length` (default: the exported position table, `load_ctranslate2`) are
-    truncated, and no output is longer than that table. Greedy outputs equal `translate`'s. Beam search ends by
-    CTranslate2's rule, once `num_beams` hypotheses have finished, which can stop before transformers' default
-    (early_stopping=False) would, so some beam outputs differ (benchmarks/results/export-ctranslate2-cpu.md)."""
-    encoded = tokenizer(list(sentences), truncation=True, max_length=max_source_length)["input_ids"]
-    translations = [""] * len(encoded)
-    for indices in longest_first_batches(encoded, batch_size):
-        sources = [tokenizer.convert_ids_to_tokens(encoded[i]) for i in indices]
-        limit = max_new_tokens if max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
-        limit = min(limit, tokenizer.model_max_length)  # the decoder start token takes position 0
-        results = translator.translate_batch(sources, beam_size=num_beams, max_decoding_length=limit,
-                                             max_batch_size=batch_size)
-        for index, result in zip(indices, results):
-            ids = tokenizer.convert_tokens_to_ids(result.hypotheses[0])
-            translations[index] = tokenizer.decode(ids, skip_special_tokens=True).strip()
-    return translations
+    """`vaswani.evaluation.translate` run by CTranslate2: the package's one translation path
+    (`vaswani.translation.translate`) with a `CTranslate2Engine` (its limits and beam-search rule), in batches of
+    `batch_size` sentences, longest first; one string per sentence in input order."""
+    engine = CTranslate2Engine(translator, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                               max_source_length=max_source_length)
+    return translate(engine, sentences, max_sentences=batch_size).texts
 
 
 def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions: int | None = None):

@@ -1,7 +1,7 @@
 """Translate a file of any length: in chunks, with progress, resumable after a kill, and across processes.
 
 `translate_file` reads the input `chunk_lines` lines at a time, sorts each chunk's sentences by length into
-batches of at most `max_tokens` padded source tokens (the token budget training uses, `vaswani.data`), translates
+batches of at most `max_tokens` padded source tokens (the token budget training uses, `vaswani.batching`), translates
 them, and writes the chunk's lines in input order as soon as the chunk is done. Memory is that of one chunk,
 whatever the length of the file; a length-sorted chunk of a few thousand lines pads about as little as a sorted
 whole file (benchmarks/results/streaming-*.md).
@@ -20,8 +20,9 @@ chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 als
 the output in input order, keeps the resume state and shows the progress bar. A chunk's translation does not depend
 on which process made it, so N processes write the file one process writes.
 
-The engine is anything with `encode` and `translate_batch` (`TorchTranslator`: any `generate()` model, int8 or
-not, whichever decoding loop; `CTranslate2Translator`: an exported model), so every engine streams the same way.
+The engine is any of `vaswani.translation`'s (`TorchEngine`: any `generate()` model, int8 or not, whichever decoding
+loop; `CTranslate2Engine`: an exported model), and each chunk goes through `vaswani.translation.translate`, so every
+engine streams the same way and translates a chunk as every other caller would.
 """
 
 from __future__ import annotations
@@ -38,115 +39,31 @@ from datetime import timedelta
 import torch
 from tqdm.auto import tqdm
 
-from .evaluation import OUTPUT_SLACK
 from . import files
 from .files import decode_lines, sync_file, write_atomically
 from .loading import choose_device
+from .translation import translate, warn_truncated
 
 DEFAULT_CHUNK_LINES = 4096
 DEFAULT_MAX_TOKENS = 4096
 
 
 # --------------------------------------------------------------------------------------------------
-# Engines: sentences → token ids → translations
-
-
-class TorchTranslator:
-    """Batches of token ids → translations with `model.generate()` (any Vaswani or converted model, fp32, bf16 or
-    int8, any decoding loop). `max_new_tokens=None` allows the batch's longest source plus 50 tokens, as
-    `vaswani.evaluation.translate` does; `max_source_length` is where sources are truncated (None: no limit, as
-    with sinusoidal or rotary positions)."""
-
-    positions = "learned positions"  # what `max_source_length` counts, for the truncation warning
-
-    def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None, **generate_kwargs):
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_source_length = max_source_length
-        self.options = {"num_beams": num_beams, **generate_kwargs}
-        self.max_new_tokens = max_new_tokens
-
-    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
-        limit = {"truncation": True, "max_length": self.max_source_length} if truncate else {}
-        return self.tokenizer(list(sentences), **limit)["input_ids"]
-
-    def translate_batch(self, batch: list[list[int]]) -> list[str]:
-        padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
-        input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
-        limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
-        with torch.inference_mode():
-            output_ids = self.model.generate(input_ids=input_ids, attention_mask=padded["attention_mask"].to(
-                self.model.device), max_new_tokens=limit, **self.options)
-        return self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)
-
-
-class CTranslate2Translator:
-    """The same for a model exported by `vaswani.export` (`load_ctranslate2`): batches of token ids → translations
-    by `ctranslate2.Translator.translate_batch`, the limits of `vaswani.export.translate_ctranslate2`."""
-
-    positions = "exported positions"
-
-    def __init__(self, translator, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None):
-        self.translator, self.tokenizer, self.num_beams = translator, tokenizer, num_beams
-        self.max_new_tokens = max_new_tokens
-        self.max_source_length = max_source_length or tokenizer.model_max_length
-
-    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
-        limit = {"truncation": True, "max_length": self.max_source_length} if truncate else {}
-        return self.tokenizer(list(sentences), **limit)["input_ids"]
-
-    def translate_batch(self, batch: list[list[int]]) -> list[str]:
-        sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
-        limit = self.max_new_tokens if self.max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
-        limit = min(limit, self.tokenizer.model_max_length)  # the end of the exported position table
-        results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
-                                                  max_batch_size=len(batch))
-        return [self.tokenizer.decode(self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]),
-                                      skip_special_tokens=True) for result in results]
-
-
-# --------------------------------------------------------------------------------------------------
 # One chunk
-
-
-def token_budget_batches(lengths: Sequence[int], max_tokens: int | None, max_sentences: int | None = None
-                         ) -> list[list[int]]:
-    """Indices into `lengths`, longest first, cut into batches of at most `max_tokens` padded tokens (a batch's
-    size times its longest length) and at most `max_sentences` sentences. A sentence longer than `max_tokens` is
-    a batch of its own. Longest first, so that running out of memory, if it happens, happens on the first batch."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    batches: list[list[int]] = []
-    for index in order:
-        batch = batches[-1] if batches else None
-        fits = batch is not None and (max_sentences is None or len(batch) < max_sentences) and (
-            max_tokens is None or (len(batch) + 1) * lengths[batch[0]] <= max_tokens)
-        if fits:
-            batch.append(index)
-        else:
-            batches.append([index])
-    return batches
 
 
 def translate_chunk(engine, lines: Sequence[str], max_tokens: int | None, max_sentences: int | None = None,
                     ) -> tuple[list[str], int]:
-    """(one translation per line in input order, how many sources were truncated). Empty or blank lines give
-    empty lines; a line break inside a translation becomes a space, so that output line i is input line i's."""
+    """(one translation per line in input order, how many sources were truncated), by
+    `vaswani.translation.translate`. Empty or blank lines give empty lines; a line break inside a translation
+    becomes a space, so that output line i is input line i's. The truncation warning is `translate_file`'s, once
+    for the whole file."""
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
     output = [""] * len(lines)
-    if not nonempty:
-        return output, 0
-    encoded = engine.encode([lines[i] for i in nonempty])
-    truncated = 0
-    if engine.max_source_length is not None:
-        too_long = [j for j, ids in enumerate(encoded) if len(ids) > engine.max_source_length]
-        if too_long:  # encoded again by the tokenizer's own truncation, which keeps the end of sentence
-            for j, ids in zip(too_long, engine.encode([lines[nonempty[j]] for j in too_long], truncate=True)):
-                encoded[j] = ids
-        truncated = len(too_long)
-    for batch in token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences):
-        for j, text in zip(batch, engine.translate_batch([encoded[j] for j in batch])):
-            output[nonempty[j]] = " ".join(text.replace("\r", "\n").split("\n")).strip()
+    texts, truncated = translate(engine, [lines[i] for i in nonempty], max_tokens=max_tokens,
+                                 max_sentences=max_sentences, warn=False)
+    for i, text in zip(nonempty, texts):
+        output[i] = " ".join(text.replace("\r", "\n").split("\n")).strip()
     return output, truncated
 
 
@@ -223,11 +140,11 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
     per input line, chunk by chunk (see the module docstring). Returns a `FileTranslation` (complete in process 0;
     the others report their own chunks).
 
-    `max_tokens`/`max_sentences` bound a batch (`token_budget_batches`). `resume` continues a killed run from its
-    last complete chunk; `settings` (what changes the output: model, beams, …) must equal the killed run's, and is
-    checked together with `chunk_lines` and the input's size. `progress`: a bar on stderr (None: when stderr is a
-    terminal). `seed`: with sampling, chunk i is sampled with seed `seed + i`, which makes resumed and
-    multi-process runs reproduce a single run.
+    `max_tokens`/`max_sentences` bound a batch (`vaswani.batching.token_budget_batches`). `resume` continues a
+    killed run from its last complete chunk; `settings` (what changes the output: model, beams, …) must equal the
+    killed run's, and is checked together with `chunk_lines` and the input's size. `progress`: a bar on stderr
+    (None: when stderr is a terminal). `seed`: with sampling, chunk i is sampled with seed `seed + i`, which makes
+    resumed and multi-process runs reproduce a single run.
     """
     processes = processes or Processes.from_environment()
     stdin = stdin if stdin is not None else sys.stdin.buffer
@@ -277,8 +194,7 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
         bar = tqdm(total=total, initial=state["lines"], unit=" lines", disable=not show, file=sys.stderr,
                    dynamic_ncols=True, smoothing=0.1)
         sink = open(output_path, "ab") if output_path else stdout
-        limit = f"the model's {engine.max_source_length} {engine.positions}"
-        merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, limit)
+        merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, engine)
     source = open(input_path, "rb") if input_path else stdin
     try:
         index = -1
@@ -317,9 +233,9 @@ class _Merger:
     """Process 0's writer: appends chunks in input order, flushes them to disk, then records them in the resume
     state (so a kill between the two leaves bytes past the recorded end, which a resume cuts off)."""
 
-    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, limit):
+    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, engine):
         self.sink, self.bar, self.state, self.state_path = sink, bar, dict(state), state_path
-        self.parts_dir, self.settings, self.result, self.limit = parts_dir, settings, result, limit
+        self.parts_dir, self.settings, self.result, self.engine = parts_dir, settings, result, engine
 
     def append(self, index: int, text: bytes, lines: int, truncated: int) -> None:
         assert index == self.state["chunks"], "chunks are appended in input order"
@@ -356,9 +272,7 @@ class _Merger:
         if self.state_path:  # kept, marked complete: the same command with --resume then has nothing to do
             write_atomically(self.state_path, json.dumps({**self.state, "complete": True, "settings": self.settings}))
         self.bar.close()
-        if self.state["truncated"]:
-            print(f"warning: {self.state['truncated']} sentence(s) longer than {self.limit} were truncated.",
-                  file=sys.stderr)
+        warn_truncated(self.engine, self.state["truncated"])
 
     def close(self, owned: bool) -> None:
         self.bar.close()

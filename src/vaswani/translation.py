@@ -1,0 +1,138 @@
+"""The one translation path: engines that turn batches of token ids into translations, and `translate`, which
+cuts a list of sentences into token-budget batches, runs them through an engine and returns the translations in
+input order, with the number of sources it truncated.
+
+Every caller goes through `translate`: `vaswani.evaluation` (BLEU during and after training), `vaswani.export`
+(the CTranslate2 export), `vaswani.file_translation` (which adds chunks, resume and processes) and the scripts.
+So one rule decides how sources are truncated and how the output length is limited, whichever engine runs.
+
+An engine has `max_source_length` (None: no limit), `positions` (what that limit counts, for the warning),
+`encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
+
+* `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
+  decoding loop);
+* `CTranslate2Engine`: a model exported by `vaswani.export` (`load_ctranslate2`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from .batching import token_budget_batches
+from .configuration_vaswani import check_tokenizer_fits
+
+# Output-length limit when none is given: the source length plus 50 tokens (§6.1).
+OUTPUT_SLACK = 50
+
+
+class Engine(Protocol):
+    max_source_length: int | None
+    positions: str
+
+    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]: ...
+
+    def translate_batch(self, batch: list[list[int]]) -> list[str]: ...
+
+
+class TorchEngine:
+    """Batches of token ids → translations with `model.generate()`. `max_new_tokens=None` allows the batch's
+    longest source plus 50 tokens (the paper's limit; a batch holds sentences of similar length, so that is close
+    to the per-sentence rule); `max_source_length` is where sources are truncated (None: no limit, as with
+    sinusoidal or rotary positions), and `positions` names what it counts in the truncation warning."""
+
+    def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
+                 max_source_length: int | None = None, positions: str = "learned positions", **generate_kwargs):
+        check_tokenizer_fits(model, tokenizer)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_source_length, self.positions = max_source_length, positions
+        self.options = {"num_beams": num_beams, **generate_kwargs}
+        self.max_new_tokens = max_new_tokens
+
+    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
+        return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
+
+    def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
+        input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
+        limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
+        with torch.inference_mode():
+            output_ids = self.model.generate(input_ids=input_ids, attention_mask=padded["attention_mask"].to(
+                self.model.device), max_new_tokens=limit, **self.options)
+        return self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)
+
+
+class CTranslate2Engine:
+    """The same for a model exported by `vaswani.export` (`load_ctranslate2`), through
+    `ctranslate2.Translator.translate_batch`. Sources are truncated to `max_source_length` (default: the exported
+    position table, the tokenizer's `model_max_length` as `load_ctranslate2` sets it), and no output is longer
+    than that table. Greedy outputs equal `TorchEngine`'s. Beam search ends by CTranslate2's rule, once
+    `num_beams` hypotheses have finished, which can stop before transformers' default (early_stopping=False)
+    would, so some beam outputs differ (benchmarks/results/export-ctranslate2-cpu.md)."""
+
+    positions = "exported positions"
+
+    def __init__(self, translator, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
+                 max_source_length: int | None = None):
+        self.translator, self.tokenizer, self.num_beams = translator, tokenizer, num_beams
+        self.max_new_tokens = max_new_tokens
+        self.max_source_length = max_source_length or tokenizer.model_max_length
+
+    def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
+        return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
+
+    def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
+        limit = self.max_new_tokens if self.max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
+        limit = min(limit, self.tokenizer.model_max_length)  # the decoder start token takes position 0
+        results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
+                                                  max_batch_size=len(batch))
+        return [self.tokenizer.decode(self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]),
+                                      skip_special_tokens=True) for result in results]
+
+
+def encode(tokenizer, sentences: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+    """Token ids of `sentences`, truncated to `max_length` by the tokenizer's own truncation (which keeps the end
+    of sentence) when it is given."""
+    limit = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+    return tokenizer(list(sentences), **limit)["input_ids"]
+
+
+class Translations(NamedTuple):
+    texts: list[str]  # one per sentence, in input order
+    truncated: int  # sources longer than the engine's `max_source_length`, translated truncated
+
+
+def translate(engine: Engine, sentences: Sequence[str], *, max_tokens: int | None = None,
+              max_sentences: int | None = None, warn: bool = True) -> Translations:
+    """Translate `sentences` with `engine`, in batches of at most `max_tokens` padded source tokens and
+    `max_sentences` sentences (`vaswani.batching.token_budget_batches`: longest first, so that running out of
+    memory, if it happens, happens on the first batch). Returns the translations, stripped, in input order, and how
+    many sources were truncated; with `warn`, a truncation is also reported on stderr (`warn_truncated`; a caller
+    that translates in parts passes False and reports the total once)."""
+    if not sentences:
+        return Translations([], 0)  # the tokenizer refuses an empty batch
+    encoded = engine.encode(sentences)
+    too_long = []
+    if engine.max_source_length is not None:
+        too_long = [i for i, ids in enumerate(encoded) if len(ids) > engine.max_source_length]
+    if too_long:
+        for i, ids in zip(too_long, engine.encode([sentences[i] for i in too_long], truncate=True)):
+            encoded[i] = ids
+    texts: list[str] = [""] * len(encoded)
+    for batch in token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences):
+        for i, text in zip(batch, engine.translate_batch([encoded[i] for i in batch])):
+            texts[i] = text.strip()
+    if warn:
+        warn_truncated(engine, len(too_long))
+    return Translations(texts, len(too_long))
+
+
+def warn_truncated(engine: Engine, count: int) -> None:
+    """The one truncation warning, on stderr, when `count` sources were longer than `engine` takes."""
+    if count:
+        print(f"warning: {count} sentence(s) longer than the model's {engine.max_source_length} {engine.positions} "
+              "were truncated.", file=sys.stderr)

@@ -1,0 +1,86 @@
+"""The one translation path (`vaswani.translation.translate`): input order whatever the batches, the same outputs as
+`generate()` sentence by sentence, one truncation rule and one warning, whichever caller goes through it."""
+
+import io
+
+import pytest
+import torch
+from tiny_translation_model import SOURCES, build_model_and_tokenizer
+
+from vaswani.batching import token_budget_batches
+from vaswani.evaluation import translate as translate_model
+from vaswani.file_translation import translate_file
+from vaswani.loading import generation_limits
+from vaswani.translation import TorchEngine, translate
+
+LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
+
+
+@pytest.fixture(scope="module")
+def learned():
+    """A model with 32 learned positions, so that `LONG` must be truncated."""
+    return build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
+
+
+def one_by_one(model, tokenizer, sentences, max_length=None, **options):
+    """Each sentence through `generate()` alone, truncated by the tokenizer: what any batching must reproduce."""
+    limit = {"truncation": True, "max_length": max_length} if max_length else {}
+    outputs = []
+    for sentence in sentences:
+        input_ids = torch.tensor([tokenizer(sentence, **limit)["input_ids"]])
+        with torch.inference_mode():
+            output_ids = model.generate(input_ids=input_ids, **options)
+        outputs.append(tokenizer.decode(output_ids[0], skip_special_tokens=True).strip())
+    return outputs
+
+
+@pytest.mark.parametrize("max_tokens, max_sentences", [(None, None), (12, None), (None, 2), (24, 3), (1, None)])
+def test_batches_of_any_budget_give_each_sentence_its_own_translation_in_input_order(trained, max_tokens,
+                                                                                    max_sentences):
+    model, tokenizer = trained
+    sentences = [*SOURCES, *SOURCES[::-1], "cat"]
+    engine = TorchEngine(model, tokenizer, num_beams=1, max_new_tokens=8)
+
+    texts, truncated = translate(engine, sentences, max_tokens=max_tokens, max_sentences=max_sentences)
+
+    assert texts == one_by_one(model, tokenizer, sentences, num_beams=1, max_new_tokens=8)
+    assert truncated == 0
+    assert translate(engine, []) == ([], 0)
+
+
+def test_long_sources_are_truncated_by_one_rule_and_reported_by_one_warning(learned, capsys):
+    model, tokenizer = learned
+    max_source_length, max_new_tokens = generation_limits(model, 4)
+    assert len(tokenizer(LONG)["input_ids"]) > max_source_length
+    engine = TorchEngine(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
+                         max_source_length=max_source_length)
+    sentences = [LONG, "cat", LONG + " cat"]
+    warning = f"warning: 2 sentence(s) longer than the model's {max_source_length} learned positions were truncated."
+
+    texts, truncated = translate(engine, sentences, max_tokens=64)
+
+    assert truncated == 2
+    assert capsys.readouterr().err.strip() == warning
+    # The tokenizer's own truncation (which keeps the end of sentence), then generate() as for any sentence.
+    assert texts == one_by_one(model, tokenizer, sentences, max_source_length, num_beams=1,
+                               max_new_tokens=max_new_tokens)
+    assert translate(engine, sentences, warn=False) == (texts, 2)
+    assert capsys.readouterr().err == ""
+
+    # Evaluation and file translation go through the same path: the same translations, the same warning (a file's
+    # once, for all its chunks).
+    assert translate_model(model, tokenizer, sentences, num_beams=1, max_new_tokens=max_new_tokens,
+                           max_source_length=max_source_length) == texts
+    assert capsys.readouterr().err.strip() == warning
+    stdout = io.BytesIO()
+    translate_file(engine, None, None, chunk_lines=1, stdin=io.BytesIO("\n".join(sentences).encode()),
+                   stdout=stdout, progress=False)
+    assert stdout.getvalue().decode().splitlines() == texts
+    assert capsys.readouterr().err.strip() == warning
+
+
+def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
+    lengths = [3, 9, 1, 9, 4, 7, 2]
+    # Sorted by length, longest first (ties in input order), then cut every max_sentences.
+    assert token_budget_batches(lengths, None, 3) == [[1, 3, 5], [4, 0, 6], [2]]
+    assert token_budget_batches(lengths, None) == [[1, 3, 5, 4, 0, 6, 2]]
