@@ -28,16 +28,8 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import (
-    REPO_ROOT,
-    SHARED_CORPUS,
-    Column,
-    add_result_arguments,
-    command_line,
-    pick_device,
-    result_name,
-    write_report,
-)
+from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device
+from common import result_name, write_report
 from vaswani.training import (
     DataArguments,
     ModelArguments,
