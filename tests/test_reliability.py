@@ -586,6 +586,22 @@ def test_a_finished_run_is_a_final_model_newer_than_every_complete_checkpoint(tm
     assert finished_run(str(output_dir)) is None
 
 
+def test_a_finished_run_is_one_of_the_length_asked_for(tmp_path):
+    """A `--resume` asking for more steps, epochs or time than the finished run trained continues it instead."""
+    from types import SimpleNamespace
+
+    output_dir = tmp_path / "out"
+    fake_finished_model(output_dir, 5)
+    written = (output_dir / "checkpoint-5" / "trainer_state.json").stat().st_mtime
+    (output_dir / "training_args.json").write_text(json.dumps(
+        {"max_steps": 10, "num_train_epochs": 3.0, "max_train_time": None}))
+    os.utime(output_dir / "config.json", (written + 1, written + 1))
+    same = SimpleNamespace(max_steps=10, num_train_epochs=3.0, max_train_time=None)
+    assert finished_run(str(output_dir), same) == {}
+    for longer in ({"max_steps": 20}, {"num_train_epochs": 6.0}, {"max_train_time": 60.0}):
+        assert finished_run(str(output_dir), SimpleNamespace(**{**vars(same), **longer})) is None, longer
+
+
 def test_resume_ignores_incomplete_checkpoints_and_removes_staging_directories(tmp_path):
     output_dir = tmp_path / "out"
     fake_finished_model(output_dir, 5, 10)
