@@ -404,7 +404,7 @@ def generate(*args, model, lean_decoding: bool | None = None, cuda_graphs: bool 
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
     if lean_decoding is None:
-        lean_decoding = cuda_graphs or _lean_by_default(model)
+        lean_decoding = _lean_by_default(model)
     if (lean_decoding or cuda_graphs) and _decodes(model, arguments):
         arguments["custom_generate"] = decode
         if cuda_graphs:
