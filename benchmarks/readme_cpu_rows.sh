@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The README's CPU rows, measured again on the current code and one trained main-job model (scripts/main_job.sh),
+# on a machine with nothing else running:
+#   * translation speed of the model as users run it (its test sentences, each to its end of sentence, beside the
+#     forced-length rows): fp32, bf16 and --int8 against Marian (HF, the same function through
+#     vaswani.convert.to_marian) and CTranslate2 (the checkpoint's own export);
+#   * training tokens/s of the tiny and base presets against Marian;
+#   * test BLEU of the same model decoded in fp32, bf16 and --int8 (scripts/evaluate_bleu.py, beam 4);
+#   * scripts/translate.py's streamed file translation against the whole-file sort.
+#
+#   MODEL=outputs/en-fr-small THREADS=2 bash benchmarks/readme_cpu_rows.sh
+# Knobs: MODEL, THREADS, SENTENCES (test sentences per measurement), RESULTS_DIR, SUFFIX (added to the result names).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=${MODEL:-outputs/en-fr-small}
+threads=${THREADS:-2}
+sentences=${SENTENCES:-1000}
+results=${RESULTS_DIR:-benchmarks/results}
+suffix=${SUFFIX:-}
+export OMP_NUM_THREADS=$threads
+mkdir -p "$results"
+
+python3 benchmarks/bench_translation.py --device cpu --threads "$threads" --batch_sizes 32 --model "$model" \
+  --num_sentences "$sentences" --repeats 2 --keep_freed_memory \
+  --engines vaswani,vaswani-bf16,vaswani-int8,marian,marian-bf16,ct2-float32,ct2-int8 \
+  --results_dir "$results" --output_name "translation-{device}-main-job-model$suffix"
+
+python3 benchmarks/bench_training.py --device cpu --threads "$threads" --sizes tiny,base --batch_tokens 2048 \
+  --steps 10 --keep_freed_memory --results_dir "$results" --output_name "training-{device}$suffix"
+
+commands=()
+for precision in float32 bfloat16 int8; do
+  if [ "$precision" = int8 ]; then option=(--int8); else option=(--dtype "$precision"); fi
+  command=(python3 scripts/evaluate_bleu.py --model "$model" --device cpu "${option[@]}" --num_beams 4
+           --max_samples "$sentences" --output_file "$results/precision-bleu-cpu$suffix-$precision.json")
+  "${command[@]}" > /dev/null
+  commands+=("$(printf '%q ' "${command[@]}")")
+done
+python3 - "$results" "$suffix" "$model" "${commands[@]}" <<'PY'
+import json, platform, subprocess, sys
+import torch
+results, suffix, model, *commands = sys.argv[1:]
+rows = []
+for precision in ("float32", "bfloat16", "int8"):
+    scores = json.load(open(f"{results}/precision-bleu-cpu{suffix}-{precision}.json"))
+    rows.append(f"| {precision} | {scores['bleu']:.2f} | {scores['chrf']:.2f} | {scores['ter']:.2f} |")
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+           platform.processor())
+text = ["# Test BLEU of one model in fp32, bf16 and int8, on a CPU", "", "```bash", *commands, "```", "",
+        f"Model: `{model}`. Device: {cpu}, {torch.get_num_threads()} threads; torch {torch.__version__}; commit "
+        f"{commit}. Beam 4, all references; sacreBLEU signatures in the JSON files beside this one.", "",
+        "| precision | BLEU | chrF | TER |", "|---|---|---|---|", *rows]
+open(f"{results}/precision-bleu-cpu{suffix}.md", "w").write("\n".join(text) + "\n")
+print("\n".join(rows))
+PY
+
+python3 benchmarks/bench_streaming.py --model "$model" --stages whole_file --threads "$threads" \
+  --compare_sentences "$sentences" --repeats 2 --results_dir "$results" \
+  --output_name "streaming-{device}-whole-file$suffix"
