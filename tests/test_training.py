@@ -286,6 +286,43 @@ def test_the_learning_rate_decays_over_the_time_budget(tmp_path):
         assert scheduler.get_last_lr()[0] == 0.0
 
 
+def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
+    """The time budget and the interval checkpoints decide on the same all-reduced clock (one all-reduce per step
+    under DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
+    from transformers import TrainerControl, TrainerState
+
+    import vaswani.training as training
+
+    now, reductions = [100.0], []
+    monkeypatch.setattr(training.time, "monotonic", lambda: now[0])
+
+    def slowest_rank(seconds, args):
+        reductions.append(seconds)
+        return seconds
+
+    monkeypatch.setattr(training, "slowest_rank", slowest_rank)
+    clock = training.TrainingClock()
+    budget, interval = training.TimeBudgetCallback(10, clock), training.IntervalCheckpointCallback(3, clock)
+    args, state = training.VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
+    state.max_steps = 100
+    for callback in (budget, interval):
+        callback.on_train_begin(args, state, TrainerControl())
+    saved, stopped = [], None
+    for step in range(1, 8):
+        now[0] += 2.0
+        state.global_step, control = step, TrainerControl()
+        for callback in (budget, interval):
+            control = callback.on_step_end(args, state, control)
+        if control.should_save:
+            saved.append(step)
+            interval.on_save(args, state, control)
+        if control.should_training_stop:
+            stopped = step
+            break
+    assert len(reductions) == stopped == 5  # one reading per step, shared by both callbacks
+    assert saved == [2, 4, 5] and budget.fraction == 1.0  # 4 s, 8 s, then the budget's last step (10 s)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--lr_decay_over_time_budget"], "needs --max_train_time"),
     (["--lr_decay_over_time_budget", "--max_train_time", "5", "--lr_scheduler_type", "inverse_sqrt"], "linear or cosine"),

@@ -243,23 +243,54 @@ def apply_paper_recipe(args: VaswaniTrainingArguments, d_model: int) -> None:
 TIME_SCHEDULES = {"linear": lambda done: 1.0 - done, "cosine": lambda done: 0.5 * (1.0 + math.cos(math.pi * done))}
 
 
+class TrainingClock:
+    """Seconds of training so far, the same on every rank: under DDP each decision taken on elapsed time (stop at the
+    budget, write an interval checkpoint) must agree on every rank, so the time is the slowest rank's, all-reduced.
+    One clock serves every callback that reads it, so a step costs one all-reduce however many read it."""
+
+    def __init__(self):
+        self._start = None
+        self._step, self._seconds = None, 0.0
+
+    def restart(self) -> None:
+        """Count from now (each callback that reads the clock calls this in `on_train_begin`)."""
+        self._start = time.monotonic()
+        self._step, self._seconds = None, 0.0
+
+    def seconds(self, args, state) -> float:
+        """The slowest rank's seconds since `restart`, measured once per global step."""
+        if state.global_step != self._step:
+            self._seconds = slowest_rank(time.monotonic() - self._start, args)
+            self._step = state.global_step
+        return self._seconds
+
+
+def slowest_rank(seconds: float, args) -> float:
+    """The largest of every DDP rank's `seconds`."""
+    if dist.is_available() and dist.is_initialized():
+        shared = torch.tensor(seconds, dtype=torch.float64, device=args.device if args.device.type == "cuda" else "cpu")
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        seconds = float(shared.item())
+    return seconds
+
+
 class TimeBudgetCallback(TrainerCallback):
     """Stops training once `max_train_time` seconds have passed; the final evaluation and save follow.
     `fraction` is the part of the budget spent at the last step's end (what a schedule over the budget reads).
-    Under DDP every rank must stop at the same step and use the same learning rate, so the elapsed time is
-    all-reduced (the slowest rank's)."""
+    Under DDP every rank stops at the same step and uses the same learning rate: `clock` is a `TrainingClock`
+    (shared with the other callbacks that read one)."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, clock: TrainingClock | None = None):
         self.seconds = seconds
-        self.start = None
+        self.clock = clock or TrainingClock()
         self.fraction = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.monotonic()
+        self.clock.restart()
         self.fraction = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
-        elapsed = slowest_rank(time.monotonic() - self.start, args)
+        elapsed = self.clock.seconds(args, state)
         self.fraction = min(elapsed / self.seconds, 1.0)
         if elapsed >= self.seconds:
             logger.info("Time budget of %.0f s reached at step %d.", self.seconds, state.global_step)
@@ -269,35 +300,29 @@ class TimeBudgetCallback(TrainerCallback):
         return control
 
 
-def slowest_rank(seconds: float, args) -> float:
-    """The largest of every DDP rank's `seconds`, so that decisions taken on elapsed time agree on every rank."""
-    if dist.is_available() and dist.is_initialized():
-        shared = torch.tensor(seconds, dtype=torch.float64, device=args.device if args.device.type == "cuda" else "cpu")
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        seconds = float(shared.item())
-    return seconds
-
-
 class IntervalCheckpointCallback(TrainerCallback):
     """Asks the Trainer for a checkpoint every `seconds` of training and at the last step (§6.1 writes
     checkpoints at 10-minute intervals and averages the last ones). The checkpoints are the Trainer's own, written by
     `VaswaniSeq2SeqTrainer` as every other: complete before they appear, resumable, rotated by --save_total_limit.
-    The clock restarts with each (resumed) run."""
+    The clock (a `TrainingClock`, the same on every rank) restarts with each (resumed) run; an interval counts from
+    the step of the last checkpoint."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, clock: TrainingClock | None = None):
         self.seconds = seconds
-        self.last = None
+        self.clock = clock or TrainingClock()
+        self.last = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.last = time.monotonic()
+        self.clock.restart()
+        self.last = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
-        if slowest_rank(time.monotonic() - self.last, args) >= self.seconds or state.global_step >= state.max_steps:
+        if self.clock.seconds(args, state) - self.last >= self.seconds or state.global_step >= state.max_steps:
             control.should_save = True
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        self.last = time.monotonic()  # any checkpoint, also one of --save_steps, starts the next interval
+        self.last = self.clock.seconds(args, state)  # any checkpoint, also one of --save_steps, starts the next interval
 
 
 def time_budget_schedule(optimizer, kind: str, warmup_steps: int, budget: TimeBudgetCallback):
@@ -600,12 +625,13 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     train_features, validation_features = tokenize_splits(data, tokenizer, data_args, args)
     references = validation["references"] if "references" in validation.column_names else None
 
-    time_budget = TimeBudgetCallback(args.max_train_time) if args.max_train_time else None
+    clock = TrainingClock()
+    time_budget = TimeBudgetCallback(args.max_train_time, clock) if args.max_train_time else None
     callbacks = [time_budget] if time_budget else []
     if args.ema_decay is not None:
         callbacks.append(WeightAverageCallback(args.ema_decay))
     if args.save_interval_seconds:
-        callbacks.append(IntervalCheckpointCallback(args.save_interval_seconds))
+        callbacks.append(IntervalCheckpointCallback(args.save_interval_seconds, clock))
     # The final model is pushed once, complete, by `push_to_hub` below; the Trainer's own pushes (a repo set up at
     # the start and an upload at every save) would publish intermediate states.
     push, args.push_to_hub = args.push_to_hub, False
