@@ -1,6 +1,7 @@
 """corpus.py, data.py, tokenization.py and batching.py: corpus resolution and download, robust reading, splits,
 dataset loading, tokenization, batching."""
 
+import ast
 import gzip
 import hashlib
 import http.server
@@ -64,6 +65,30 @@ def isolated_caches(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def small_tokenizer() -> VaswaniTokenizer:
     return train_tokenizer((s for pair in made_up_pairs(300) for s in pair), vocab_size=400)
+
+
+# --------------------------------------------------------------------------------------------------
+# The stages
+
+
+def relative_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of each `from .module import names` in the file at `path` (module "" for `from . import`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [(node.module or "", [alias.name for alias in node.names])
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+
+
+def test_the_data_stages_import_downward_and_no_module_imports_private_names():
+    """corpus ← data ← tokenization: a stage uses the stages before it, never one after it; and no module of the
+    package imports a name another keeps private."""
+    package = Path(data.__file__).parent
+    stages = ["corpus", "data", "tokenization"]
+    for position, stage in enumerate(stages):
+        for module, names in relative_imports(package / f"{stage}.py"):
+            assert not {module, *names} & set(stages[position + 1:]), f"{stage}.py imports a later stage"
+    for path in sorted(package.glob("*.py")):
+        for module, names in relative_imports(path):
+            assert not [name for name in names if name.startswith("_")], f"{path.name} imports from .{module}: {names}"
 
 
 # --------------------------------------------------------------------------------------------------
