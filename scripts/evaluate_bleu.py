@@ -89,7 +89,8 @@ def main(argv=None):
     else:
         model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding,
                                            dtype=DTYPES.get(args.dtype))
-        _, max_new_tokens = generation_limits(model, None)  # the engine truncates sources by them too
+        # The output limit of the model's positions; TorchEngine truncates sources by the same rule.
+        _, max_new_tokens = generation_limits(model, None)
         options = {} if args.length_penalty is None else {"length_penalty": args.length_penalty}
         engine = TorchEngine(model, tokenizer, num_beams=args.num_beams, max_new_tokens=max_new_tokens, **options)
     hypotheses = translate(engine, sources, max_sentences=args.batch_size).texts

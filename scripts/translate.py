@@ -84,7 +84,8 @@ def main(argv=None):
         beams = 1 if args.do_sample else args.num_beams
         model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding,
                                            dtype=args.dtype, num_beams=beams)
-        _, max_new_tokens = generation_limits(model, args.max_new_tokens)  # the engine truncates sources by them too
+        # The output limit of the model's positions; TorchEngine truncates sources by the same rule.
+        _, max_new_tokens = generation_limits(model, args.max_new_tokens)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
         engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=max_new_tokens,
                              **(sampling if args.do_sample else {}))

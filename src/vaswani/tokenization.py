@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 # Tokenizer training
 
 
-
 def train_corpus_tokenizer(
     vocab_size: int,
     corpus: str | os.PathLike | None = None,
@@ -81,7 +80,7 @@ def cached_corpus_tokenizer(
         return train_tokenizer(training_texts(sample), vocab_size), sentences
     code = hashlib.sha256(Path(sys.modules[VaswaniTokenizer.__module__].__file__).read_bytes()).hexdigest()
     key = cache_key(train._fingerprint, vocab_size, len(sample), seed if len(sample) < len(train) else None, code,
-                  CACHE_FORMAT)
+                    CACHE_FORMAT)
     directory = Path(train.cache_files[0]["filename"]).parent / f"tokenizer-{key}"
     if overwrite_cache or not (directory / "tokenizer.json").is_file():
         logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
@@ -268,4 +267,4 @@ def tokenizer_state_digest(tokenizer) -> str:
         tokenizer.save_pretrained(directory)
         files = sorted(Path(directory).iterdir())
         return cache_key(type(tokenizer).__name__, tokenizer.model_max_length,
-                       *(f"{file.name}:{hashlib.sha256(file.read_bytes()).hexdigest()}" for file in files))
+                         *(f"{file.name}:{hashlib.sha256(file.read_bytes()).hexdigest()}" for file in files))

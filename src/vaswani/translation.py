@@ -60,8 +60,9 @@ class TorchEngine:
                  max_source_length: int | None = None, **generate_kwargs):
         check_tokenizer_fits(model, tokenizer)
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_source_length = max_source_length if max_source_length is not None else \
-            generation_limits(model, None)[0]
+        if max_source_length is None:
+            max_source_length, _ = generation_limits(model, None)
+        self.max_source_length = max_source_length
         self.options = {"num_beams": num_beams, **generate_kwargs}
         self.max_new_tokens = max_new_tokens
 
