@@ -532,7 +532,8 @@ def test_the_special_tokens_come_from_the_post_processor(small_tokenizer, tmp_pa
     other = VaswaniTokenizer.from_pretrained(tmp_path / "bare")
     other.backend_tokenizer.post_processor = processors.RobertaProcessing(("</s>", 1), ("<s>", 3))
     assert tokenization.WordCachedEncoder.for_tokenizer(other, 32) is None
-    assert tokenization.special_tokens_around({"type": "TemplateProcessing", "single": [], "special_tokens": {}}) is None
+    no_sequence = {"type": "TemplateProcessing", "single": [], "special_tokens": {}}
+    assert tokenization.special_tokens_around(no_sequence) is None
 
 
 def save_to(tokenizer, directory: Path) -> Path:

@@ -507,7 +507,8 @@ def test_a_corpus_without_a_sentence_pair_is_one_line_before_any_tokenizer_is_tr
     def must_not_run(*args, **kwargs):
         raise AssertionError("a tokenizer was trained on a corpus without sentence pairs")
 
-    monkeypatch.setattr(vaswani.tokenization, "train_tokenizer", must_not_run)  # every tokenizer training goes through it
+    # Every tokenizer training goes through it.
+    monkeypatch.setattr(vaswani.tokenization, "train_tokenizer", must_not_run)
     output_dir = tmp_path / "out"
     fails_with_one_line(script_main("train_translation"), train_args(corpus, output_dir), capsys,
                         message.format(path=corpus))
