@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
 
 from vaswani.corpus import ReadSummary, iter_parallel_tsv, read_parallel_tsv, resolve_corpus_path  # noqa: E402
-from vaswani.data import WordCachedEncoder  # noqa: E402
+from vaswani.tokenization import WordCachedEncoder  # noqa: E402
 from vaswani.tokenization_vaswani import train_tokenizer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"

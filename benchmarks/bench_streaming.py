@@ -32,9 +32,9 @@ from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import translate
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, translate_file
-from vaswani.loading import generation_limits, load_translator
+from vaswani.loading import load_translator
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import TorchEngine
+from vaswani.translation import TorchEngine, generation_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402

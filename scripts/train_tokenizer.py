@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from vaswani.cli import user_errors_exit
-from vaswani.data import train_corpus_tokenizer
+from vaswani.tokenization import train_corpus_tokenizer
 
 # This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
 # names a file, so that nothing is downloaded.

@@ -1,6 +1,7 @@
-"""corpus.py, data.py and batching.py: corpus resolution and download, robust reading, splits, dataset loading,
-tokenization, batching."""
+"""corpus.py, data.py, tokenization.py and batching.py: corpus resolution and download, robust reading, splits,
+dataset loading, tokenization, batching."""
 
+import ast
 import gzip
 import hashlib
 import http.server
@@ -18,19 +19,14 @@ import datasets
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
-from tokenizers import normalizers
+from tokenizers import normalizers, processors
 
 from vaswani import corpus as vcorpus
-from vaswani import data
+from vaswani import data, tokenization
 from vaswani.batching import TokenBatchSampler, example_lengths
 from vaswani.corpus import ReadSummary, download_corpus, read_parallel_tsv, resolve_corpus_path
-from vaswani.data import (
-    group_references,
-    load_translation_dataset,
-    split_by_source,
-    split_of,
-    tokenize_translation_dataset,
-)
+from vaswani.data import group_references, load_translation_dataset, split_by_source, split_of
+from vaswani.tokenization import tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
 from conftest import free_port, script_module
 
@@ -69,6 +65,30 @@ def isolated_caches(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def small_tokenizer() -> VaswaniTokenizer:
     return train_tokenizer((s for pair in made_up_pairs(300) for s in pair), vocab_size=400)
+
+
+# --------------------------------------------------------------------------------------------------
+# The stages
+
+
+def relative_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of each `from .module import names` in the file at `path` (module "" for `from . import`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [(node.module or "", [alias.name for alias in node.names])
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+
+
+def test_the_data_stages_import_downward_and_no_module_imports_private_names():
+    """corpus ← data ← tokenization: a stage uses the stages before it, never one after it; and no module of the
+    package imports a name another keeps private."""
+    package = Path(data.__file__).parent
+    stages = ["corpus", "data", "tokenization"]
+    for position, stage in enumerate(stages):
+        for module, names in relative_imports(package / f"{stage}.py"):
+            assert not {module, *names} & set(stages[position + 1:]), f"{stage}.py imports a later stage"
+    for path in sorted(package.glob("*.py")):
+        for module, names in relative_imports(path):
+            assert not [name for name in names if name.startswith("_")], f"{path.name} imports from .{module}: {names}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -430,9 +450,9 @@ def tricky_texts(count: int, seed: int = 0) -> list[str]:
                          ids=["words", "words-truncated", "words-only-eos", "sentences"])
 def test_word_cached_encoding_gives_the_tokenizers_own_ids(small_tokenizer, max_length, mostly_new, monkeypatch):
     """Word by word (a batch is never too new for it) and a sentence at a time (every batch is)."""
-    monkeypatch.setattr(data, "MOSTLY_NEW", mostly_new)
+    monkeypatch.setattr(tokenization, "MOSTLY_NEW", mostly_new)
     texts = tricky_texts(3000)
-    encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length)
+    encoder = tokenization.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length)
     encoded = [ids for start in range(0, len(texts), 500) for ids in encoder(texts[start:start + 500])]
     expected = small_tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     assert [text for text, got, want in zip(texts, encoded, expected) if got != want] == []
@@ -440,16 +460,16 @@ def test_word_cached_encoding_gives_the_tokenizers_own_ids(small_tokenizer, max_
 
 
 def test_ordinary_text_is_encoded_from_the_word_cache(small_tokenizer):
-    encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, 64)
+    encoder = tokenization.WordCachedEncoder.for_tokenizer(small_tokenizer, 64)
     texts = [s for pair in made_up_pairs(300) for s in pair]
     assert encoder(texts) == small_tokenizer(texts, truncation=True, max_length=64)["input_ids"]
     assert "chèvre" in encoder._ids and "dort." in encoder._ids  # the words went through the cache
 
 
 def test_word_cache_stays_within_its_bound(small_tokenizer, monkeypatch):
-    monkeypatch.setattr(data, "MOSTLY_NEW", 2.0)  # never a sentence at a time
+    monkeypatch.setattr(tokenization, "MOSTLY_NEW", 2.0)  # never a sentence at a time
     texts = tricky_texts(500, seed=1)
-    encoder = data.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length=20, max_words=50)
+    encoder = tokenization.WordCachedEncoder.for_tokenizer(small_tokenizer, max_length=20, max_words=50)
     encoded, sizes, most_in_a_batch = [], [], 0
     for start in range(0, len(texts), 40):
         batch = texts[start:start + 40]
@@ -464,7 +484,7 @@ def test_word_cache_stays_within_its_bound(small_tokenizer, monkeypatch):
 def test_tokenizing_word_by_word_gives_the_same_dataset(small_tokenizer, monkeypatch):
     split = Dataset.from_dict({"source": tricky_texts(200, seed=2)[:1000], "target": tricky_texts(200, seed=3)[-1000:]})
     words = tokenize_translation_dataset(split, small_tokenizer, max_length=24)
-    monkeypatch.setattr(data.WordCachedEncoder, "for_tokenizer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(tokenization.WordCachedEncoder, "for_tokenizer", lambda *args, **kwargs: None)
     whole = tokenize_translation_dataset(split, small_tokenizer, max_length=24)
     assert words.features == whole.features and words[:] == whole[:]
 
@@ -473,15 +493,47 @@ def test_tokenizers_with_another_pipeline_are_called_as_usual(small_tokenizer, t
     """Word-by-word encoding is only for the pipeline it is exact for; any other tokenizer is called whole."""
     other = VaswaniTokenizer.from_pretrained(save_to(small_tokenizer, tmp_path / "other"))
     other.backend_tokenizer.normalizer = normalizers.Lowercase()
-    assert data.WordCachedEncoder.for_tokenizer(other, 32) is None
-    assert data.WordCachedEncoder.for_tokenizer(small_tokenizer, 1) is None  # no room beside </s>
+    assert tokenization.WordCachedEncoder.for_tokenizer(other, 32) is None
+    assert tokenization.WordCachedEncoder.for_tokenizer(small_tokenizer, 1) is None  # no room beside </s>
     left = VaswaniTokenizer.from_pretrained(tmp_path / "other", truncation_side="left")
-    assert data.WordCachedEncoder.for_tokenizer(left, 32) is None
+    assert tokenization.WordCachedEncoder.for_tokenizer(left, 32) is None
     pairs = made_up_pairs(20)
     split = Dataset.from_dict({"source": [p[0].upper() for p in pairs], "target": [p[1] for p in pairs]})
     tokenized = tokenize_translation_dataset(split, other, max_length=32)
     assert tokenized["input_ids"][:] == other(split["source"][:], truncation=True, max_length=32)["input_ids"]
     assert tokenized["input_ids"][:] != tokenize_translation_dataset(split, small_tokenizer, 32)["input_ids"][:]
+
+
+@pytest.mark.parametrize("settings", [{}, {"add_bos_token": True}, {"add_eos_token": False},
+                                      {"add_bos_token": True, "add_eos_token": False}],
+                         ids=["default", "bos-and-eos", "no-eos", "bos-only"])
+def test_word_cached_encoding_adds_what_the_tokenizers_settings_ask_for(small_tokenizer, tmp_path, settings):
+    """transformers writes `add_bos_token` and `add_eos_token` into the backend's post-processor, which the encoder
+    reads: the same ids as the tokenizer's own call, truncated or not."""
+    tokenizer = VaswaniTokenizer.from_pretrained(save_to(small_tokenizer, tmp_path / "tokenizer"), **settings)
+    texts = tricky_texts(300, seed=4)
+    for max_length in (128, 6, 3):
+        expected = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+        assert tokenization.WordCachedEncoder.for_tokenizer(tokenizer, max_length)(texts) == expected
+    # The settings took effect: a sentence starts with <s> only if asked, and ends with </s> unless asked not to.
+    ids = tokenizer("The cat number 1 is sleeping.")["input_ids"]
+    assert (ids[0] == tokenizer.bos_token_id) == settings.get("add_bos_token", False)
+    assert (ids[-1] == tokenizer.eos_token_id) == settings.get("add_eos_token", True)
+
+
+def test_the_special_tokens_come_from_the_post_processor(small_tokenizer, tmp_path):
+    """None adds no special token; a post-processor other than a template of special tokens is not guessed at."""
+    bare = VaswaniTokenizer.from_pretrained(save_to(small_tokenizer, tmp_path / "bare"))
+    bare.backend_tokenizer.post_processor = None
+    texts = tricky_texts(100, seed=5)
+    expected = bare(texts, truncation=True, max_length=8)["input_ids"]
+    assert tokenization.WordCachedEncoder.for_tokenizer(bare, 8)(texts) == expected
+    assert bare("a dog")["input_ids"][-1] != bare.eos_token_id
+    other = VaswaniTokenizer.from_pretrained(tmp_path / "bare")
+    other.backend_tokenizer.post_processor = processors.RobertaProcessing(("</s>", 1), ("<s>", 3))
+    assert tokenization.WordCachedEncoder.for_tokenizer(other, 32) is None
+    no_sequence = {"type": "TemplateProcessing", "single": [], "special_tokens": {}}
+    assert tokenization.special_tokens_around(no_sequence) is None
 
 
 def save_to(tokenizer, directory: Path) -> Path:
@@ -651,22 +703,22 @@ def test_a_bad_line_in_a_long_file_is_named_counted_and_skipped(tmp_path, caplog
 def test_the_tokenizer_learns_from_a_bounded_seeded_sample_and_is_trained_once(tmp_path, caplog):
     path = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(600))
     train = load_translation_dataset(data_file=path, validation_fraction=0.1, test_fraction=0.1)["train"]
-    sample = data.tokenizer_training_sample(train, 100, seed=0)
-    assert len(sample) == 100 and sample[:] == data.tokenizer_training_sample(train, 100, seed=0)[:]
-    assert sample[:] != data.tokenizer_training_sample(train, 100, seed=1)[:]
+    sample = tokenization.tokenizer_training_sample(train, 100, seed=0)
+    assert len(sample) == 100 and sample[:] == tokenization.tokenizer_training_sample(train, 100, seed=0)[:]
+    assert sample[:] != tokenization.tokenizer_training_sample(train, 100, seed=1)[:]
     positions = {source: i for i, source in enumerate(train["source"][:])}
     assert [positions[s] for s in sample["source"][:]] == sorted(positions[s] for s in sample["source"][:])
-    assert data.tokenizer_training_sample(train, 10**6) is train
+    assert tokenization.tokenizer_training_sample(train, 10**6) is train
 
     caplog.set_level("INFO", logger="vaswani")
-    tokenizer, sentences = data.cached_corpus_tokenizer(train, 400, max_pairs=100)
+    tokenizer, sentences = tokenization.cached_corpus_tokenizer(train, 400, max_pairs=100)
     assert sentences == 200 and any("Training" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    again, _ = data.cached_corpus_tokenizer(train, 400, max_pairs=100)
+    again, _ = tokenization.cached_corpus_tokenizer(train, 400, max_pairs=100)
     assert not any("Training" in r.getMessage() for r in caplog.records)
     assert again.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
     # On the whole split, the tokenizer is the one trained on every sentence, sources first.
-    whole, sentences = data.cached_corpus_tokenizer(train, 400)
+    whole, sentences = tokenization.cached_corpus_tokenizer(train, 400)
     assert sentences == 2 * len(train)
     direct = train_tokenizer(train["source"][:] + train["target"][:], 400)
     assert whole.backend_tokenizer.to_str() == direct.backend_tokenizer.to_str()

@@ -18,8 +18,8 @@ from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate
 from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
 from vaswani.files import decode_lines
-from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, generation_limits
-from vaswani.translation import TorchEngine
+from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype
+from vaswani.translation import TorchEngine, generation_limits
 
 GREEDY = {"num_beams": 1, "max_new_tokens": 8}
 # Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.

@@ -12,7 +12,7 @@ from vaswani import loading
 from vaswani.file_translation import Processes
 
 LIBRARY_MODULES = ["convert", "data", "decoding", "evaluation", "evaluator", "export", "file_translation", "files",
-                   "hub", "inference", "loading", "training", "visualize"]
+                   "hub", "inference", "loading", "tokenization", "training", "visualize"]
 
 
 def test_the_library_never_imports_the_command_line_layer():

@@ -29,7 +29,7 @@ from conftest import script_main, tiny_config
 from hub_stub import HubStub
 from test_training import SCRIPTS, synthetic_corpus, train_args
 from tiny_translation_model import build_model_and_tokenizer
-import vaswani.data
+import vaswani.tokenization
 import vaswani.training
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.configuration_vaswani import tokenizer_fingerprint
@@ -507,7 +507,8 @@ def test_a_corpus_without_a_sentence_pair_is_one_line_before_any_tokenizer_is_tr
     def must_not_run(*args, **kwargs):
         raise AssertionError("a tokenizer was trained on a corpus without sentence pairs")
 
-    monkeypatch.setattr(vaswani.data, "train_tokenizer", must_not_run)  # every tokenizer training goes through it
+    # Every tokenizer training goes through it.
+    monkeypatch.setattr(vaswani.tokenization, "train_tokenizer", must_not_run)
     output_dir = tmp_path / "out"
     fails_with_one_line(script_main("train_translation"), train_args(corpus, output_dir), capsys,
                         message.format(path=corpus))

@@ -103,7 +103,7 @@ def test_padded_batch_uses_pad_id_and_decodes_back(tokenizer):
 
 
 def test_it_says_whether_a_pipeline_encodes_each_word_on_its_own(tmp_path):
-    """What `vaswani.data.WordCachedEncoder` relies on: a sentence's ids are its words' ids end to end, for any
+    """What `vaswani.tokenization.WordCachedEncoder` relies on: a sentence's ids are its words' ids end to end, for any
     vocabulary of this pipeline, and a tokenizer with another pipeline is told apart."""
     sentences = ["The cat sat on the mat.", "Je suis calme !", "Il a dit « non »,  puis\tpartit…", "l'oiseau a volé"]
     small = train_tokenizer(sentences * 3, 320)

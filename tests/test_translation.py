@@ -5,13 +5,14 @@ import io
 
 import pytest
 import torch
+from conftest import script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate as translate_model
 from vaswani.file_translation import translate_file
-from vaswani.loading import generation_limits
-from vaswani.translation import TorchEngine, translate
+from vaswani.tokenization_vaswani import VaswaniTokenizer
+from vaswani.translation import TorchEngine, generation_limits, translate
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
 
@@ -77,6 +78,33 @@ def test_long_sources_are_truncated_by_one_rule_and_reported_by_one_warning(lear
                    stdout=stdout, progress=False)
     assert stdout.getvalue().decode().splitlines() == texts
     assert capsys.readouterr().err.strip() == warning
+
+
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_evaluation_and_the_translate_script_truncate_a_source_alike(request, positions, tmp_path, capsys,
+                                                                    single_thread):
+    """`TorchEngine` decides for both: learned positions truncate at their table's size, sinusoidal ones never,
+    whatever the tokenizer's `model_max_length` says (here 16, shorter than `LONG` and than the table)."""
+    model, tokenizer = request.getfixturevalue("learned" if positions == "learned" else "trained")
+    path = tmp_path / "checkpoint"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    tokenizer = VaswaniTokenizer.from_pretrained(path, model_max_length=16)
+    tokenizer.save_pretrained(path)
+    sentences = [LONG, "cat", LONG + " cat"]
+    options = {"num_beams": 1, "max_new_tokens": 4}
+
+    script_main("translate")(["--model", str(path), "--device", "cpu", "--num_beams", "1", "--max_new_tokens", "4",
+                              *sentences])
+    printed = capsys.readouterr()
+    evaluated = translate_model(model, tokenizer, sentences, **options)
+    warned = capsys.readouterr().err
+
+    positions_taken = 32 if positions == "learned" else None
+    assert printed.out.splitlines() == evaluated == one_by_one(model, tokenizer, sentences, positions_taken, **options)
+    warning = "warning: 2 sentence(s) longer than the model's 32 learned positions were truncated."
+    assert [line for line in printed.err.splitlines() if line.startswith("warning")] == \
+        [line for line in warned.splitlines() if line.startswith("warning")] == ([warning] if positions_taken else [])
 
 
 def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():

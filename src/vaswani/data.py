@@ -1,4 +1,5 @@
-"""Parallel corpora -> `datasets.DatasetDict` splits -> tokenized examples (batched by `vaswani.batching`).
+"""Parallel corpora -> `datasets.DatasetDict` splits, kept in Arrow caches; `vaswani.tokenization` turns them into
+tokenized examples and `vaswani.batching` into batches.
 
 The default corpus is the English-French Tatoeba file that `vaswani.corpus` finds and reads. Any Hugging Face
 translation dataset or local tsv/csv/jsonl file can be used instead (`load_translation_dataset`).
@@ -10,8 +11,9 @@ Every source gives the same schema:
 
 Corpora of millions of lines stay on disk: a tsv file is read once, line by line, into Arrow files that are
 memory-mapped (`datasets`' own loaders do the same for csv, jsonl and Hub datasets), and every costly step
-(reading, tokenizer training, tokenization) leaves its result in a cache keyed by what it was made from, so a
-second run, or a second process of a distributed run, reuses it instead of repeating it.
+(reading here, tokenizer training and tokenization in `vaswani.tokenization`) leaves its result in a cache keyed by
+what it was made from (`cache_key`), so a second run, or a second process of a distributed run, reuses it instead of
+repeating it.
 
 Tatoeba has many sentences with several translations ("Run!" -> "Cours !", "Courez !"). Splitting by
 pair would put some translations of a sentence in training and others in the test set, so the split is
@@ -23,17 +25,12 @@ import hashlib
 import json
 import logging
 import os
-import sys
-import tempfile
 import unicodedata
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import datasets
-import numpy as np
 import pyarrow as pa
 from datasets import Dataset, DatasetDict, Features, List, Value, load_dataset, load_from_disk
-from tokenizers import Tokenizer
 
 from .corpus import (
     TSV_LANGUAGES,
@@ -46,7 +43,6 @@ from .corpus import (
     resolve_corpus_path,
 )
 from .files import staged_directory
-from .tokenization_vaswani import WORD_START, VaswaniTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -212,8 +208,8 @@ def default_data_cache_dir() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "vaswani"
 
 
-def _digest(*parts) -> str:
-    """A short cache key for the given parts (strings, numbers, None)."""
+def cache_key(*parts) -> str:
+    """A short cache key for the given parts (strings, numbers, None); `CACHE_FORMAT` is meant to be one of them."""
     return hashlib.sha256(json.dumps([str(part) for part in parts]).encode("utf-8")).hexdigest()[:24]
 
 
@@ -232,7 +228,7 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
     _check_fractions(validation_fraction, test_fraction)
     if not path.is_file():
         open_corpus(path)  # raises the reader's error for a missing file or a directory
-    key = _digest(file_sha256(path), source_lang, target_lang, validation_fraction, test_fraction, CACHE_FORMAT)
+    key = cache_key(file_sha256(path), source_lang, target_lang, validation_fraction, test_fraction, CACHE_FORMAT)
     directory = cache_dir / f"corpus-{key}"
     if overwrite_cache or not (directory / "read.json").is_file():
         _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
@@ -316,223 +312,3 @@ def _to_pairs(split: Dataset, source_lang: str, target_lang: str) -> Dataset:
     if len(kept) < len(pairs):
         logger.warning("Dropped %d of %d pairs with an empty side.", len(pairs) - len(kept), len(pairs))
     return kept
-
-
-# --------------------------------------------------------------------------------------------------
-# Tokenizer training and tokenization
-
-
-def train_corpus_tokenizer(
-    vocab_size: int,
-    corpus: str | os.PathLike | None = None,
-    source_lang: str = "en",
-    target_lang: str = "fr",
-    max_pairs: int | None = None,
-    seed: int = 0,
-    *,
-    default_corpus: str | os.PathLike | None = None,
-) -> VaswaniTokenizer:
-    """Train the joint tokenizer on both sides of the train split only, so test sentences stay unseen;
-    on at most `max_pairs` of its pairs (a seeded sample, see `tokenizer_training_sample`). The corpus is found as
-    `resolve_corpus_path(corpus, default_corpus)` finds it."""
-    train = load_translation_dataset(data_file=corpus, default_corpus=default_corpus, source_lang=source_lang,
-                                     target_lang=target_lang)["train"]
-    return train_tokenizer(training_texts(tokenizer_training_sample(train, max_pairs, seed)), vocab_size)
-
-
-def tokenizer_training_sample(train: Dataset, max_pairs: int | None, seed: int = 0) -> Dataset:
-    """At most `max_pairs` pairs of `train`, drawn at random with `seed` and kept in corpus order; all of it if it
-    is no larger. BPE learns its merges from word counts, which a sample of a million sentences already estimates
-    well, while the time and memory of counting grow with every sentence seen."""
-    if max_pairs is None or len(train) <= max_pairs:
-        return train
-    chosen = np.random.default_rng(seed).choice(len(train), size=max_pairs, replace=False)
-    return train.select(np.sort(chosen))
-
-
-def training_texts(pairs: Dataset, batch_size: int = 10_000) -> Iterator[str]:
-    """Every source, then every target, of `pairs`, read from Arrow a batch at a time."""
-    for column in ("source", "target"):
-        for batch in pairs.select_columns([column]).iter(batch_size=batch_size):
-            yield from batch[column]
-
-
-def cached_corpus_tokenizer(
-    train: Dataset, vocab_size: int, max_pairs: int | None = None, seed: int = 0, overwrite_cache: bool = False
-) -> tuple[VaswaniTokenizer, int]:
-    """A tokenizer trained on `tokenizer_training_sample(train, max_pairs, seed)`, and how many sentences it saw.
-
-    Saved beside `train`'s Arrow files, keyed by the split's fingerprint, the sample, the vocabulary size and the
-    tokenizer's code, and loaded from there whenever it exists, by a later run or by the other processes of this
-    one: all then hold a tokenizer read from the same files. A split held only in memory is trained on directly.
-    """
-    sample = tokenizer_training_sample(train, max_pairs, seed)
-    sentences = 2 * len(sample)
-    if not train.cache_files:
-        return train_tokenizer(training_texts(sample), vocab_size), sentences
-    code = hashlib.sha256(Path(sys.modules[VaswaniTokenizer.__module__].__file__).read_bytes()).hexdigest()
-    key = _digest(train._fingerprint, vocab_size, len(sample), seed if len(sample) < len(train) else None, code,
-                  CACHE_FORMAT)
-    directory = Path(train.cache_files[0]["filename"]).parent / f"tokenizer-{key}"
-    if overwrite_cache or not (directory / "tokenizer.json").is_file():
-        logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
-        with staged_directory(directory, tag=f"-{os.getpid()}") as staging:
-            train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
-    else:
-        logger.info("Reusing the tokenizer trained earlier on %d sentences, from %s.", sentences, directory)
-    return VaswaniTokenizer.from_pretrained(directory), sentences
-
-
-def tokenize_translation_dataset(
-    dataset: Dataset | DatasetDict,
-    tokenizer,
-    max_length: int = 256,
-    num_proc: int | None = None,
-    overwrite_cache: bool = False,
-) -> Dataset | DatasetDict:
-    """`input_ids`, `attention_mask` and `labels` for seq2seq training; the text columns are dropped.
-
-    Both sides are truncated to `max_length` tokens (including the final </s>). `num_proc` processes tokenize
-    shards in parallel. A split kept in Arrow files is tokenized into a file beside them, keyed by the split's
-    fingerprint, the tokenizer and `max_length`, which later runs and the other processes of a distributed run
-    load instead of tokenizing again (unless `overwrite_cache`).
-    """
-    if isinstance(dataset, DatasetDict):
-        return DatasetDict({name: tokenize_translation_dataset(split, tokenizer, max_length, num_proc, overwrite_cache)
-                            for name, split in dataset.items()})
-
-    words = WordCachedEncoder.for_tokenizer(tokenizer, max_length)
-    if words is None:
-        def encode(batch):
-            return tokenizer(batch["source"], text_target=batch["target"], truncation=True, max_length=max_length)
-    else:
-        def encode(batch):
-            input_ids, labels = words(batch["source"]), words(batch["target"])
-            return {"input_ids": input_ids, "attention_mask": [[1] * len(ids) for ids in input_ids], "labels": labels}
-
-    cache = {}
-    if dataset.cache_files:
-        key = _digest(dataset._fingerprint, tokenizer_state_digest(tokenizer), max_length, CACHE_FORMAT)
-        path = Path(dataset.cache_files[0]["filename"]).parent / f"tokenized-{key}.arrow"
-        cache = {"cache_file_name": str(path), "new_fingerprint": key, "load_from_cache_file": not overwrite_cache}
-        if not overwrite_cache and any(path.parent.glob(f"{path.stem}*.arrow")):
-            logger.info("Reusing the tokenized %d examples in %s.", len(dataset), path.parent)
-        else:
-            logger.info("Tokenizing %d examples into %s.", len(dataset), path.parent)
-    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing",
-                       num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > num_proc else None, **cache)
-
-
-# Words not in `WordCachedEncoder`'s cache are encoded this many to a text.
-WORDS_PER_TEXT = 256
-# A batch whose words are more than this share new ones is encoded a sentence at a time: cheaper then.
-MOSTLY_NEW = 0.35
-
-
-class WordCachedEncoder:
-    """`tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]`, a word at a time from a cache.
-
-    A `VaswaniTokenizer` normalises a sentence, cuts it at its spaces and encodes each word on its own (see
-    tokenization_vaswani), so a sentence's ids are its words' ids end to end. `tokenizers` spends most of its time
-    per sentence on bookkeeping that training does not use (offsets, alignments, an `Encoding` object), while a
-    corpus repeats its words: looking each word up in a dict, and encoding only the words not seen yet, a batch at
-    a time, gives the same ids for much less CPU time where words repeat as in Tatoeba, and less of a gain where
-    more of them are new (benchmarks/results/data-encoder-cpu.md). A batch of mostly new words is
-    encoded a sentence at a time instead (`MOSTLY_NEW`). The cache holds at most `max_words` words and starts over
-    when full, so its memory does not grow with the corpus.
-
-    Sentences that might hold an added token such as "</s>" (which `tokenizers` finds in the raw text, before
-    normalising) or a "▁" are encoded whole. A tokenizer with another pipeline gets no encoder: `for_tokenizer`
-    then returns None and the tokenizer is called as usual.
-    """
-
-    def __init__(self, backend: Tokenizer, prefix: list[int], suffix: list[int], max_length: int,
-                 max_words: int = 500_000):
-        self._backend = backend
-        self._normalize = backend.normalizer.normalize_str
-        self._prefix, self._suffix = prefix, suffix
-        self._keep = max_length - len(prefix) - len(suffix)  # how transformers truncates a single sequence
-        # Added tokens are found in the raw text, and a "▁" in the text is cut at like a space but not merged with
-        # the space before it: sentences holding either are encoded whole.
-        added = [token.content for token in backend.get_added_tokens_decoder().values() if token.content]
-        self._whole_if = frozenset([WORD_START, *(content[0] for content in added)])
-        self._max_words = max_words
-        self._ids: dict[str, tuple[int, ...]] = {}
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer, max_length: int, max_words: int = 500_000) -> "WordCachedEncoder | None":
-        """An encoder for `tokenizer`, or None where its pipeline does not encode words independently."""
-        if not VaswaniTokenizer.encodes_words_independently(tokenizer) or tokenizer.truncation_side != "right":
-            return None
-        saved = tokenizer.backend_tokenizer.to_str()
-        # The special tokens the tokenizer adds around a sentence, found from one encoded word.
-        backend = Tokenizer.from_str(saved)  # a copy whose truncation and padding the tokenizer's calls leave alone
-        backend.no_truncation()
-        backend.no_padding()
-        plain = backend.encode("a", add_special_tokens=False).ids
-        full = tokenizer("a")["input_ids"]
-        starts = [k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain]
-        if not starts or max_length <= len(full) - len(plain):
-            return None
-        return cls(backend, full[:starts[0]], full[starts[0] + len(plain):], max_length, max_words)
-
-    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
-        sentences = [self._words(text) for text in texts]
-        cut = [words for words in sentences if words is not None]
-        ids = self._ids
-        missing = {word for words in cut for word in words if word not in ids}
-        if len(missing) > MOSTLY_NEW * sum(map(len, cut)):
-            # A new word costs several times its share of a whole sentence's encoding.
-            return [self._complete(encoding.ids)
-                    for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
-        if len(ids) + len(missing) > self._max_words:
-            ids.clear()
-            missing = {word for words in cut for word in words}
-        if missing:
-            self._encode_words(list(missing))
-        whole = [text for text, words in zip(texts, sentences) if words is None]
-        whole = iter(encoding.ids for encoding in self._backend.encode_batch_fast(whole, add_special_tokens=False))
-        return [self._complete(next(whole) if words is None else [i for word in words for i in ids[word]])
-                for words in sentences]
-
-    def _complete(self, content: list[int]) -> list[int]:
-        """A sentence's ids, truncated and with the special tokens the tokenizer adds."""
-        return self._prefix + content[:self._keep] + self._suffix
-
-    def _encode_words(self, words: list[str]) -> None:
-        """Put `words`' ids in the cache. They are encoded many to a text, as a pre-split text whose `word_ids` say
-        which word each token comes from: `tokenizers` costs most per text, not per word."""
-        chunks = [words[start:start + WORDS_PER_TEXT] for start in range(0, len(words), WORDS_PER_TEXT)]
-        for chunk, encoding in zip(chunks, self._backend.encode_batch(chunks, is_pretokenized=True,
-                                                                     add_special_tokens=False)):
-            per_word = [[] for _ in chunk]
-            for token, word in zip(encoding.ids, encoding.word_ids):
-                per_word[word].append(token)
-            self._ids.update(zip(chunk, map(tuple, per_word)))  # tuples of ints: smaller, and not tracked by the GC
-
-    def _words(self, text: str) -> list[str] | None:
-        """`text` normalised and cut at its spaces, or None if it must be encoded whole."""
-        if text.isascii() and text.isprintable():
-            normalized, words = text, text.split()  # normalising leaves printable ASCII as it is; its only space is " "
-        else:
-            normalized = self._normalize(text)
-            words = normalized.split(" ")
-        if any(start in text or start in normalized for start in self._whole_if):
-            return None
-        return words
-
-
-def tokenizer_state_digest(tokenizer) -> str:
-    """What decides a tokenizer's output: its `tokenizers` pipeline and the settings transformers adds (the backend's
-    truncation and padding state, which every call resets, left out). A tokenizer without a `tokenizers` backend
-    (a sentencepiece one, such as an OPUS-MT checkpoint's `MarianTokenizer`) is keyed by the files it saves."""
-    if getattr(tokenizer, "is_fast", False):
-        state = json.loads(tokenizer.backend_tokenizer.to_str())
-        state.pop("truncation", None)
-        state.pop("padding", None)
-        return _digest(json.dumps(state, sort_keys=True), type(tokenizer).__name__, tokenizer.model_max_length)
-    with tempfile.TemporaryDirectory() as directory:
-        tokenizer.save_pretrained(directory)
-        files = sorted(Path(directory).iterdir())
-        return _digest(type(tokenizer).__name__, tokenizer.model_max_length,
-                       *(f"{file.name}:{hashlib.sha256(file.read_bytes()).hexdigest()}" for file in files))

@@ -93,19 +93,6 @@ def build_compute_metrics(
     return compute_metrics
 
 
-def evaluation_engine(model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                      max_source_length: int | None = None, **generate_kwargs) -> TorchEngine:
-    """The `TorchEngine` that `translate` and `scripts/evaluate_bleu.py` evaluate with: sources are truncated to
-    `max_source_length`, by default to the tokenizer's `model_max_length` (what training sets to the model's
-    positions)."""
-    if max_source_length is not None:
-        limit, positions = max_source_length, "learned positions"
-    else:
-        limit, positions = tokenizer.model_max_length, "tokens (its tokenizer's model_max_length)"
-    return TorchEngine(model, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                       max_source_length=limit, positions=positions, **generate_kwargs)
-
-
 def translate(
     model,
     tokenizer,
@@ -116,12 +103,13 @@ def translate(
     **engine_options,
 ) -> list[str]:
     """Translate `sentences` with `model.generate`, returning one string per sentence in the input order: the
-    package's one translation path (`vaswani.translation.translate`) with `evaluation_engine`, in batches of
+    package's one translation path (`vaswani.translation.translate`) with a `TorchEngine`, in batches of
     `batch_size` sentences, longest first. `engine_options`: `num_beams` (default 4, the paper's beam size,
     Section 6.1), `max_new_tokens` (default: each batch's longest source plus 50 tokens, the paper's output-length
-    limit), `max_source_length` (default: the tokenizer's `model_max_length`; a truncation is reported on stderr)
-    and `generate()`'s options. `device` moves the model there first; by default the model's own device is used.
-    The model's training mode is restored afterwards, so that this can run in the middle of training.
+    limit), `max_source_length` (default: where the model's positions end, as `TorchEngine` decides for every
+    caller; a truncation is reported on stderr) and `generate()`'s options. `device` moves the model there first;
+    by default the model's own device is used. The model's training mode is restored afterwards, so that this can
+    run in the middle of training.
     """
     if not sentences:
         return []
@@ -129,7 +117,7 @@ def translate(
         model.to(device)
     was_training = model.training
     try:
-        engine = evaluation_engine(model, tokenizer, **engine_options)
+        engine = TorchEngine(model, tokenizer, **engine_options)
         return run_translation(engine, sentences, max_sentences=batch_size).texts
     finally:
         model.train(was_training)

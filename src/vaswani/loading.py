@@ -4,7 +4,6 @@ in one place for every tool.
     model, tokenizer = load_translator("outputs/en-fr")                      # a GPU if there is one, else the CPU
     model, tokenizer = load_translator("outputs/en-fr", "cpu", dtype="auto", num_beams=4)  # bf16 where it is faster
     model, tokenizer = load_translator("outputs/en-fr", "cpu", int8=True)    # int8 CPU decoding
-    max_source_length, max_new_tokens = generation_limits(model, 128)
 
 Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result: only
 safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose weights
@@ -194,13 +193,3 @@ def _check_checkpoint_files(model_dir: str) -> None:
         if missing:
             raise FileNotFoundError(f"{model_dir} lacks {len(missing)} of the {len(shards)} weight shards that "
                                     f"model.safetensors.index.json lists ({', '.join(missing)}); {again}.")
-
-
-def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
-    """(max_source_length, max_new_tokens) that a model with learned positions can take: sources are truncated to
-    its `max_position_embeddings` and the output stops there. Sinusoidal and rotary positions have no limit."""
-    config = model.config
-    if config.position_embedding_type != "learned":
-        return None, max_new_tokens
-    limit = config.max_position_embeddings - 1  # the decoder's start token takes position 0
-    return config.max_position_embeddings, limit if max_new_tokens is None else min(max_new_tokens, limit)

@@ -44,6 +44,7 @@ from .corpus import CORPUS_ENV_VAR
 from .evaluation import build_compute_metrics, evaluate_model
 from .files import STAGING_PREFIX, staging_path
 from .modeling_vaswani import VaswaniForConditionalGeneration
+from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 
 logger = logging.getLogger(__name__)
@@ -547,9 +548,10 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Vas
                  checkpoint: str | None = None) -> PreparedData:
     """Read the corpus into its splits and train the tokenizer (unless one is given or resumed).
 
-    Both leave their results in caches (see `vaswani.data`); under N processes the main one does the work first
-    and the others then load its results instead of repeating it. A first run on a very large corpus can keep the
-    others waiting longer than the process group's default 30 minutes: raise --ddp_timeout then.
+    Both leave their results in caches (see `vaswani.data` and `vaswani.tokenization`); under N processes the main
+    one does the work first and the others then load its results instead of repeating it. A first run on a very
+    large corpus can keep the others waiting longer than the process group's default 30 minutes: raise
+    --ddp_timeout then.
     """
     with args.main_process_first(desc="reading the corpus"):
         splits = load_splits(data_args)
@@ -568,7 +570,7 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Vas
     tokenizer = sentences = None
     if not (checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path):
         with args.main_process_first(desc="training the tokenizer"):
-            tokenizer, sentences = vdata.cached_corpus_tokenizer(
+            tokenizer, sentences = cached_corpus_tokenizer(
                 train, model_args.vocab_size, model_args.tokenizer_train_pairs, args.seed, data_args.overwrite_cache)
     return PreparedData(splits, train, validation, tokenizer, sentences)
 
@@ -577,8 +579,8 @@ def tokenize_splits(data: PreparedData, tokenizer, data_args: DataArguments, arg
     """(train, validation) features, tokenized by the main process first and loaded from its cache by the others."""
     with args.main_process_first(desc="tokenizing"):
         return tuple(
-            vdata.tokenize_translation_dataset(split, tokenizer, data_args.max_length,
-                                               data_args.preprocessing_num_workers, data_args.overwrite_cache)
+            tokenize_translation_dataset(split, tokenizer, data_args.max_length, data_args.preprocessing_num_workers,
+                                         data_args.overwrite_cache)
             for split in (data.train, data.validation))
 
 

@@ -10,7 +10,7 @@ An engine has `max_source_length` (None: no limit), `positions` (what that limit
 `encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
 
 * `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
-  decoding loop);
+  decoding loop), truncating sources where the model's positions end (`generation_limits`);
 * `CTranslate2Engine`: a model exported by `vaswani.export` (`load_ctranslate2`).
 """
 
@@ -38,17 +38,31 @@ class Engine(Protocol):
     def translate_batch(self, batch: list[list[int]]) -> list[str]: ...
 
 
+def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
+    """(max_source_length, max_new_tokens) that a model with learned positions can take: sources are truncated to
+    its `max_position_embeddings` and the output stops there. Sinusoidal and rotary positions have no limit."""
+    config = model.config
+    if config.position_embedding_type != "learned":
+        return None, max_new_tokens
+    limit = config.max_position_embeddings - 1  # the decoder's start token takes position 0
+    return config.max_position_embeddings, limit if max_new_tokens is None else min(max_new_tokens, limit)
+
+
 class TorchEngine:
     """Batches of token ids → translations with `model.generate()`. `max_new_tokens=None` allows the batch's
     longest source plus 50 tokens (the paper's limit; a batch holds sentences of similar length, so that is close
-    to the per-sentence rule); `max_source_length` is where sources are truncated (None: no limit, as with
-    sinusoidal or rotary positions), and `positions` names what it counts in the truncation warning."""
+    to the per-sentence rule); `max_source_length` is where sources are truncated, by default where the model's
+    positions end (`generation_limits`: learned positions' table; no limit with sinusoidal or rotary positions)."""
+
+    positions = "learned positions"
 
     def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None, positions: str = "learned positions", **generate_kwargs):
+                 max_source_length: int | None = None, **generate_kwargs):
         check_tokenizer_fits(model, tokenizer)
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_source_length, self.positions = max_source_length, positions
+        if max_source_length is None:
+            max_source_length, _ = generation_limits(model, None)
+        self.max_source_length = max_source_length
         self.options = {"num_beams": num_beams, **generate_kwargs}
         self.max_new_tokens = max_new_tokens
 
