@@ -118,7 +118,7 @@ class VaswaniTokenizer(TokenizersBackend):
     def encodes_words_independently(cls, tokenizer) -> bool:
         """Whether `tokenizer` (any fast tokenizer, this class or not) normalises and cuts text at its spaces as this
         class's pipeline does, before BPE: then each word is encoded on its own, and a sentence's ids are its words'
-        ids end to end, so that words can be encoded once and looked up (`vaswani.data.WordCachedEncoder`)."""
+        ids end to end, so that words can be encoded once and looked up (`vaswani.tokenization.WordCachedEncoder`)."""
         if not getattr(tokenizer, "is_fast", False):
             return False
         reference = json.loads(_build_backend({}, []).to_str())
