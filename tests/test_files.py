@@ -101,3 +101,24 @@ def test_publish_files_moves_the_marker_last_and_keeps_other_entries(tmp_path, m
     assert entries(directory) == ["a.json", "checkpoint-2", "config.json", "extra", "model.safetensors"]
     assert (directory / "config.json").read_text() == "new config.json"
     assert entries(directory / "extra") == ["new.py"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fsynced descriptor through /proc")
+def test_publish_files_syncs_every_file_once(tmp_path, monkeypatch):
+    """Each published file's data reaches the disk before its rename, and only once (subdirectories included)."""
+    directory, staging = tmp_path / "run", tmp_path / "run" / ".tmp-final"
+    (staging / "extra").mkdir(parents=True)
+    for path in (staging / "config.json", staging / "model.safetensors", staging / "extra" / "new.py"):
+        path.write_text("new")
+    synced, fsync = [], os.fsync
+
+    def record(descriptor):
+        path = os.readlink(f"/proc/self/fd/{descriptor}")
+        if not os.path.isdir(path):
+            synced.append(os.path.relpath(path, staging))
+        fsync(descriptor)
+
+    monkeypatch.setattr(files.os, "fsync", record)
+    publish_files(staging, directory, last="config.json")
+    synced_files = sorted(synced)
+    assert synced_files == ["config.json", "extra/new.py", "model.safetensors"]

@@ -66,10 +66,15 @@ def sync_directory(path: str | os.PathLike) -> None:
 def sync_tree(path: str | os.PathLike) -> None:
     """fsync every file and directory under `path` (a staged directory about to be published)."""
     for root, _, names in os.walk(path):
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
+        sync_files(root, names)
         sync_directory(root)
+
+
+def sync_files(directory: str | os.PathLike, names: Iterable[str]) -> None:
+    """fsync the files `names` of `directory`."""
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+            os.fsync(f.fileno())
 
 
 def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
@@ -141,7 +146,7 @@ def publish_files(staging: str | os.PathLike, directory: str | os.PathLike, last
     `replace_directory`), and `last`, the file whose presence says the set is complete, is removed first and
     moved in last: a crash never leaves a truncated file, nor `last` beside files of another set."""
     staging, directory = Path(staging), Path(directory)
-    sync_tree(staging)
+    sync_files(staging, [entry.name for entry in staging.iterdir() if not entry.is_dir()])  # subdirectories: below
     (directory / last).unlink(missing_ok=True)
     for entry in sorted(staging.iterdir(), key=lambda entry: entry.name == last):
         if entry.is_dir():
