@@ -275,19 +275,27 @@ def slowest_rank(seconds: float, args) -> float:
     return seconds
 
 
-class TimeBudgetCallback(TrainerCallback):
-    """Stops training once `max_train_time` seconds have passed; the final evaluation and save follow.
-    `fraction` is the part of the budget spent at the last step's end (what a schedule over the budget reads).
-    Under DDP every rank stops at the same step and uses the same learning rate: `clock` is a `TrainingClock`
-    (shared with the other callbacks that read one)."""
+class ClockCallback(TrainerCallback):
+    """A callback that decides on `TrainingClock` time, `seconds` at a time; the clock (shared by every such
+    callback of a run) restarts with each (resumed) run."""
 
     def __init__(self, seconds: float, clock: TrainingClock | None = None):
         self.seconds = seconds
         self.clock = clock or TrainingClock()
-        self.fraction = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.clock.restart()
+
+
+class TimeBudgetCallback(ClockCallback):
+    """Stops training once `max_train_time` seconds have passed; the final evaluation and save follow.
+    `fraction` is the part of the budget spent at the last step's end (what a schedule over the budget reads).
+    Under DDP every rank stops at the same step and uses the same learning rate (the clock is the slowest rank's)."""
+
+    fraction = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
         self.fraction = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -301,20 +309,16 @@ class TimeBudgetCallback(TrainerCallback):
         return control
 
 
-class IntervalCheckpointCallback(TrainerCallback):
+class IntervalCheckpointCallback(ClockCallback):
     """Asks the Trainer for a checkpoint every `seconds` of training and at the last step (§6.1 writes
     checkpoints at 10-minute intervals and averages the last ones). The checkpoints are the Trainer's own, written by
     `VaswaniSeq2SeqTrainer` as every other: complete before they appear, resumable, rotated by --save_total_limit.
-    The clock (a `TrainingClock`, the same on every rank) restarts with each (resumed) run; an interval counts from
-    the step of the last checkpoint."""
+    An interval counts from the step of the last checkpoint, on the clock every rank agrees on."""
 
-    def __init__(self, seconds: float, clock: TrainingClock | None = None):
-        self.seconds = seconds
-        self.clock = clock or TrainingClock()
-        self.last = 0.0
+    last = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.clock.restart()
+        super().on_train_begin(args, state, control, **kwargs)
         self.last = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
