@@ -299,7 +299,7 @@ def test_int8_kernels_benchmark(tmp_path):
     report = check_report(path, "bench_int8_kernels", {"layer", "rows", "kernel", "microseconds", "relative_error"})
     results = report["results"]
     kernels = {row["kernel"] for row in results}
-    assert {"fp32", "bf16", "torch.ao", "onednn", "_int_mm", "int8 weights only"} <= kernels
+    assert {"fp32", "bf16", "Int8Linear", "onednn", "_int_mm", "int8 weights only"} <= kernels
     assert {row["layer"] for row in results} == {"attention projection", "feed-forward in", "feed-forward out",
                                                   "output projection"}
     for row in results:
@@ -309,7 +309,7 @@ def test_int8_kernels_benchmark(tmp_path):
         elif not row["saturates"]:
             assert row["relative_error"] < 0.1, row
     saturating = {row["kernel"] for row in results if row["saturates"]}
-    assert saturating <= {"torch.ao", "torchao", "onednn", "_int_mm"}  # the kernels with int8 activations
+    assert saturating <= {"torchao", "onednn", "_int_mm"}  # the kernels with int8 activations
     if (onednn_saturates := _onednn_saturates_here()) is not None:
         assert ("onednn" in saturating) == onednn_saturates, saturating
     assert "saturate" in (path.with_suffix(".md")).read_text()
