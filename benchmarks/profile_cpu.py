@@ -193,7 +193,7 @@ def run(args: argparse.Namespace, argv) -> Path:
             width = max(source_lengths)
             input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch])
             mask = input_ids != pad
-            translate = lambda: engine.translate(batch, beams, args.new_tokens)  # noqa: E731
+            translate = lambda: engine.translate(batch, beams, args.new_tokens, stop_at_eos=False)  # noqa: E731
             floor = lambda: forward_floor(model, input_ids, mask, beams, args.new_tokens,  # noqa: E731
                                           model.config.decoder_start_token_id)
             translate(), floor()  # warm-up
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     for label, make in what_if_variants(shipped).items():
         vaswani.model = make()
         for beams in args.beams:
-            translate = lambda: vaswani.translate(batch, beams, args.new_tokens)  # noqa: E731
+            translate = lambda: vaswani.translate(batch, beams, args.new_tokens, stop_at_eos=False)  # noqa: E731
             translate()
             wall = best_of(args.repeats, translate)
             row = {"variant": label, "beams": beams, "generate_s": wall}
@@ -245,8 +245,8 @@ def run(args: argparse.Namespace, argv) -> Path:
             for name in ("ct2-float32", "ct2-int8"):
                 engine = CT2Engine(name, config, tokenizer, device, args.seed, args.threads, Path(workdir))
                 for beams in args.beams:
-                    engine.translate(batch, beams, args.new_tokens)
-                    wall = best_of(args.repeats, lambda: engine.translate(batch, beams, args.new_tokens))
+                    engine.translate(batch, beams, args.new_tokens, stop_at_eos=False)
+                    wall = best_of(args.repeats, lambda: engine.translate(batch, beams, args.new_tokens, stop_at_eos=False))
                     flops = decode_flops(config, source_lengths, beams, args.new_tokens)
                     generation_rows.append({"engine": name, "engine_label": ENGINE_LABELS[name], "beams": beams,
                                             "generate_s": wall, "model_gflops_per_s": flops / wall / 1e9})

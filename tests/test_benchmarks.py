@@ -231,7 +231,7 @@ def test_decoding_loops_benchmark(corpus, tmp_path):
 
 
 def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
-    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8's torch.ao path)."""
+    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8)."""
     pytest.importorskip("torchao")
     path = load("bench_decoding_loops").main(
         ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
