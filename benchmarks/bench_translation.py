@@ -44,6 +44,7 @@ from vaswani.export import export_to_ctranslate2
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
 from vaswani.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani.tokenization_vaswani import VaswaniTokenizer
+from vaswani.translation import CTranslate2Engine, generate_token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -137,18 +138,15 @@ class TorchEngine:
         self.device, self.pad = device, self.model.config.pad_token_id
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
-        """Each sentence's generated token ids, without the decoder start token, its end of sentence and padding."""
+        """Each sentence's generated token ids (`vaswani.translation.generate_token_ids`, the package engine's own
+        generate() call), without the decoder start token, its end of sentence and padding."""
         width = max(map(len, batch))
         ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
         # Forced: no stopping on EOS, exactly new_tokens steps (see the module docstring).
         stopping = {} if stop_at_eos else {"eos_token_id": None}
-        with torch.inference_mode(), sdpa_backend(self.attention_kernel):
-            out = self.model.generate(input_ids=ids, attention_mask=ids != self.pad, num_beams=beams, do_sample=False,
+        with sdpa_backend(self.attention_kernel):
+            return generate_token_ids(self.model, ids, ids != self.pad, num_beams=beams, do_sample=False,
                                       max_new_tokens=new_tokens, **stopping)
-        if not stop_at_eos:
-            return out[:, 1:].tolist()  # the first column is the decoder start token
-        eos = self.model.generation_config.eos_token_id
-        return [_until(row, {eos, self.pad}) for row in out[:, 1:].tolist()]
 
     def close(self):
         del self.model
@@ -184,7 +182,7 @@ class CT2Engine:
             intra_threads=threads or torch.get_num_threads(),
             inter_threads=1,
         )
-        self.tokens, self.ids = tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_ids
+        self.tokenizer = tokenizer
 
     @staticmethod
     def _convert(source, config, tokenizer, seed, workdir: Path, model_dir: Path) -> None:
@@ -210,15 +208,11 @@ class CT2Engine:
         InMemoryConverter(str(config_dir)).convert(str(model_dir), force=True)
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
-        results = self.translator.translate_batch(
-            [self.tokens(s) for s in batch],
-            beam_size=beams,
-            num_hypotheses=1,
-            min_decoding_length=0 if stop_at_eos else new_tokens,
-            max_decoding_length=new_tokens,
-            max_input_length=0,
-        )
-        return [self.ids(r.hypotheses[0]) for r in results]  # CTranslate2 leaves the end of sentence out
+        """Each sentence's generated token ids through the package's engine (`vaswani.translation.CTranslate2Engine`);
+        forced: `min_decoding_length` = `max_decoding_length`, so EOS is masked until then."""
+        engine = CTranslate2Engine(self.translator, self.tokenizer, num_beams=beams, max_new_tokens=new_tokens,
+                                   min_decoding_length=0 if stop_at_eos else new_tokens)
+        return engine.generate_ids(batch)
 
     def close(self):
         del self.translator
@@ -236,11 +230,6 @@ class _MarianVocabulary:
 
     def get_vocab(self):
         return self.vocab
-
-
-def _until(row: list[int], stops: set[int]) -> list[int]:
-    """The tokens of `row` before the first of `stops`."""
-    return next((row[:i] for i, token in enumerate(row) if token in stops), row)
 
 
 def make_engine(name, config, tokenizer, device_name, threads, seed, sdpa_backend, workdir, keep_freed_memory,
