@@ -4,7 +4,9 @@ input order, with the number of sources it truncated.
 
 Every caller goes through `translate`: `vaswani.evaluation` (BLEU during and after training), `vaswani.export`
 (the CTranslate2 export), `vaswani.file_translation` (which adds chunks, resume and processes) and the scripts.
-So one rule decides how sources are truncated and how the output length is limited, whichever engine runs.
+So one rule decides how sources are truncated and how the output length is limited, whichever engine runs. The
+benchmarks time the engines' own calls below the decoding to text: `generate_token_ids` and
+`CTranslate2Engine.generate_ids`.
 
 An engine has `max_source_length` (None: no limit), `positions` (what that limit counts, for the warning),
 `encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
