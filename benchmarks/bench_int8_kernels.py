@@ -1,14 +1,14 @@
 """The int8 matrix-product kernels that a CPU `--int8` path could stand on, one layer at a time.
 
-`--int8` (`vaswani.inference.quantize_for_cpu`) runs torch.ao's dynamic quantization, whose quantized-tensor functions
-newer torch releases mark deprecated. This measures each candidate on the shapes of a checkpoint's linear layers
+`--int8` (`vaswani.inference.quantize_for_cpu`) runs fbgemm through torch's quantized operators, which newer torch
+releases mark deprecated. This measures it and each candidate that could replace it on the shapes of a checkpoint's linear layers
 (attention projections, feed-forward in and out, the output projection over the vocabulary) at the row counts that
 decoding gives them (a batch of sentences, or of sentences × beams), in microseconds per call, beside fp32 and
 bf16, with each kernel's largest error against fp32 relative to the largest fp32 output, and whether its int8 products
 saturate on this CPU (`saturating_kernels`):
 
-* `torch.ao`: `quantize_dynamic` with per-channel weights, what `--int8` runs (fbgemm; it quantizes the activations
-  per tensor inside the same call);
+* `Int8Linear`: `vaswani.inference.Int8Linear`, what `--int8` runs (fbgemm, the activations quantized per row by
+  torch operations around the call);
 * `torchao`: torchao's `Int8DynamicActivationInt8WeightConfig`, eager (the package's maintained successor; skipped
   when torchao is not installed);
 * `onednn`: torch's oneDNN int8 linear (`torch.ops.onednn.qlinear_pointwise`, the kernel that inductor's x86 int8
@@ -26,17 +26,18 @@ import importlib.util
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from vaswani.inference import Int8Linear
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Column, add_result_arguments, command_line, csv_of, pick_device, result_name, write_report  # noqa: E402
 
-KERNELS = ("fp32", "bf16", "torch.ao", "torchao", "onednn", "_int_mm", "int8 weights only")
+KERNELS = ("fp32", "bf16", "Int8Linear", "torchao", "onednn", "_int_mm", "int8 weights only")
 # The main job's model (scripts/main_job.sh): d_model 256, d_ff 1,024, 8,000 tokens.
 MAIN_JOB_SHAPES = {"d_model": 256, "d_ff": 1024, "vocab_size": 8000}
 
@@ -68,13 +69,6 @@ def kernels(linear: torch.nn.Linear, rows: int, names) -> dict[str, Callable[[to
         w16, b16 = weight.bfloat16(), bias.bfloat16()
         return lambda x: F.linear(x.bfloat16(), w16, b16).float()
 
-    def torch_ao():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-            return torch.ao.quantization.quantize_dynamic(
-                torch.nn.Sequential(linear), {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
-                dtype=torch.qint8)
-
     def torchao():
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
@@ -105,7 +99,7 @@ def kernels(linear: torch.nn.Linear, rows: int, names) -> dict[str, Callable[[to
     makers = {
         "fp32": lambda: lambda x: F.linear(x, weight, bias),
         "bf16": bf16,
-        "torch.ao": torch_ao,
+        "Int8Linear": lambda: Int8Linear(linear),
         "torchao": torchao,
         "onednn": onednn,
         "_int_mm": lambda: int_mm,
@@ -192,7 +186,7 @@ def run(args: argparse.Namespace, argv) -> Path:
                 rows.append({
                     "layer": layer, "in_features": in_features, "out_features": out_features, "rows": count,
                     "kernel": name, "microseconds": timings[name],
-                    "x_torch_ao": timings["torch.ao"] / timings[name] if "torch.ao" in timings else None,
+                    "x_int8": timings["Int8Linear"] / timings[name] if "Int8Linear" in timings else None,
                     "x_fp32": timings["fp32"] / timings[name] if "fp32" in timings else None,
                     "relative_error": errors[name], "saturates": name in saturating,
                 })
@@ -205,7 +199,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("kernel", "kernel"),
         Column("microseconds", "µs per call", "{:.1f}"),
         Column("x_fp32", "speed × fp32", "{:.2f}"),
-        Column("x_torch_ao", "speed × torch.ao", "{:.2f}"),
+        Column("x_int8", "speed × Int8Linear", "{:.2f}"),
         Column("relative_error", "max error ÷ max output", "{:.1e}"),
         Column("saturates", "16-bit sums saturate"),
     ]
@@ -214,14 +208,14 @@ def run(args: argparse.Namespace, argv) -> Path:
     notes = [
         f"One linear layer of each kind, {source}; inputs are random normal rows. µs per call: the fastest of "
         f"{args.repeats} timed loops of at least {args.min_seconds} s each, in one process, after one warm call.",
-        "speed × torch.ao above 1 is faster than what --int8 runs today. Error: the largest absolute difference "
+        "speed × Int8Linear above 1 is faster than what --int8 runs. Error: the largest absolute difference "
         "from the fp32 output, divided by the largest fp32 output.",
-        "Every int8 kernel uses the same symmetric per-output-channel int8 weights; torch.ao, torchao and onednn "
-        "quantize activations per tensor and call, _int_mm per row.",
+        "Every int8 kernel uses the same symmetric per-output-channel int8 weights; torchao and onednn quantize "
+        "activations per tensor and call, Int8Linear and _int_mm per row.",
         "16-bit sums saturate: True where the kernel adds pairs of int8 products in 16 bits on this CPU (without VNNI, "
         "or with ONEDNN_MAX_CPU_ISA / FBGEMM_ENABLE_INSTRUCTIONS set below it), found on a probe layer where int8 "
-        "rounding is exact; its error is then that of the saturation, not int8 rounding's. torch.ao keeps 7-bit "
-        f"activations (reduce_range) for that reason. ATen's CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+        "rounding is exact; its error is then that of the saturation, not int8 rounding's. Int8Linear keeps 7-bit "
+        f"activations for that reason. ATen's CPU capability: {torch.backends.cpu.get_cpu_capability()}"
         + "".join(f"; {name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
                   if name in os.environ) + ".",
     ]

@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +44,7 @@ from vaswani.export import export_to_ctranslate2
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
 from vaswani.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani.tokenization_vaswani import VaswaniTokenizer
+from vaswani.translation import CTranslate2Engine, generate_token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -72,11 +72,10 @@ from common import (  # noqa: E402
 ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop",
                  "vaswani-lean": "Vaswani lean loop", "vaswani-int8": "Vaswani int8",
                  "vaswani-int8-hfloop": "Vaswani int8 transformers' loop", "vaswani-compiled": "Vaswani compiled",
-                 "vaswani-int8-pertensor": "Vaswani int8 per-tensor (torch.ao)",
                  "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32",
                  "vaswani-bf16": "Vaswani bf16", "marian-bf16": "Marian (HF) bf16"}
-TORCH_OPTIONS = {"int8", "pertensor", "hfloop", "lean", "graphs", "compiled", "bf16"}
+TORCH_OPTIONS = {"int8", "hfloop", "lean", "graphs", "compiled", "bf16"}
 
 DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-compiled", "marian"]
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
@@ -89,10 +88,9 @@ DEFAULT_NEW_TOKENS = 16
 # model only); forced: exactly --new_tokens tokens per sentence, identical work whatever the weights.
 STOPPING = ("eos", "forced")
 # The kernels of a PyTorch engine's linear layers on a CPU, as torch.profiler names them: fp32 (`aten::addmm` with a
-# bias, `aten::mm` without, as in a tied output projection), `--int8`'s fbgemm product (its per-row quantization and
-# scaling are elementwise operators, not counted) and torch.ao's dynamic int8 layers (`-pertensor`).
-LINEAR_KERNELS = {"aten::addmm", "aten::mm", "quantized::linear_with_input_q_dq_qweight_dq_output_fp32",
-                  "quantized::linear_dynamic"}
+# bias, `aten::mm` without, as in a tied output projection) and `--int8`'s fbgemm product (its per-row quantization
+# and scaling are elementwise operators, not counted).
+LINEAR_KERNELS = {"aten::addmm", "aten::mm", "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"}
 
 
 class TorchEngine:
@@ -103,9 +101,6 @@ class TorchEngine:
 
     * `int8`: `vaswani.inference.quantize_for_cpu` (fp32 weights quantized once at load) and
       `keep_freed_cpu_memory()`, as `--int8` does in the scripts (`vaswani-int8` is the scripts' `--int8` path);
-    * `pertensor` (with `int8`): torch.ao's dynamic quantization instead (`quantize_per_tensor_with_torch_ao`: the same
-      per-channel int8 weights, one activation scale per tensor and call), what `--int8` ran before its scales
-      became per row, so that both are measured in the same run;
     * `hfloop`: transformers' own decoding loop (`generate(..., lean_decoding=False)`);
     * `lean`: the lean loop on any device (`generate(..., lean_decoding=True)`);
     * `graphs`: `generate(..., cuda_graphs=True)`: static shapes, each decoding step recorded once as a
@@ -121,11 +116,8 @@ class TorchEngine:
         base, *options = name.split("-")
         if set(options) - TORCH_OPTIONS or (base == "marian" and set(options) - {"bf16"}) or base not in (
                 "vaswani", "marian") or {"int8", "bf16"} <= set(options):
-            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8[-pertensor]|-bf16][-hfloop|-lean|-graphs]"
-                             "[-compiled] "
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs][-compiled] "
                              "or marian[-bf16].")
-        if "pertensor" in options and "int8" not in options:
-            raise ValueError(f"Engine {name!r}: -pertensor is a kind of -int8 (vaswani-int8-pertensor).")
         if model_dir:  # the trained checkpoint, or the Marian model computing the same function
             self.model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
             self.model = (to_marian(self.model) if base == "marian" else self.model).to(device.device, device.dtype)
@@ -135,8 +127,7 @@ class TorchEngine:
         if "bf16" in options:
             self.model = self.model.to(torch.bfloat16)
         if "int8" in options:
-            quantize = quantize_per_tensor_with_torch_ao if "pertensor" in options else quantize_for_cpu
-            self.model = quantize(self.model)
+            self.model = quantize_for_cpu(self.model)
             keep_freed_cpu_memory()
         if "hfloop" in options or "lean" in options:
             self.model.generate = functools.partial(self.model.generate, lean_decoding="lean" in options)
@@ -147,35 +138,21 @@ class TorchEngine:
         self.device, self.pad = device, self.model.config.pad_token_id
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
-        """Each sentence's generated token ids, without the decoder start token, its end of sentence and padding."""
+        """Each sentence's generated token ids (`vaswani.translation.generate_token_ids`, the package engine's own
+        generate() call), without the decoder start token, its end of sentence and padding."""
         width = max(map(len, batch))
         ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
         # Forced: no stopping on EOS, exactly new_tokens steps (see the module docstring).
         stopping = {} if stop_at_eos else {"eos_token_id": None}
-        with torch.inference_mode(), sdpa_backend(self.attention_kernel):
-            out = self.model.generate(input_ids=ids, attention_mask=ids != self.pad, num_beams=beams, do_sample=False,
+        with sdpa_backend(self.attention_kernel):
+            return generate_token_ids(self.model, ids, ids != self.pad, num_beams=beams, do_sample=False,
                                       max_new_tokens=new_tokens, **stopping)
-        if not stop_at_eos:
-            return out[:, 1:].tolist()  # the first column is the decoder start token
-        eos = self.model.generation_config.eos_token_id
-        return [_until(row, {eos, self.pad}) for row in out[:, 1:].tolist()]
 
     def close(self):
         del self.model
 
 
 STARTED = time.monotonic()  # for the progress lines
-
-
-def quantize_per_tensor_with_torch_ao(model):
-    """torch.ao's dynamic int8 quantization of every `nn.Linear` of `model` (per-channel weights, fbgemm), in place:
-    one activation scale per tensor and call, from its range, so a row's numbers depend on the rows beside it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        torch.ao.quantization.quantize_dynamic(
-            model, {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
-        )
-    return model.eval()
 
 
 class CT2Engine:
@@ -205,7 +182,7 @@ class CT2Engine:
             intra_threads=threads or torch.get_num_threads(),
             inter_threads=1,
         )
-        self.tokens, self.ids = tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_ids
+        self.tokenizer = tokenizer
 
     @staticmethod
     def _convert(source, config, tokenizer, seed, workdir: Path, model_dir: Path) -> None:
@@ -231,15 +208,11 @@ class CT2Engine:
         InMemoryConverter(str(config_dir)).convert(str(model_dir), force=True)
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
-        results = self.translator.translate_batch(
-            [self.tokens(s) for s in batch],
-            beam_size=beams,
-            num_hypotheses=1,
-            min_decoding_length=0 if stop_at_eos else new_tokens,
-            max_decoding_length=new_tokens,
-            max_input_length=0,
-        )
-        return [self.ids(r.hypotheses[0]) for r in results]  # CTranslate2 leaves the end of sentence out
+        """Each sentence's generated token ids through the package's engine (`vaswani.translation.CTranslate2Engine`);
+        forced: `min_decoding_length` = `max_decoding_length`, so EOS is masked until then."""
+        engine = CTranslate2Engine(self.translator, self.tokenizer, num_beams=beams, max_new_tokens=new_tokens,
+                                   min_decoding_length=0 if stop_at_eos else new_tokens)
+        return engine.generate_ids(batch)
 
     def close(self):
         del self.translator
@@ -257,11 +230,6 @@ class _MarianVocabulary:
 
     def get_vocab(self):
         return self.vocab
-
-
-def _until(row: list[int], stops: set[int]) -> list[int]:
-    """The tokens of `row` before the first of `stops`."""
-    return next((row[:i] for i, token in enumerate(row) if token in stops), row)
 
 
 def make_engine(name, config, tokenizer, device_name, threads, seed, sdpa_backend, workdir, keep_freed_memory,
@@ -470,9 +438,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         "generate() in bf16); PyTorch engines call `generate()` with the "
         "default attention implementation (sdpa). Vaswani int8 = the same fp32 model after "
         "vaswani.inference.quantize_for_cpu (every nn.Linear, lm_head included, on fbgemm's int8 kernel: "
-        "int8 weights per output channel, activations quantized per row at each call) with keep_freed_cpu_memory(); "
-        "Vaswani int8 per-tensor = torch.ao's dynamic quantization instead (the same weights, one activation scale "
-        "per tensor and call), what --int8 ran before. "
+        "int8 weights per output channel, activations quantized per row at each call) with keep_freed_cpu_memory(). "
         "Vaswani = generate() as users call it, which decodes with the lean loop of vaswani.generation_vaswani "
         "on a CPU (the same tokens as transformers' loop, less work per step) and with transformers' loop on other "
         "devices; Vaswani lean loop = generate(..., lean_decoding=True); Vaswani transformers' loop = "
@@ -629,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani[-int8[-pertensor] (CPU only)|-bf16][-hfloop|-lean|-graphs][-compiled], marian[-bf16], "
+                        help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs][-compiled], marian[-bf16], "
                         "ct2-<compute type> "
                         "(CTranslate2 running the Marian twin: ct2-float32, ct2-int8, ct2-bfloat16 …), "
                         "vaswani-ct2-<compute type> (CTranslate2 running the exported Vaswani model); default: "

@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import ctypes
 import gc
-import gzip
 import hashlib
 import json
 import os
@@ -30,14 +29,15 @@ import transformers
 from transformers import MarianConfig, MarianMTModel
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
+from vaswani.data import cached_corpus_tokenizer, load_translation_dataset
 from vaswani.loading import choose_device
-from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
+from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS_DIR.parent
 RESULTS_DIR = BENCHMARKS_DIR / "results"
-CACHE_DIR = BENCHMARKS_DIR / ".cache"  # gitignored: tokenizers and converted CTranslate2 models
-CORPUS_ENV_VAR = "VASWANI_FRA_ENG"
+CACHE_DIR = BENCHMARKS_DIR / ".cache"  # gitignored: the corpus' splits, its tokenizer, converted CTranslate2 models
 SHARED_CORPUS = REPO_ROOT.parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 # The paper's En-Fr vocabulary: 32,000 word pieces (§5.1).
 DEFAULT_VOCAB_SIZE = 32000
@@ -206,42 +206,9 @@ def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float |
 
 
 def resolve_corpus(path: str | None = None) -> Path:
-    """--corpus, else $VASWANI_FRA_ENG, else the shared copy next to the repository. Never downloaded."""
-    candidate = path or os.environ.get(CORPUS_ENV_VAR) or SHARED_CORPUS
-    candidate = Path(candidate).expanduser()
-    if not candidate.is_file():
-        raise FileNotFoundError(
-            f"English-French corpus {candidate} not found: pass --corpus PATH or set ${CORPUS_ENV_VAR} to a "
-            "(gzipped) `english<TAB>french` file."
-        )
-    return candidate
-
-
-def load_pairs(path: Path) -> list[tuple[str, str]]:
-    """All (english, french) pairs of a `english<TAB>french` file, gzipped or not, in file order."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    pairs = []
-    with opener(path, "rt", encoding="utf-8") as lines:
-        for line in lines:
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) >= 2 and fields[0].strip() and fields[1].strip():
-                pairs.append((fields[0], fields[1]))
-    return pairs
-
-
-def _file_key(path: Path) -> str:
-    """The file's content hash: the same corpus finds its tokenizer wherever it is (a GPU machine's copy included)."""
-    return hashlib.sha1(path.read_bytes()).hexdigest()[:10]
-
-
-def get_tokenizer(corpus: Path, pairs: Sequence[tuple[str, str]], vocab_size: int, cache_dir: Path) -> VaswaniTokenizer:
-    """The project's joint En-Fr BPE (`train_tokenizer`) trained on the whole corpus, cached per corpus file."""
-    directory = cache_dir / f"tokenizer-{vocab_size}-{_file_key(corpus)}"
-    if (directory / "tokenizer.json").is_file():
-        return VaswaniTokenizer.from_pretrained(directory)
-    tokenizer = train_tokenizer((text for pair in pairs for text in pair), vocab_size)
-    tokenizer.save_pretrained(directory)
-    return tokenizer
+    """The corpus as the scripts find it (`vaswani.corpus.resolve_corpus_path`): --corpus, else $VASWANI_FRA_ENG,
+    else the shared copy next to the repository, else manythings.org's download."""
+    return resolve_corpus_path(path, SHARED_CORPUS)
 
 
 def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) -> list[tuple[str, str]]:
@@ -457,9 +424,11 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> None:
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
     parser.add_argument("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
-    parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR} or {SHARED_CORPUS}")
+    parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else "
+                        f"{SHARED_CORPUS}, else a download")
     parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
-    parser.add_argument("--cache_dir", type=Path, default=CACHE_DIR, help="tokenizers and converted models")
+    parser.add_argument("--cache_dir", type=Path, default=CACHE_DIR,
+                        help="the corpus' splits and tokenizer (under data/), converted models")
     add_result_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
@@ -501,9 +470,13 @@ def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Ca
 
 
 def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
+    """The corpus file, all its sentence pairs (`vaswani.corpus.read_parallel_tsv`) and the project's joint En-Fr
+    BPE as training makes it (`vaswani.data.cached_corpus_tokenizer`): trained on the train split only, and cached
+    beside that split's Arrow files under --cache_dir/data, which GPU sessions carry."""
     corpus = resolve_corpus(args.corpus)
-    pairs = load_pairs(corpus)
-    return corpus, pairs, get_tokenizer(corpus, pairs, args.vocab_size, args.cache_dir)
+    pairs, _ = read_parallel_tsv(corpus)
+    train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
+    return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
 
 
 def result_name(args, benchmark: str, device) -> str:

@@ -6,7 +6,10 @@
 #             checkout's version, datasets (5.x, and in .whl/datasets4/ datasets 4.0 for a pyarrow older than 24, with
 #             the dill, multiprocess and fsspec each pins) and evaluate. gpu_session.sh installs them first.
 #   .corpus/  the fra-eng corpus, which is not in the repository (../shared does not travel)
-#   benchmarks/.cache/ (already ignored) the benchmarks' joint BPE tokenizer, trained here on first use
+#   benchmarks/.cache/ (already ignored) the corpus' splits in Arrow, found again there by the corpus' content, and
+#             the benchmarks' joint BPE tokenizer trained on the train split. The tokenizer's cache key includes the
+#             split file's path and time (datasets' fingerprint), so where the checkout lies elsewhere it is trained
+#             again there, offline, in seconds
 #
 # It prints the call to make: RESULTS_DIR=$OUT VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh
 # STAGE…, carrying .whl, .corpus and benchmarks/.cache. Needs a package registry (pip download) and the corpus
@@ -35,7 +38,7 @@ print(f'transformers=={transformers.__version__} datasets=={datasets.__version__
       f'multiprocess=={multiprocess.__version__} fsspec=={fsspec.__version__}')")
 download --dest .whl $versions evaluate==0.4.6
 download --dest .whl/datasets4 datasets==4.0.0 dill==0.3.8 multiprocess==0.70.16 fsspec==2025.3.0
-# The tokenizer the benchmarks train on first use (a minute here, and the same on the GPU machine otherwise).
+# The corpus' splits and the tokenizer, which the benchmarks otherwise make on first use.
 python3 - <<'EOF'
 import argparse
 import sys

@@ -19,12 +19,12 @@ import pstats
 import sys
 import tempfile
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from vaswani.inference import quantize_for_cpu
 from vaswani.modeling_vaswani import CACHE_NAME  # the cache's name in this transformers release
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +47,7 @@ from common import (  # noqa: E402
 # First match wins; matched against the aten op name.
 CATEGORIES = (
     ("matmul (linear layers, logits)", ("addmm", "aten::mm", "bmm", "baddbmm", "_mkl_linear", "mkldnn_linear",
-                                        "aten::linear", "linear_dynamic", "quantized::linear")),
+                                        "aten::linear", "quantized::linear")),
     ("attention kernel", ("scaled_dot_product", "_flash_attention", "_efficient_attention", "softmax_backward")),
     ("softmax / log-softmax / loss", ("softmax", "nll_loss", "cross_entropy")),
     ("search (topk, sort, argmax)", ("topk", "sort", "argmax", "aten::max", "aten::gather", "aten::multinomial")),
@@ -158,9 +158,7 @@ def what_if_variants(model):
     import copy
 
     def int8(m):
-        with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated in favour of torchao
-            warnings.simplefilter("ignore")
-            return torch.ao.quantization.quantize_dynamic(copy.deepcopy(m), {torch.nn.Linear}, dtype=torch.qint8)
+        return quantize_for_cpu(copy.deepcopy(m))
 
     def no_cross_reorder(m):
         m = copy.copy(m)  # shares the weights; only the hook differs
@@ -171,7 +169,7 @@ def what_if_variants(model):
         "fp32, as shipped": lambda: model,
         "fp32, beam search skips the cross-attention cache reorder": lambda: no_cross_reorder(model),
         "bf16 weights (AVX512-BF16 GEMMs)": lambda: copy.deepcopy(model).to(torch.bfloat16),
-        "int8 dynamic quantization of every nn.Linear (lm_head included)": lambda: int8(model),
+        "int8 of every nn.Linear, lm_head included (quantize_for_cpu, what --int8 runs)": lambda: int8(model),
         "int8 + skip the cross-attention reorder": lambda: no_cross_reorder(int8(model)),
     }
 
@@ -195,7 +193,7 @@ def run(args: argparse.Namespace, argv) -> Path:
             width = max(source_lengths)
             input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch])
             mask = input_ids != pad
-            translate = lambda: engine.translate(batch, beams, args.new_tokens)  # noqa: E731
+            translate = lambda: engine.translate(batch, beams, args.new_tokens, stop_at_eos=False)  # noqa: E731
             floor = lambda: forward_floor(model, input_ids, mask, beams, args.new_tokens,  # noqa: E731
                                           model.config.decoder_start_token_id)
             translate(), floor()  # warm-up
@@ -227,7 +225,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     for label, make in what_if_variants(shipped).items():
         vaswani.model = make()
         for beams in args.beams:
-            translate = lambda: vaswani.translate(batch, beams, args.new_tokens)  # noqa: E731
+            translate = lambda: vaswani.translate(batch, beams, args.new_tokens, stop_at_eos=False)  # noqa: E731
             translate()
             wall = best_of(args.repeats, translate)
             row = {"variant": label, "beams": beams, "generate_s": wall}
@@ -247,8 +245,9 @@ def run(args: argparse.Namespace, argv) -> Path:
             for name in ("ct2-float32", "ct2-int8"):
                 engine = CT2Engine(name, config, tokenizer, device, args.seed, args.threads, Path(workdir))
                 for beams in args.beams:
-                    engine.translate(batch, beams, args.new_tokens)
-                    wall = best_of(args.repeats, lambda: engine.translate(batch, beams, args.new_tokens))
+                    translate = lambda: engine.translate(batch, beams, args.new_tokens, stop_at_eos=False)  # noqa: E731
+                    translate()
+                    wall = best_of(args.repeats, translate)
                     flops = decode_flops(config, source_lengths, beams, args.new_tokens)
                     generation_rows.append({"engine": name, "engine_label": ENGINE_LABELS[name], "beams": beams,
                                             "generate_s": wall, "model_gflops_per_s": flops / wall / 1e9})

@@ -231,7 +231,7 @@ def test_decoding_loops_benchmark(corpus, tmp_path):
 
 
 def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
-    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8's torch.ao path)."""
+    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8)."""
     pytest.importorskip("torchao")
     path = load("bench_decoding_loops").main(
         ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
@@ -299,7 +299,7 @@ def test_int8_kernels_benchmark(tmp_path):
     report = check_report(path, "bench_int8_kernels", {"layer", "rows", "kernel", "microseconds", "relative_error"})
     results = report["results"]
     kernels = {row["kernel"] for row in results}
-    assert {"fp32", "bf16", "torch.ao", "onednn", "_int_mm", "int8 weights only"} <= kernels
+    assert {"fp32", "bf16", "Int8Linear", "onednn", "_int_mm", "int8 weights only"} <= kernels
     assert {row["layer"] for row in results} == {"attention projection", "feed-forward in", "feed-forward out",
                                                   "output projection"}
     for row in results:
@@ -309,7 +309,7 @@ def test_int8_kernels_benchmark(tmp_path):
         elif not row["saturates"]:
             assert row["relative_error"] < 0.1, row
     saturating = {row["kernel"] for row in results if row["saturates"]}
-    assert saturating <= {"torch.ao", "torchao", "onednn", "_int_mm"}  # the kernels with int8 activations
+    assert saturating <= {"torchao", "onednn", "_int_mm"}  # the kernels with int8 activations
     if (onednn_saturates := _onednn_saturates_here()) is not None:
         assert ("onednn" in saturating) == onednn_saturates, saturating
     assert "saturate" in (path.with_suffix(".md")).read_text()
@@ -383,3 +383,84 @@ def test_gpu_scripts_give_train_translation_arguments_it_parses():
     sharded = fsdp.training_arguments(Path("out"), 10) + ["--fsdp", "--fsdp_config", '{"reshard_after_forward": true}']
     namespace = parser.parse_args(sharded)
     assert namespace.fsdp is True and namespace.max_steps == 10
+
+
+def _old_harness_ids(model, batch, beams, new_tokens, stop_at_eos):
+    """What the benchmark's engine returned before it called the package: generate() on the batch padded with the
+    model's pad id, the decoder start column dropped, and with eos stopping each row cut at its first eos or pad."""
+    pad = model.config.pad_token_id
+    width = max(map(len, batch))
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=ids != pad, num_beams=beams, do_sample=False,
+                             max_new_tokens=new_tokens, **({} if stop_at_eos else {"eos_token_id": None}))
+    rows = out[:, 1:].tolist()
+    if not stop_at_eos:
+        return rows
+    stops = {model.generation_config.eos_token_id, pad}
+    return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
+
+
+@pytest.mark.parametrize("weights", ["random", "trained"])
+@pytest.mark.parametrize("name", ["vaswani", "marian"])
+def test_benchmark_torch_engine_is_the_package_engine(tmp_path, weights, name):
+    """The benchmark's PyTorch engine gives the token ids it gave before it called the package, and the package's
+    `TorchEngine` gives the same translations, greedy and beam, stopping at eos and forced to a length."""
+    from tiny_translation_model import SOURCES, build_tokenizer
+
+    from vaswani import VaswaniConfig
+    from vaswani.translation import TorchEngine as PackageEngine
+
+    bench, common = load("bench_translation"), load("common")
+    tokenizer = build_tokenizer()
+    config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
+    model_dir = _tiny_checkpoint(tmp_path) if weights == "trained" else None
+    engine = bench.TorchEngine(name, config, tokenizer, common.pick_device("cpu", 1), seed=0, model_dir=model_dir)
+    batch = sorted(tokenizer(SOURCES)["input_ids"], key=len)
+    for beams in (1, 3):
+        for stop_at_eos in (True, False):
+            ids = engine.translate(batch, beams, 7, stop_at_eos)
+            assert ids == _old_harness_ids(engine.model, batch, beams, 7, stop_at_eos), (beams, stop_at_eos)
+            if not stop_at_eos:
+                assert {len(row) for row in ids} == {7}
+            elif weights == "trained":  # some sentences end before the limit, so the cut at their end is exercised
+                assert min(map(len, ids)) < 7
+            if name == "vaswani":  # the package engine pads with the tokenizer, whose pad is Vaswani's
+                options = dict(num_beams=beams, max_new_tokens=7, do_sample=False,
+                               **({} if stop_at_eos else {"eos_token_id": None}))
+                translations = PackageEngine(engine.model, tokenizer, **options).translate_batch(batch)
+                assert translations == tokenizer.batch_decode(ids, skip_special_tokens=True)
+                # what the package engine returned before it called generate_token_ids: whole rows, decoded
+                padded = tokenizer.pad({"input_ids": batch}, return_tensors="pt")
+                with torch.inference_mode():
+                    whole = engine.model.generate(**padded, **options)
+                assert translations == tokenizer.batch_decode(whole, skip_special_tokens=True)
+
+
+def test_benchmark_ctranslate2_engine_is_the_package_engine(tmp_path):
+    """The benchmark's CTranslate2 engine calls the package's `CTranslate2Engine`, whose translations it decodes from,
+    and gives the ids of the direct `translate_batch` call it made before, at eos and forced to a length."""
+    pytest.importorskip("ctranslate2")
+    from tiny_translation_model import SOURCES
+
+    from vaswani.tokenization_vaswani import VaswaniTokenizer
+    from vaswani.translation import CTranslate2Engine
+
+    bench, common = load("bench_translation"), load("common")
+    model_dir = _tiny_checkpoint(tmp_path)
+    tokenizer = VaswaniTokenizer.from_pretrained(model_dir)
+    engine = bench.CT2Engine("ct2-float32", None, tokenizer, common.pick_device("cpu", 1), 0, 1, tmp_path / "work",
+                             checkpoint=model_dir)
+    batch = sorted(tokenizer(SOURCES)["input_ids"], key=len)
+    for beams in (1, 3):
+        for stop_at_eos in (True, False):
+            ids = engine.translate(batch, beams, 7, stop_at_eos)
+            direct = engine.translator.translate_batch(
+                [tokenizer.convert_ids_to_tokens(s) for s in batch], beam_size=beams, num_hypotheses=1,
+                min_decoding_length=0 if stop_at_eos else 7, max_decoding_length=7, max_input_length=0)
+            assert ids == [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in direct], (beams, stop_at_eos)
+            if not stop_at_eos:
+                assert {len(row) for row in ids} == {7}
+            package = CTranslate2Engine(engine.translator, tokenizer, num_beams=beams, max_new_tokens=7,
+                                        min_decoding_length=0 if stop_at_eos else 7)
+            assert package.translate_batch(batch) == [tokenizer.decode(row, skip_special_tokens=True) for row in ids]

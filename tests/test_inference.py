@@ -131,9 +131,8 @@ def test_scripts_refuse_int8_off_the_cpu_in_one_line(checkpoint, capsys):
     assert err.strip().splitlines()[-1].startswith("error: int8 quantization runs on CPU only")
 
 
-@pytest.mark.parametrize("name", ["vaswani-int8", "vaswani-int8-pertensor"])
-def test_benchmark_int8_engine(trained, tmp_path, name):
-    """The benchmark's `--int8` engine and, beside it, torch.ao's per-tensor int8 that `--int8` ran before."""
+def test_benchmark_int8_engine(trained, tmp_path):
+    """The benchmark's `vaswani-int8` engine is the scripts' `--int8` path."""
     sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
     from bench_translation import TorchEngine
 
@@ -142,9 +141,9 @@ def test_benchmark_int8_engine(trained, tmp_path, name):
     _, tokenizer = trained
     config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
     threads = torch.get_num_threads()
-    engine = TorchEngine(name, config, tokenizer, pick_device("cpu", 1), seed=0)
+    engine = TorchEngine("vaswani-int8", config, tokenizer, pick_device("cpu", 1), seed=0)
     torch.set_num_threads(threads)
     assert plain_linears(engine.model) == [] and engine.parameters > 0
-    assert isinstance(engine.model.lm_head, Int8Linear) == (name == "vaswani-int8")
+    assert isinstance(engine.model.lm_head, Int8Linear)
     translations = engine.translate(tokenizer(SOURCES[:2])["input_ids"], beams=2, new_tokens=3, stop_at_eos=False)
     assert list(map(len, translations)) == [3, 3]

@@ -8,9 +8,8 @@ output projection take most of its time (benchmarks/results/profile-cpu.md). `qu
 row, that is per token), so the GEMMs run on fbgemm's int8 kernels with int32 accumulation. This is what
 CTranslate2's `int8` compute type does. Because integer products accumulate exactly, a row's result depends on that
 row alone, on any CPU: int8 makes a sentence's translation depend on its batch no more than fp32 does
-(tests/test_decoding.py). Quantizing each row takes a few elementwise operators around the kernel, which torch.ao's
-per-tensor scheme did inside it: its speed against that scheme and fp32, and its BLEU, are in
-benchmarks/results/translation-cpu-int8-per-row.md and int8-per-row-bleu-cpu.md.
+(tests/test_decoding.py). Quantizing each row takes a few elementwise operators around the kernel: its speed against
+fp32, and its BLEU, are in benchmarks/results/translation-cpu-int8-per-row.md and int8-per-row-bleu-cpu.md.
 
 The decoding loop itself is made leaner by `vaswani.generation_vaswani` (the same outputs, less work per step),
 which `generate()` uses with or without int8.
@@ -147,9 +146,9 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
     `copy.deepcopy` to keep an fp32 model too. The result is for inference on CPU only (no autograd through int8
     weights, no `.to("cuda")`).
 
-    Why fbgemm through torch's quantized operators: every other int8 kernel torch offers measured slower than it on
-    the main job's layer shapes (torchao's eager int8, oneDNN's qlinear, `_int_mm`, `_weight_int8pack_mm`:
-    benchmarks/results/int8-kernels-cpu.md).
+    Why fbgemm through torch's quantized operators: every other int8 kernel torch offers (torchao's eager int8,
+    oneDNN's qlinear, `_int_mm`, `_weight_int8pack_mm`) measured slower than fbgemm on the main job's layer shapes;
+    benchmarks/bench_int8_kernels.py compares them with `Int8Linear`.
     """
     devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     if devices - {"cpu"}:

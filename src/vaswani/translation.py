@@ -4,7 +4,9 @@ input order, with the number of sources it truncated.
 
 Every caller goes through `translate`: `vaswani.evaluation` (BLEU during and after training), `vaswani.export`
 (the CTranslate2 export), `vaswani.file_translation` (which adds chunks, resume and processes) and the scripts.
-So one rule decides how sources are truncated and how the output length is limited, whichever engine runs.
+So one rule decides how sources are truncated and how the output length is limited, whichever engine runs. The
+benchmarks time the engines' own calls below the decoding to text: `generate_token_ids` and
+`CTranslate2Engine.generate_ids`.
 
 An engine has `max_source_length` (None: no limit), `positions` (what that limit counts, for the warning),
 `encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
@@ -73,10 +75,25 @@ class TorchEngine:
         padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
         limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
-        with torch.inference_mode():
-            output_ids = self.model.generate(input_ids=input_ids, attention_mask=padded["attention_mask"].to(
-                self.model.device), max_new_tokens=limit, **self.options)
-        return self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)
+        generated = generate_token_ids(self.model, input_ids, padded["attention_mask"].to(self.model.device),
+                                       max_new_tokens=limit, **self.options)
+        return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+
+
+def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       **generate_kwargs) -> list[list[int]]:
+    """`model.generate()` on a padded batch of sources, returning each sentence's generated token ids: without the
+    decoder start token, and up to its end of sentence or the padding that fills a finished row (neither included).
+    With `eos_token_id=None` nothing ends a sentence, and all `max_new_tokens` ids of every row are returned: the
+    forced length under which the benchmarks compare engines on identical work."""
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+    rows = output[:, 1:].tolist()  # the first column is the decoder start token
+    eos = generate_kwargs.get("eos_token_id", model.generation_config.eos_token_id)
+    if eos is None:
+        return rows
+    stops = {model.generation_config.pad_token_id, *(eos if isinstance(eos, list) else [eos])}
+    return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
 
 
 class CTranslate2Engine:
@@ -90,22 +107,29 @@ class CTranslate2Engine:
     positions = "exported positions"
 
     def __init__(self, translator, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None):
+                 max_source_length: int | None = None, min_decoding_length: int = 0):
+        """`min_decoding_length`: CTranslate2 masks the end of sentence until each output has that many tokens (with
+        `max_new_tokens` the same, every output is exactly that long)."""
         self.translator, self.tokenizer, self.num_beams = translator, tokenizer, num_beams
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.min_decoding_length = max_new_tokens, min_decoding_length
         self.max_source_length = max_source_length or tokenizer.model_max_length
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in self.generate_ids(batch)]
+
+    def generate_ids(self, batch: list[list[int]]) -> list[list[int]]:
+        """Each sentence's generated token ids (CTranslate2 leaves out the decoder start token and the end of
+        sentence), as `generate_token_ids` gives them for a transformers model."""
         sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
         limit = self.max_new_tokens if self.max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
         limit = min(limit, self.tokenizer.model_max_length)  # the decoder start token takes position 0
         results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
+                                                  min_decoding_length=self.min_decoding_length,
                                                   max_batch_size=len(batch))
-        return [self.tokenizer.decode(self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]),
-                                      skip_special_tokens=True) for result in results]
+        return [self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]) for result in results]
 
 
 def encode(tokenizer, sentences: Sequence[str], max_length: int | None = None) -> list[list[int]]:
