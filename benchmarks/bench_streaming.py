@@ -34,7 +34,7 @@ from vaswani.evaluation import translate
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, translate_file
 from vaswani.loading import load_translator
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import TorchEngine, generation_limits
+from vaswani.translation import TorchEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -112,12 +112,11 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
 
 def whole_file_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
     model, tokenizer = load_translator(args.model, "cpu", dtype=torch.float32)
-    max_source_length, max_new_tokens = generation_limits(model, TRANSLATE_MAX_NEW_TOKENS)
     input_path, output_path = workdir / "compare.en", workdir / "compare.fr"
     repeat_to(sentences, len(sentences), input_path)
     rows = []
     for beams in args.beams:
-        options = {"num_beams": beams, "max_new_tokens": max_new_tokens, "max_source_length": max_source_length}
+        options = {"num_beams": beams, "max_new_tokens": TRANSLATE_MAX_NEW_TOKENS}  # limits as translate.py's
 
         def whole_file():
             return translate(model, tokenizer, sentences, batch_size=WHOLE_FILE_BATCH, **options)

@@ -21,7 +21,7 @@ from vaswani.evaluation import score_corpus
 from vaswani.export import load_ctranslate2
 from vaswani.files import read_lines, write_atomically
 from vaswani.loading import DTYPES, load_translator
-from vaswani.translation import CTranslate2Engine, TorchEngine, generation_limits, translate
+from vaswani.translation import CTranslate2Engine, TorchEngine, translate
 
 # This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
 # names a file, so that nothing is downloaded.
@@ -89,10 +89,8 @@ def main(argv=None):
     else:
         model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding,
                                            dtype=DTYPES.get(args.dtype))
-        # The output limit of the model's positions; TorchEngine truncates sources by the same rule.
-        _, max_new_tokens = generation_limits(model, None)
         options = {} if args.length_penalty is None else {"length_penalty": args.length_penalty}
-        engine = TorchEngine(model, tokenizer, num_beams=args.num_beams, max_new_tokens=max_new_tokens, **options)
+        engine = TorchEngine(model, tokenizer, num_beams=args.num_beams, **options)  # the limits training's BLEU uses
     hypotheses = translate(engine, sources, max_sentences=args.batch_size).texts
     result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     engine_name = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else \

@@ -28,7 +28,7 @@ from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.export import load_ctranslate2
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
 from vaswani.loading import DTYPES, load_translator
-from vaswani.translation import CTranslate2Engine, TorchEngine, generation_limits
+from vaswani.translation import CTranslate2Engine, TorchEngine
 
 
 @user_errors_exit
@@ -84,10 +84,8 @@ def main(argv=None):
         beams = 1 if args.do_sample else args.num_beams
         model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding,
                                            dtype=args.dtype, num_beams=beams)
-        # The output limit of the model's positions; TorchEngine truncates sources by the same rule.
-        _, max_new_tokens = generation_limits(model, args.max_new_tokens)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-        engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=max_new_tokens,
+        engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=args.max_new_tokens,
                              **(sampling if args.do_sample else {}))
         precision = str(model.dtype).removeprefix("torch.")
     settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding",

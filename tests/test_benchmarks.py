@@ -387,7 +387,9 @@ def test_gpu_scripts_give_train_translation_arguments_it_parses():
 
 def _old_harness_ids(model, batch, beams, new_tokens, stop_at_eos):
     """What the benchmark's engine returned before it called the package: generate() on the batch padded with the
-    model's pad id, the decoder start column dropped, and with eos stopping each row cut at its first eos or pad."""
+    model's pad id, the decoder start column dropped, and with eos stopping each row cut at its first eos. (It also
+    cut at a pad generated before the eos, which the package's decoding never did: the harness now counts such a
+    token as the package decodes it.)"""
     pad = model.config.pad_token_id
     width = max(map(len, batch))
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch])
@@ -397,7 +399,7 @@ def _old_harness_ids(model, batch, beams, new_tokens, stop_at_eos):
     rows = out[:, 1:].tolist()
     if not stop_at_eos:
         return rows
-    stops = {model.generation_config.eos_token_id, pad}
+    stops = {model.generation_config.eos_token_id}
     return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
 
 

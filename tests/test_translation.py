@@ -107,6 +107,23 @@ def test_evaluation_and_the_translate_script_truncate_a_source_alike(request, po
         [line for line in warned.splitlines() if line.startswith("warning")] == ([warning] if positions_taken else [])
 
 
+def test_no_output_runs_past_a_learned_position_table_whatever_the_caller_asks(learned):
+    """The output limit is the engine's too: the default (longest source + 50) and an explicit one alike stop where a
+    learned position table ends, so evaluation, evaluate_bleu.py and translate.py decode with one rule."""
+    model, tokenizer = learned
+    _, longest = generation_limits(model, None)
+    asked = []
+    generate = model.generate
+    model.generate = lambda *args, **kwargs: (asked.append(kwargs["max_new_tokens"]), generate(*args, **kwargs))[1]
+    try:
+        for requested in (None, 10_000, 4):
+            translate_model(model, tokenizer, [LONG, "cat"], num_beams=1, max_new_tokens=requested, batch_size=1)
+    finally:
+        del model.generate
+    source = len(tokenizer("cat")["input_ids"])
+    assert asked == [longest, min(longest, source + 50), longest, longest, 4, 4]
+
+
 def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
     lengths = [3, 9, 1, 9, 4, 7, 2]
     # Sorted by length, longest first (ties in input order), then cut every max_sentences.

@@ -54,7 +54,8 @@ class TorchEngine:
     """Batches of token ids → translations with `model.generate()`. `max_new_tokens=None` allows the batch's
     longest source plus 50 tokens (the paper's limit; a batch holds sentences of similar length, so that is close
     to the per-sentence rule); `max_source_length` is where sources are truncated, by default where the model's
-    positions end (`generation_limits`: learned positions' table; no limit with sinusoidal or rotary positions)."""
+    positions end. Whatever the caller asks, no output runs past a learned position table
+    (`generation_limits`; sinusoidal and rotary positions have no end)."""
 
     positions = "learned positions"
 
@@ -62,9 +63,8 @@ class TorchEngine:
                  max_source_length: int | None = None, **generate_kwargs):
         check_tokenizer_fits(model, tokenizer)
         self.model, self.tokenizer = model.eval(), tokenizer
-        if max_source_length is None:
-            max_source_length, _ = generation_limits(model, None)
-        self.max_source_length = max_source_length
+        table, self.longest_output = generation_limits(model, None)
+        self.max_source_length = table if max_source_length is None else max_source_length
         self.options = {"num_beams": num_beams, **generate_kwargs}
         self.max_new_tokens = max_new_tokens
 
@@ -75,6 +75,7 @@ class TorchEngine:
         padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
         limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
+        limit = min(limit, self.longest_output or limit)
         generated = generate_token_ids(self.model, input_ids, padded["attention_mask"].to(self.model.device),
                                        max_new_tokens=limit, **self.options)
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
@@ -83,16 +84,16 @@ class TorchEngine:
 def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        **generate_kwargs) -> list[list[int]]:
     """`model.generate()` on a padded batch of sources, returning each sentence's generated token ids: without the
-    decoder start token, and up to its end of sentence or the padding that fills a finished row (neither included).
-    With `eos_token_id=None` nothing ends a sentence, and all `max_new_tokens` ids of every row are returned: the
-    forced length under which the benchmarks compare engines on identical work."""
+    decoder start token, and up to its end of sentence (not included; what follows it in the batch's tensor is only
+    the filler of a finished row). With `eos_token_id=None` nothing ends a sentence, and all `max_new_tokens` ids of
+    every row are returned: the forced length under which the benchmarks compare engines on identical work."""
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
     rows = output[:, 1:].tolist()  # the first column is the decoder start token
     eos = generate_kwargs.get("eos_token_id", model.generation_config.eos_token_id)
     if eos is None:
         return rows
-    stops = {model.generation_config.pad_token_id, *(eos if isinstance(eos, list) else [eos])}
+    stops = set(eos if isinstance(eos, list) else [eos])
     return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
 
 
