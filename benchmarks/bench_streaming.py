@@ -168,7 +168,8 @@ def main(argv=None) -> Path:
             if "whole_file" in args.stages else []
     notes = [
         f"Input: the {len(test)} held-out test sentences of {corpus.name} (the checkpoint's split), repeated to each "
-        "line count. Timings on a shared 2-core CPU that other jobs were using: compare rows of one run, not runs.",
+        f"line count. The machine's load average when the rows were done: {os.getloadavg()[0]:.1f} (1 minute); compare "
+        "rows of one run, not runs.",
     ]
     if rows:
         notes.append(
