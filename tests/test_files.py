@@ -2,6 +2,7 @@
 and a failed or lost publish leaves the entry that was there."""
 
 import os
+import sys
 
 import pytest
 
@@ -55,10 +56,12 @@ def test_an_error_while_staging_keeps_the_old_directory(tmp_path):
 
 
 def test_a_failed_rename_puts_the_old_directory_back(tmp_path, monkeypatch):
+    """Where entries cannot be swapped in one step, the old one is renamed aside first and put back on a failure."""
     target, staging = tmp_path / "entry", tmp_path / "staged"
     target.mkdir()
     (target / "old.txt").write_text("old")
     staging.mkdir()
+    monkeypatch.setattr(files, "exchange", lambda *a: False)
     monkeypatch.setattr(files.os, "rename", lambda *a: (_ for _ in ()).throw(OSError("no space")))
     with pytest.raises(OSError, match="no space"):
         replace_directory(staging, target)
@@ -122,3 +125,26 @@ def test_publish_files_syncs_every_file_once(tmp_path, monkeypatch):
     publish_files(staging, directory, last="config.json")
     synced_files = sorted(synced)
     assert synced_files == ["config.json", "extra/new.py", "model.safetensors"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2 is Linux's")
+def test_on_linux_a_directory_is_replaced_in_one_step(tmp_path, monkeypatch):
+    """The old entry and the new one are swapped by one renameat2: the target never goes missing, nothing is renamed
+    aside, and the old entry is removed afterwards."""
+    target, staging = tmp_path / "entry", tmp_path / "staged"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    staging.mkdir()
+    (staging / "new.txt").write_text("new")
+    if not files.exchange(staging, target):
+        pytest.skip("this filesystem cannot swap entries")
+    files.exchange(staging, target)  # swapped back: the test's own probe is undone
+    renamed = []
+    monkeypatch.setattr(files.os, "rename", lambda *a: renamed.append(a))
+    monkeypatch.setattr(files.os, "replace", lambda *a: renamed.append(a))
+    assert replace_directory(staging, target) is True
+    assert renamed == []
+    assert entries(target) == ["new.txt"]
+    assert entries(tmp_path) == ["entry"]
+    with pytest.raises(FileNotFoundError):
+        files.exchange(tmp_path / "missing", target)

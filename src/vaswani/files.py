@@ -1,8 +1,11 @@
 """Files: UTF-8 lines read with the file and line named on error, and the one way the package writes a file or
 directory atomically."""
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,12 +100,17 @@ def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> 
     `staging` removed, where another process published `target` while this one was renaming (a cache entry both
     built; theirs is as good).
 
-    POSIX renames a directory only onto an absent or empty one, so an existing `target` is first renamed aside
-    (to a staging name) and removed once the new one is in. Between those two renames `target` is absent: a reader
-    finds no entry, never a partial or mixed one, and a crash there leaves the old entry under its staging name.
-    Only Linux's renameat2(RENAME_EXCHANGE), which the standard library does not offer, would close that window."""
+    On Linux an existing `target` is swapped with `staging` in one step (`exchange`), so a reader finds the old
+    entry or the new one, never neither. Elsewhere POSIX renames a directory only onto an absent or empty one, so an
+    existing `target` is first renamed aside (to a staging name) and removed once the new one is in: between those
+    two renames a reader finds no entry (never a partial or mixed one), and a crash there leaves the old entry under
+    its staging name."""
     staging, target = Path(staging), Path(target)
     sync_tree(staging)
+    if target.exists() and exchange(staging, target):
+        sync_directory(target.parent)
+        shutil.rmtree(staging, ignore_errors=True)  # now the old entry
+        return True
     aside = None
     if target.exists():
         aside = staging_path(target, f".old-{os.getpid()}")
@@ -123,6 +131,28 @@ def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> 
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return published
+
+
+# renameat2(2)'s arguments: paths relative to the working directory, and the flag that swaps two existing entries.
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+
+
+def exchange(first: str | os.PathLike, second: str | os.PathLike) -> bool:
+    """Swap two existing entries in one atomic step (Linux's renameat2 with RENAME_EXCHANGE, which the standard
+    library does not offer). False, with nothing changed, where the platform, its C library or the filesystem cannot;
+    any other failure is an OSError."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library older than glibc 2.28, or none that ctypes can open
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # an old kernel, or a filesystem without the flag
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(first), None, os.fspath(second))
 
 
 @contextmanager
