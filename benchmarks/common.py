@@ -31,8 +31,8 @@ from transformers import MarianConfig, MarianMTModel
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
-from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.loading import choose_device
+from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
@@ -472,8 +472,8 @@ def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Ca
 
 def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
     """The corpus file, all its sentence pairs (`vaswani.corpus.read_parallel_tsv`) and the project's joint En-Fr
-    BPE as training makes it (`vaswani.tokenization.cached_corpus_tokenizer`): trained on the train split only, and cached
-    beside that split's Arrow files under --cache_dir/data, which GPU sessions carry."""
+    BPE as training makes it (`vaswani.tokenization.cached_corpus_tokenizer`): trained on the train split only, and
+    cached beside that split's Arrow files under --cache_dir/data, which GPU sessions carry."""
     corpus = resolve_corpus(args.corpus)
     pairs, _ = read_parallel_tsv(corpus)
     train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
