@@ -139,7 +139,8 @@ class TorchEngine:
 
     def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
         """Each sentence's generated token ids (`vaswani.translation.generate_token_ids`, the package engine's own
-        generate() call), without the decoder start token, its end of sentence and padding."""
+        generate() call): without the decoder start token, up to its end of sentence (all `new_tokens` when
+        forced)."""
         width = max(map(len, batch))
         ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
         # Forced: no stopping on EOS, exactly new_tokens steps (see the module docstring).
