@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer, pipeline
 
-from conftest import script_main, tiny_config
+from conftest import fails_with_one_line, script_main, tiny_config
 from hub_stub import HubStub
 from test_training import SCRIPTS, synthetic_corpus, train_args
 from tiny_translation_model import build_model_and_tokenizer
@@ -48,16 +48,6 @@ from vaswani.training import (
 from vaswani.training import build_model_and_tokenizer as build_model_and_tokenizer_for_training
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def fails_with_one_line(main, argv, capsys, match: str) -> str:
-    """Run a script's main; it must exit with status 2 and end stderr with one `error: ...` line matching `match`."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("error: ") and match in last, last
-    return last
 
 
 def parse_training_args(argv):
