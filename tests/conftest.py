@@ -85,6 +85,11 @@ def fails_with_one_line(main, argv, capsys, match: str) -> str:
     return last
 
 
+def snapshot(directory: Path) -> dict:
+    """Every entry under `directory` and its bytes: what a refused command must leave as it found it."""
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in directory.rglob("*")}
+
+
 def other_names(path: Path, directory: Path) -> dict[str, Path]:
     """`path` under the names a shell user may give it: itself, a symbolic link and, for a file, a hard link (both
     made in `directory`)."""

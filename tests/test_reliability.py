@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, Trainer, pipeline
 
-from conftest import fails_with_one_line, script_main, tiny_config
+from conftest import fails_with_one_line, script_main, snapshot, tiny_config
 from hub_stub import HubStub
 from test_training import SCRIPTS, synthetic_corpus, train_args
 from tiny_translation_model import build_model_and_tokenizer
@@ -526,10 +526,6 @@ def fake_finished_model(output_dir: Path, *checkpoint_steps: int, complete: bool
         (output_dir / f"checkpoint-{step}").mkdir()
         if complete:
             (output_dir / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
-
-
-def snapshot(directory: Path) -> dict:
-    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in directory.rglob("*")}
 
 
 def test_output_dir_holding_a_model_is_refused_and_left_untouched(corpus, tmp_path, capsys):
