@@ -27,8 +27,8 @@ import io
 
 from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.export import load_ctranslate2
-from vaswani.files import check_output_file
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
+from vaswani.files import check_output_file
 from vaswani.loading import DTYPES, load_translator
 from vaswani.translation import CTranslate2Engine, TorchEngine
 

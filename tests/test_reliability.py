@@ -189,7 +189,7 @@ def test_missing_or_incomplete_model_directory_is_one_line(good_checkpoint, tmp_
     (tmp_path / "empty").mkdir()
     fails_with_one_line(translate_main, ["--model", str(tmp_path / "empty"), "hi"], capsys, "has no config.json")
     no_weights = damaged_copy(good_checkpoint, tmp_path, lambda p: (p / "model.safetensors").unlink())
-    fails_with_one_line(translate_main, ["--model", str(no_weights), "hi"], capsys, "Cannot load a model")
+    fails_with_one_line(translate_main, ["--model", str(no_weights), "hi"], capsys, "damaged has no model.safetensors")
 
 
 # A model and a tokenizer that do not belong together, incomplete checkpoints ------------------------------------------
