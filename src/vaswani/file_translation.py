@@ -279,7 +279,7 @@ def _check_same_input(recorded: tuple[str, int] | None, state: dict, name: str, 
     """Refuse to resume where the input's first chunks are not the lines their recorded translations came from."""
     if recorded is None:
         raise _changed_input(name, output_path, f"it has fewer lines than the {state['lines']} already translated")
-    if recorded[0] != state.get("input_digest", ""):
+    if recorded[0] != state["input_digest"]:
         raise _changed_input(name, output_path, f"its first {recorded[1]} lines, already translated, are not the "
                              "lines they were translated from")
 
@@ -296,7 +296,6 @@ class _Merger:
     def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, engine):
         self.sink, self.bar, self.state, self.state_path = sink, bar, dict(state), state_path
         self.parts_dir, self.settings, self.result, self.engine = parts_dir, settings, result, engine
-        self.state.setdefault("input_digest", "")
         # The digests of the chunks this process has read and not yet appended: a part is appended only once its
         # chunk is read here and the part was translated from the same lines (not left by a kill before an edit).
         self.digests: dict[int, str] = {}
