@@ -23,7 +23,8 @@ def main(argv=None):
                         help="a run directory (its complete checkpoint-N directories) or checkpoint directories")
     parser.add_argument("--last", type=int, default=None, help="average only the last N of them (default: all)")
     parser.add_argument("--output_dir", required=True, help="the averaged checkpoint directory to write")
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --output_dir")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never an input, "
+                        "nor a training run's checkpoint or run directory)")
     args = parser.parse_args(argv)
     average_checkpoints(args.inputs, args.output_dir, last=args.last, force=args.force)
     print(args.output_dir)

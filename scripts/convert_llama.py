@@ -22,7 +22,8 @@ def main(argv=None):
     parser.add_argument("--model", required=True, help="Hub id or local directory of a VaswaniForCausalLM or a "
                                                        "LlamaForCausalLM checkpoint")
     parser.add_argument("--output_dir", required=True, help="the converted checkpoint directory to write")
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --output_dir")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never an input, "
+                        "nor a training run's checkpoint or run directory)")
     parser.add_argument("--no_check", action="store_true",
                         help="skip comparing the two models' logits and greedy continuations before saving")
     args = parser.parse_args(argv)

@@ -21,7 +21,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hub id or local directory of a MarianMTModel")
     parser.add_argument("--output_dir", required=True, help="the Vaswani checkpoint directory to write")
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --output_dir")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never an input, "
+                        "nor a training run's checkpoint or run directory)")
     parser.add_argument("--no_check", action="store_true",
                         help="skip comparing the two models' logits and greedy output before saving")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus
 from vaswani.export import load_ctranslate2
-from vaswani.files import read_lines, write_atomically
+from vaswani.files import check_output_file, read_lines, write_atomically
 from vaswani.loading import DTYPES, load_translator
 from vaswani.translation import CTranslate2Engine, TorchEngine, translate
 
@@ -59,13 +59,18 @@ def main(argv=None):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be positive")
 
+    if args.output_file:  # refused before anything is read: never one of the inputs
+        check_output_file(args.output_file, [args.source_file, *(args.reference_file or []), args.corpus])
     if args.source_file:
         if not args.reference_file:
             raise ValueError("--source_file needs at least one --reference_file")
         sources = read_lines(args.source_file)
         reference_sets = [read_lines(path) for path in args.reference_file]
-        if any(len(refs) != len(sources) for refs in reference_sets):
-            raise ValueError("every --reference_file must have as many lines as --source_file")
+        unequal = [f"{path} has {len(refs)}" for path, refs in zip(args.reference_file, reference_sets)
+                   if len(refs) != len(sources)]
+        if unequal:
+            raise ValueError(f"every --reference_file must have as many lines as --source_file {args.source_file} "
+                             f"({len(sources)}): {', '.join(unequal)}")
         # Empty lines mean "no such reference" for that sentence (a variable number of references).
         references = [[refs[i] for refs in reference_sets if refs[i]] for i in range(len(sources))]
     else:

@@ -31,7 +31,8 @@ def main(argv=None):
     parser.add_argument("--max_positions", type=int, default=None,
                         help="longest source or output the exported position table covers (default: the config's "
                              "max_position_embeddings)")
-    parser.add_argument("--force", action="store_true", help="overwrite --output_dir")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never --model "
+                        "itself, nor a training run's checkpoint or run directory)")
     args = parser.parse_args(argv)
     print(export_to_ctranslate2(args.model, args.output_dir, quantization=args.quantization,
                                 max_positions=args.max_positions, force=args.force))

@@ -13,7 +13,8 @@
 The input is read --chunk_lines lines at a time; each chunk is sorted by length into batches of at most
 --max_tokens_per_batch padded source tokens, and its translations are written in input order as soon as it is
 done (vaswani.file_translation). With --output_file, a run killed at any point continues with --resume from its
-last complete chunk, and gives the same file as an uninterrupted run. A progress bar goes to stderr when it is a
+last complete chunk, and gives the same file as an uninterrupted run (an input edited since is refused). An
+--output_file that is the --input_file, by any name, is refused. A progress bar goes to stderr when it is a
 terminal (--progress: always).
 
 One output line per input line: an empty input line gives an empty output line. Sources longer than the model's
@@ -27,6 +28,7 @@ import io
 from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.export import load_ctranslate2
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
+from vaswani.files import check_output_file
 from vaswani.loading import DTYPES, load_translator
 from vaswani.translation import CTranslate2Engine, TorchEngine
 
@@ -71,6 +73,8 @@ def main(argv=None):
     if args.sentences and (args.input_file or args.resume):
         parser.error("give sentences as arguments or --input_file, not both (--resume needs --input_file)")
 
+    if args.output_file:
+        check_output_file(args.output_file, [args.input_file])  # refused before the model loads
     processes = Processes.from_environment()
     device = processes.device(args.device)
     if args.ctranslate2:

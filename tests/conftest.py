@@ -75,6 +75,33 @@ def script_main(name: str):
     return script_module(name).main
 
 
+def fails_with_one_line(main, argv, capsys, match: str) -> str:
+    """Run a script's main; it must exit with status 2 and end stderr with one `error: ...` line matching `match`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and match in last, last
+    return last
+
+
+def snapshot(directory: Path) -> dict:
+    """Every entry under `directory` and its bytes: what a refused command must leave as it found it."""
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in directory.rglob("*")}
+
+
+def other_names(path: Path, directory: Path) -> dict[str, Path]:
+    """`path` under the names a shell user may give it: itself, a symbolic link and, for a file, a hard link (both
+    made in `directory`)."""
+    names = {"same path": path}
+    names["symlink"] = directory / f"link-to-{path.name}"
+    names["symlink"].symlink_to(path.resolve())
+    if path.is_file():
+        names["hard link"] = directory / f"hard-link-to-{path.name}"
+        os.link(path, names["hard link"])
+    return names
+
+
 def tiny_config(**overrides) -> VaswaniConfig:
     """`VaswaniConfig.tiny` without dropout: most tests compare two forward passes for (near) equality."""
     return VaswaniConfig.tiny(**{"dropout": 0.0, **overrides})

@@ -1,6 +1,7 @@
 """Checkpoint averaging (vaswani.checkpoints, scripts/average_checkpoints.py): the exact float32 mean, tied weights
 kept tied, a complete checkpoint that loads through from_pretrained and as remote code in a fresh process, and
-refusals that name the difference."""
+refusals that name the difference; an output never written over an input or a run's checkpoint, and a damaged
+checkpoint named in one line by every reader."""
 
 import json
 import os
@@ -10,9 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM
 
-from conftest import WITHOUT_THE_PACKAGE, padded_batch, random_ids, run_without_the_package, script_main, tiny_config
+from conftest import (WITHOUT_THE_PACKAGE, fails_with_one_line, other_names, padded_batch, random_ids,
+                      run_without_the_package, script_main, snapshot, tiny_config)
 from vaswani import VaswaniForConditionalGeneration
-from vaswani.checkpoints import average_checkpoints, average_state_dicts, last_checkpoints
+from vaswani.checkpoints import average_checkpoints, average_state_dicts, last_checkpoints, load_average
+from vaswani.training import check_resumed_weights
 from vaswani.tokenization_vaswani import train_tokenizer
 
 TEXTS = ["I have two cats.", "J'ai deux chats !", "We see three dogs today.", "Nous voyons trois chiens."] * 10
@@ -172,3 +175,85 @@ def test_tensors_of_different_shapes_or_names_are_refused(tmp_path):
         average_state_dicts([str(tmp_path / "a"), str(tmp_path / "c")])
     with pytest.raises(ValueError, match=r"a has a tensor b that .*c lacks"):
         average_state_dicts([str(tmp_path / "c"), str(tmp_path / "a")])
+
+
+def test_averaging_onto_an_input_is_refused_with_or_without_force(tmp_path, tokenizer, capsys):
+    write_run(tmp_path / "run", tokenizer)
+    (tmp_path / "run" / "checkpoint-30" / "optimizer.pt").write_bytes(b"the run's optimizer state")
+    before = snapshot(tmp_path / "run")
+    inputs = [str(tmp_path / "run" / "checkpoint-20"), str(tmp_path / "run" / "checkpoint-30")]
+    outputs = {**other_names(tmp_path / "run" / "checkpoint-30", tmp_path), "the run": tmp_path / "run"}
+    for kind, output in outputs.items():
+        for force in ([], ["--force"]):
+            error = fails_with_one_line(script_main("average_checkpoints"),
+                                        ["--inputs", *inputs, "--output_dir", str(output), *force], capsys,
+                                        "the input")
+            assert "--force" not in error and "choose another output" in error, kind
+    # The run as the only input: its checkpoints are the inputs, and the run holds them.
+    fails_with_one_line(script_main("average_checkpoints"), ["--inputs", str(tmp_path / "run"), "--output_dir",
+                                                             str(tmp_path / "run"), "--force"], capsys, "the input")
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_force_never_replaces_another_runs_checkpoint_and_replaces_anything_else_whole(tmp_path, tokenizer, capsys):
+    write_run(tmp_path / "run", tokenizer, steps=(10, 20))
+    write_run(tmp_path / "other", tokenizer, steps=(5,))
+    before = snapshot(tmp_path / "other")
+    inputs = ["--inputs", str(tmp_path / "run")]
+    for output in (tmp_path / "other" / "checkpoint-5", tmp_path / "other"):
+        error = fails_with_one_line(script_main("average_checkpoints"), [*inputs, "--output_dir", str(output),
+                                                                         "--force"], capsys,
+                                    f"{output} is a checkpoint or run directory of a training run")
+        assert "--force" not in error and "Choose another directory" in error
+    assert snapshot(tmp_path / "other") == before
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "stale.bin").write_bytes(b"of an earlier model")
+    fails_with_one_line(script_main("average_checkpoints"), [*inputs, "--output_dir", str(old)], capsys, "--force")
+    script_main("average_checkpoints")([*inputs, "--output_dir", str(old), "--force"])
+    assert not (old / "stale.bin").exists() and (old / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "other", "run"]  # no staging directory left
+
+
+def truncate_weights(checkpoint):
+    data = (checkpoint / "model.safetensors").read_bytes()
+    (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def remove_weights(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+
+
+DAMAGE = {"truncated": (truncate_weights, "The weights in {} are truncated or corrupted (model.safetensors: "),
+          "missing": (remove_weights, "{} has no model.safetensors")}
+
+
+def average_script(run, checkpoint, tmp_path, capsys, message):
+    fails_with_one_line(script_main("average_checkpoints"), ["--inputs", str(run), "--output_dir",
+                                                             str(tmp_path / "average")], capsys, message)
+    assert not (tmp_path / "average").exists()
+
+
+def average_into_a_model(run, checkpoint, tmp_path, capsys, message):  # training's final average
+    model = VaswaniForConditionalGeneration(tiny_config(vocab_size=300))
+    with pytest.raises((ValueError, FileNotFoundError), match=message.replace("(", r"\(")):
+        load_average(model, [str(run / "checkpoint-10"), str(checkpoint)])
+
+
+def load_for_translation(run, checkpoint, tmp_path, capsys, message):
+    fails_with_one_line(script_main("translate"), ["--model", str(checkpoint), "--device", "cpu", "a cat"], capsys,
+                        message)
+
+
+def resume_training(run, checkpoint, tmp_path, capsys, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message.replace("(", r"\(")):
+        check_resumed_weights(str(checkpoint))
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("reader", [average_script, average_into_a_model, load_for_translation, resume_training])
+def test_a_damaged_checkpoint_is_named_in_one_line_by_every_reader(tmp_path, tokenizer, capsys, reader, damage):
+    write_run(tmp_path / "run", tokenizer, steps=(10, 20))
+    newest = tmp_path / "run" / "checkpoint-20"
+    DAMAGE[damage][0](newest)
+    reader(tmp_path / "run", newest, tmp_path, capsys, DAMAGE[damage][1].format(newest))

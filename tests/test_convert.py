@@ -15,7 +15,7 @@ import sys
 import huggingface_hub.constants
 import pytest
 import torch
-from conftest import SCRIPTS, script_main
+from conftest import SCRIPTS, fails_with_one_line, other_names, script_main, snapshot
 from hub_stub import HubStub
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianConfig, MarianMTModel
 
@@ -256,6 +256,19 @@ def converted(marian_checkpoint, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("converted") / "vaswani-opus-mt"
     script_main("convert_marian")(["--model", str(directory), "--output_dir", str(output_dir)])
     return output_dir
+
+
+def test_a_conversion_never_writes_over_its_source(tmp_path, capsys):
+    """Refused before the source is read (a directory that is no Marian model shows it), with or without --force."""
+    source = tmp_path / "run" / "opus-mt"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    before = snapshot(tmp_path / "run")
+    for kind, output in {**other_names(source, tmp_path), "holding it": tmp_path / "run"}.items():
+        error = fails_with_one_line(script_main("convert_marian"), ["--model", str(source), "--output_dir",
+                                                                    str(output), "--force"], capsys, "the input")
+        assert "--force" not in error, kind
+    assert snapshot(tmp_path / "run") == before
 
 
 def marian_translations(marian, tokenizer, sentences, num_beams, max_new_tokens=12):

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import sacrebleu
-from conftest import script_main
+from conftest import fails_with_one_line, other_names, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 from transformers import EvalPrediction
 
@@ -176,6 +176,31 @@ def test_evaluate_bleu_script_decodes_with_the_chosen_length_penalty(model_and_t
         script_main("evaluate_bleu")(["--model", str(tmp_path / "model"), "--ctranslate2", "--length_penalty", "0.6",
                                       *files])
     assert "--length_penalty is generate()'s" in capsys.readouterr().err
+
+
+def test_evaluate_bleu_never_writes_its_report_over_an_input(tmp_path, capsys):
+    """Refused before the model is read: --model names nothing here."""
+    source, reference = tmp_path / "src.en", tmp_path / "ref.fr"
+    source.write_text("the cat\n")
+    reference.write_text("le chat\n")
+    for path in (source, reference):
+        for name in other_names(path, tmp_path).values():
+            fails_with_one_line(script_main("evaluate_bleu"), ["--model", str(tmp_path / "no-model"), "--source_file",
+                                                               str(source), "--reference_file", str(reference),
+                                                               "--output_file", str(name)],
+                                capsys, f"{name} is the input {path}")
+    assert (source.read_text(), reference.read_text()) == ("the cat\n", "le chat\n")
+
+
+def test_evaluate_bleu_names_each_file_of_another_length_and_its_count(tmp_path, capsys):
+    source, same, short = tmp_path / "src.en", tmp_path / "ref1.fr", tmp_path / "ref2.fr"
+    source.write_text("the cat\na dog\n")
+    same.write_text("le chat\nun chien\n")
+    short.write_text("le chat\n")
+    fails_with_one_line(script_main("evaluate_bleu"), ["--model", str(tmp_path / "no-model"), "--source_file",
+                                                       str(source), "--reference_file", str(same), "--reference_file",
+                                                       str(short)],
+                        capsys, f"--source_file {source} (2): {short} has 1")
 
 
 def test_the_shipped_evaluate_module_gives_score_corpus_numbers(tmp_path):

@@ -2,11 +2,12 @@
 translate exactly like the PyTorch model, for every architecture variant CTranslate2 can express."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import script_main
+from conftest import fails_with_one_line, other_names, script_main, snapshot
 from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -177,3 +178,21 @@ def test_sources_and_outputs_stay_inside_the_exported_position_table(trained, tm
 
     assert len(got) == 2 and all(got)
     assert calls == [([24, 7], 24)]
+
+
+def test_the_export_never_writes_over_its_model_and_replaces_any_other_directory_whole(checkpoint, tmp_path,
+                                                                                       capsys):
+    model = tmp_path / "run" / "model"
+    shutil.copytree(checkpoint, model)
+    before = snapshot(tmp_path / "run")
+    export = script_main("export_ctranslate2")
+    for kind, output in {**other_names(model, tmp_path), "holding it": tmp_path / "run"}.items():
+        error = fails_with_one_line(export, ["--model", str(model), "--output_dir", str(output), "--force"], capsys,
+                                    "the input")
+        assert "--force" not in error, kind
+    assert snapshot(tmp_path / "run") == before
+    old = tmp_path / "ct2"
+    old.mkdir()
+    (old / "stale.bin").write_bytes(b"of an earlier export")
+    export(["--model", str(model), "--output_dir", str(old), "--force"])
+    assert not (old / "stale.bin").exists() and (old / "model.bin").is_file()

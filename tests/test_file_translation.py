@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, script_main
+from conftest import SCRIPTS, fails_with_one_line, other_names, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani.batching import token_budget_batches
@@ -203,6 +204,110 @@ def test_resume_of_a_complete_output_says_so_and_leaves_it(checkpoint, tmp_path,
     with pytest.raises(SystemExit):
         script_main("translate")(argv)
     assert f"{output} holds" in capsys.readouterr().err
+
+
+def test_an_output_that_is_the_input_by_any_name_is_refused_and_the_input_kept(checkpoint, tmp_path, capsys):
+    source = Path(write_input(tmp_path))
+    content = source.read_bytes()
+    for kind, name in other_names(source, tmp_path).items():
+        before = sorted(path.name for path in tmp_path.iterdir())
+        for resume in ([], ["--resume"]):
+            fails_with_one_line(script_main("translate"), ["--model", str(checkpoint), "--device", "cpu",
+                                                           "--input_file", str(source), "--output_file", str(name),
+                                                           *resume], capsys, f"{name} is the input {source}")
+            assert source.read_bytes() == content, kind
+            assert sorted(path.name for path in tmp_path.iterdir()) == before, kind  # no resume record either
+    with pytest.raises(ValueError, match="is the input"):  # the library refuses it too, before any engine runs
+        translate_file(None, str(source), str(source))
+
+
+def test_an_output_that_cannot_be_written_leaves_nothing_and_names_the_users_path(checkpoint, tmp_path, capsys):
+    source = write_input(tmp_path)
+    (tmp_path / "dir").mkdir()
+    for output, message in ((tmp_path / "dir", "is a directory"), (f"{tmp_path / 'dir'}/", "is a directory"),
+                            (tmp_path / "nowhere" / "out.fr", f"Cannot write {tmp_path / 'nowhere' / 'out.fr'}")):
+        error = fails_with_one_line(script_main("translate"), ["--model", str(checkpoint), "--device", "cpu",
+                                                               "--input_file", source, "--output_file", str(output)],
+                                    capsys, message)
+        assert ".tmp-" not in error and ".resume.json" not in error
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["dir", "in.en"] and not any(
+            (tmp_path / "dir").iterdir())
+
+
+def interrupted_after(chunks: int, monkeypatch):
+    """Make translate_chunk fail after `chunks` chunks, as a kill would stop the run (the resume state kept)."""
+    from vaswani import file_translation
+
+    calls, real = [], file_translation.translate_chunk
+
+    def stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > chunks:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(file_translation, "translate_chunk", stop)
+
+
+def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(trained, expected, tmp_path, monkeypatch):
+    """Two lines joined (the same byte size, one line fewer), or a character changed, in lines already translated:
+    the old translations would no longer line up, so resuming is refused, naming the input, and nothing changes."""
+    model, tokenizer = trained
+    engine, source, output = TorchEngine(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
+    state = tmp_path / "out.fr.resume.json"
+    run = {"chunk_lines": 7, "max_tokens": 24, "progress": False}
+    text = source.read_text(encoding="utf-8")
+    translate_file(engine, str(source), str(output), **run)
+    joined = text.replace("\n", " ", 1)
+    assert len(joined) == len(text) and joined.count("\n") == text.count("\n") - 1
+    source.write_text(joined, encoding="utf-8")
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=f"{source} has changed since {output} was written from it"):
+        translate_file(engine, str(source), str(output), resume=True, **run)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+    source.write_text(text, encoding="utf-8")
+    with monkeypatch.context() as patch:  # a run stopped after two chunks, then an edit in its first chunk
+        interrupted_after(2, patch)
+        with pytest.raises(KeyboardInterrupt):
+            translate_file(engine, str(source), str(output), **run)
+    assert json.loads(state.read_text())["chunks"] == 2
+    source.write_text(text.replace("cat", "cot", 1), encoding="utf-8")  # in line 1
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="its first 14 lines, already translated, are not the lines"):
+        translate_file(engine, str(source), str(output), resume=True, **run)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_an_edit_past_the_translated_chunks_is_translated_on_resume(trained, tmp_path, monkeypatch):
+    model, tokenizer = trained
+    engine, source, output = TorchEngine(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
+    run = {"chunk_lines": 7, "max_tokens": 24, "progress": False}
+    with monkeypatch.context() as patch:
+        interrupted_after(2, patch)
+        with pytest.raises(KeyboardInterrupt):
+            translate_file(engine, str(source), str(output), **run)
+    edited = [*LINES[:20], "We see three dogs.", *LINES[21:]]
+    write_input(tmp_path, edited)
+    translate_file(engine, str(source), str(output), resume=True, **run)
+    fresh = tmp_path / "fresh.fr"
+    translate_file(engine, str(source), str(fresh), **run)
+    assert output.read_bytes() == fresh.read_bytes()
+    assert len(output.read_text(encoding="utf-8").splitlines()) == len(edited)
+
+
+def test_a_complete_output_whose_input_grew_is_refused(trained, tmp_path):
+    model, tokenizer = trained
+    engine, source, output = TorchEngine(model, tokenizer, **GREEDY), write_input(tmp_path), tmp_path / "out.fr"
+    run = {"chunk_lines": 5, "max_tokens": 24, "progress": False}
+    assert len(LINES) % run["chunk_lines"] == 0  # the line added starts a chunk of its own
+    translate_file(engine, source, str(output), **run)
+    write_input(tmp_path, [*LINES, "One more line."])
+    with pytest.raises(ValueError, match=f"has more lines than the {len(LINES)} translated"):
+        translate_file(engine, source, str(output), resume=True, **run)
+    write_input(tmp_path, [*LINES[:-1], "a cat"])  # the last line changed: its chunk no longer matches
+    with pytest.raises(ValueError, match=f"its first {len(LINES)} lines, already translated, are not the lines"):
+        translate_file(engine, source, str(output), resume=True, **run)
 
 
 def run_script(argv, env=None, **kwargs):

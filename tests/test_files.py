@@ -1,13 +1,15 @@
 """The one atomic writer (`vaswani.files`): files and directories are replaced whole, staging names are cleaned up,
-and a failed or lost publish leaves the entry that was there."""
+and a failed or lost publish leaves the entry that was there; an output that is an input, by any name, is refused."""
 
 import os
 import sys
 
 import pytest
+from conftest import other_names
 
 from vaswani import files
-from vaswani.files import STAGING_PREFIX, publish_files, replace_directory, staged_directory, write_atomically
+from vaswani.files import (STAGING_PREFIX, check_not_an_input, check_output_file, publish_files, replace_directory,
+                           staged_directory, write_atomically)
 
 
 def entries(directory) -> list[str]:
@@ -148,3 +150,45 @@ def test_on_linux_a_directory_is_replaced_in_one_step(tmp_path, monkeypatch):
     assert entries(tmp_path) == ["entry"]
     with pytest.raises(FileNotFoundError):
         files.exchange(tmp_path / "missing", target)
+
+
+# Outputs --------------------------------------------------------------------------------------------------------------
+
+
+def test_an_output_that_is_an_input_by_any_name_is_refused(tmp_path):
+    source = tmp_path / "in.en"
+    source.write_text("keep me\n")
+    for kind, name in other_names(source, tmp_path).items():
+        with pytest.raises(ValueError, match=f"{name} is the input {source}"):
+            check_output_file(name, [None, source])
+        assert source.read_text() == "keep me\n", kind
+    check_output_file(tmp_path / "out.fr", [source, "some/hub-model"])  # another file, and inputs not on disk
+
+
+def test_a_directory_that_is_or_holds_an_input_is_refused(tmp_path):
+    model = tmp_path / "run" / "model"
+    model.mkdir(parents=True)
+    for kind, name in other_names(model, tmp_path).items():
+        with pytest.raises(ValueError, match="is the input"):
+            check_not_an_input(name, [model])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'run'} holds the input {model}"):
+        check_not_an_input(tmp_path / "run", [model])
+    check_not_an_input(model / "export", [model])  # inside the input: the input is not replaced
+
+
+def test_an_output_file_that_cannot_be_a_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path / 'dir'} is a directory"):
+        check_output_file(tmp_path / "dir")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        check_output_file(f"{tmp_path / 'new'}{os.sep}")
+    with pytest.raises(FileNotFoundError, match=f"Cannot write {tmp_path / 'nowhere' / 'out.fr'}: the directory"):
+        check_output_file(tmp_path / "nowhere" / "out.fr")
+    assert entries(tmp_path) == ["dir"]
+
+
+def test_a_write_that_cannot_start_names_the_file_asked_for(tmp_path):
+    target = tmp_path / "nowhere" / "out.fr.resume.json"
+    with pytest.raises(FileNotFoundError) as error:
+        write_atomically(target, "state")
+    assert error.value.filename == str(target) and STAGING_PREFIX not in str(error.value)

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import SCRIPTS, WITHOUT_THE_PACKAGE, padded_batch, run_without_the_package, script_main
+from conftest import (SCRIPTS, WITHOUT_THE_PACKAGE, fails_with_one_line, other_names, padded_batch,
+                      run_without_the_package, script_main, snapshot)
 from vaswani import VaswaniConfig, VaswaniForCausalLM, VaswaniForConditionalGeneration
 from vaswani.convert import from_llama, to_llama
 from vaswani.tokenization_vaswani import train_tokenizer
@@ -209,3 +210,15 @@ def test_convert_command_refuses_a_translation_checkpoint(tmp_path):
     assert exit_info.value.code == 2
     assert not (tmp_path / "out").exists()
     assert (SCRIPTS / "convert_llama.py").is_file()
+
+
+def test_a_conversion_never_writes_over_its_source(tmp_path, capsys):
+    """Refused before the source is read, with or without --force."""
+    source = tmp_path / "run" / "llama"
+    random_llama().save_pretrained(source)
+    before = snapshot(tmp_path / "run")
+    for kind, output in {**other_names(source, tmp_path), "holding it": tmp_path / "run"}.items():
+        error = fails_with_one_line(script_main("convert_llama"), ["--model", str(source), "--output_dir",
+                                                                   str(output), "--force"], capsys, "the input")
+        assert "--force" not in error, kind
+    assert snapshot(tmp_path / "run") == before

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -28,7 +27,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from . import modeling_vaswani
 from .configuration_vaswani import tokenizer_fingerprint
-from .files import publish_files, staging_path
+from .files import check_not_an_input, publish_files, staged_directory
 
 # Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
 # complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
@@ -51,6 +50,34 @@ def is_complete_checkpoint(path: str | Path) -> bool:
     """The Trainer writes `trainer_state.json` last. Our checkpoints appear only complete (see
     `VaswaniSeq2SeqTrainer`); this also rejects a directory cut short by another writer."""
     return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+
+
+def is_run_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a training run's: a checkpoint (it has the Trainer's state, or the name `checkpoint-N`) or a
+    run directory that holds checkpoints. Replacing one would lose the run, or let a resumed run continue from
+    weights it never trained."""
+    if not os.path.isdir(path):
+        return False
+    prefix, _, step = os.path.basename(os.path.normpath(path)).partition("-")
+    named_checkpoint = prefix == PREFIX_CHECKPOINT_DIR and step.isdigit()
+    return named_checkpoint or os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)) or bool(checkpoints_in(path))
+
+
+def check_output_dir(output_dir: str | Path, inputs: Sequence[str | Path | None], force: bool = False) -> None:
+    """Refuse, before anything is read or written, a directory that a tool writing a model must not replace: one of
+    its `inputs` or a directory that holds one (by identity: `files.check_not_an_input`), or a checkpoint or run
+    directory of a training run (`is_run_checkpoint`), whatever `force` says; and without `force`, any other
+    directory that is not empty. The tools then replace `output_dir` whole (`files.staged_directory`)."""
+    check_not_an_input(output_dir, inputs)
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(f"{output_dir} is a file; give a directory to write.")
+    if is_run_checkpoint(output_dir):
+        raise FileExistsError(f"{output_dir} is a checkpoint or run directory of a training run; replacing it would "
+                              "lose the run. Choose another directory.")
+    if output_dir.exists() and any(output_dir.iterdir()) and not force:
+        raise FileExistsError(f"{output_dir} already exists and is not empty; choose another directory or pass "
+                              "force=True (--force) to replace it.")
 
 
 def publish_staged(staging: str | Path, output_dir: str | Path) -> None:
@@ -98,8 +125,35 @@ def weight_files(checkpoint: str | Path) -> list[str]:
             return [os.path.join(checkpoint, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
     single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
     if not os.path.isfile(single):
-        raise FileNotFoundError(f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (nor {SAFE_WEIGHTS_INDEX_NAME}).")
+        raise FileNotFoundError(f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (nor {SAFE_WEIGHTS_INDEX_NAME}); copy the "
+                                "whole checkpoint directory again.")
     return [single]
+
+
+def check_weights(checkpoint: str | Path) -> list[str]:
+    """The safetensors files of `checkpoint` (`weight_files`), each checked complete before any tensor is read: a
+    missing file or shard, or one cut short or corrupted, is an error naming the directory and what is wrong.
+    Opening a safetensors file reads its header only, and checks that the data it describes is all there."""
+    paths = weight_files(checkpoint)
+    missing = [os.path.basename(path) for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise FileNotFoundError(f"{checkpoint} lacks {len(missing)} of the {len(paths)} weight shards that "
+                                f"{SAFE_WEIGHTS_INDEX_NAME} lists ({', '.join(missing)}); copy the whole checkpoint "
+                                "directory again.")
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError as error:
+            raise damaged_weights(checkpoint, error, path) from error
+    return paths
+
+
+def damaged_weights(checkpoint: str | Path, error: Exception, path: str | None = None) -> ValueError:
+    """The error for a weights file of `checkpoint` that safetensors cannot read."""
+    where = f"{os.path.basename(path)}: " if path else ""
+    return ValueError(f"The weights in {checkpoint} are truncated or corrupted ({where}{error}); copy or download "
+                      "the checkpoint again.")
 
 
 def check_same_model(checkpoints: Sequence[str]) -> None:
@@ -169,6 +223,8 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
     """Put the average of `checkpoints` into `model` (in place; parameters keep their dtype and device). Every stored
     tensor must be one of the model's; a model tensor that no checkpoint stores must be tied to one that is (as
     save_pretrained leaves the output projection out when tied to the embedding)."""
+    for checkpoint in checkpoints:
+        check_weights(checkpoint)
     check_same_model(checkpoints)
     average = average_state_dicts(checkpoints)
     state = model.state_dict()
@@ -187,17 +243,17 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
 def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, last: int | None = None,
                         force: bool = False):
     """Average the last `last` checkpoints of a run directory (or the given checkpoint directories) and write a
-    complete checkpoint to `output_dir` through a staging directory (`publish_staged`): float32 weights, the newest
-    checkpoint's config, generation config, tokenizer and module files, the translation pipeline for a translation
-    model, and a model card that lists what was averaged (and reports no scores: evaluate the average itself).
-    Returns the averaged model."""
+    complete checkpoint to `output_dir`, which is refused where it is one of the inputs or a run's and replaced whole
+    otherwise (`check_output_dir`, `files.staged_directory`): float32 weights, the newest checkpoint's config,
+    generation config, tokenizer and module files, the translation pipeline for a translation model, and a model
+    card that lists what was averaged (and reports no scores: evaluate the average itself). Every checkpoint's
+    weights are checked complete before any is read (`check_weights`). Returns the averaged model."""
     from .hub import attach_translation_pipeline, write_model_card
 
     checkpoints = last_checkpoints(sources, last)
-    output_dir = Path(output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()) and not force:
-        raise FileExistsError(f"{output_dir} already exists and is not empty; choose another directory or pass "
-                              "force=True (--force).")
+    check_output_dir(output_dir, [*sources, *checkpoints], force)
+    for checkpoint in checkpoints:
+        check_weights(checkpoint)
     newest = checkpoints[-1]
     architectures = AutoConfig.from_pretrained(newest).architectures or []
     model_class = getattr(modeling_vaswani, architectures[0], None) if architectures else None
@@ -207,17 +263,14 @@ def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, l
     load_average(model, checkpoints)
     model.eval()
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    staging = staging_path(output_dir / "average")
-    shutil.rmtree(staging, ignore_errors=True)
-    if model.config.is_encoder_decoder:
-        attach_translation_pipeline(model, staging)
-    model.save_pretrained(staging)
-    if os.path.isfile(os.path.join(newest, "tokenizer_config.json")):
-        AutoTokenizer.from_pretrained(newest).save_pretrained(staging)
-    # No scores: those of any checkpoint averaged are not the average's.
-    write_model_card(staging, averaged_checkpoints=[_checkpoint_summary(path) for path in checkpoints])
-    publish_staged(staging, output_dir)
+    with staged_directory(output_dir, f"-{os.getpid()}") as staging:
+        if model.config.is_encoder_decoder:
+            attach_translation_pipeline(model, staging)
+        model.save_pretrained(staging)
+        if os.path.isfile(os.path.join(newest, "tokenizer_config.json")):
+            AutoTokenizer.from_pretrained(newest).save_pretrained(staging)
+        # No scores: those of any checkpoint averaged are not the average's.
+        write_model_card(staging, averaged_checkpoints=[_checkpoint_summary(path) for path in checkpoints])
     return model
 
 
@@ -233,4 +286,4 @@ def _checkpoint_summary(checkpoint: str) -> str:
 
 
 __all__ = ["average_checkpoints", "average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
-           "is_complete_checkpoint", "publish_staged"]
+           "is_complete_checkpoint", "publish_staged", "check_weights", "check_output_dir", "is_run_checkpoint"]

@@ -57,6 +57,7 @@ checkpoints either way.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -71,7 +72,9 @@ from transformers import (
     TokenizersBackend,
 )
 
+from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig, tokenizer_fingerprint
+from .files import staged_directory
 from .hub import REPO_ID_PLACEHOLDER, attach_translation_pipeline, how_to_load
 from .modeling_vaswani import (
     VaswaniForCausalLM,
@@ -278,11 +281,9 @@ def convert_marian_checkpoint(model_name_or_path: str, output_dir: str | Path, f
     Vaswani checkpoint to `output_dir`: weights (safetensors), config, generation config, module files, the
     translation pipeline, Marian's own tokenizer files, and a model card naming the source model and its licence.
     With `check`, both models first translate a short input and must agree (logits within 1e-4, same greedy
-    output), or nothing is written."""
-    output_dir = Path(output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()) and not force:
-        raise FileExistsError(f"{output_dir} already exists and is not empty; choose another directory or pass "
-                              "force=True (--force).")
+    output), or nothing is written. `output_dir` is checked first (`checkpoints.check_output_dir`: never the
+    source, nor a training run's; a non-empty one only with `force`) and is replaced whole."""
+    check_output_dir(output_dir, [model_name_or_path], force)
     try:
         marian = MarianMTModel.from_pretrained(model_name_or_path, dtype=torch.float32).eval()
     except OSError as error:
@@ -293,11 +294,11 @@ def convert_marian_checkpoint(model_name_or_path: str, output_dir: str | Path, f
     model.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
     if check:
         check_same_translations(marian, model, tokenizer)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    attach_translation_pipeline(model, output_dir)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    write_converted_model_card(output_dir, str(model_name_or_path), *source_card_data(model_name_or_path))
+    with staged_directory(output_dir, f"-{os.getpid()}") as staging:
+        attach_translation_pipeline(model, staging)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        write_converted_model_card(staging, str(model_name_or_path), *source_card_data(model_name_or_path))
     return model
 
 
@@ -546,13 +547,11 @@ def convert_llama_checkpoint(model_name_or_path: str, output_dir: str | Path, fo
     one (weights, config, generation config, tokenizer as a transformers class, no module files), a Llama
     checkpoint a Vaswani one (with its module files and the Llama tokenizer). The weights keep the dtype the source
     stored. With `check`, both models first compare logits (in float32) on a left-padded batch and greedy
-    continuations, or nothing is written. Returns the new model."""
+    continuations, or nothing is written. `output_dir` is checked first and replaced whole, as in
+    `convert_marian_checkpoint`. Returns the new model."""
     from transformers import AutoConfig
 
-    output_dir = Path(output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()) and not force:
-        raise FileExistsError(f"{output_dir} already exists and is not empty; choose another directory or pass "
-                              "force=True (--force).")
+    check_output_dir(output_dir, [model_name_or_path], force)
     try:
         config = AutoConfig.from_pretrained(model_name_or_path)
     except OSError as error:
@@ -580,16 +579,15 @@ def convert_llama_checkpoint(model_name_or_path: str, output_dir: str | Path, fo
         check_same_logits(source, converted, source.config.vocab_size, source.config.pad_token_id)
     if isinstance(config.dtype, torch.dtype) and config.dtype.is_floating_point:
         converted.to(config.dtype)  # compared in float32, stored as the source was (a bf16 Llama stays bf16)
-    output_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(converted, VaswaniForCausalLM):
         if tokenizer is not None:
             converted.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
-        converted.save_pretrained(output_dir)
     else:
-        converted.save_pretrained(output_dir)
         tokenizer = stock_tokenizer(tokenizer) if tokenizer is not None else None
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output_dir)
+    with staged_directory(output_dir, f"-{os.getpid()}") as staging:
+        converted.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
     return converted
 
 

@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from transformers import MarianTokenizer
 
+from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
+from .files import staged_directory
 from .loading import load_translator
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 from .tokenization_vaswani import VaswaniTokenizer
@@ -51,12 +53,13 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
     `quantization` is CTranslate2's weight format on disk (int8, int8_float32, int16, float16, bfloat16, float32;
     None keeps fp32); `ctranslate2.Translator(compute_type=...)` can convert again at load time. `max_positions` is
     how many positions the sinusoid table covers (default: the config's `max_position_embeddings`); CTranslate2
-    cannot compute them on the fly, so longer inputs must be truncated to it.
+    cannot compute them on the fly, so longer inputs must be truncated to it. An `output_dir` that is the model's
+    own directory, holds it, or is a training run's is refused, as is any other non-empty one without `force`
+    (`checkpoints.check_output_dir`); the directory is replaced whole.
     """
     from ctranslate2.converters import Converter
 
-    if os.path.exists(output_dir) and not force:
-        raise FileExistsError(f"{output_dir} already exists; choose another directory or pass force=True (--force).")
+    check_output_dir(output_dir, [model] if isinstance(model, (str, os.PathLike)) else [], force)
     if isinstance(model, (str, os.PathLike)):
         model, saved_tokenizer = load_translator(str(model), device="cpu")
         tokenizer = tokenizer or saved_tokenizer
@@ -69,8 +72,9 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
         def _load(self):
             return model_spec(model, tokenizer, max_positions)
 
-    VaswaniConverter().convert(str(output_dir), quantization=quantization, force=True)
-    tokenizer.save_pretrained(output_dir)  # the directory is then all a deployment needs (`load_ctranslate2`)
+    with staged_directory(output_dir, f"-{os.getpid()}") as staging:
+        VaswaniConverter().convert(str(staging), quantization=quantization, force=True)  # (into the empty staging)
+        tokenizer.save_pretrained(staging)  # the directory is then all a deployment needs (`load_ctranslate2`)
     return str(output_dir)
 
 

@@ -7,13 +7,17 @@ whatever the length of the file; a length-sorted chunk of a few thousand lines p
 whole file (benchmarks/results/streaming-*.md).
 
 Resuming: after each chunk, the output file is flushed to disk and a small state file beside it
-(`<output>.resume.json`) records how many chunks and bytes are complete, written atomically. A run killed at any
-point and restarted with `resume=True` cuts the output back to the last complete chunk and goes on from there; the
+(`<output>.resume.json`) records how many chunks and bytes are complete, and a digest of the input lines they
+translate (computed as the chunks are read), written atomically. A run killed at any point and restarted with
+`resume=True` reads the recorded chunks of the input again, refuses an input whose digest differs (edited since:
+its old translations would no longer line up), cuts the output back to the last complete chunk and goes on from
+there; the
 result is the same file, byte for byte, as an uninterrupted run's, because every chunk is translated the same way
 (the same batches, and with sampling the same seed) whichever run or process translates it. The state is written
 before the output is created and stays beside the finished output, marked complete, so that a scheduler can requeue
 the same command line, `resume=True` included, whenever it likes: a run killed before its first chunk starts
-again, a complete one is left as it is, and an output this tool did not write is refused untouched.
+again, a complete one is left as it is (once its input is found unchanged), and an output this tool did not write
+is refused untouched. A refused run leaves every file as it found it.
 
 Processes: under `torchrun` or `accelerate launch` (which set RANK and WORLD_SIZE), process r translates the
 chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 also appends the finished chunks to
@@ -27,6 +31,7 @@ engine streams the same way and translates a chunk as every other caller would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -94,6 +99,21 @@ def count_lines(path: str) -> int:
     return count + (last != b"\n")
 
 
+def chunk_digest(raw_lines: Sequence[bytes]) -> str:
+    """A digest of one chunk's raw lines (each with its line end: a missing last b"\\n" translates alike)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for raw in raw_lines:
+        digest.update(raw)
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def chain_digest(previous: str, chunk: str) -> str:
+    """The digest of the input up to a chunk: the previous chunks' (`previous`; "" before the first) followed by the
+    chunk's own. Chained per chunk, so that process 0 can extend it with chunks that other processes read."""
+    return hashlib.blake2b(f"{previous}{chunk}".encode(), digest_size=16).hexdigest()
+
+
 # --------------------------------------------------------------------------------------------------
 # Processes
 
@@ -142,7 +162,8 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
 
     `max_tokens`/`max_sentences` bound a batch (`vaswani.batching.token_budget_batches`). `resume` continues a
     killed run from its last complete chunk; `settings` (what changes the output: model, beams, …) must equal the
-    killed run's, and is checked together with `chunk_lines` and the input's size. `progress`: a bar on stderr
+    killed run's, and is checked together with `chunk_lines`; the input must hold the lines the killed run
+    translated (a digest of them is recorded). `progress`: a bar on stderr
     (None: when stderr is a terminal). `seed`: with sampling, chunk i is sampled with seed `seed + i`, which makes
     resumed and multi-process runs reproduce a single run.
     """
@@ -156,10 +177,11 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
     if processes.world_size > 1 and (input_path is None or output_path is None):
         raise ValueError("Several processes need --input_file and --output_file: each reads the input and writes "
                          "its chunks beside the output.")
+    if output_path is not None:
+        files.check_output_file(output_path, [input_path])  # before anything is written: never the input itself
     name = input_path or "stdin"
     settings = {**(settings or {}), "chunk_lines": chunk_lines, "max_tokens": max_tokens,
-                "max_sentences": max_sentences, "seed": seed,
-                "input_bytes": os.path.getsize(input_path) if input_path else None}
+                "max_sentences": max_sentences, "seed": seed}
     state_path = f"{output_path}.resume.json" if output_path else None
     parts_dir = f"{output_path}.parts" if output_path else None
     group = _start_process_group(processes)
@@ -170,11 +192,9 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
         if processes.rank != 0:
             resumed = resume and os.path.exists(state_path)
             state = _read_state(state_path) if resumed else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
-        if state.get("complete"):
-            if processes.rank == 0:
-                print(f"{output_path} is already complete ({state['lines']} lines); nothing to do.", file=sys.stderr)
-            return FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
-                                   resumed_chunks=state["chunks"], settings=settings)
+            if state.get("complete"):  # process 0 checks the input and says so
+                return FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
+                                       resumed_chunks=state["chunks"], settings=settings)
         return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir, state,
                                  settings, processes, max_tokens, max_sentences, progress, seed, chunk_lines)
     finally:
@@ -188,30 +208,44 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
     result = FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
                              resumed_chunks=state["chunks"], settings=settings)
     merger = None
-    if processes.rank == 0:
-        total = count_lines(input_path) if input_path else None
-        show = sys.stderr.isatty() if progress is None else progress
-        bar = tqdm(total=total, initial=state["lines"], unit=" lines", disable=not show, file=sys.stderr,
-                   dynamic_ncols=True, smoothing=0.1)
-        sink = open(output_path, "ab") if output_path else stdout
-        merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, engine)
     source = open(input_path, "rb") if input_path else stdin
     try:
-        index = -1
-        for index, raw_lines in enumerate(read_raw_chunks(source, chunk_lines)):
-            if index < state["chunks"] or index % processes.world_size != processes.rank:
+        chunks = enumerate(read_raw_chunks(source, chunk_lines))
+        recorded = _read_recorded(chunks, state["chunks"])
+        if processes.rank == 0:
+            _check_same_input(recorded, state, name, output_path)
+            if state.get("complete"):
+                if next(chunks, None) is not None:
+                    raise _changed_input(name, output_path, f"it has more lines than the {state['lines']} translated")
+                print(f"{output_path} is already complete ({state['lines']} lines); nothing to do.", file=sys.stderr)
+                return result
+            if output_path:
+                with open(output_path, "ab") as f:  # created here if the kill came before the output was
+                    f.truncate(state["bytes"])
+            total = count_lines(input_path) if input_path else None
+            show = sys.stderr.isatty() if progress is None else progress
+            bar = tqdm(total=total, initial=state["lines"], unit=" lines", disable=not show, file=sys.stderr,
+                       dynamic_ncols=True, smoothing=0.1)
+            sink = open(output_path, "ab") if output_path else stdout
+            merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, engine)
+        index = state["chunks"] - 1
+        for index, raw_lines in chunks:
+            digest = chunk_digest(raw_lines)
+            if merger:
+                merger.digests[index] = digest
+            if index % processes.world_size != processes.rank:
                 continue
-            if parts_dir and processes.world_size > 1 and os.path.exists(_part_path(parts_dir, index)):
-                continue  # translated before a kill: the resume state keeps its settings
+            if parts_dir and processes.world_size > 1 and _part_digest(parts_dir, index) == digest:
+                continue  # translated from these lines before a kill: the resume state keeps its settings
             lines = decode_lines(raw_lines, name, index * chunk_lines + 1)
             if seed is not None:
                 torch.manual_seed(seed + index)
             translations, truncated = translate_chunk(engine, lines, max_tokens, max_sentences)
             text = "".join(f"{line}\n" for line in translations).encode("utf-8")
             if processes.world_size == 1:
-                merger.append(index, text, len(lines), truncated)
+                merger.append(index, text, len(lines), truncated, digest)
             else:
-                _write_part(parts_dir, index, text, len(lines), truncated)
+                _write_part(parts_dir, index, text, len(lines), truncated, digest)
                 if merger:
                     merger.merge_ready()
             if processes.rank != 0:
@@ -229,6 +263,32 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
     return result
 
 
+def _read_recorded(chunks, count: int) -> tuple[str, int] | None:
+    """Read the first `count` chunks (those a resumed run has translated) from `chunks` (enumerated raw chunks):
+    their digest (`chain_digest`) and lines, or None where the input holds fewer chunks now."""
+    digest, lines = "", 0
+    for _ in range(count):
+        item = next(chunks, None)
+        if item is None:
+            return None
+        digest, lines = chain_digest(digest, chunk_digest(item[1])), lines + len(item[1])
+    return digest, lines
+
+
+def _check_same_input(recorded: tuple[str, int] | None, state: dict, name: str, output_path: str | None) -> None:
+    """Refuse to resume where the input's first chunks are not the lines their recorded translations came from."""
+    if recorded is None:
+        raise _changed_input(name, output_path, f"it has fewer lines than the {state['lines']} already translated")
+    if recorded[0] != state["input_digest"]:
+        raise _changed_input(name, output_path, f"its first {recorded[1]} lines, already translated, are not the "
+                             "lines they were translated from")
+
+
+def _changed_input(name: str, output_path: str | None, what: str) -> ValueError:
+    return ValueError(f"{name} has changed since {output_path} was written from it ({what}); its translations would "
+                      "not line up with the input. Start again without --resume, or restore the input.")
+
+
 class _Merger:
     """Process 0's writer: appends chunks in input order, flushes them to disk, then records them in the resume
     state (so a kill between the two leaves bytes past the recorded end, which a resume cuts off)."""
@@ -236,8 +296,11 @@ class _Merger:
     def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, engine):
         self.sink, self.bar, self.state, self.state_path = sink, bar, dict(state), state_path
         self.parts_dir, self.settings, self.result, self.engine = parts_dir, settings, result, engine
+        # The digests of the chunks this process has read and not yet appended: a part is appended only once its
+        # chunk is read here and the part was translated from the same lines (not left by a kill before an edit).
+        self.digests: dict[int, str] = {}
 
-    def append(self, index: int, text: bytes, lines: int, truncated: int) -> None:
+    def append(self, index: int, text: bytes, lines: int, truncated: int, digest: str) -> None:
         assert index == self.state["chunks"], "chunks are appended in input order"
         self.sink.write(text)
         if self.state_path:
@@ -245,7 +308,9 @@ class _Merger:
         else:
             self.sink.flush()
         self.state.update(chunks=index + 1, lines=self.state["lines"] + lines,
-                          bytes=self.state["bytes"] + len(text), truncated=self.state["truncated"] + truncated)
+                          bytes=self.state["bytes"] + len(text), truncated=self.state["truncated"] + truncated,
+                          input_digest=chain_digest(self.state["input_digest"], digest))
+        self.digests.pop(index, None)
         if self.state_path:
             write_atomically(self.state_path, json.dumps({**self.state, "settings": self.settings}))
         self.result.lines, self.result.chunks = self.state["lines"], self.state["chunks"]
@@ -254,11 +319,14 @@ class _Merger:
 
     def merge_ready(self) -> None:
         """Append every finished part that is next in input order."""
-        while (path := _part_path(self.parts_dir, self.state["chunks"])) and os.path.exists(path):
+        while (digest := self.digests.get(self.state["chunks"])) is not None:
+            path = _part_path(self.parts_dir, self.state["chunks"])
+            if _part_digest(self.parts_dir, self.state["chunks"]) != digest:
+                return  # not written yet, or left from other lines and about to be written again
             with open(path, "rb") as f:
-                lines, truncated = json.loads(f.readline())
+                lines, truncated, _ = json.loads(f.readline())
                 text = f.read()
-            self.append(self.state["chunks"], text, lines, truncated)
+            self.append(self.state["chunks"], text, lines, truncated, digest)
             os.remove(path)
 
     def finish(self, chunks: int) -> None:
@@ -284,11 +352,22 @@ def _part_path(parts_dir: str, index: int) -> str:
     return os.path.join(parts_dir, f"{index:09d}.part")
 
 
-def _write_part(parts_dir: str, index: int, text: bytes, lines: int, truncated: int) -> None:
-    """A chunk's translation for process 0 to append: a header line, then the text; complete or absent."""
+def _write_part(parts_dir: str, index: int, text: bytes, lines: int, truncated: int, digest: str) -> None:
+    """A chunk's translation for process 0 to append: a header line (with the digest of the chunk's input lines),
+    then the text; complete or absent."""
     os.makedirs(parts_dir, exist_ok=True)
     path = _part_path(parts_dir, index)
-    files.write_atomically(path, json.dumps([lines, truncated]).encode() + b"\n" + text)
+    files.write_atomically(path, json.dumps([lines, truncated, digest]).encode() + b"\n" + text)
+
+
+def _part_digest(parts_dir: str, index: int) -> str | None:
+    """The input digest a chunk's part was translated from, or None where there is no such part (yet)."""
+    try:
+        with open(_part_path(parts_dir, index), "rb") as f:
+            header = json.loads(f.readline())
+    except FileNotFoundError:
+        return None
+    return header[2] if len(header) == 3 else None
 
 
 def _read_state(state_path: str) -> dict:
@@ -297,11 +376,12 @@ def _read_state(state_path: str) -> dict:
 
 
 def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dict:
-    """The state to start from: a fresh output, or with `resume` the killed run's, its output cut back to the last
-    complete chunk, or a complete run's (which `translate_file` leaves as it is). The state is written before the
-    output is created, so an output this tool has created always has one beside it; with `resume`, an output
-    without one is started again only if it is missing or empty (nothing to lose), and refused otherwise."""
-    fresh = {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
+    """The state to start from: a fresh output, or with `resume` the killed run's or a complete run's (which
+    `translate_file` leaves as it is), once their settings are found the same; nothing is changed before the input
+    is checked (`_translate_chunks` then cuts the output back to the last complete chunk). A fresh state is written
+    before the output is created, so an output this tool has created always has one beside it; with `resume`, an
+    output without one is started again only if it is missing or empty (nothing to lose), and refused otherwise."""
+    fresh = {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0, "input_digest": ""}
     if output_path is None:
         return fresh
     if resume and os.path.exists(state_path):
@@ -316,18 +396,21 @@ def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dic
         if size < state["bytes"] or (state.get("complete") and size != state["bytes"]):
             raise ValueError(f"{output_path} holds {size} bytes, its resume state {state_path} records "
                              f"{state['bytes']}: it was changed by something else; start again without --resume.")
-        if not state.get("complete"):
-            with open(output_path, "ab") as f:  # created here if the kill came before the output was
-                f.truncate(state["bytes"])
         del state["settings"]
         return state
     if resume and os.path.exists(output_path) and os.path.getsize(output_path) > 0:
         raise ValueError(f"{output_path} has no resume state beside it ({state_path}), so it was not written by this "
                          "tool; it is left as it is. Start again without --resume to replace it.")
     shutil.rmtree(parts_dir, ignore_errors=True)
+    had_state = os.path.exists(state_path)
     write_atomically(state_path, json.dumps({**fresh, "settings": settings}))
-    with open(output_path, "wb"):
-        pass
+    try:
+        with open(output_path, "wb"):
+            pass
+    except OSError:
+        if not had_state:  # refused: nothing of this run is left behind
+            os.remove(state_path)
+        raise
     return fresh
 
 

@@ -1,5 +1,5 @@
-"""Files: UTF-8 lines read with the file and line named on error, and the one way the package writes a file or
-directory atomically."""
+"""Files: UTF-8 lines read with the file and line named on error, the checks that an output can be written without
+destroying an input, and the one way the package writes a file or directory atomically."""
 
 import ctypes
 import errno
@@ -28,6 +28,53 @@ def decode_lines(raw_lines: Iterable[bytes], name: str, first_line: int = 1) -> 
             raise ValueError(f"{name} is not UTF-8 text (line {number}: {error.reason}); convert it, e.g. with "
                              "`iconv -t utf-8`.") from error
     return lines
+
+
+# Outputs --------------------------------------------------------------------------------------------------------------
+# Every tool that reads files and writes another checks its output here before it opens anything for writing: the
+# shell mistake `sort f > f` (an output that is the input, by the same name or another) must never empty an input.
+
+
+def same_entry(first: str | os.PathLike, second: str | os.PathLike) -> bool:
+    """Whether two paths name one file or directory, by any names (a symbolic or hard link): the same device and
+    inode. False where either does not exist."""
+    try:
+        return os.path.samefile(first, second)
+    except (OSError, ValueError):
+        return False
+
+
+def check_not_an_input(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """Refuse (ValueError) an `output` that is one of `inputs` by any name, or a directory that holds one (a
+    directory replaced whole would take the input with it). Inputs that do not exist here (a Hub id) are skipped."""
+    for source in inputs:
+        if source is None or not os.path.exists(source):
+            continue
+        if same_entry(output, source):
+            raise ValueError(f"{output} is the input {source} (the same {_kind(source)}"
+                             f"{'' if os.fspath(output) == os.fspath(source) else ' by another name'}): writing it "
+                             "would destroy the input; choose another output.")
+        for parent in Path(os.path.abspath(source)).parents:
+            if same_entry(output, parent):
+                raise ValueError(f"{output} holds the input {source}: replacing it would delete the input; choose "
+                                 "another output.")
+
+
+def check_output_file(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+    """Refuse, before anything is written, an output file that cannot be written as a file (a directory, a missing or
+    read-only directory to hold it) or that is one of `inputs` (`check_not_an_input`); the messages name `output`."""
+    if os.path.isdir(output) or os.fspath(output).endswith(os.sep):
+        raise IsADirectoryError(f"{output} is a directory; give the path of a file to write.")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"Cannot write {output}: the directory {parent} does not exist.")
+    if not os.access(parent, os.W_OK) or (os.path.exists(output) and not os.access(output, os.W_OK)):
+        raise PermissionError(f"Cannot write {output}: permission denied.")
+    check_not_an_input(output, inputs)
+
+
+def _kind(path: str | os.PathLike) -> str:
+    return "directory" if os.path.isdir(path) else "file"
 
 
 # Atomic writes --------------------------------------------------------------------------------------------------------
@@ -85,7 +132,11 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     absent), whenever the process or the machine stops."""
     temporary = staging_path(path, f"-{os.getpid()}")
     try:
-        with open(temporary, "wb") as f:
+        try:
+            f = open(temporary, "wb")
+        except OSError as error:  # the message names the file asked for, not the staging name
+            raise type(error)(error.errno, error.strerror, os.fspath(path)) from error
+        with f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             sync_file(f)
         os.replace(temporary, path)

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from .checkpoints import check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
@@ -124,9 +125,8 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
             model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,
             trust_remote_code=False, output_loading_info=True,
         )
-    except SafetensorError as error:
-        raise ValueError(f"The weights in {model_dir} are truncated or corrupted ({error}); copy or download the "
-                         "checkpoint again.") from error
+    except SafetensorError as error:  # a Hub checkpoint, whose files are checked only as they download
+        raise damaged_weights(model_dir, error) from error
     except RuntimeError as error:
         if "ignore_mismatched_sizes" not in str(error):
             raise
@@ -176,20 +176,12 @@ def check_checkpoint_dir(model_dir: str) -> None:
 
 
 def _check_checkpoint_files(model_dir: str) -> None:
-    """The files a checkpoint is written with and the tools need, beyond config.json and the weights (whose absence
-    `from_pretrained` reports): without generation_config.json the tools would decode with defaults instead of the
-    checkpoint's own settings (beams, length penalty, output length); without one of several weight shards the
-    model cannot load."""
-    again = "copy the whole checkpoint directory again"
+    """The files a checkpoint is written with and the tools need, beyond config.json: without
+    generation_config.json the tools would decode with defaults instead of the checkpoint's own settings (beams,
+    length penalty, output length); the weights must all be there, complete (`checkpoints.check_weights`), before
+    any is read."""
     if not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         raise FileNotFoundError(f"{model_dir} has no generation_config.json, which holds the decoding settings the "
-                                f"model was trained and evaluated with; {again}, or write one with "
-                                "`model.generation_config.save_pretrained(...)`.")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
-        missing = [shard for shard in shards if not os.path.isfile(os.path.join(model_dir, shard))]
-        if missing:
-            raise FileNotFoundError(f"{model_dir} lacks {len(missing)} of the {len(shards)} weight shards that "
-                                    f"model.safetensors.index.json lists ({', '.join(missing)}); {again}.")
+                                "model was trained and evaluated with; copy the whole checkpoint directory again, or "
+                                "write one with `model.generation_config.save_pretrained(...)`.")
+    check_weights(model_dir)

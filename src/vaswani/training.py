@@ -34,11 +34,11 @@ from transformers import (
     set_seed,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
 from . import data as vdata
 from .batching import TokenBatchSampler, example_lengths
-from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average, publish_staged
+from .checkpoints import check_weights, checkpoints_in, is_complete_checkpoint, load_average, publish_staged
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .corpus import CORPUS_ENV_VAR
 from .evaluation import build_compute_metrics, evaluate_model
@@ -610,6 +610,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
                        args.output_dir)
         return finished
     last_checkpoint = prepare_output_dir(args)  # refuses a bad output_dir before anything is read or written
+    if last_checkpoint:
+        check_resumed_weights(last_checkpoint)
     set_seed(args.seed)
     data = prepare_data(model_args, data_args, args, last_checkpoint)
     splits, validation = data.splits, data.validation
@@ -790,6 +792,14 @@ def finished_run(output_dir: str, args: VaswaniTrainingArguments | None = None) 
         return {}
     with open(metrics, encoding="utf-8") as f:
         return json.load(f)
+
+
+def check_resumed_weights(checkpoint: str) -> None:
+    """The weights of the checkpoint to resume from, checked complete (`checkpoints.check_weights`) before anything
+    is read: a damaged checkpoint is named in one line, not in a traceback from inside the Trainer. FSDP's sharded
+    checkpoints keep their weights in directories of their own, which the Trainer reads."""
+    if not any(name.startswith(FSDP_MODEL_NAME) for name in os.listdir(checkpoint)):
+        check_weights(checkpoint)
 
 
 def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
