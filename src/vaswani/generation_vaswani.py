@@ -763,6 +763,12 @@ def _read_back(tensor: torch.Tensor) -> list:
     return tensor.cpu().tolist()
 
 
+# How many decoding steps the host lets pass between two looks at which slots finished, on a CPU and on a GPU: a
+# finished slot idles for half of that on average, and each look makes the host wait for the device
+# (benchmarks/results/ has the measurements).
+SYNC_EVERY = {False: 2, True: 8}
+
+
 class _Slots:
     """The state of `decode_in_slots`: `slots` sentences × `num_beams` rows, every buffer with the slot (or row) as
     its first dimension, so that a slot can be refilled, or the slots compacted, by indexing that dimension."""
@@ -936,19 +942,24 @@ def _with_max_length(generation_config, max_length: int):
     return config
 
 
-def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_every: int = 4,
-                    **generate_options) -> list[list[int]]:
+def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_every: int | None = None,
+                    cuda_graphs: bool | None = None, **generate_options) -> list[list[int]]:
     """Greedy or beam search of every source in `sources` (lists of token ids), each output what
     `model.generate(input_ids=[source], max_new_tokens=its max_new_tokens, **generate_options)[0]` returns (the
     decoder start token first), in the order of `sources` (7 in the module docstring).
 
     `slots` sentences decode side by side; when one finishes, the next source takes its slot. `max_new_tokens` is
-    one number or one per source. The host looks at which slots finished once every `sync_every` steps, the only
-    time it waits for the device; a slot that finished in between idles until then. Calls that `slots_cover` does not
-    cover are refused."""
+    one number or one per source. The host looks at which slots finished once every `sync_every` steps (default
+    `SYNC_EVERY` for the model's device), the only time it waits for the device; a slot that finished in between idles
+    until then. With `cuda_graphs` (default: on a GPU) each step is replayed as a CUDA graph, recorded once per slot
+    count. Calls that `slots_cover` does not cover are refused."""
     if not slots_cover(model, **generate_options):
         raise ValueError("decode_in_slots runs greedy and beam search with one output per sentence, without logits "
                          "processors or stopping criteria other than max_length and eos_token_id.")
+    device = model.device
+    sync_every = SYNC_EVERY[device.type == "cuda"] if sync_every is None else sync_every
+    # On other devices the fixed-shape steps run as they are (how the CPU tests check them).
+    graphs = _StepGraphs(device) if (device.type == "cuda" if cuda_graphs is None else cuda_graphs) else None
     if slots < 1 or sync_every < 1:
         raise ValueError(f"slots and sync_every must be at least 1, got {slots} and {sync_every}.")
     sources = [list(source) for source in sources]
@@ -957,7 +968,6 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
     limits = [max_new_tokens] * len(sources) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(sources):
         raise ValueError(f"{len(limits)} max_new_tokens for {len(sources)} sources.")
-    device = model.device
     generation_config, _ = model._prepare_generation_config(None, **generate_options)
     model._prepare_special_tokens(generation_config, True, device=device)
     prompt_len = 1  # the decoder start token
@@ -992,9 +1002,12 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
     start(list(range(state.slots)))
     while True:
         for _ in range(sync_every):
-            for layer in state.layers:  # the positions that any slot has written so far
-                layer.read_length = min(max_length, 1 + max(steps_taken))
-            state.step()
+            if graphs is None:  # attend over the positions that some slot has written so far
+                for layer in state.layers:
+                    layer.read_length = min(max_length, 1 + max(steps_taken))
+                state.step()
+            else:  # a graph replays fixed shapes: every position, masked per row
+                graphs.run(state.slots, state.step)
             steps_taken = [taken + 1 for taken in steps_taken]
         # One read: which slots are still decoding, and every slot's finished output with its length.
         report = _read_back(torch.cat([state.active[:, None].long(), state.final_len[:, None], state.final], dim=1))
@@ -1005,7 +1018,14 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
         live = [slot for slot, index in enumerate(held) if index is not None]
         if not live:
             return outputs
-        if len(live) < state.slots:  # no source left to start: decode only the live slots
+        if len(live) <= (state.slots // 2 if graphs is not None else state.slots - 1):
+            # No source left to start: decode only the live slots. With graphs, in halves, so that a few slot counts
+            # (each one recorded graph) serve the whole tail; the idle slots that fill a half just idle.
+            if graphs is not None:
+                size = state.slots // 2
+                while size // 2 >= len(live):
+                    size //= 2
+                live += [slot for slot, index in enumerate(held) if index is None][: size - len(live)]
             state.keep(live)
             held = [held[slot] for slot in live]
             steps_taken = [steps_taken[slot] for slot in live]
