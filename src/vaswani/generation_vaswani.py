@@ -59,6 +59,22 @@ multiplications are int8 (benchmarks/README.md):
    Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
    benchmarks/results/translation-trained-cuda-h200.md).
 
+7. `decode_in_slots` (not a generate() call: it takes a list of sources, of any length, and is what
+   `vaswani.translation.TorchEngine(slots=...)` runs) keeps a fixed number of slots, each one sentence × its beams,
+   busy with live rows: when a slot's sentence finishes, the next source takes its slot (the newcomers' encoder runs
+   batched together), instead of the batch waiting for its longest sentence as in 6. The self-attention cache is
+   pre-allocated for max_length positions, and each slot writes and attends at its own position (a per-row mask);
+   the cross-attention keys/values and the source mask are kept per slot. Beam search's bookkeeping is `_advance`'s,
+   with each sentence's own length (`_PerSentence`): transformers' helpers keep the hypotheses, and its length
+   penalty is applied by the same float32 division. Each output is what generate() returns for that sentence alone
+   with its own max_new_tokens (tests/test_decoding.py; the caveat of 4 and 5 holds: neighbours change the shapes
+   of the matrix products). Finished slots are found on the device; the host reads which ones once every
+   `SYNC_EVERY` steps, in one transfer with their outputs, and nothing else during the steps. On a GPU the step is
+   replayed as a CUDA graph, recorded once per slot count: once no source is left to start, the slots are halved
+   as their sentences finish, so a few graphs serve the tail. On a CPU the same loop runs without graphs, attending
+   over the positions written so far; there it measured slower than the loop of 1–5 on the main job's model
+   (`benchmarks/bench_translation.py --engines vaswani,vaswani-slots` compares them), which stays the CPU's default.
+
 Anything else (sampling, `return_dict_in_generate`, a decoder-only or non-Vaswani model, a pre-filled or static
 cache, an assistant model, a streamer, synced GPUs, the decoding methods that transformers moved to the Hub) goes
 to transformers' own `generate()` unchanged.
@@ -764,8 +780,8 @@ def _read_back(tensor: torch.Tensor) -> list:
 
 
 # How many decoding steps the host lets pass between two looks at which slots finished, on a CPU and on a GPU: a
-# finished slot idles for half of that on average, and each look makes the host wait for the device
-# (benchmarks/results/ has the measurements).
+# finished slot idles for half of that on average, and on a GPU each look makes the host wait for the device and
+# drains its queue of launched steps. On a CPU nothing waits, and 1, 2 and 4 measured alike.
 SYNC_EVERY = {False: 2, True: 8}
 
 
