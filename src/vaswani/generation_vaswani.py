@@ -821,21 +821,16 @@ class _Slots:
         else:
             self.sequences = torch.zeros(slots, max_length, dtype=torch.long, device=device)
             self.sequences[:, 0] = generation_config._decoder_start_token_tensor
-        self.fresh = self._state()  # a slot's state before its first step, copied into a slot when it is refilled
+        # A slot's search state before its first step, copied into a slot when it is refilled.
+        self.fresh = [tensor.clone() for tensor in self._state()]
 
     def _state(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.beams] if self.beam else [self.sequences.clone()]
+        """The search's tensors, slot first."""
+        return list(self.beams) if self.beam else [self.sequences]
 
     @property
     def slots(self) -> int:
         return self.lengths.shape[0]
-
-    def _per_slot(self) -> list[torch.Tensor]:
-        """Every tensor whose first dimension is the slot."""
-        tensors = [self.source_mask, self.encoder_states, self.lengths, self.max_lengths, self.active, self.final,
-                   self.final_len]
-        tensors += [layer.keys for layer in self.cross.layers] + [layer.values for layer in self.cross.layers]
-        return tensors + (list(self.beams) if self.beam else [self.sequences])
 
     def fill(self, slots: list[int], encoder_states, attention_mask, max_lengths: list[int]) -> None:
         """Start new sentences in `slots`: their source's cross-attention keys/values (projected by each decoder
@@ -856,11 +851,8 @@ class _Slots:
         self.lengths[index] = 1
         self.max_lengths[index] = torch.tensor(max_lengths, dtype=torch.long, device=device)
         self.active[index] = True
-        for state, fresh in zip(self._state_tensors(), self.fresh):
+        for state, fresh in zip(self._state(), self.fresh):
             state[index] = fresh[index]
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        return list(self.beams) if self.beam else [self.sequences]
 
     def keep(self, slots: list[int]) -> None:
         """Keep only `slots`, in this order (fewer slots once no sentence is left to start)."""
