@@ -722,17 +722,37 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
 class _SlotLayer(CacheLayerMixin):
     """One decoder layer's self-attention keys/values for every row of the slots, pre-allocated for max_length
     positions: each row writes its new key/value at its own position (`positions`, set before each step), and the
-    attention reads the first `read_length` positions, masked per row beyond the row's own position."""
+    attention reads the first `read_length` positions, masked per row beyond the row's own position.
+
+    With `spare` buffers (where the memory need not stay put, as it must for a CUDA graph), beam search's reordering
+    selects the rows into them and swaps: one pass over the cache instead of a selection and a copy back."""
 
     is_compileable = True
 
-    def __init__(self, rows: int, kv_heads: int, max_length: int, head_dim: int, dtype, device):
+    def __init__(self, rows: int, kv_heads: int, max_length: int, head_dim: int, dtype, device, spare: bool):
         super().__init__()
         self.keys = torch.zeros(rows, kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
+        self.spare = (torch.zeros_like(self.keys), torch.zeros_like(self.keys)) if spare else None
         self.is_initialized = True
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.read_length = max_length
+
+    def reorder(self, parent_rows: torch.Tensor) -> None:
+        """Each row continues the cache of row `parent_rows[row]` (the positions written so far)."""
+        written = slice(0, self.read_length)
+        if self.spare is None:
+            for cache in (self.keys, self.values):
+                cache[:, :, written].copy_(cache[:, :, written].index_select(0, parent_rows))
+            return
+        for cache, spare in zip((self.keys, self.values), self.spare):
+            torch.index_select(cache[:, :, written], 0, parent_rows, out=spare[:, :, written])
+        self.spare, (self.keys, self.values) = (self.keys, self.values), self.spare
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
+        if self.spare is not None:
+            self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise RuntimeError("slot caches are allocated when made")
@@ -789,13 +809,14 @@ class _Slots:
     """The state of `decode_in_slots`: `slots` sentences × `num_beams` rows, every buffer with the slot (or row) as
     its first dimension, so that a slot can be refilled, or the slots compacted, by indexing that dimension."""
 
-    def __init__(self, model, generation_config, slots: int, source_len: int, max_length: int):
+    def __init__(self, model, generation_config, slots: int, source_len: int, max_length: int, graphs: bool):
         config, device, dtype = model.config, model.device, model.dtype
         self.model, self.generation_config, self.max_length = model, generation_config, max_length
         self.beam = generation_config.get_generation_mode() == GenerationMode.BEAM_SEARCH
         self.num_beams = generation_config.num_beams if self.beam else 1
         rows = slots * self.num_beams
-        self.layers = [_SlotLayer(rows, config.num_key_value_heads, max_length, config.head_dim, dtype, device)
+        self.layers = [_SlotLayer(rows, config.num_key_value_heads, max_length, config.head_dim, dtype, device,
+                                  spare=self.beam and not graphs)
                        for _ in range(config.decoder_layers)]
         cross = DynamicCache(config=config)
         zeros = torch.zeros(slots, config.num_key_value_heads, source_len, config.head_dim, dtype=dtype, device=device)
@@ -841,18 +862,18 @@ class _Slots:
         computed = EncoderDecoderCache(DynamicCache(config=self.model.config), DynamicCache(config=self.model.config))
         for layer in self.model.get_decoder().layers:
             layer.encoder_attn(encoder_states[:, :1], key_value_states=encoder_states, cache=computed)
+        padding = self.source_mask.shape[-1] - length  # masked source positions, zero keys/values
         for layer, new in zip(self.cross.layers, computed.cross_attention_cache.layers):
             for fixed, projected in ((layer.keys, new.keys), (layer.values, new.values)):
-                fixed[index] = 0
-                fixed[index, :, :length] = projected
-        self.source_mask[index] = False
-        self.source_mask[index, 0, 0, :length] = attention_mask.bool()
+                fixed.index_copy_(0, index, torch.nn.functional.pad(projected, (0, 0, 0, padding)))
+        mask = torch.nn.functional.pad(attention_mask.bool(), (0, padding))
+        self.source_mask.index_copy_(0, index, mask[:, None, None, :])
         self.tokens[rows] = self.generation_config._decoder_start_token_tensor
         self.lengths[index] = 1
         self.max_lengths[index] = torch.tensor(max_lengths, dtype=torch.long, device=device)
         self.active[index] = True
-        for state, fresh in zip(self._state(), self.fresh):
-            state[index] = fresh[index]
+        for state, fresh in zip(self._state(), self.fresh):  # every slot's fresh state is the same
+            state.index_copy_(0, index, fresh[: len(slots)])
 
     def keep(self, slots: list[int]) -> None:
         """Keep only `slots`, in this order (fewer slots once no sentence is left to start)."""
@@ -860,7 +881,7 @@ class _Slots:
         index = torch.tensor(slots, dtype=torch.long, device=device)
         rows = (index[:, None] * self.num_beams + torch.arange(self.num_beams, device=device)).flatten()
         for layer in self.layers:
-            layer.keys, layer.values, layer.positions = layer.keys[rows], layer.values[rows], layer.positions[rows]
+            layer.keep(rows)
         self.tokens = self.tokens[rows]
         self.source_mask, self.encoder_states, self.lengths, self.max_lengths, self.active, self.final = (
             t[index] for t in (self.source_mask, self.encoder_states, self.lengths, self.max_lengths, self.active,
@@ -898,7 +919,7 @@ class _Slots:
             logits_to_keep=1,
         ).logits[:, -1]  # (rows, vocab)
         if self.beam:
-            done = self._beam_step(logits, read_length)
+            done = self._beam_step(logits)
         else:
             done = self._greedy_step(logits)
         self.active &= ~done
@@ -917,7 +938,7 @@ class _Slots:
         self.final_len.copy_(torch.where(done, self.lengths + 1, self.final_len))
         return done
 
-    def _beam_step(self, logits, read_length: int) -> torch.Tensor:
+    def _beam_step(self, logits) -> torch.Tensor:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         per_sentence = _PerSentence(self.lengths, self.max_lengths, self.eos, self.penalties)
         new_beams, hits_stop, parent_rows = _advance(self.model, log_probs, self.beams, per_sentence, None,
@@ -925,9 +946,7 @@ class _Slots:
         for fixed, new in zip(self.beams, new_beams):
             fixed.copy_(new)
         for layer in self.layers:  # each row continues its parent's cache
-            for cache in (layer.keys, layer.values):
-                written = cache[:, :, :read_length]
-                written.copy_(written.index_select(0, parent_rows))
+            layer.reorder(parent_rows)
         beams = self.beams
         rows = beams.running_sequences.shape[0] * self.num_beams
         column = self.lengths.clamp(max=self.max_length - 1)[:, None, None].expand(-1, self.num_beams, 1)
@@ -986,7 +1005,8 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
                          "lower max_new_tokens.")
     pad = generation_config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0
-    state = _Slots(model, generation_config, min(slots, len(sources)), max(map(len, sources)), max_length)
+    state = _Slots(model, generation_config, min(slots, len(sources)), max(map(len, sources)), max_length,
+                   graphs is not None)
     outputs: list[list[int] | None] = [None] * len(sources)
     pending = iter(range(len(sources)))
     held: list[int | None] = [None] * state.slots  # the source each slot decodes
