@@ -89,8 +89,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache, DynamicLayer, EncoderDecoderCache,
-                                      StaticCache, StaticLayer)
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 from transformers.generation.configuration_utils import GenerationMode
@@ -719,15 +718,13 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
 
 # Continuous batching: sentences in slots (7 in the module docstring) ------------------------------------------------
 
-class _SlotLayer(CacheLayerMixin):
+class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported transformers release
     """One decoder layer's self-attention keys/values for every row of the slots, pre-allocated for max_length
     positions: each row writes its new key/value at its own position (`positions`, set before each step), and the
     attention reads the first `read_length` positions, masked per row beyond the row's own position.
 
     With `spare` buffers (where the memory need not stay put, as it must for a CUDA graph), beam search's reordering
     selects the rows into them and swaps: one pass over the cache instead of a selection and a copy back."""
-
-    is_compileable = True
 
     def __init__(self, rows: int, kv_heads: int, max_length: int, head_dim: int, dtype, device, spare: bool):
         super().__init__()
