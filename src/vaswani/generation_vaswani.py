@@ -735,6 +735,18 @@ class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported tra
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.read_length = max_length
 
+    def attend(self, length: int, max_length: int) -> None:
+        """Attend over the first `length` positions from now on, growing the buffers (by doubling, up to
+        `max_length`) when they are shorter: without graphs the buffers need only hold the positions written so far,
+        and shorter rows are closer together in memory."""
+        self.read_length = length
+        if length > self.keys.shape[2]:
+            width = min(max_length, max(2 * self.keys.shape[2], length))
+            grow = lambda cache: torch.nn.functional.pad(cache, (0, 0, 0, width - cache.shape[2]))  # noqa: E731
+            self.keys, self.values = grow(self.keys), grow(self.values)
+            if self.spare is not None:
+                self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
+
     def reorder(self, parent_rows: torch.Tensor) -> None:
         """Each row continues the cache of row `parent_rows[row]` (the positions written so far)."""
         written = slice(0, self.read_length)
@@ -812,8 +824,9 @@ class _Slots:
         self.beam = generation_config.get_generation_mode() == GenerationMode.BEAM_SEARCH
         self.num_beams = generation_config.num_beams if self.beam else 1
         rows = slots * self.num_beams
-        self.layers = [_SlotLayer(rows, config.num_key_value_heads, max_length, config.head_dim, dtype, device,
-                                  spare=self.beam and not graphs)
+        # With graphs every buffer has its final size from the start; without, the caches grow as needed.
+        self.layers = [_SlotLayer(rows, config.num_key_value_heads, max_length if graphs else min(max_length, 32),
+                                  config.head_dim, dtype, device, spare=self.beam and not graphs)
                        for _ in range(config.decoder_layers)]
         cross = DynamicCache(config=config)
         zeros = torch.zeros(slots, config.num_key_value_heads, source_len, config.head_dim, dtype=dtype, device=device)
@@ -1029,7 +1042,7 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
         for _ in range(sync_every):
             if graphs is None:  # attend over the positions that some slot has written so far
                 for layer in state.layers:
-                    layer.read_length = min(max_length, 1 + max(steps_taken))
+                    layer.attend(min(max_length, 1 + max(steps_taken)), max_length)
                 state.step()
             else:  # a graph replays fixed shapes: every position, masked per row
                 graphs.run(state.slots, state.step)
