@@ -724,7 +724,9 @@ class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported tra
     attention reads the first `read_length` positions, masked per row beyond the row's own position.
 
     With `spare` buffers (where the memory need not stay put, as it must for a CUDA graph), beam search's reordering
-    selects the rows into them and swaps: one pass over the cache instead of a selection and a copy back."""
+    selects the rows into them and swaps: one pass over the cache instead of a selection and a copy back. Every
+    buffer starts as zeros, never uninitialised: a masked position's value still meets its zero attention weight,
+    and 0 × NaN is NaN."""
 
     def __init__(self, rows: int, kv_heads: int, max_length: int, head_dim: int, dtype, device, spare: bool):
         super().__init__()
@@ -745,7 +747,7 @@ class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported tra
             grow = lambda cache: torch.nn.functional.pad(cache, (0, 0, 0, width - cache.shape[2]))  # noqa: E731
             self.keys, self.values = grow(self.keys), grow(self.values)
             if self.spare is not None:
-                self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
+                self.spare = (torch.zeros_like(self.keys), torch.zeros_like(self.values))
 
     def reorder(self, parent_rows: torch.Tensor) -> None:
         """Each row continues the cache of row `parent_rows[row]` (the positions written so far)."""
@@ -761,7 +763,7 @@ class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported tra
     def keep(self, rows: torch.Tensor) -> None:
         self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
         if self.spare is not None:
-            self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
+            self.spare = (torch.zeros_like(self.keys), torch.zeros_like(self.values))
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise RuntimeError("slot caches are allocated when made")
