@@ -30,7 +30,8 @@ def user_errors_exit(main):
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--int8`, `--decoding` and `--slots`, for scripts that decode (passed on to `vaswani.loading.load_translator`)."""
+    """`--int8`, `--decoding` and `--slots`, for scripts that decode (the first two passed on to
+    `vaswani.loading.load_translator`, `--slots` to `vaswani.translation.TorchEngine`)."""
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",

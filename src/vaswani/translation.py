@@ -183,9 +183,9 @@ def translate(engine: Engine, sentences: Sequence[str], *, max_tokens: int | Non
     """Translate `sentences` with `engine`, in batches of at most `max_tokens` padded source tokens and
     `max_sentences` sentences (`vaswani.batching.token_budget_batches`: longest first, so that running out of
     memory, if it happens, happens on the first batch); an engine that decodes `continuous`ly gets them all in that
-    order as one batch, and its slots bound its memory instead. Returns the translations, stripped, in input order, and how
-    many sources were truncated; with `warn`, a truncation is also reported on stderr (`warn_truncated`; a caller
-    that translates in parts passes False and reports the total once)."""
+    order as one batch, and its slots bound its memory instead. Returns the translations, stripped, in input order,
+    and how many sources were truncated; with `warn`, a truncation is also reported on stderr (`warn_truncated`; a
+    caller that translates in parts passes False and reports the total once)."""
     if not sentences:
         return Translations([], 0)  # the tokenizer refuses an empty batch
     encoded = engine.encode(sentences)
