@@ -112,8 +112,9 @@ stage() {
             local model=() engines=vaswani,vaswani-lean,vaswani-graphs,vaswani-slots,marian
             local work=(--num_sentences 3000 --batch_sizes 256)
             [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ] && model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
+            # The dry run: tiny (64 positions), and no CUDA graphs on a CPU.
             [ $dry_run = 1 ] && engines=vaswani,vaswani-lean,vaswani-slots,marian \
-                work=(--num_sentences 32 --batch_sizes 8 --max_new_tokens 40)  # tiny: 64 positions; no CUDA graphs on a CPU
+                work=(--num_sentences 32 --batch_sizes 8 --max_new_tokens 40)
             run "$(left)" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
                 "${model[@]}" "${work[@]}" --beams 4 --stopping eos --engines $engines --keep_going \
                 --output_name "translation-trained-{device}" ;;
