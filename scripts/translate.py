@@ -88,7 +88,7 @@ def main(argv=None):
         engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=args.max_new_tokens,
                              slots=args.slots, **(sampling if args.do_sample else {}))
         precision = str(model.dtype).removeprefix("torch.")
-    settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding",
+    settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding", "slots",
                                                     "ctranslate2", "compute_type", "do_sample", "temperature",
                                                     "top_k", "top_p")} | {"precision": precision}
     stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
