@@ -12,7 +12,9 @@ An engine has `max_source_length` (None: no limit), `positions` (what that limit
 `encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
 
 * `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
-  decoding loop), truncating sources where the model's positions end (`generation_limits`);
+  decoding loop), truncating sources where the model's positions end (`generation_limits`); or, with `slots`,
+  `generation_vaswani.decode_in_slots`, an engine that is `continuous`: it takes every sentence in one batch and
+  keeps its own batch full;
 * `CTranslate2Engine`: a model exported by `vaswani.export` (`load_ctranslate2`).
 """
 
