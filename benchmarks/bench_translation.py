@@ -44,7 +44,8 @@ from vaswani.export import export_to_ctranslate2
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory, quantize_for_cpu
 from vaswani.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import CTranslate2Engine, generate_token_ids
+from vaswani.generation_vaswani import decode_in_slots
+from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -74,8 +75,9 @@ ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop"
                  "vaswani-int8-hfloop": "Vaswani int8 transformers' loop", "vaswani-compiled": "Vaswani compiled",
                  "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
                  "vaswani-ct2-int8": "Vaswani→CT2 int8", "vaswani-ct2-float32": "Vaswani→CT2 fp32",
-                 "vaswani-bf16": "Vaswani bf16", "marian-bf16": "Marian (HF) bf16"}
-TORCH_OPTIONS = {"int8", "hfloop", "lean", "graphs", "compiled", "bf16"}
+                 "vaswani-bf16": "Vaswani bf16", "marian-bf16": "Marian (HF) bf16", "vaswani-slots": "Vaswani slots",
+                 "vaswani-bf16-slots": "Vaswani bf16 slots"}
+TORCH_OPTIONS = {"int8", "hfloop", "lean", "graphs", "compiled", "bf16", "slots"}
 
 DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-compiled", "marian"]
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
@@ -109,15 +111,19 @@ class TorchEngine:
       under torch.compile, greedy and beam search alike; with `graphs`, the compiled steps are what the CUDA graphs
       record;
     * `bf16`: the weights cast to bf16 and generate() run in bf16 (`marian-bf16` too), as `scripts/translate.py
-      --dtype bfloat16` runs, and as its `--dtype auto` chooses where these rows show that bf16 pays."""
+      --dtype bfloat16` runs, and as its `--dtype auto` chooses where these rows show that bf16 pays;
+    * `slots`: continuous batching (`generation_vaswani.decode_in_slots`, what `TorchEngine(slots=...)` and the
+      scripts' `--slots` run): `measure` hands it all sentences as one stream, in the batches' order, with as many
+      slots as a batch has sentences; each finished sentence's slot goes to the next one at once (replayed as CUDA
+      graphs on a GPU)."""
 
     def __init__(self, name, config, tokenizer, device, seed, attention_kernel=None, model_dir=None):
         self.attention_kernel = attention_kernel
         base, *options = name.split("-")
         if set(options) - TORCH_OPTIONS or (base == "marian" and set(options) - {"bf16"}) or base not in (
                 "vaswani", "marian") or {"int8", "bf16"} <= set(options):
-            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs][-compiled] "
-                             "or marian[-bf16].")
+            raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs|-slots]"
+                             "[-compiled] or marian[-bf16].")
         if model_dir:  # the trained checkpoint, or the Marian model computing the same function
             self.model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
             self.model = (to_marian(self.model) if base == "marian" else self.model).to(device.device, device.dtype)
@@ -136,15 +142,23 @@ class TorchEngine:
         if "compiled" in options:
             self.model = compile_for_generation(self.model)
         self.device, self.pad = device, self.model.config.pad_token_id
+        self.slots = "slots" in options
 
-    def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
+    def translate(self, batch: list[list[int]], beams: int, new_tokens: int, stop_at_eos: bool,
+                  slots: int | None = None) -> list[list[int]]:
         """Each sentence's generated token ids (`vaswani.translation.generate_token_ids`, the package engine's own
-        generate() call): without the decoder start token, up to its end of sentence (all `new_tokens` when
-        forced)."""
-        width = max(map(len, batch))
-        ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
+        generate() call, or `decode_in_slots` in `slots` slots, by default as many as `batch` has sentences): without
+        the decoder start token, up to its end of sentence (all `new_tokens` when forced)."""
         # Forced: no stopping on EOS, exactly new_tokens steps (see the module docstring).
         stopping = {} if stop_at_eos else {"eos_token_id": None}
+        if self.slots:
+            eos = self.model.generation_config.eos_token_id if stop_at_eos else None
+            with torch.inference_mode(), sdpa_backend(self.attention_kernel):
+                outputs = decode_in_slots(self.model, batch, new_tokens, slots=slots or len(batch), num_beams=beams,
+                                          do_sample=False, **stopping)
+            return [output_ids(output[1:], eos) for output in outputs]
+        width = max(map(len, batch))
+        ids = torch.tensor([s + [self.pad] * (width - len(s)) for s in batch], device=self.device.device)
         with sdpa_backend(self.attention_kernel):
             return generate_token_ids(self.model, ids, ids != self.pad, num_beams=beams, do_sample=False,
                                       max_new_tokens=new_tokens, **stopping)
@@ -254,12 +268,12 @@ class LocalEngine:
         self.engine, self.load_mib = loaded(device, build)
         self.parameters = self.engine.parameters
 
-    def timed_translate(self, batch, beams, new_tokens, stop_at_eos) -> tuple[list[list[int]], float]:
-        return timed(self.device, lambda: self.engine.translate(batch, beams, new_tokens, stop_at_eos))
+    def timed_translate(self, batch, beams, new_tokens, stop_at_eos, *slots) -> tuple[list[list[int]], float]:
+        return timed(self.device, lambda: self.engine.translate(batch, beams, new_tokens, stop_at_eos, *slots))
 
-    def peak_mib(self, batch, beams, new_tokens, stop_at_eos) -> float | None:
+    def peak_mib(self, batch, beams, new_tokens, stop_at_eos, *slots) -> float | None:
         with PeakMemory(self.device) as memory:
-            self.engine.translate(batch, beams, new_tokens, stop_at_eos)
+            self.engine.translate(batch, beams, new_tokens, stop_at_eos, *slots)
         return memory.added_mib
 
     def linear_seconds(self, batches, beams, new_tokens, stop_at_eos) -> float | None:
@@ -307,11 +321,11 @@ class EngineProcess:
             raise RuntimeError(f"engine process failed in {method}:\n{value}")
         return value
 
-    def timed_translate(self, batch, beams, new_tokens, stop_at_eos) -> tuple[list[list[int]], float]:
-        return self._call("timed_translate", batch, beams, new_tokens, stop_at_eos)
+    def timed_translate(self, batch, beams, new_tokens, stop_at_eos, *slots) -> tuple[list[list[int]], float]:
+        return self._call("timed_translate", batch, beams, new_tokens, stop_at_eos, *slots)
 
-    def peak_mib(self, batch, beams, new_tokens, stop_at_eos) -> float | None:
-        return self._call("peak_mib", batch, beams, new_tokens, stop_at_eos)
+    def peak_mib(self, batch, beams, new_tokens, stop_at_eos, *slots) -> float | None:
+        return self._call("peak_mib", batch, beams, new_tokens, stop_at_eos, *slots)
 
     def linear_seconds(self, batches, beams, new_tokens, stop_at_eos) -> float | None:
         return self._call("linear_seconds", batches, beams, new_tokens, stop_at_eos)
@@ -462,6 +476,13 @@ def run(args: argparse.Namespace, argv) -> Path:
             f"{', '.join(sorted(LINEAR_KERNELS))}): the matrix products of the projections, the feed-forward layers and "
             "the output projection, a floor under that engine's seconds whatever is done around them. Attention's "
             "batched products are not included.")
+    if any("slots" in name.split("-") for name in names):
+        notes.append(
+            "Vaswani slots = generation_vaswani.decode_in_slots (TorchEngine(slots=...), the scripts' --slots): "
+            "continuous batching, as many slots as a batch has sentences, each finished sentence's slot taken at once "
+            "by the next (replayed as CUDA graphs on a GPU). It gets all the sentences at once, in the batches' "
+            "order, so its seconds are of one call per repeat (after that repeat's interleaved batches), the fastest "
+            "counted; its memory is that of the longest batch decoded in slots alone.")
     for name, why in failed.items():
         notes.append(f"{ENGINE_LABELS.get(name, name)} failed and was left out from then on (--keep_going): {why}")
     if args.notes:
@@ -497,10 +518,15 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
     """Time every engine on the same batches, interleaved; return one row per engine. With --keep_going, an engine
     that fails is removed from `engines` and recorded in `failed`, and the others go on."""
     new_tokens = args.max_new_tokens if stop_at_eos else args.new_tokens
+    # Engines that decode in slots get every sentence at once, in the batches' order, in as many slots as a batch has
+    # sentences: one timed call per repeat instead of one per batch.
+    streams = {name for name in engines if "slots" in name.split("-")}
+    stream, slots = [ids for batch in batches for ids in batch], len(batches[0])
 
     def call(name, method, *call_args):
         try:
-            result = getattr(engines[name], method)(*call_args, beams, new_tokens, stop_at_eos)
+            extra = (slots,) if name in streams and method != "linear_seconds" else ()
+            result = getattr(engines[name], method)(*call_args, beams, new_tokens, stop_at_eos, *extra)
             lengths = set(map(len, result[0])) if method == "timed_translate" else {new_tokens}
             if not stop_at_eos and lengths != {new_tokens}:
                 raise RuntimeError(
@@ -525,13 +551,16 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
         print(f"{name}: warm ({'eos' if stop_at_eos else 'forced'}, beams {beams}) after "
               f"{time.monotonic() - STARTED:.0f} s", file=sys.stderr, flush=True)
     names = list(engines)
-    best = {name: [float("inf")] * len(batches) for name in names}
-    outputs = {name: [None] * len(batches) for name in names}
+    best = {name: [float("inf")] * (1 if name in streams else len(batches)) for name in names}
+    outputs = {name: [None] * (1 if name in streams else len(batches)) for name in names}
     for _ in range(args.repeats):
         for i, batch in enumerate(batches):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                if name in engines and (result := call(name, "timed_translate", batch)):
+                if name in engines and name not in streams and (result := call(name, "timed_translate", batch)):
                     outputs[name][i], best[name][i] = result[0], min(best[name][i], result[1])
+        for name in [name for name in names if name in streams]:
+            if name in engines and (result := call(name, "timed_translate", stream)):
+                outputs[name][0], best[name][0] = result[0], min(best[name][0], result[1])
     load_average = os.getloadavg()[0]
     sentences = sum(map(len, batches))
     translations = {name: [ids for batch in outputs[name] for ids in batch or []] for name in names}

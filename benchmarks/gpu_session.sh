@@ -13,8 +13,8 @@
 #                   on the test split, whose translations it keeps
 #   2. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
 #                   sentences stopping at their end (no forced-length rows); generate() as users call it
-#                   (transformers' loop on a GPU), the lean loop, CUDA graphs, Marian with the same weights, each
-#                   engine in its own process
+#                   (transformers' loop on a GPU), the lean loop, CUDA graphs, the slots (continuous batching,
+#                   replayed as CUDA graphs), Marian with the same weights, each engine in its own process
 #   3. training     bench_training.py: base, 25,000-token batches, bf16; Vaswani compiled and eager against Marian;
 #                   compilation done in the warm-up steps, before timing; MFU
 #   4. tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
@@ -109,11 +109,12 @@ stage() {
         translation-trained)  # the quality run's model, as users translate; random weights if it has none
             # Every engine runs in its own process (--keep_going), so one that crashes costs only its own rows; each
             # row counts the translations identical to the lean loop's.
-            local model=() engines=vaswani,vaswani-lean,vaswani-graphs,marian
+            local model=() engines=vaswani,vaswani-lean,vaswani-graphs,vaswani-slots,marian
             local work=(--num_sentences 3000 --batch_sizes 256)
             [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ] && model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
-            [ $dry_run = 1 ] && engines=vaswani,vaswani-lean,marian work=(--num_sentences 32 --batch_sizes 8 \
-                --max_new_tokens 40)  # tiny: 64 positions; no CUDA graphs on a CPU
+            # The dry run: tiny (64 positions), and no CUDA graphs on a CPU.
+            [ $dry_run = 1 ] && engines=vaswani,vaswani-lean,vaswani-slots,marian \
+                work=(--num_sentences 32 --batch_sizes 8 --max_new_tokens 40)
             run "$(left)" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
                 "${model[@]}" "${work[@]}" --beams 4 --stopping eos --engines $engines --keep_going \
                 --output_name "translation-trained-{device}" ;;

@@ -95,7 +95,8 @@ def main(argv=None):
         model, tokenizer = load_translator(args.model, args.device, int8=args.int8, decoding=args.decoding,
                                            dtype=DTYPES.get(args.dtype))
         options = {} if args.length_penalty is None else {"length_penalty": args.length_penalty}
-        engine = TorchEngine(model, tokenizer, num_beams=args.num_beams, **options)  # the limits training's BLEU uses
+        # the limits training's BLEU uses
+        engine = TorchEngine(model, tokenizer, num_beams=args.num_beams, slots=args.slots, **options)
     hypotheses = translate(engine, sources, max_sentences=args.batch_size).texts
     result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     engine_name = f"ctranslate2 {args.compute_type}" if args.ctranslate2 else "pytorch int8" if args.int8 else \

@@ -90,9 +90,9 @@ def main(argv=None):
                                            dtype=args.dtype, num_beams=beams)
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
         engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=args.max_new_tokens,
-                             **(sampling if args.do_sample else {}))
+                             slots=args.slots, **(sampling if args.do_sample else {}))
         precision = str(model.dtype).removeprefix("torch.")
-    settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding",
+    settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding", "slots",
                                                     "ctranslate2", "compute_type", "do_sample", "temperature",
                                                     "top_k", "top_p")} | {"precision": precision}
     stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None

@@ -457,3 +457,175 @@ def test_cuda_graphs_return_what_generate_returns(trained, num_beams, compiled):
         assert torch.equal(reference, graphed)
     (state,) = generation_vaswani._static_states[model].values()
     assert state.graphs.graphs  # recorded, and replayed by the later batches
+
+
+# Continuous batching in slots (7 in generation_vaswani's docstring) --------------------------------------------------
+
+# Sentences of uneven lengths, more of them than slots, so that slots are refilled while others decode.
+SLOT_SENTENCES = SENTENCES + ["dog", "the mat sat on the cat under a bird", "a cat ran under the tree"]
+SLOT_SEARCHES = [
+    dict(num_beams=1),
+    dict(num_beams=1, eos_token_id=None),
+    dict(num_beams=4),
+    dict(num_beams=3, length_penalty=0.6),
+    dict(num_beams=4, early_stopping=True),
+    dict(num_beams=4, early_stopping=False, length_penalty=2.0),
+    dict(num_beams=4, early_stopping="never", length_penalty=1.5),
+    dict(num_beams=5, early_stopping=True, length_penalty=0.0),
+    dict(num_beams=2, eos_token_id=None),
+]
+
+
+def _alone(model, tokenizer, sentences, max_new_tokens, **search) -> list[list[int]]:
+    """Each sentence's output from generate() on that sentence alone."""
+    with torch.no_grad():
+        return [model.generate(**tokenizer([sentence], return_tensors="pt"), max_new_tokens=limit, **search)[0].tolist()
+                for sentence, limit in zip(sentences, max_new_tokens)]
+
+
+def _first_token(model, tokenizer, sentence) -> int:
+    with torch.no_grad():
+        return model.generate(**tokenizer([sentence], return_tensors="pt"), num_beams=1, max_new_tokens=1)[0, 1].item()
+
+
+@pytest.mark.parametrize("search", SLOT_SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_slots_return_what_generate_returns_for_each_sentence(trained, search):
+    """Each sentence's output equals generate()'s for it alone, with its own max_new_tokens, whatever the slot count
+    and the order of arrival; among them sentences that stop at the first step (by their length limit of one token,
+    and by an end of sentence: the token one sentence starts with is made an end of sentence) and sentences that
+    reach their length limit."""
+    model, tokenizer = trained
+    if "eos_token_id" not in search:
+        search = dict(search, eos_token_id=[tokenizer.eos_token_id, _first_token(model, tokenizer, SLOT_SENTENCES[0])])
+    limits = [1 if i == 3 else 4 if i % 3 == 1 else 16 for i in range(len(SLOT_SENTENCES))]
+    reference = _alone(model, tokenizer, SLOT_SENTENCES, limits, **search)
+    assert len(reference[3]) == 2  # the limit of one token
+    if search["eos_token_id"] is None or search["num_beams"] == 1:
+        assert any(len(output) == 5 for output in reference)  # a limit of four tokens
+    if search["eos_token_id"] is not None and search["num_beams"] == 1:
+        assert len(reference[0]) == 2  # an end of sentence at the first step (for beam search, a finished candidate)
+    sources = tokenizer(SLOT_SENTENCES)["input_ids"]
+    orders = [list(range(len(sources))), list(reversed(range(len(sources)))), [5, 0, 9, 2, 7, 1, 8, 3, 6, 4]]
+    for slots in (1, 3, 16):
+        for order, sync_every in zip(orders, (1, 2, 3)):
+            with torch.no_grad():
+                outputs = generation_vaswani.decode_in_slots(model, [sources[i] for i in order],
+                                                             [limits[i] for i in order], slots=slots,
+                                                             sync_every=sync_every, **search)
+            assert [outputs[order.index(i)] for i in range(len(sources))] == reference, (slots, order)
+
+
+@pytest.mark.parametrize("variant", [name for name in VARIANTS if name != "paper"])
+def test_slots_across_variants(variant):
+    """Rotary and learned positions, grouped and single key/value heads: the positions and cache rows of each slot."""
+    model, tokenizer = build_model_and_tokenizer(**VARIANTS[variant])
+    sources = tokenizer(SLOT_SENTENCES)["input_ids"]
+    for search in (dict(num_beams=1), dict(num_beams=4)):
+        reference = _alone(model, tokenizer, SLOT_SENTENCES, [12] * len(sources), **search)
+        with torch.no_grad():
+            assert generation_vaswani.decode_in_slots(model, sources, 12, slots=4, **search) == reference, search
+
+
+def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
+    """No decoding step reads a device value on the host (a dispatch mode counts the reading ops); the loop reads
+    once every `sync_every` steps, which finished slots to refill, through `_read_back`."""
+    model, tokenizer = trained
+    sources = tokenizer(SLOT_SENTENCES)["input_ids"]
+    counts = {"steps": 0, "step_reads": [], "read_backs": 0}
+    step, read_back = generation_vaswani._Slots.step, generation_vaswani._read_back
+
+    def counted_step(self):
+        counts["steps"] += 1
+        with _StepCheck() as seen:
+            step(self)
+        counts["step_reads"] += seen.found
+
+    def counted_read_back(tensor):
+        counts["read_backs"] += 1
+        return read_back(tensor)
+
+    monkeypatch.setattr(generation_vaswani._Slots, "step", counted_step)
+    monkeypatch.setattr(generation_vaswani, "_read_back", counted_read_back)
+    for sync_every in (1, 4):
+        counts.update(steps=0, read_backs=0)
+        with torch.no_grad():  # under inference_mode, host reads escape the dispatch mode
+            generation_vaswani.decode_in_slots(model, sources, 16, slots=3, sync_every=sync_every, num_beams=4)
+        assert counts["step_reads"] == []
+        assert counts["steps"] == counts["read_backs"] * sync_every and counts["read_backs"] > 1
+
+
+def test_slot_steps_replay_as_graphs(trained, replayed_steps):
+    """cuda_graphs=True (here on the CPU): fixed shapes, one recorded step per slot count, replayed for every later
+    step with the same memory and no host reads (the `replayed_steps` fixture), halving the slots once no sentence
+    is left to start; the outputs are generate()'s."""
+    (counts, host_reads), (model, tokenizer) = replayed_steps, trained
+    sources = tokenizer(SLOT_SENTENCES)["input_ids"]
+    for search in (dict(num_beams=1), dict(num_beams=4)):
+        reference = _alone(model, tokenizer, SLOT_SENTENCES, [16] * len(sources), **search)
+        counts.update(recorded=0, replayed=0)
+        with torch.no_grad():
+            outputs = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, sync_every=2, cuda_graphs=True,
+                                                         **search)
+        assert outputs == reference and host_reads == []
+        assert 1 <= counts["recorded"] <= 3 and counts["replayed"] > 5 * counts["recorded"]  # slot counts 4, 2, 1
+
+
+def test_slots_refuse_what_they_do_not_cover(trained):
+    model, tokenizer = trained
+    assert generation_vaswani.slots_cover(model, num_beams=4)
+    for search in (dict(num_beams=4, no_repeat_ngram_size=2), dict(num_beams=4, num_return_sequences=2),
+                   dict(do_sample=True)):
+        assert not generation_vaswani.slots_cover(model, **search)
+        with pytest.raises(ValueError, match="decode_in_slots runs greedy and beam search"):
+            generation_vaswani.decode_in_slots(model, [[5, 6, 1]], 4, **search)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_slots_as_cuda_graphs_return_what_they_return_without(trained, num_beams):
+    """On a GPU: the slots replayed as CUDA graphs (the default there) give the outputs of the same loop run
+    step by step, one graph per slot count."""
+    model, tokenizer = trained
+    model = copy.deepcopy(model).cuda()
+    sources = tokenizer(SLOT_SENTENCES)["input_ids"]
+    recorded = []
+    original = generation_vaswani._StepGraphs.run
+    with torch.no_grad():
+        plain = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams, cuda_graphs=False)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(generation_vaswani._StepGraphs, "run",
+                          lambda self, key, step: original(self, key, step) or recorded.append(sorted(self.graphs)))
+            graphed = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams)
+    assert graphed == plain
+    assert recorded[-1] == sorted(set(recorded[-1])) and len(recorded[-1]) <= 3
+
+
+def test_the_transformers_methods_that_the_loops_call_take_what_they_pass():
+    """generation_vaswani calls these private GenerationMixin methods (the beam-search bookkeeping and generate()'s
+    preparation) by keyword: an upstream release that renames one, or a parameter, fails here by name."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    called = {
+        "_gather_beams": set(), "_beam_search_has_unfinished_sequences": set(),
+        "_get_running_beams_for_next_iteration": {"topk_log_probs", "topk_running_sequences",
+                                                  "topk_running_beam_indices", "next_token_hits_stopping_criteria",
+                                                  "num_beams"},
+        "_update_finished_beams": {"sequences", "topk_running_sequences", "beam_scores", "topk_log_probs",
+                                   "beam_indices", "topk_running_beam_indices", "is_early_stop_heuristic_unsatisfied",
+                                   "is_sent_finished", "next_token_hits_stopping_criteria", "top_num_beam_mask",
+                                   "num_beams", "cur_len", "decoder_prompt_len", "length_penalty", "early_stopping"},
+        "_check_early_stop_heuristic": {"is_early_stop_heuristic_unsatisfied", "running_beam_scores", "beam_scores",
+                                        "is_sent_finished", "cur_len", "max_length", "decoder_prompt_len",
+                                        "early_stopping", "length_penalty"},
+        "_prepare_generation_config": set(), "_prepare_special_tokens": {"device"},
+        "_get_logits_processor": {"generation_config", "input_ids_seq_length", "encoder_input_ids", "device"},
+        "_get_stopping_criteria": set(),
+    }
+    for name, parameters in called.items():
+        method = getattr(GenerationMixin, name, None)
+        assert method is not None, f"transformers' GenerationMixin has no {name} any more"
+        missing = parameters - set(inspect.signature(method).parameters)
+        assert not missing, f"GenerationMixin.{name} takes no {sorted(missing)} any more"

@@ -12,7 +12,7 @@ from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate as translate_model
 from vaswani.file_translation import translate_file
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import TorchEngine, generation_limits, translate
+from vaswani.translation import DEFAULT_SLOTS, TorchEngine, generation_limits, translate
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
 
@@ -129,3 +129,43 @@ def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
     # Sorted by length, longest first (ties in input order), then cut every max_sentences.
     assert token_budget_batches(lengths, None, 3) == [[1, 3, 5], [4, 0, 6], [2]]
     assert token_budget_batches(lengths, None) == [[1, 3, 5, 4, 0, 6, 2]]
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(trained, num_beams, monkeypatch):
+    """TorchEngine(slots=...): translate() hands it every sentence at once, longest first (whatever the budget); each
+    output is generate()'s for that sentence alone, within the paper's limit for its own source (its length plus 50
+    tokens) or the engine's max_new_tokens; in input order. Evaluation goes through it alike."""
+    import vaswani.translation as translation
+
+    model, tokenizer = trained
+    sentences = [*SOURCES, *SOURCES[::-1], "cat"]
+    streams = []
+    original = translation.decode_in_slots
+    monkeypatch.setattr(translation, "decode_in_slots",
+                        lambda model, sources, limits, **options: streams.append((sources, limits))
+                        or original(model, sources, limits, **options))
+    engine = TorchEngine(model, tokenizer, num_beams=num_beams, slots=3)
+    assert engine.continuous
+
+    texts, truncated = translate(engine, sentences, max_tokens=12, max_sentences=2)
+
+    ((sources, limits),) = streams
+    lengths = [len(ids) for ids in sources]
+    assert lengths == sorted(lengths, reverse=True) and len(sources) == len(sentences)
+    assert limits == [length + 50 for length in lengths]
+    expected = [one_by_one(model, tokenizer, [sentence], num_beams=num_beams,
+                           max_new_tokens=len(tokenizer(sentence)["input_ids"]) + 50)[0] for sentence in sentences]
+    assert texts == expected and truncated == 0
+    short = TorchEngine(model, tokenizer, num_beams=num_beams, max_new_tokens=3, slots=2)
+    assert translate(short, sentences).texts == one_by_one(model, tokenizer, sentences, num_beams=num_beams,
+                                                          max_new_tokens=3)
+    assert translate_model(model, tokenizer, sentences, num_beams=num_beams, slots=3) == texts
+
+
+def test_an_engine_decodes_in_batches_where_slots_do_not_cover_the_options(trained):
+    """Options that the slots do not decode (a logits processor here) and slots=0 keep the batches."""
+    model, tokenizer = trained
+    assert not TorchEngine(model, tokenizer, num_beams=4, no_repeat_ngram_size=2, slots=3).continuous
+    assert not TorchEngine(model, tokenizer, num_beams=4, slots=0).continuous
+    assert TorchEngine(model, tokenizer, num_beams=4).continuous == bool(DEFAULT_SLOTS.get("cpu"))

@@ -30,10 +30,16 @@ def user_errors_exit(main):
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--int8` and `--decoding`, for scripts that decode (passed on to `vaswani.loading.load_translator`)."""
+    """`--int8`, `--decoding` and `--slots`, for scripts that decode (the first two passed on to
+    `vaswani.loading.load_translator`, `--slots` to `vaswani.translation.TorchEngine`)."""
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): auto (the default: lean on a CPU, transformers' elsewhere, "
                         "where it measured faster), lean (vaswani.generation_vaswani: the same outputs, less work per "
                         "step), graphs (lean with each step a replayed CUDA graph, for GPUs), or transformers (its own)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="decode continuously, this many sentences side by side, each finished one replaced at "
+                        "once by the next (vaswani.generation_vaswani.decode_in_slots; each output as generate() "
+                        "gives it for that sentence alone, up to its length plus 50 tokens); 0: in batches. Default: "
+                        "the engine's (vaswani.translation.TorchEngine)")

@@ -12,7 +12,9 @@ An engine has `max_source_length` (None: no limit), `positions` (what that limit
 `encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
 
 * `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
-  decoding loop), truncating sources where the model's positions end (`generation_limits`);
+  decoding loop), truncating sources where the model's positions end (`generation_limits`); or, with `slots`,
+  `generation_vaswani.decode_in_slots`, an engine that is `continuous`: it takes every sentence in one batch and
+  keeps its own batch full;
 * `CTranslate2Engine`: a model exported by `vaswani.export` (`load_ctranslate2`).
 """
 
@@ -26,9 +28,13 @@ import torch
 
 from .batching import token_budget_batches
 from .configuration_vaswani import check_tokenizer_fits
+from .generation_vaswani import decode_in_slots, slots_cover
 
 # Output-length limit when none is given: the source length plus 50 tokens (§6.1).
 OUTPUT_SLACK = 50
+# Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
+# decodes in batches.
+DEFAULT_SLOTS: dict[str, int] = {}
 
 
 class Engine(Protocol):
@@ -55,23 +61,47 @@ class TorchEngine:
     longest source plus 50 tokens (the paper's limit; a batch holds sentences of similar length, so that is close
     to the per-sentence rule); `max_source_length` is where sources are truncated, by default where the model's
     positions end. Whatever the caller asks, no output runs past a learned position table
-    (`generation_limits`; sinusoidal and rotary positions have no end)."""
+    (`generation_limits`; sinusoidal and rotary positions have no end).
+
+    With `slots=S` the engine decodes continuously (`generation_vaswani.decode_in_slots`): S sentences side by
+    side, each finished one replaced at once by the next, so `translate` hands it all sentences as one stream
+    (`continuous`) and each output gets the paper's limit for its own source (its length plus 50 tokens). Each
+    output is then what `generate()` gives that sentence alone. For the options that the slots do not cover
+    (`slots_cover`: logits processors, several outputs per sentence…) the engine decodes batches as without slots.
+    `slots=None` takes `DEFAULT_SLOTS` for the model's device type, 0 decodes in batches."""
 
     positions = "learned positions"
 
     def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None, **generate_kwargs):
+                 max_source_length: int | None = None, slots: int | None = None, **generate_kwargs):
         check_tokenizer_fits(model, tokenizer)
         self.model, self.tokenizer = model.eval(), tokenizer
         table, self.longest_output = generation_limits(model, None)
         self.max_source_length = table if max_source_length is None else max_source_length
         self.options = {"num_beams": num_beams, **generate_kwargs}
         self.max_new_tokens = max_new_tokens
+        if slots is None:
+            slots = DEFAULT_SLOTS.get(model.device.type)
+        self.slots = slots if slots and slots_cover(model, **self.options) else None
+
+    @property
+    def continuous(self) -> bool:
+        """Whether `translate_batch` takes any number of sentences and keeps its own batch full."""
+        return self.slots is not None
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        if self.continuous:
+            limits = [self.max_new_tokens if self.max_new_tokens is not None else len(ids) + OUTPUT_SLACK
+                      for ids in batch]
+            limits = [min(limit, self.longest_output or limit) for limit in limits]
+            with torch.inference_mode():
+                outputs = decode_in_slots(self.model, batch, limits, slots=self.slots, **self.options)
+            eos = self.options.get("eos_token_id", self.model.generation_config.eos_token_id)
+            generated = [output_ids(output[1:], eos) for output in outputs]
+            return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
         padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
         limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
@@ -91,10 +121,15 @@ def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
     rows = output[:, 1:].tolist()  # the first column is the decoder start token
     eos = generate_kwargs.get("eos_token_id", model.generation_config.eos_token_id)
+    return [output_ids(row, eos) for row in rows]
+
+
+def output_ids(row: list[int], eos: int | list[int] | None) -> list[int]:
+    """A generated row up to its first end of sentence `eos` (not included), or whole when `eos` is None."""
     if eos is None:
-        return rows
+        return row
     stops = set(eos if isinstance(eos, list) else [eos])
-    return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
+    return next((row[:i] for i, token in enumerate(row) if token in stops), row)
 
 
 class CTranslate2Engine:
@@ -149,9 +184,10 @@ def translate(engine: Engine, sentences: Sequence[str], *, max_tokens: int | Non
               max_sentences: int | None = None, warn: bool = True) -> Translations:
     """Translate `sentences` with `engine`, in batches of at most `max_tokens` padded source tokens and
     `max_sentences` sentences (`vaswani.batching.token_budget_batches`: longest first, so that running out of
-    memory, if it happens, happens on the first batch). Returns the translations, stripped, in input order, and how
-    many sources were truncated; with `warn`, a truncation is also reported on stderr (`warn_truncated`; a caller
-    that translates in parts passes False and reports the total once)."""
+    memory, if it happens, happens on the first batch); an engine that decodes `continuous`ly gets them all in that
+    order as one batch, and its slots bound its memory instead. Returns the translations, stripped, in input order,
+    and how many sources were truncated; with `warn`, a truncation is also reported on stderr (`warn_truncated`; a
+    caller that translates in parts passes False and reports the total once)."""
     if not sentences:
         return Translations([], 0)  # the tokenizer refuses an empty batch
     encoded = engine.encode(sentences)
@@ -162,7 +198,10 @@ def translate(engine: Engine, sentences: Sequence[str], *, max_tokens: int | Non
         for i, ids in zip(too_long, engine.encode([sentences[i] for i in too_long], truncate=True)):
             encoded[i] = ids
     texts: list[str] = [""] * len(encoded)
-    for batch in token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences):
+    batches = token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences)
+    if getattr(engine, "continuous", False):  # it keeps its own batch full: all sentences, longest first
+        batches = [[i for batch in batches for i in batch]]
+    for batch in batches:
         for i, text in zip(batch, engine.translate_batch([encoded[i] for i in batch])):
             texts[i] = text.strip()
     if warn:
