@@ -458,3 +458,28 @@ def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from {checkpoints[-1]}." in resumed.stderr
     assert json.loads(resumed.stdout)["train_steps"] > states[-1]["global_step"]
+
+
+def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
+    """The Trainer's batches, as its collator pads them (to multiples of 8, as on GPUs under bf16), hold at most
+    --max_tokens_per_batch tokens on each side: the budget counts what the device computes."""
+    from transformers import DataCollatorForSeq2Seq, HfArgumentParser
+
+    from vaswani import training
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    parser = HfArgumentParser((training.ModelArguments, training.DataArguments, training.VaswaniTrainingArguments))
+    model_args, data_args, args = parser.parse_args_into_dataclasses(
+        args=train_args(corpus, tmp_path / "out", "--max_tokens_per_batch", "100", "--use_cpu"))
+    data = training.prepare_data(model_args, data_args, args)
+    model, tokenizer = training.build_model_and_tokenizer(model_args, data.tokenizer)
+    features, _ = training.tokenize_splits(data, tokenizer, data_args, args)
+    trainer = training.VaswaniSeq2SeqTrainer(
+        model=model, args=args, train_dataset=features, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8), max_tokens_per_batch=100)
+    batches = list(trainer.get_train_dataloader())
+    assert sum(len(batch["input_ids"]) for batch in batches) == len(features)
+    assert {batch["input_ids"].shape[1] % 8 for batch in batches} == {0}
+    assert max(max(batch["input_ids"].numel(), batch["labels"].numel()) for batch in batches) <= 100
+    # Short sentences padded to 8 or 16: the budget allows fewer of them than their own lengths would.
+    assert max(len(batch["input_ids"]) for batch in batches) <= 100 // 8

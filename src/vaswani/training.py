@@ -421,8 +421,11 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
         dataset = self.unused_columns_removed(self.train_dataset, description="training")
-        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch,
-                                               shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
+        # The budget counts what the device computes: the collator's padding to a multiple included.
+        pad_to = getattr(self.data_collator, "pad_to_multiple_of", None)
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch, shuffle=True,
+                                               seed=self.args.seed, num_replicas=self.args.world_size,
+                                               pad_to_multiple_of=pad_to)
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
