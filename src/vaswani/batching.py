@@ -99,10 +99,14 @@ class TokenBatchSampler(Sampler[list[int]]):
     def _cut(self, order: np.ndarray) -> list[np.ndarray]:
         return np.split(order, self._starts[1:])
 
+    def batches_by_length(self) -> list[list[int]]:
+        """Every batch of an epoch, shortest examples first: the batches without the shuffling (whose sizes and
+        lengths, so the shapes they pad to, are those of every epoch)."""
+        return [batch.tolist() for batch in self._cut(np.argsort(self.lengths, kind="stable"))]
+
     def __iter__(self) -> Iterator[list[int]]:
         if not self.shuffle:
-            for batch in self._cut(np.argsort(self.lengths, kind="stable")):
-                yield batch.tolist()
+            yield from self.batches_by_length()
             return
         rng = np.random.default_rng((self.seed, self.epoch))
         permutation = rng.permutation(len(self.lengths))
