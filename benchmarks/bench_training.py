@@ -195,8 +195,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
         print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
-        rows += _measure(args, device, engines, batches, timed_batches, batch_tokens, warmup, steps, len(tokenizer),
-                         peak_tflops, started)
+        rows += _measure(args, device, engines, batches, batch_tokens, warmup, len(tokenizer), peak_tflops, started)
         batch_sentences[batch_tokens] = [len(s) for s, _ in timed_batches]
         padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
         real = sum(len(x) for s, t in timed_batches for x in s + t)
@@ -207,8 +206,7 @@ def run(args: argparse.Namespace, argv) -> Path:
                    batch_sentences, padding)
 
 
-def _measure(args, device, engines, batches, timed_batches, batch_tokens, warmup, steps, vocab_size, peak_tflops,
-             started) -> list[dict]:
+def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, peak_tflops, started) -> list[dict]:
     """Every size × engine on these batches: the rows of one batch budget."""
     rows = []
     for size in args.sizes:
@@ -226,19 +224,25 @@ def _measure(args, device, engines, batches, timed_batches, batch_tokens, warmup
             memory[trainee.name] = (trainee.state_mib(), peak.added_mib)
         seconds = {t.name: 0.0 for t in trainees}
         compiles_before = _compilations()
-        for i in range(1 + warmup, len(batches)):
+        # Each timed batch once; with --seconds_per_setting, round after round over them until the slowest engine
+        # has trained that long (every engine takes the same steps on the same batches).
+        indices, done = list(range(1 + warmup, len(batches))), []
+        while len(done) < len(indices) or (args.seconds_per_setting
+                                            and max(seconds.values()) < args.seconds_per_setting):
+            i = indices[len(done) % len(indices)]
             rotation = i % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee.name] += elapsed
+            done.append(batches[i])
         compiles_timed = _compilations() - compiles_before
         if args.profile:
             for trainee in trainees:
                 _profile(trainee, range(1 + warmup, len(batches)), size, device, args.profile_rows)
         load_average = os.getloadavg()[0]
-        source_tokens = sum(len(s) for sources, _ in timed_batches for s in sources)
-        target_tokens = sum(len(t) for _, targets in timed_batches for t in targets)
-        flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in timed_batches)
+        source_tokens = sum(len(s) for sources, _ in done for s in sources)
+        target_tokens = sum(len(t) for _, targets in done for t in targets)
+        flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in done)
         for trainee in trainees:
             state, added = memory[trainee.name]
             elapsed = seconds[trainee.name]
@@ -249,12 +253,12 @@ def _measure(args, device, engines, batches, timed_batches, batch_tokens, warmup
                 "engine_label": engine_label(trainee.name),
                 "parameters": trainee.parameters,
                 "parameters_m": trainee.parameters / 1e6,
-                "steps": steps,
-                "sentences": sum(len(s) for s, _ in timed_batches),
+                "steps": len(done),
+                "sentences": sum(len(s) for s, _ in done),
                 "source_tokens": source_tokens,
                 "target_tokens": target_tokens,
                 "seconds": elapsed,
-                "steps_per_s": steps / elapsed,
+                "steps_per_s": len(done) / elapsed,
                 "tokens_per_s": (source_tokens + target_tokens) / elapsed,
                 "target_tokens_per_s": target_tokens / elapsed,
                 "model_tflops_per_s": flops / elapsed / 1e12,
@@ -463,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(25,000: the paper's), 2048 on CPU")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
     parser.add_argument("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
+    parser.add_argument("--seconds_per_setting", type=float, default=None,
+                        help="repeat the timed batches until the slowest engine has trained this long at each "
+                        "size and budget (a step-rate probe), instead of taking each once")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--dropout", type=float, default=None,
                         help="residual dropout of both models; default: the preset's (the main job trains with 0)")
