@@ -17,8 +17,8 @@ device's dense bf16 peak.
 
 `--trainer_overhead` also times a tiny model's steps through the package's Trainer (`VaswaniSeq2SeqTrainer`, set up
 as train_translation.py sets it up, with a time budget) against a bare loop over the same data loader (forward,
-backward, clipping, Adam, zero_grad): where the model's own work is small, the difference is what the Trainer adds
-to every step on the host.
+backward, clipping, the Trainer's optimizer, zero_grad): where the model's own work is small, the difference is what
+the Trainer adds to every step on the host.
 """
 
 import argparse
@@ -320,8 +320,9 @@ def _report(args, argv, device, rows, overhead, budgets, steps, warmup, peak_tfl
     if overhead:
         notes.append("Trainer overhead: the tiny preset's steps through `VaswaniSeq2SeqTrainer` (a time budget on, "
                      "as train_translation.py sets it up) and through a bare loop (forward, backward, clipping to "
-                     "norm 1, Adam, zero_grad) over the same prepared data loader, one after the other; the first "
-                     f"{OVERHEAD_WARMUP} steps of each untimed. The difference is what the Trainer adds to a step.")
+                     "norm 1, the Trainer's optimizer, zero_grad) over the same prepared data loader, one after the "
+                     f"other; the first {OVERHEAD_WARMUP} steps of each untimed. The difference is what the Trainer "
+                     "adds to a step.")
     columns = [
         Column("size", "size"),
         Column("batch_tokens", "batch tokens"),
@@ -395,7 +396,8 @@ def trainer_overhead(args, device, tokenizer, source_ids, target_ids) -> list[di
 
         # The bare loop: a fresh model of the same size over the same loader (the same batches, the same collation).
         model = build_seq2seq("vaswani", config, device, torch.float32, args.seed).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer_class, optimizer_kwargs = trainer.get_optimizer_cls_and_kwargs(training_args, model)
+        optimizer = optimizer_class(model.parameters(), **optimizer_kwargs)  # the Trainer's own (fused AdamW)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.is_cuda else contextlib.nullcontext())
         bare = []
         for step, batch in enumerate(trainer.get_train_dataloader()):
