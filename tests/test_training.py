@@ -486,6 +486,11 @@ def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
     assert max(max(batch["input_ids"].numel(), batch["labels"].numel()) for batch in batches) <= 100
     # Short sentences padded to 8 or 16: the budget allows fewer of them than their own lengths would.
     assert max(len(batch["input_ids"]) for batch in batches) <= 100 // 8
+    # With loader workers: the same batches, from workers kept for the next epoch instead of started again.
+    args.dataloader_num_workers = 1
+    loader = trainer.get_train_dataloader()
+    assert loader.persistent_workers
+    assert [batch["input_ids"].tolist() for batch in loader] == [batch["input_ids"].tolist() for batch in batches]
 
 
 # Ops that hand a tensor's value to the host: on an accelerator each makes the host wait for the device.

@@ -462,6 +462,9 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             batch_sampler=self.batch_sampler,
             collate_fn=self.data_collator,
             num_workers=self.args.dataloader_num_workers,
+            # Workers kept from one epoch to the next rather than started again (the batches' order is decided in
+            # this process, by the sampler, so they need nothing new per epoch).
+            persistent_workers=self.args.dataloader_num_workers > 0,
             # Pinned host memory, from which the batches are copied without the host waiting (non_blocking, set in
             # `VaswaniTrainingArguments`), exists only for CUDA.
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
