@@ -17,10 +17,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from datasets import Dataset, DatasetDict
-import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (
