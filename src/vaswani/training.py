@@ -511,7 +511,11 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         time budget's clock starts, so that torch.compile builds its graphs then rather than in the first timed
         steps (on a GPU a whole forward and backward compile takes tens of seconds). The batches' sizes are marked
         dynamic first, so that one graph serves every later shape instead of a static graph followed by a dynamic
-        one. The gradients are dropped and the random state restored: training then starts as it would have."""
+        one. The gradients are dropped and the random state restored: training then starts as it would have.
+
+        The Trainer's `--torch_compile_mode reduce-overhead` replays the compiled step as CUDA graphs (one recording
+        per batch shape). It stays off by default until the GPU step-rate probe (`bench_training.py`, engine
+        `vaswani-compiled-graphs`, in benchmarks/results/training-cuda-*.md) measures it faster."""
         if not self.args.torch_compile:
             return
         batches = self.warm_up_batches()
