@@ -3,8 +3,9 @@
 (bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for bf16); peak memory; on CUDA the model-FLOPs
 utilisation.
 
-    python benchmarks/bench_training.py                                   # GPU: tiny, base, big; 25k-token batches
+    python benchmarks/bench_training.py                          # GPU: tiny, base, big; 4k, 12k, 25k-token batches
     python benchmarks/bench_training.py --device cpu --sizes tiny,base --batch_tokens 2048 --steps 4
+    python benchmarks/bench_training.py --device cpu --threads 2 --sizes tiny --batch_tokens 1000 --trainer_overhead
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
         --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
 
@@ -13,6 +14,11 @@ Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (C
 6·N·tokens for an encoder-decoder, where a source token passes the encoder (and the decoder's cross-attention
 key/value projections) and a target token the decoder and the output projection; MFU = FLOPs/s over the
 device's dense bf16 peak.
+
+`--trainer_overhead` also times a tiny model's steps through the package's Trainer (`VaswaniSeq2SeqTrainer`, set up
+as train_translation.py sets it up, with a time budget) against a bare loop over the same data loader (forward,
+backward, clipping, the Trainer's optimizer, zero_grad): where the model's own work is small, the difference is what
+the Trainer adds to every step on the host.
 """
 
 import argparse
@@ -60,7 +66,9 @@ ENGINES = ("vaswani", "vaswani-compiled", "marian")
 # `-eager`: the eager attention instead of sdpa (`attn_implementation="eager"`), whose bf16 steps are the faster ones
 # inside train_translation.py on a CPU (`results/main-job-recipes.md`; on this benchmark's batches the two are level).
 # Either can follow the others: `vaswani-bf16-eager`, `marian-bf16`.
-OPTIONS = ("compiled", "flex", "bf16", "eager")
+# `-graphs` (with `-compiled`): `torch.compile(mode="reduce-overhead")`, whose steps replay as CUDA graphs (one
+# recording per batch shape); CUDA only, skipped elsewhere.
+OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
 
 
 def engine_label(name: str) -> str:
@@ -112,14 +120,16 @@ class Trainee:
         self.name = name
         base, *options = name.split("-")
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
-                or ("flex" in options and (base != "vaswani" or "eager" in options))):
+                or ("flex" in options and (base != "vaswani" or "eager" in options))
+                or ("graphs" in options and "compiled" not in options)):
             raise ValueError(f"Unknown engine {name!r}: vaswani or marian, then any of -{', -'.join(OPTIONS)} "
-                             "(-flex for vaswani only, and not with -eager).")
+                             "(-flex for vaswani only, and not with -eager; -graphs with -compiled).")
         self.model = build_seq2seq(base, config, device, torch.float32, seed).train()
         if "flex" in options or "eager" in options:
             self.model.set_attn_implementation("flex_attention" if "flex" in options else "eager")
         self.parameters = count_parameters(self.model)
-        self.forward = torch.compile(self.model) if "compiled" in options else self.model
+        mode = "reduce-overhead" if "graphs" in options else None
+        self.forward = torch.compile(self.model, mode=mode) if "compiled" in options else self.model
         # The paper's Adam (§5.3); the learning-rate schedule does not change the cost of a step.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
         pad = self.model.config.pad_token_id
@@ -158,7 +168,10 @@ def _tensors(sources: list[list[int]], targets: list[list[int]], pad: int) -> di
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    batch_tokens = args.batch_tokens or (25000 if device.is_cuda else 2048)
+    budgets = args.batch_tokens or ([4000, 12000, 25000] if device.is_cuda else [2048])
+    engines = [name for name in args.engines if device.is_cuda or "graphs" not in name.split("-")]
+    if engines != args.engines:
+        print(f"skipped without CUDA: {', '.join(sorted(set(args.engines) - set(engines)))}", file=sys.stderr)
     steps = args.steps or (20 if device.is_cuda else 4)
     warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.is_cuda else 1)
     peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
@@ -168,62 +181,84 @@ def run(args: argparse.Namespace, argv) -> Path:
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
-    order = bucket_batches(source_ids, target_ids, batch_tokens, args.seed)
-    if len(order) < warmup + steps + 1:
-        raise ValueError(f"The corpus gives {len(order)} batches of {batch_tokens} tokens; need {warmup + steps + 1}.")
-    # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches, the same for every engine.
-    chosen = order[: 1 + warmup + steps]
-    batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
-    timed_batches = batches[1 + warmup :]
-    # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
-    print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
-          file=sys.stderr, flush=True)
+    rows, batch_sentences, padding = [], {}, {}
+    for batch_tokens in budgets:
+        order = bucket_batches(source_ids, target_ids, batch_tokens, args.seed)
+        if len(order) < warmup + steps + 1:
+            raise ValueError(f"The corpus gives {len(order)} batches of {batch_tokens} tokens; need "
+                             f"{warmup + steps + 1}.")
+        # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches, the same for every
+        # engine.
+        chosen = order[: 1 + warmup + steps]
+        batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
+        timed_batches = batches[1 + warmup :]
+        # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
+        print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
+              file=sys.stderr, flush=True)
+        rows += _measure(args, device, engines, batches, batch_tokens, warmup, len(tokenizer), peak_tflops, started)
+        batch_sentences[batch_tokens] = [len(s) for s, _ in timed_batches]
+        padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
+        real = sum(len(x) for s, t in timed_batches for x in s + t)
+        padding[batch_tokens] = round(1 - real / padded, 4)
+    _add_ratios(rows)
+    overhead = trainer_overhead(args, device, tokenizer, source_ids, target_ids) if args.trainer_overhead else []
+    return _report(args, argv, device, rows, overhead, budgets, steps, warmup, peak_tflops, corpus, pairs, tokenizer,
+                   batch_sentences, padding)
 
+
+def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, peak_tflops, started) -> list[dict]:
+    """Every size × engine on these batches: the rows of one batch budget."""
     rows = []
     for size in args.sizes:
-        config = vaswani_config(size, len(tokenizer), **({"dropout": args.dropout} if args.dropout is not None else {}))
-        trainees = [
-            Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend) for name in args.engines
-        ]
+        config = vaswani_config(size, vocab_size, **({"dropout": args.dropout} if args.dropout is not None else {}))
+        trainees = [Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend) for name in engines]
         memory = {}
         for trainee in trainees:
             # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
             for i in range(1, 1 + warmup):
                 trainee.step(i)
-            print(f"{size} {engine_label(trainee.name)}: {warmup} warm-up steps done after "
+            print(f"{size} {engine_label(trainee.name)} at {batch_tokens}: {warmup} warm-up steps done after "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
             with PeakMemory(device) as peak:
                 trainee.step(0)
             memory[trainee.name] = (trainee.state_mib(), peak.added_mib)
         seconds = {t.name: 0.0 for t in trainees}
         compiles_before = _compilations()
-        for i in range(1 + warmup, len(batches)):
+        # Each timed batch once; with --seconds_per_setting, round after round over them until the slowest engine
+        # has trained that long (every engine takes the same steps on the same batches).
+        indices, done = list(range(1 + warmup, len(batches))), []
+        while len(done) < len(indices) or (args.seconds_per_setting
+                                            and max(seconds.values()) < args.seconds_per_setting):
+            i = indices[len(done) % len(indices)]
             rotation = i % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee.name] += elapsed
+            done.append(batches[i])
         compiles_timed = _compilations() - compiles_before
         if args.profile:
             for trainee in trainees:
                 _profile(trainee, range(1 + warmup, len(batches)), size, device, args.profile_rows)
         load_average = os.getloadavg()[0]
-        source_tokens = sum(len(s) for sources, _ in timed_batches for s in sources)
-        target_tokens = sum(len(t) for _, targets in timed_batches for t in targets)
-        flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in timed_batches)
+        source_tokens = sum(len(s) for sources, _ in done for s in sources)
+        target_tokens = sum(len(t) for _, targets in done for t in targets)
+        flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in done)
         for trainee in trainees:
             state, added = memory[trainee.name]
             elapsed = seconds[trainee.name]
             rows.append({
                 "size": size,
+                "batch_tokens": batch_tokens,
                 "engine": trainee.name,
                 "engine_label": engine_label(trainee.name),
                 "parameters": trainee.parameters,
                 "parameters_m": trainee.parameters / 1e6,
-                "steps": steps,
-                "sentences": sum(len(s) for s, _ in timed_batches),
+                "steps": len(done),
+                "sentences": sum(len(s) for s, _ in done),
                 "source_tokens": source_tokens,
                 "target_tokens": target_tokens,
                 "seconds": elapsed,
+                "steps_per_s": len(done) / elapsed,
                 "tokens_per_s": (source_tokens + target_tokens) / elapsed,
                 "target_tokens_per_s": target_tokens / elapsed,
                 "model_tflops_per_s": flops / elapsed / 1e12,
@@ -236,25 +271,28 @@ def run(args: argparse.Namespace, argv) -> Path:
             })
             print(_progress(rows[-1]), flush=True)
         del trainees
+    return rows
 
-    _add_ratios(rows)
-    padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
+
+def _report(args, argv, device, rows, overhead, budgets, steps, warmup, peak_tflops, corpus, pairs, tokenizer,
+            batch_sentences, padding) -> Path:
     settings = settings_of(
         args,
-        batch_tokens=batch_tokens,
+        batch_tokens=budgets,
         steps=steps,
         warmup_steps=warmup,
         peak_tflops=peak_tflops,
         corpus=str(corpus),
         vocab_size_actual=len(tokenizer),
-        batch_sizes_sentences=[len(s) for s, _ in timed_batches],
-        padding_fraction=1 - (source_tokens + target_tokens) / padded,
+        batch_sizes_sentences=batch_sentences,
+        padding_fraction=padding,
     )
     notes = [
         f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
-        f"tokens), bucketed by length into batches of at most {batch_tokens} padded tokens per side, shuffled "
-        f"(seed {args.seed}); the same {steps} timed batches ({settings['batch_sizes_sentences']} sentences, "
-        f"{settings['padding_fraction']:.1%} padding) for every engine, after {warmup} warm-up step(s).",
+        f"tokens), bucketed by length into batches of at most {', '.join(map(str, budgets))} padded tokens per "
+        f"side, shuffled (seed {args.seed}); at each budget the same {steps} timed batches (sentences per batch and "
+        f"padding fraction per budget: settings `batch_sizes_sentences`, `padding_fraction`) for every engine, "
+        f"after {warmup} warm-up step(s).",
         "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, "
         "backward, Adam step (β = 0.9, 0.98, ε = 1e-9, §5.3), zero_grad. Each model computes its own loss from "
         "`labels`: Vaswani with label smoothing 0.1 as in the paper (its backward written out, "
@@ -269,9 +307,9 @@ def run(args: argparse.Namespace, argv) -> Path:
          "weights, as `--bf16 --use_cpu` trains); model TFLOP/s is reported, MFU only on GPU."),
         "Memory: peak = weights + Adam state (resident between steps) + the peak a step adds on top (measured on "
         "one extra untimed step after the warm-up; on CPU as a process RSS increment, which includes the gradients).",
-        "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes) called like the "
-        "eager model; compilation happens in the warm-up steps, and the "
-        "graphs built during the timed steps (column `recompiles`).",
+        "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes; -graphs: "
+        "mode=\"reduce-overhead\", CUDA graphs) called like the eager model; compilation happens in the warm-up "
+        "steps, and the graphs built during the timed steps are counted (column `recompiles`).",
         f"Dropout {args.dropout if args.dropout is not None else 'as configured (0.1; big: 0.3)'}, attention "
         "implementation: the transformers default (sdpa; eager for engines named -eager, FlexAttention for -flex), "
         + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
@@ -279,12 +317,20 @@ def run(args: argparse.Namespace, argv) -> Path:
     ]
     if args.notes:
         notes.append(args.notes)
+    if overhead:
+        notes.append("Trainer overhead: the tiny preset's steps through `VaswaniSeq2SeqTrainer` (a time budget on, "
+                     "as train_translation.py sets it up) and through a bare loop (forward, backward, clipping to "
+                     "norm 1, the Trainer's optimizer, zero_grad) over the same prepared data loader, one after the "
+                     f"other; the first {OVERHEAD_WARMUP} steps of each untimed. The difference is what the Trainer "
+                     "adds to a step.")
     columns = [
         Column("size", "size"),
+        Column("batch_tokens", "batch tokens"),
         Column("engine_label", "engine"),
         Column("parameters_m", "params (M)", "{:.1f}"),
         Column("steps", "steps"),
         Column("seconds", "seconds", "{:.2f}"),
+        Column("steps_per_s", "steps/s", "{:.2f}"),
         Column("tokens_per_s", "tokens/s", "{:.0f}"),
         Column("target_tokens_per_s", "target tokens/s", "{:.0f}"),
         Column("vs_marian", "× Marian", "{:.2f}"),
@@ -295,11 +341,86 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("compilations_while_timed", "recompiles"),
     ]
     name = result_name(args, "training", device)
+    overhead_columns = [Column("loop", "loop"), Column("steps", "steps"),
+                        Column("ms_per_step", "ms/step", "{:.2f}"), Column("added_ms", "added ms/step", "{:.2f}")]
     json_path, _ = write_report(
         name, "Training throughput", command_line(__file__, argv), device, settings, rows, columns, notes,
-        args.results_dir,
+        args.results_dir, extra_tables=[("Trainer overhead", overhead, overhead_columns)] if overhead else (),
     )
     return json_path
+
+
+OVERHEAD_WARMUP = 5
+
+
+def trainer_overhead(args, device, tokenizer, source_ids, target_ids) -> list[dict]:
+    """ms per step of the tiny preset through the package's Trainer and through a bare loop, on the same prepared
+    data loader (see the module docstring)."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import DataCollatorForSeq2Seq, PrinterCallback, TrainerCallback
+
+    from vaswani.training import TimeBudgetCallback, TrainingClock, VaswaniSeq2SeqTrainer, VaswaniTrainingArguments
+
+    steps = OVERHEAD_WARMUP + args.overhead_steps
+    budget = args.overhead_batch_tokens
+    keep = [i for i in range(len(source_ids)) if max(len(source_ids[i]), len(target_ids[i])) <= budget]
+    features = Dataset.from_dict({"input_ids": [source_ids[i] for i in keep], "labels": [target_ids[i] for i in keep]})
+    config = vaswani_config("tiny", len(tokenizer), **({"dropout": args.dropout} if args.dropout is not None else {}))
+
+    class Stamps(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            device.sync()
+            self.times.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        training_args = VaswaniTrainingArguments(
+            output_dir=output_dir, max_steps=steps, learning_rate=args.lr, report_to="none", save_strategy="no",
+            logging_steps=10 * steps, disable_tqdm=True, use_cpu=not device.is_cuda, seed=args.seed,
+            bf16=device.is_cuda, dataloader_pin_memory=device.is_cuda)
+        model = build_seq2seq("vaswani", config, device, torch.float32, args.seed).train()
+        clock = TrainingClock()
+        budget_callback = TimeBudgetCallback(3600.0, clock)
+        stamps = Stamps()
+        trainer = VaswaniSeq2SeqTrainer(
+            model=model, args=training_args, train_dataset=features,
+            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model), processing_class=tokenizer,
+            callbacks=[budget_callback, stamps], max_tokens_per_batch=budget, time_budget=budget_callback)
+        trainer.pop_callback(PrinterCallback)  # its log lines would interleave with the report
+        trainer.train()
+        through_trainer = stamps.times
+
+        # The bare loop: a fresh model of the same size over the same loader (the same batches, the same collation).
+        model = build_seq2seq("vaswani", config, device, torch.float32, args.seed).train()
+        optimizer_class, optimizer_kwargs = trainer.get_optimizer_cls_and_kwargs(training_args, model)
+        optimizer = optimizer_class(model.parameters(), **optimizer_kwargs)  # the Trainer's own (fused AdamW)
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.is_cuda else contextlib.nullcontext())
+        bare = []
+        for step, batch in enumerate(trainer.get_train_dataloader()):
+            if step == steps:
+                break
+            batch = {name: tensor.to(device.device, non_blocking=True) for name, tensor in batch.items()}
+            with autocast:
+                loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            device.sync()
+            bare.append(time.perf_counter())
+
+    def per_step(times):
+        return (times[-1] - times[OVERHEAD_WARMUP - 1]) / (len(times) - OVERHEAD_WARMUP) * 1000
+
+    timed = min(len(through_trainer), len(bare))
+    bare_ms, trainer_ms = per_step(bare[:timed]), per_step(through_trainer[:timed])
+    return [{"loop": "bare", "steps": timed - OVERHEAD_WARMUP, "ms_per_step": bare_ms, "added_ms": None},
+            {"loop": "VaswaniSeq2SeqTrainer", "steps": timed - OVERHEAD_WARMUP, "ms_per_step": trainer_ms,
+             "added_ms": trainer_ms - bare_ms}]
 
 
 def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
@@ -325,14 +446,15 @@ def _compilations() -> int:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    marian = {r["size"]: r["tokens_per_s"] for r in rows if r["engine"] == "marian"}
+    marian = {(r["size"], r["batch_tokens"]): r["tokens_per_s"] for r in rows if r["engine"] == "marian"}
     for r in rows:
-        r["vs_marian"] = r["tokens_per_s"] / marian[r["size"]] if r["engine"] != "marian" and r["size"] in marian else None
+        key = (r["size"], r["batch_tokens"])
+        r["vs_marian"] = r["tokens_per_s"] / marian[key] if r["engine"] != "marian" and key in marian else None
 
 
 def _progress(row: dict) -> str:
     return (
-        f"{row['size']:>5} {row['engine_label']:>12}: {row['tokens_per_s']:9.0f} tokens/s "
+        f"{row['size']:>5} {row['batch_tokens']:>6} {row['engine_label']:>12}: {row['tokens_per_s']:9.0f} tokens/s "
         f"{row['model_tflops_per_s']:.3f} model TFLOP/s, peak {row['peak_mib'] or 0:.0f} MiB"
     )
 
@@ -342,10 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--sizes", type=csv_of(str), default=["tiny", "base", "big"])
     parser.add_argument("--engines", type=csv_of(str), default=list(ENGINES))
-    parser.add_argument("--batch_tokens", type=int, default=None,
-                        help="padded tokens per side per batch; default 25000 on CUDA (the paper's), 2048 on CPU")
+    parser.add_argument("--batch_tokens", type=csv_of(int), default=None,
+                        help="padded tokens per side per batch, one or more budgets; default 4000,12000,25000 on CUDA "
+                        "(25,000: the paper's), 2048 on CPU")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
     parser.add_argument("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
+    parser.add_argument("--seconds_per_setting", type=float, default=None,
+                        help="repeat the timed batches until the slowest engine has trained this long at each "
+                        "size and budget (a step-rate probe), instead of taking each once")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--dropout", type=float, default=None,
                         help="residual dropout of both models; default: the preset's (the main job trains with 0)")
@@ -356,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile the timed steps of each engine and print the top operators")
     parser.add_argument("--profile_rows", type=int, default=25)
+    parser.add_argument("--trainer_overhead", action="store_true",
+                        help="also time the tiny preset's steps through the package's Trainer against a bare loop")
+    parser.add_argument("--overhead_steps", type=int, default=40, help="timed steps of each loop for that")
+    parser.add_argument("--overhead_batch_tokens", type=int, default=256,
+                        help="their token budget per batch (small: the host's share of a step shows)")
     parser.add_argument("--peak_tflops", type=float, default=None,
                         help="the device's dense bf16 peak, for MFU on GPUs not in common.BF16_PEAK_TFLOPS")
     return parser

@@ -194,8 +194,8 @@ def main(argv=None):
         (f"One recipe, with the device to itself, for {args.train_seconds:.0f} s." if len(recipes) == 1 else
          f"{len(recipes)} recipes trained side by side on the one device, each for {args.train_seconds:.0f} s "
          "(so each had a share of the GPU, fewer steps than alone); the chosen one has the best validation BLEU."),
-        "The budget is measured from the start of training, so it includes torch.compile's compilation (it "
-        "happens at the first steps)." if not args.dry_run else "Dry run: no compilation.",
+        "torch.compile compiles the step before the budget starts (metrics.json: train_compile_seconds), so the "
+        "budget is training alone." if not args.dry_run else "Dry run: no compilation.",
         f"The test split's translations, one a line in the split's order: `{name}-test-translations.txt` (the "
         "split is train_translation.py's, from the corpus and the seed; its references are not committed).",
         f"Data preparation in this process (corpus read, tokenizer trained, splits tokenized; nothing to do where "

@@ -9,19 +9,21 @@
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order
 #
 # The plan, each stage alone on the GPU (a timed stage shares it with nothing):
-#   1. quality      benchmarks/gpu_quality.py: base preset, 300 s (compilation included), beam-4 multi-reference BLEU
-#                   on the test split, whose translations it keeps
-#   2. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
+#   1. training     the step-rate probe, bench_training.py: base, bf16, batches of 4,000, 12,000 and 25,000 tokens,
+#                   30 s a setting; Vaswani eager, compiled and compiled with CUDA graphs against Marian on the same
+#                   batches; compilation done in the warm-up steps, before timing; steps/s, tokens/s, MFU
+#   2. quality      benchmarks/gpu_quality.py: base preset, 300 s of training (torch.compile compiles before the
+#                   budget starts), beam-4 multi-reference BLEU on the test split, whose translations it keeps
+#   3. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
 #                   sentences stopping at their end (no forced-length rows); generate() as users call it
 #                   (transformers' loop on a GPU), the lean loop, CUDA graphs, the slots (continuous batching,
 #                   replayed as CUDA graphs), Marian with the same weights, each engine in its own process
-#   3. training     bench_training.py: base, 25,000-token batches, bf16; Vaswani compiled and eager against Marian;
-#                   compilation done in the warm-up steps, before timing; MFU
 #   4. tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
-# A stage gets the time left, so a call cut short loses only the stages it did not reach; `bash
-# benchmarks/gpu_session.sh training tests` runs the last two in a second call.
-# Other stages: fsdp (benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as without),
-# translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
+# A stage gets the time left, so a call cut short loses only the stages it did not reach; the plan is longer than one
+# call, so a session runs it in two: `bash benchmarks/gpu_session.sh quality-prepare training`, then `bash
+# benchmarks/gpu_session.sh quality translation-trained tests`.
+# Other stages: fsdp (benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as
+# without), translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
 #
 # Results go to $RESULTS_DIR (default benchmarks/results), logs beside them. With $ARCHIVE set, the results folder
 # is also packed into that .tar.gz after every stage (a device machine returns few files). Wheels in .whl/ are
@@ -96,16 +98,13 @@ stage() {
         quality)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" "${dry[@]}" ;;
         training)
-            local size=(--sizes base --steps 10 --engines vaswani-compiled,vaswani,marian)
-            [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 512 --steps 1 --warmup_steps 1 --engines vaswani,marian)
-            run "$(at_most 200 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
-                --results_dir "$RESULTS_DIR" "${size[@]}" || false
-            local first=$?
-            # The eager engines again under the memory-efficient SDPA kernel instead of torch's choice (cuDNN's on
-            # Hopper, the largest item of the last compiled profile): a few seconds, no compilation.
-            [ $dry_run = 1 ] || run "$(at_most 60 "$(left)")" "$log" python3 benchmarks/bench_training.py \
-                --results_dir "$RESULTS_DIR" --sizes base --steps 10 --engines vaswani,marian --sdpa_backend efficient \
-                --output_name "training-sdpa-efficient-{device}" && [ $first = 0 ] ;;
+            local size=(--sizes base --batch_tokens 4000,12000,25000 --steps 10 --seconds_per_setting 30
+                        --engines vaswani-compiled-graphs,vaswani-compiled,vaswani,marian)
+            [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 256,512 --steps 1 --warmup_steps 1
+                                      --seconds_per_setting 1 --engines vaswani-compiled-graphs,vaswani,marian)
+            # About 6 minutes: at each budget the four engines take turns until Marian, the slowest, has had 30 s.
+            run "$(at_most 480 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
+                --results_dir "$RESULTS_DIR" "${size[@]}" ;;
         translation-trained)  # the quality run's model, as users translate; random weights if it has none
             # Every engine runs in its own process (--keep_going), so one that crashes costs only its own rows; each
             # row counts the translations identical to the lean loop's.
@@ -153,7 +152,7 @@ stage() {
 status=0
 for name in "${stages[@]}"; do
     if [ "$name" = plan ]; then
-        for planned in quality-prepare quality translation-trained training tests; do
+        for planned in quality-prepare training quality translation-trained tests; do
             stage $planned || status=1
         done
     else

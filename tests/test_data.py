@@ -23,7 +23,7 @@ from tokenizers import normalizers, processors
 
 from vaswani import corpus as vcorpus
 from vaswani import data, tokenization
-from vaswani.batching import TokenBatchSampler, example_lengths
+from vaswani.batching import TokenBatchSampler, example_lengths, padded_lengths, token_budget_batches
 from vaswani.corpus import ReadSummary, download_corpus, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import group_references, load_translation_dataset, split_by_source, split_of
 from vaswani.tokenization import tokenize_translation_dataset
@@ -574,6 +574,32 @@ def test_batches_are_deterministic_per_seed_and_epoch():
     ordered = list(TokenBatchSampler(lengths, max_tokens=256, shuffle=False))
     flat = [i for b in ordered for i in b]
     assert [lengths[i] for i in flat] == sorted(lengths)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_budget_counts_the_padding_to_a_multiple(replicas):
+    """With the collator's `pad_to_multiple_of`, a batch computes its size times its longest length rounded up to
+    the multiple: that, not the unpadded size, stays within the budget, and translation's batches follow the rule."""
+    lengths = random_lengths()
+    sampler = TokenBatchSampler(lengths, max_tokens=256, seed=2, num_replicas=replicas, pad_to_multiple_of=8)
+    batches = list(sampler)
+    assert len(batches) % replicas == 0
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    padded = [len(b) * -(-max(lengths[i] for i in b) // 8) * 8 for b in batches]
+    assert max(padded) <= 256
+    # Without the multiple the same budget holds more examples: batches that padding would push over it.
+    unpadded = list(TokenBatchSampler(lengths, max_tokens=256, seed=2, num_replicas=replicas))
+    assert max(len(b) * -(-max(lengths[i] for i in b) // 8) * 8 for b in unpadded) > 256
+    assert len(unpadded) < len(batches)
+    assert list(padded_lengths([1, 8, 9, 16], 8)) == [8, 8, 16, 16] and list(padded_lengths([3, 9], None)) == [3, 9]
+    for batch in token_budget_batches(lengths, max_tokens=256, pad_to_multiple_of=8):
+        assert len(batch) * -(-max(lengths[i] for i in batch) // 8) * 8 <= 256
+
+
+def test_an_example_longer_than_the_budget_once_padded_is_refused():
+    TokenBatchSampler([10, 49, 20], max_tokens=50)
+    with pytest.raises(ValueError, match="56 tokens padded.*longer than max_tokens=50"):
+        TokenBatchSampler([10, 49, 20], max_tokens=50, pad_to_multiple_of=8)
 
 
 def test_an_example_longer_than_the_budget_is_refused():

@@ -1,16 +1,19 @@
 """The training script end to end on a small synthetic corpus: single process, then DDP with two CPU processes."""
 
+import collections
 import json
 import os
 import random
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 
 import vaswani.data
 import vaswani.evaluation
@@ -458,3 +461,160 @@ def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from {checkpoints[-1]}." in resumed.stderr
     assert json.loads(resumed.stdout)["train_steps"] > states[-1]["global_step"]
+
+
+def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
+    """The Trainer's batches, as its collator pads them (to multiples of 8, as on GPUs under bf16), hold at most
+    --max_tokens_per_batch tokens on each side: the budget counts what the device computes."""
+    from transformers import DataCollatorForSeq2Seq, HfArgumentParser
+
+    from vaswani import training
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    parser = HfArgumentParser((training.ModelArguments, training.DataArguments, training.VaswaniTrainingArguments))
+    model_args, data_args, args = parser.parse_args_into_dataclasses(
+        args=train_args(corpus, tmp_path / "out", "--max_tokens_per_batch", "100", "--use_cpu"))
+    data = training.prepare_data(model_args, data_args, args)
+    model, tokenizer = training.build_model_and_tokenizer(model_args, data.tokenizer)
+    features, _ = training.tokenize_splits(data, tokenizer, data_args, args)
+    trainer = training.VaswaniSeq2SeqTrainer(
+        model=model, args=args, train_dataset=features, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8), max_tokens_per_batch=100)
+    batches = list(trainer.get_train_dataloader())
+    assert sum(len(batch["input_ids"]) for batch in batches) == len(features)
+    assert {batch["input_ids"].shape[1] % 8 for batch in batches} == {0}
+    assert max(max(batch["input_ids"].numel(), batch["labels"].numel()) for batch in batches) <= 100
+    # Short sentences padded to 8 or 16: the budget allows fewer of them than their own lengths would.
+    assert max(len(batch["input_ids"]) for batch in batches) <= 100 // 8
+    # With loader workers: the same batches, from workers kept for the next epoch instead of started again.
+    args.dataloader_num_workers = 1
+    loader = trainer.get_train_dataloader()
+    assert loader.persistent_workers
+    assert [batch["input_ids"].tolist() for batch in loader] == [batch["input_ids"].tolist() for batch in batches]
+
+
+# Ops that hand a tensor's value to the host: on an accelerator each makes the host wait for the device.
+READ_BACK_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "item", "equal"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a value back, and the tensors made from host data (`lift_fresh`: `torch.tensor`,
+    on an accelerator a blocking copy to it) while `in_step`, each with the code that asked for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.lifted, self.in_step = collections.Counter(), collections.Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in READ_BACK_OPS or (name == "lift_fresh" and self.in_step):
+            caller = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[-8:-1])
+            (self.reads if name in READ_BACK_OPS else self.lifted)[f"{name} at {caller}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SteadyStepReads(TrainerCallback):
+    """Counts `HostReads` over the steps after `first` up to `last` (their data loading, forward, backward,
+    optimiser step and every callback); `in_step` covers the steps proper, without the loader's collation."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last, self.mode = first, last, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.mode is not None:
+            self.mode.in_step = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.first:
+            self.mode = HostReads()
+            self.mode.__enter__()
+        elif state.global_step == self.last:
+            self.mode.__exit__(None, None, None)
+        if self.mode is not None:
+            self.mode.in_step = False
+
+
+def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
+    """Through the training script, with a time budget, interval checkpoints and a weight average (every
+    per-step callback on), a steady step between logging steps reads no value back to the host and copies no host
+    value to the device: nothing makes the host wait for the device, which can then run ahead of it. The counts
+    hold on any device, so this CPU run stands for the GPU's."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    counter = SteadyStepReads(first=4, last=10)
+    trainers = []
+
+    class CountingTrainer(vaswani.training.VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(counter)
+            trainers.append(self)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    script_main("train_translation")(train_args(
+        corpus, tmp_path / "out", "--max_steps", "12", "--max_test_samples", "2", "--generation_num_beams", "1",
+        "--use_cpu", "--bf16", "--attn_implementation", "eager", "--max_tokens_per_batch", "200",
+        "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100"))
+    assert counter.mode is not None and not counter.mode.in_step
+    assert dict(counter.mode.reads) == {} and dict(counter.mode.lifted) == {}
+    assert not trainers[0].args.logging_nan_inf_filter
+    # The batches are copied without waiting where they come from pinned memory (on CUDA).
+    arguments = vaswani.training.VaswaniTrainingArguments
+    assert arguments(output_dir=str(tmp_path / "a"), report_to="none").accelerator_config.non_blocking
+    assert not arguments(output_dir=str(tmp_path / "b"), report_to="none",
+                         dataloader_pin_memory=False).accelerator_config.non_blocking
+
+
+def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path, monkeypatch):
+    """--torch_compile with token-budget batches of many shapes: Dynamo builds one graph of the step, with no
+    graph break, before the time budget's clock starts (a warm-up on the extreme shapes, sizes marked dynamic), and
+    none while training. metrics.json reports the compilation apart from the runtime, every logged line carries the
+    elapsed seconds, and the warm-up changes nothing in training: the losses are those of a run without it (whose
+    graphs are compiled inside the timed steps, a static one and then a dynamic one)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    graphs, shapes, trainers = {}, set(), []
+
+    class Graphs(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            graphs["begin"] = counters["stats"]["unique_graphs"]
+
+        def on_train_end(self, args, state, control, **kwargs):
+            graphs["end"], graphs["breaks"] = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    class CountingTrainer(vaswani.training.VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(Graphs())
+            trainers.append(self)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            shapes.add((tuple(inputs["input_ids"].shape), tuple(inputs["labels"].shape)))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+
+    def train(output_dir):
+        torch._dynamo.reset()
+        counters.clear()
+        script_main("train_translation")(train_args(
+            corpus, output_dir, "--max_steps", "20", "--max_test_samples", "2", "--generation_num_beams", "1",
+            "--use_cpu", "--max_tokens_per_batch", "150", "--max_train_time", "600", "--logging_steps", "5",
+            "--torch_compile", "--torch_compile_backend", "eager"))
+        return [entry["loss"] for entry in trainers[-1].state.log_history if "loss" in entry]
+
+    losses = train(tmp_path / "warm")
+    assert len(shapes) >= 5  # many shapes, one graph
+    assert graphs == {"begin": 1, "end": 1, "breaks": 0}
+    metrics = json.loads((tmp_path / "warm" / "metrics.json").read_text())
+    assert 0 < metrics["train_compile_seconds"] < metrics["train_wall_seconds"]
+    assert metrics["train_runtime"] < metrics["train_wall_seconds"] - metrics["train_compile_seconds"]
+    assert all("elapsed_seconds" in entry for entry in trainers[-1].state.log_history)
+    assert len(losses) == 4
+
+    monkeypatch.setattr(CountingTrainer, "compile_before_the_clock", lambda self: None)
+    unwarmed = train(tmp_path / "cold")
+    assert graphs["begin"] == 0 and graphs["end"] == 2
+    torch.testing.assert_close(losses, unwarmed, rtol=1e-5, atol=1e-6)

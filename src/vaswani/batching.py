@@ -19,18 +19,30 @@ def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16) -> np.ndarray
     return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
 
 
-def token_budget_batches(lengths: Sequence[int], max_tokens: int | None, max_sentences: int | None = None
-                         ) -> list[list[int]]:
+def padded_lengths(lengths: Sequence[int], pad_to_multiple_of: int | None = None) -> np.ndarray:
+    """The length each example takes in a padded batch whose longest example it is: its own, rounded up to a
+    multiple of `pad_to_multiple_of` where the collator pads so (as `DataCollatorForSeq2Seq` and tokenizers'
+    `pad` do). A batch of n examples computes n times the largest of these on each side: the one rule by which
+    every token budget here is counted, so that a budget bounds what the device computes."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if pad_to_multiple_of and pad_to_multiple_of > 1:
+        lengths = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
+    return lengths
+
+
+def token_budget_batches(lengths: Sequence[int], max_tokens: int | None, max_sentences: int | None = None,
+                         pad_to_multiple_of: int | None = None) -> list[list[int]]:
     """Indices into `lengths`, longest first, cut into batches of at most `max_tokens` padded tokens (a batch's
-    size times its longest length) and at most `max_sentences` sentences (None: no bound). A sentence longer than
-    `max_tokens` is a batch of its own. Longest first, so that running out of memory, if it happens, happens on the
-    first batch."""
+    size times its longest length, `padded_lengths`) and at most `max_sentences` sentences (None: no bound). A
+    sentence longer than `max_tokens` is a batch of its own. Longest first, so that running out of memory, if it
+    happens, happens on the first batch."""
+    padded = padded_lengths(lengths, pad_to_multiple_of).tolist()
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     batches: list[list[int]] = []
     for index in order:
         batch = batches[-1] if batches else None
         fits = batch is not None and (max_sentences is None or len(batch) < max_sentences) and (
-            max_tokens is None or (len(batch) + 1) * lengths[batch[0]] <= max_tokens)
+            max_tokens is None or (len(batch) + 1) * padded[batch[0]] <= max_tokens)
         if fits:
             batch.append(index)
         else:
@@ -44,8 +56,9 @@ class TokenBatchSampler(Sampler[list[int]]):
     The paper batched "sentence pairs ... by approximate sequence length", about 25,000 source and 25,000
     target tokens per batch (Section 5.1): a budget in tokens rather than sentences keeps the work per step
     roughly constant, and grouping by length wastes little on padding. With `lengths` from
-    `example_lengths`, `len(batch) * max(lengths in batch) <= max_tokens` bounds both padded sides (a
-    collator's `pad_to_multiple_of` can add to that).
+    `example_lengths`, `len(batch) * max(padded lengths in batch) <= max_tokens` bounds both padded sides; give
+    the collator's `pad_to_multiple_of`, if it pads so, and the bound holds after that padding too
+    (`padded_lengths`).
 
     Examples are sorted by length, ties broken at random, cut greedily into batches, and the batches are
     shuffled. The order depends only on `seed` and the epoch given to `set_epoch`, so every process of a
@@ -59,18 +72,20 @@ class TokenBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int = 1):
+                 num_replicas: int = 1, pad_to_multiple_of: int | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        too_long = np.flatnonzero(self.lengths > max_tokens)
+        padded = padded_lengths(self.lengths, pad_to_multiple_of)
+        too_long = np.flatnonzero(padded > max_tokens)
         if too_long.size:
-            raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {self.lengths[too_long[0]]} "
-                             f"tokens) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
-        # Batch boundaries depend only on the sorted lengths, which ties do not change: they are fixed.
-        self._starts = _even_out(_greedy_starts(np.sort(self.lengths), max_tokens), len(self.lengths), num_replicas)
+            raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {padded[too_long[0]]} tokens "
+                             f"padded) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
+        # Batch boundaries depend only on the sorted lengths, which ties do not change: they are fixed. Padded
+        # lengths sort as the lengths do, so the cut by padded lengths applies to the order by lengths.
+        self._starts = _even_out(_greedy_starts(np.sort(padded), max_tokens), len(self.lengths), num_replicas)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -84,10 +99,14 @@ class TokenBatchSampler(Sampler[list[int]]):
     def _cut(self, order: np.ndarray) -> list[np.ndarray]:
         return np.split(order, self._starts[1:])
 
+    def batches_by_length(self) -> list[list[int]]:
+        """Every batch of an epoch, shortest examples first: the batches without the shuffling (whose sizes and
+        lengths, so the shapes they pad to, are those of every epoch)."""
+        return [batch.tolist() for batch in self._cut(np.argsort(self.lengths, kind="stable"))]
+
     def __iter__(self) -> Iterator[list[int]]:
         if not self.shuffle:
-            for batch in self._cut(np.argsort(self.lengths, kind="stable")):
-                yield batch.tolist()
+            yield from self.batches_by_length()
             return
         rng = np.random.default_rng((self.seed, self.epoch))
         permutation = rng.permutation(len(self.lengths))

@@ -657,8 +657,11 @@ class VaswaniEncoder(VaswaniStack):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds to the encoder.")
         hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids=None)
+        # While training the mask is always built: deciding to leave it out (a batch without padding) reads it back
+        # from the device at every step. Inference keeps that choice, which lets sdpa take its fastest kernel.
         attention_mask = create_bidirectional_mask(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask
+            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+            allow_is_bidirectional_skip=not self.training,
         )
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, position_embeddings, **kwargs)
@@ -713,6 +716,9 @@ class VaswaniDecoder(VaswaniStack):
         self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # Generation feeds one new token per step: its position continues after the cached ones.
         past_length = self_attention_cache.get_seq_length() if self_attention_cache is not None else 0
+        # Only positions given by the caller can describe packed sequences; looking for them in the positions made
+        # here would read a value back from the device at every training step, to find none.
+        packed_positions = position_ids
         if position_ids is None:
             tokens = input_ids if input_ids is not None else inputs_embeds
             position_ids = positions_after(past_length, tokens.shape[1], tokens.device)
@@ -722,7 +728,7 @@ class VaswaniDecoder(VaswaniStack):
             config=self.config,
             inputs_embeds=hidden_states,
             attention_mask=attention_mask,
-            position_ids=position_ids,
+            position_ids=packed_positions,
             **{CACHE_NAME: self_attention_cache},
         )
         cross_mask = None
@@ -732,6 +738,7 @@ class VaswaniDecoder(VaswaniStack):
                 inputs_embeds=hidden_states,
                 attention_mask=encoder_attention_mask,
                 encoder_hidden_states=encoder_hidden_states,
+                allow_is_bidirectional_skip=not self.training,
             )
         for layer in self.layers:
             hidden_states = layer(
@@ -752,18 +759,21 @@ class VaswaniDecoder(VaswaniStack):
 
 
 def check_ids(ids: torch.Tensor, invalid: torch.Tensor, message: Callable[[int], str]) -> None:
-    """Raise ValueError(message(first bad id)) where `invalid` holds. On the CPU that check is free. On an accelerator
-    reading the answer back would make the host wait for the device once per forward (each training step, each
-    decoding step), so there it is an asynchronous device-side assertion with the same message; under
-    torch.compile, and while a CUDA graph is being recorded (decoding steps, whose ids are the model's own
-    predictions), it is left out."""
+    """Raise ValueError(message(first bad id)) where `invalid` holds. Reading the answer back on an accelerator would
+    make the host wait for the device once per forward (each training step, each decoding step), so the check is an
+    asynchronous device-side assertion, with the same message. On the CPU the assertion fails at once, and the
+    ValueError then names the bad id; a valid batch reads nothing back anywhere (the training step's host-sync count
+    is the same on every device). Under torch.compile, and while a CUDA graph is being recorded (decoding steps,
+    whose ids are the model's own predictions), it is left out."""
     if torch.compiler.is_compiling() or not ids.numel() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    if ids.device.type == "cpu":
-        if invalid.any():
-            raise ValueError(message(int(ids[invalid][0])))
-    else:
+    if ids.device.type != "cpu":
         torch._assert_async(~invalid.any(), message("out of range"))
+        return
+    try:
+        torch._assert_async(~invalid.any(), message("out of range"))
+    except RuntimeError:
+        raise ValueError(message(int(ids[invalid][0]))) from None
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):

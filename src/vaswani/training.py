@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from datasets import Dataset, DatasetDict
@@ -189,6 +190,10 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.dataloader_pin_memory:
+            # Training batches come from pinned memory on CUDA: copying them to the device need not make the host
+            # wait (a blocking copy would, four times a step). Elsewhere the flag changes nothing.
+            self.accelerator_config.non_blocking = True
         if self.resume and self.overwrite_output_dir:
             raise ValueError("--resume continues the model in output_dir and --overwrite_output_dir replaces it; "
                              "pass one of them.")
@@ -374,6 +379,19 @@ class WeightAverageCallback(TrainerCallback):
         self.average = self.parameters = None
 
 
+class StartTheClockCallback(TrainerCallback):
+    """The first callback of a `VaswaniSeq2SeqTrainer`: at the start of training it compiles the training step
+    (`VaswaniSeq2SeqTrainer.compile_before_the_clock`) and then marks the start of training, before every callback
+    that reads a clock starts it. Compilation is then not part of a time budget, nor of the elapsed seconds logged."""
+
+    def __init__(self, trainer: "VaswaniSeq2SeqTrainer"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.compile_before_the_clock()
+        self.trainer.training_started = time.monotonic()
+
+
 class TimeBudgetProgressCallback(ProgressCallback):
     """The training progress bar under a time budget: it counts the budget's seconds, with the step beside them.
     The stock bar counts `max_steps`, which under a budget is only the epochs' step count (with an ETA far beyond
@@ -406,7 +424,10 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
     * checkpoints that are never visible half-written (`trainer_internals.StagedCheckpoints`), resumable and rotated
-      as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`.
+      as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`;
+    * under `--torch_compile`, the training step compiled before any clock starts (`compile_before_the_clock`),
+      its seconds kept in `compile_seconds`; every logged line carries the seconds of training so far
+      (`elapsed_seconds`).
     """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, time_budget: TimeBudgetCallback | None = None,
@@ -416,19 +437,37 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self.time_budget = time_budget
         self.time_budget_schedule = None
         self._first_bad_step = None
+        self._non_embedding_parameters = None
+        self._train_features = None
+        self.compile_seconds = 0.0
+        self.training_started = None
+        # First, so that the compilation ends before any other callback starts a clock.
+        self.callback_handler.callbacks.insert(0, StartTheClockCallback(self))
+        # The Trainer's own NaN/inf filter reads every step's loss back to the host (`isnan(loss) or isinf(loss)`),
+        # which makes the host wait for the device once a step. The device-side check below replaces it, and stops
+        # the run where the filter would have trained on.
+        self.args.logging_nan_inf_filter = False
 
     def get_train_dataloader(self) -> DataLoader:
         if not self.max_tokens_per_batch:
             return super().get_train_dataloader()
-        dataset = self.unused_columns_removed(self.train_dataset, description="training")
-        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch,
-                                               shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size)
+        dataset = self._train_features = self.unused_columns_removed(self.train_dataset, description="training")
+        # The budget counts what the device computes: the collator's padding to a multiple included.
+        pad_to = getattr(self.data_collator, "pad_to_multiple_of", None)
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch, shuffle=True,
+                                               seed=self.args.seed, num_replicas=self.args.world_size,
+                                               pad_to_multiple_of=pad_to)
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
             collate_fn=self.data_collator,
             num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            # Workers kept from one epoch to the next rather than started again (the batches' order is decided in
+            # this process, by the sampler, so they need nothing new per epoch).
+            persistent_workers=self.args.dataloader_num_workers > 0,
+            # Pinned host memory, from which the batches are copied without the host waiting (non_blocking, set in
+            # `VaswaniTrainingArguments`), exists only for CUDA.
+            pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
         )
         return prepare_uneven_loader(self.accelerator, loader)
 
@@ -445,15 +484,76 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        step = torch.tensor(self.state.global_step + 1, device=loss.device)
+        # Filled on the device: a tensor made from host data would be a blocking copy to it.
+        step = torch.full((), self.state.global_step + 1, dtype=torch.long, device=loss.device)
         bad = ~torch.isfinite(loss)
         if self._first_bad_step is None:
             self._first_bad_step = torch.full_like(step, -1)
         self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), step, self._first_bad_step)
         return loss
 
+    def warm_up_batches(self) -> list[list[int]]:
+        """The batches whose shapes the compiled step is first made for: the one with the most rows, the longest,
+        the shortest, and one of a single row if there is one (a size of 1 is a shape torch.compile specializes
+        for). Taken from the token-budget sampler's batches, the same on every process."""
+        sampler = getattr(self, "batch_sampler", None)
+        if not isinstance(sampler, TokenBatchSampler) or self._train_features is None:
+            return []
+        batches = sampler.batches_by_length()
+        longest = [int(sampler.lengths[batch].max()) for batch in batches]
+        chosen = [max(range(len(batches)), key=lambda i: len(batches[i])), int(np.argmax(longest)),
+                  int(np.argmin(longest))]
+        chosen += [i for i, batch in enumerate(batches) if len(batch) == 1][:1]
+        return [batches[i] for i in dict.fromkeys(chosen)]
+
+    def compile_before_the_clock(self) -> None:
+        """Under `--torch_compile`, run the training step's forward and backward on `warm_up_batches` before the
+        time budget's clock starts, so that torch.compile builds its graphs then rather than in the first timed
+        steps (on a GPU a whole forward and backward compile takes tens of seconds). The batches' sizes are marked
+        dynamic first, so that one graph serves every later shape instead of a static graph followed by a dynamic
+        one. The gradients are dropped and the random state restored: training then starts as it would have.
+
+        The Trainer's `--torch_compile_mode reduce-overhead` replays the compiled step as CUDA graphs (one recording
+        per batch shape). It stays off by default until the GPU step-rate probe (`bench_training.py`, engine
+        `vaswani-compiled-graphs`, in benchmarks/results/training-cuda-*.md) measures it faster."""
+        if not self.args.torch_compile:
+            return
+        batches = self.warm_up_batches()
+        if not batches:
+            logger.warning("--torch_compile without --max_tokens_per_batch: the step compiles within the first "
+                           "timed steps.")
+            return
+        start = time.monotonic()
+        model = self.model_wrapped
+        devices = [self.args.device] if self.args.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+            for indices in batches:
+                collated = self.data_collator([self._train_features[i] for i in indices])
+                # On the device already, where the marks stay (a copy made later would not carry them).
+                batch = {name: tensor.to(self.args.device) for name, tensor in collated.items()}
+                for tensor in batch.values():
+                    for dim in range(min(tensor.dim(), 2)):
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                samples, items = self.get_batch_samples(iter([batch]), 1, self.args.device)
+                self.training_step(model, samples[0], items)
+                model.zero_grad()
+        self._first_bad_step = None  # a warm-up step is no training step
+        self.compile_seconds = time.monotonic() - start
+        logger.info("Compiled the training step on %d batch shapes in %.1f s, before training started.",
+                    len(batches), self.compile_seconds)
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """The Trainer's estimate (6 × tokens × non-embedding parameters), with the parameters counted once: the
+        Trainer counts them again at every step, a walk over the whole module tree."""
+        if self._non_embedding_parameters is None:
+            self._non_embedding_parameters = self.model.num_parameters(exclude_embeddings=True)
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        return 6 * inputs[main_input].numel() * self._non_embedding_parameters if main_input in inputs else 0
+
     def log(self, logs: dict, *args, **kwargs) -> None:
         self.raise_on_nonfinite_loss()
+        if self.training_started is not None:
+            logs = {**logs, "elapsed_seconds": round(time.monotonic() - self.training_started, 2)}
         super().log(logs, *args, **kwargs)
 
     def raise_on_nonfinite_loss(self) -> None:
@@ -670,6 +770,14 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         raise
     train_seconds = time.monotonic() - start
     metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
+    if trainer.compile_seconds:
+        # The Trainer's runtime counts from before the compilation; the rates are of the training after it.
+        runtime = metrics["train_runtime"] - trainer.compile_seconds
+        for name in ("train_samples_per_second", "train_steps_per_second"):
+            if name in metrics:
+                metrics[name] = round(metrics[name] * metrics["train_runtime"] / runtime, 3)
+        metrics["train_runtime"] = round(runtime, 4)
+    metrics["train_compile_seconds"] = round(trainer.compile_seconds, 2)
     metrics["train_wall_seconds"] = train_seconds
     metrics["train_steps"] = trainer.state.global_step
     metrics["train_world_size"] = args.world_size
