@@ -8,6 +8,7 @@ import getpass
 import importlib.util
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,10 @@ else:
     raise SystemExit("vaswani is importable in the fresh process: the test would prove nothing")
 """
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# Scripts loaded in this process import their neighbours (as `python scripts/x.py` lets them).
+sys.path.append(str(SCRIPTS))
+# This repository's copy of the fra-eng corpus, beside the checkout (tests that need it skip where it is absent).
+SHARED_CORPUS = SCRIPTS.parents[1] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 
 
 def run_without_the_package(script: str, *args: str, work: Path, home: Path):
