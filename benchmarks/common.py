@@ -39,7 +39,8 @@ BENCHMARKS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS_DIR.parent
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 CACHE_DIR = BENCHMARKS_DIR / ".cache"  # gitignored: the corpus' splits, its tokenizer, converted CTranslate2 models
-SHARED_CORPUS = REPO_ROOT.parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+sys.path.append(str(REPO_ROOT / "scripts"))
+from shared_corpus import SHARED_CORPUS  # noqa: E402  the scripts' default corpus, read as they read it
 # The paper's En-Fr vocabulary: 32,000 word pieces (§5.1).
 DEFAULT_VOCAB_SIZE = 32000
 

@@ -13,11 +13,11 @@
 #
 # It prints the call to make: RESULTS_DIR=$OUT VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh
 # STAGE…, carrying .whl, .corpus and benchmarks/.cache. Needs a package registry (pip download) and the corpus
-# ($VASWANI_FRA_ENG or ../shared/data/fra-eng/fra_eng.tsv.gz).
+# ($VASWANI_FRA_ENG, else the scripts' default: scripts/shared_corpus.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-corpus=${VASWANI_FRA_ENG:-../shared/data/fra-eng/fra_eng.tsv.gz}
+corpus=${VASWANI_FRA_ENG:-$(cd scripts && python3 -c "from shared_corpus import SHARED_CORPUS; print(SHARED_CORPUS)")}
 [ -f "$corpus" ] || { echo "no corpus at $corpus: set VASWANI_FRA_ENG" >&2; exit 2; }
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")" .whl .corpus

@@ -13,7 +13,6 @@ stderr counts them).
 
 import argparse
 import json
-from pathlib import Path
 
 from vaswani.cli import add_decoding_arguments, user_errors_exit
 from vaswani.data import load_translation_dataset
@@ -23,9 +22,7 @@ from vaswani.files import check_output_file, read_lines, write_atomically
 from vaswani.loading import DTYPES, load_translator
 from vaswani.translation import CTranslate2Engine, TorchEngine, translate
 
-# This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
-# names a file, so that nothing is downloaded.
-SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+from shared_corpus import SHARED_CORPUS, SHARED_CORPUS_RELATIVE  # beside this script
 
 
 @user_errors_exit
@@ -33,7 +30,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory or Hub id")
     parser.add_argument("--corpus", help="parallel corpus file (default: the fra-eng corpus from $VASWANI_FRA_ENG, "
-                                         "../shared/data/fra-eng/fra_eng.tsv.gz or its download)")
+                                         f"{SHARED_CORPUS_RELATIVE} or its download)")
     parser.add_argument("--dataset_name", help="a Hugging Face dataset instead")
     parser.add_argument("--dataset_config")
     parser.add_argument("--split", default="test", choices=["test", "validation"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job, end to end on CPU: set up, train a small En→Fr Transformer on the Tatoeba fra-eng corpus within a
 # time budget, report multi-reference BLEU/chrF/TER on the held-out test split, translate the seed sentences and
-# write attention heatmaps. Corpus: $VASWANI_FRA_ENG, else ../shared/data/fra-eng/fra_eng.tsv.gz, else a download.
+# write attention heatmaps. Corpus: $VASWANI_FRA_ENG, else scripts/shared_corpus.py's, else a download.
 # Knobs (environment): OUTPUT_DIR, TRAIN_SECONDS, TEST_SENTENCES; arguments are passed on to train_translation.py
 # after the recipe's own, so they override it (benchmarks/main_job_recipe.sh tries recipes that way).
 set -euo pipefail

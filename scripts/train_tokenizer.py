@@ -5,21 +5,18 @@
 
 import argparse
 import logging
-from pathlib import Path
 
 from vaswani.cli import user_errors_exit
 from vaswani.tokenization import train_corpus_tokenizer
 
-# This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
-# names a file, so that nothing is downloaded.
-SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+from shared_corpus import SHARED_CORPUS, SHARED_CORPUS_RELATIVE  # beside this script
 
 
 @user_errors_exit
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", help="tsv (manythings layout, may be gzipped), csv or jsonl file; default: "
-                                         "$VASWANI_FRA_ENG, then ../shared/data/fra-eng/fra_eng.tsv.gz, then a download")
+                                         f"$VASWANI_FRA_ENG, then {SHARED_CORPUS_RELATIVE}, then a download")
     # 8k suits the 160k-pair Tatoeba corpus (the `small` preset's vocab_size); the paper's 32k-37k were for
     # WMT's millions of pairs and would leave most subwords too rare to learn here.
     parser.add_argument("--vocab_size", type=int, default=8000)

@@ -9,7 +9,6 @@ import contextlib
 import json
 import logging
 import sys
-from pathlib import Path
 
 from transformers import HfArgumentParser
 
@@ -17,9 +16,7 @@ from vaswani.cli import user_errors_exit
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, end_distributed, run_training
 
-# This repository's copy of the fra-eng corpus, beside the checkout: read when neither --corpus nor $VASWANI_FRA_ENG
-# names a file, so that nothing is downloaded.
-SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
+from shared_corpus import SHARED_CORPUS  # beside this script
 
 
 @user_errors_exit

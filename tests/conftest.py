@@ -8,6 +8,7 @@ import getpass
 import importlib.util
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,10 @@ else:
     raise SystemExit("vaswani is importable in the fresh process: the test would prove nothing")
 """
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# Scripts loaded in this process import their neighbours (as `python scripts/x.py` lets them).
+sys.path.append(str(SCRIPTS))
+# This repository's copy of the fra-eng corpus, beside the checkout (tests that need it skip where it is absent).
+SHARED_CORPUS = SCRIPTS.parents[1] / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 
 
 def run_without_the_package(script: str, *args: str, work: Path, home: Path):
@@ -172,3 +177,24 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    """The tiny model of tiny_translation_model.py, trained on one thread, saved as a complete checkpoint, once per
+    test module: the failure-mode tests copy and damage it (unlike `checkpoint`, whatever `trained` a module has)."""
+    from tiny_translation_model import build_model_and_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_model_and_tokenizer()
+    torch.set_num_threads(threads)
+    path = tmp_path_factory.mktemp("checkpoint") / "good"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def subprocess_env():
+    # One intra-op thread: on a shared machine, spinning threads make a tiny model's step many times slower.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -28,11 +28,10 @@ from vaswani.corpus import ReadSummary, download_corpus, read_parallel_tsv, reso
 from vaswani.data import group_references, load_translation_dataset, split_by_source, split_of
 from vaswani.tokenization import tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
-from conftest import free_port, script_module
+from conftest import SHARED_CORPUS, free_port, script_module
 
 REPO = Path(__file__).parents[1]
 # Where this repository keeps the English-French corpus, beside the checkout (as the scripts look for it).
-SHARED_CORPUS = REPO.resolve().parent / "shared" / "data" / "fra-eng" / "fra_eng.tsv.gz"
 ANIMALS = ["cat", "dog", "bird", "horse", "fish", "cow", "duck", "goat"]
 ANIMAUX = ["chat", "chien", "oiseau", "cheval", "poisson", "vache", "canard", "chèvre"]
 

@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 import sacrebleu
-from conftest import fails_with_one_line, other_names, script_main
+from conftest import fails_with_one_line, other_names, script_main, tiny_config
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
-from transformers import EvalPrediction
+from transformers import AutoTokenizer, EvalPrediction
 
+from vaswani import VaswaniForConditionalGeneration
 from vaswani.evaluation import build_compute_metrics, evaluate_model, reference_streams, score_corpus, translate
 
 HYPOTHESES = ["the cat sat on the mat .", "there is a dog in the garden", "he reads a book every evening"]
@@ -277,3 +278,27 @@ print(json.dumps({{"module": type(translator).__module__, **scores}}))
     assert expected["signatures"]["bleu"].startswith("nrefs:var")
     assert {k: scores[k] for k in ("bleu", "chrf", "ter")} == {k: expected[k] for k in ("bleu", "chrf", "ter")}
     assert 0 < scores["bleu"] < 100  # neither trivially perfect nor empty: equality says something
+
+
+# Failure modes ------------------------------------------------------------------------------------------------------
+
+
+def test_translating_no_sentences_gives_no_translations(good_checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(good_checkpoint)
+    model = VaswaniForConditionalGeneration(tiny_config(vocab_size=len(tokenizer)))
+    assert translate(model, tokenizer, []) == []
+
+
+def test_evaluate_bleu_refuses_an_empty_source_and_writes_its_report_atomically(good_checkpoint, tmp_path, capsys):
+    evaluate_main = script_main("evaluate_bleu")
+    (tmp_path / "empty.en").write_text("")
+    (tmp_path / "empty.fr").write_text("")
+    fails_with_one_line(evaluate_main, ["--model", str(good_checkpoint), "--source_file", str(tmp_path / "empty.en"),
+                                        "--reference_file", str(tmp_path / "empty.fr")], capsys, "nothing to evaluate")
+    (tmp_path / "src.en").write_text("the cat\na dog ran\n")
+    (tmp_path / "ref.fr").write_text("le chat\nun chien a couru\n")
+    report = tmp_path / "report.json"
+    evaluate_main(["--model", str(good_checkpoint), "--source_file", str(tmp_path / "src.en"), "--reference_file",
+                   str(tmp_path / "ref.fr"), "--num_beams", "1", "--output_file", str(report)])
+    assert len(json.loads(report.read_text())["hypotheses"]) == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("report")] == ["report.json"]

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from conftest import SCRIPTS, fails_with_one_line, other_names, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate
 from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
@@ -425,3 +428,29 @@ def test_dtype_auto_is_bf16_where_native_and_faster(requested, device, d_model, 
 def test_dtype_refuses_bf16_with_int8():
     with pytest.raises(ValueError, match="int8"):
         choose_dtype("bfloat16", torch.device("cpu"), 512, int8=True)
+
+
+# Failure modes ------------------------------------------------------------------------------------------------------
+
+
+def test_translate_script_keeps_empty_lines_and_truncates_for_learned_positions(good_checkpoint, tmp_path, capsys,
+                                                                                 single_thread):
+    tokenizer = AutoTokenizer.from_pretrained(good_checkpoint)
+    learned = VaswaniForConditionalGeneration(VaswaniConfig.tiny(
+        vocab_size=len(tokenizer), position_embedding_type="learned", max_position_embeddings=12))
+    path = tmp_path / "learned"
+    learned.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (tmp_path / "in.txt").write_text("the cat\n\n" + "the dog " * 30 + "\n   \n")
+    script_main("translate")(["--model", str(path), "--input_file", str(tmp_path / "in.txt"), "--num_beams", "1",
+                              "--max_new_tokens", "50"])
+    captured = capsys.readouterr()
+    lines = captured.out.split("\n")[:-1]
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one output line per input line
+    assert "1 sentence(s) longer than the model's 12 learned positions were truncated" in captured.err
+
+
+def test_input_file_that_is_not_utf8_is_one_line(good_checkpoint, tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes(b"the cat\ncaf\xe9\n")
+    fails_with_one_line(script_main("translate"), ["--model", str(good_checkpoint), "--input_file",
+                                                   str(tmp_path / "latin1.txt")], capsys, "is not UTF-8 text (line 2")

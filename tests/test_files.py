@@ -57,6 +57,34 @@ def test_an_error_while_staging_keeps_the_old_directory(tmp_path):
     assert entries(tmp_path) == ["entry"]
 
 
+def test_a_staged_set_of_files_joins_a_directory_that_keeps_its_other_entries(tmp_path):
+    """With `last`, the staged files are moved into the target, `last` last, beside what it already holds."""
+    target = tmp_path / "run"
+    (target / "checkpoint-2").mkdir(parents=True)
+    (target / "config.json").write_text("old")
+    with staged_directory(target, last="config.json") as staging:
+        assert staging.parent == target and staging.name.startswith(STAGING_PREFIX)
+        (staging / "config.json").write_text("new")
+        (staging / "model.safetensors").write_text("weights")
+        assert (target / "config.json").read_text() == "old"
+    assert entries(target) == ["checkpoint-2", "config.json", "model.safetensors"]
+    assert (target / "config.json").read_text() == "new"
+
+
+def test_a_nested_staging_publishes_the_entry_its_writer_names_and_may_keep_a_failure(tmp_path):
+    """With `nested`, the writer names its output itself inside the staging directory; with `remove_on_error`
+    False, a failed block leaves the staging directory, as a crash would."""
+    target = tmp_path / "checkpoint-4"
+    with staged_directory(target, nested=True) as staging:
+        (staging / "checkpoint-4").mkdir()
+        (staging / "checkpoint-4" / "state.json").write_text("{}")
+    assert entries(tmp_path) == ["checkpoint-4"] and entries(target) == ["state.json"]
+    with pytest.raises(RuntimeError), staged_directory(tmp_path / "checkpoint-6", nested=True,
+                                                       remove_on_error=False) as staging:
+        raise RuntimeError
+    assert entries(tmp_path) == [f"{STAGING_PREFIX}checkpoint-6", "checkpoint-4"]
+
+
 def test_a_failed_rename_puts_the_old_directory_back(tmp_path, monkeypatch):
     """Where entries cannot be swapped in one step, the old one is renamed aside first and put back on a failure."""
     target, staging = tmp_path / "entry", tmp_path / "staged"

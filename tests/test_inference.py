@@ -124,7 +124,7 @@ def test_scripts_refuse_int8_off_the_cpu_in_one_line(checkpoint, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script_main("translate")(["--model", str(checkpoint), "--device", "meta", "--int8", "a dog ran"])
     assert exit_info.value.code == 2
-    # Like every user error of the scripts (tests/test_reliability.py): stderr ends with one `error:` line, after
+    # Like every user error of the scripts (docs/reliability.md): stderr ends with one `error:` line, after
     # transformers' loading progress bar, and no traceback.
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error: ") == 1

@@ -1,15 +1,35 @@
 """One loader for every tool (`vaswani.loading`): the device and the precision decided once, before the weights are
-read, and a library that never imports the command-line layer."""
+read, and a library that never imports the command-line layer. Then the checkpoints every loader refuses (damaged or
+missing weights, a tokenizer that does not fit, another model type), one test each, and what no loader ever runs
+(pickles, remote code). docs/reliability.md is their table."""
 
+import ast
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+from unittest.mock import patch
 
+import huggingface_hub
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BertConfig, BertModel, pipeline
 
-from vaswani import loading
+from conftest import fails_with_one_line, script_main, subprocess_env
+from hub_stub import HubStub
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, loading
+from vaswani.configuration_vaswani import tokenizer_fingerprint
+from vaswani.evaluation import translate
 from vaswani.file_translation import Processes
+from vaswani.loading import load_translator
+from vaswani.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS, VaswaniTokenizer, train_tokenizer
+from vaswani.training import ModelArguments
+from vaswani.training import build_model_and_tokenizer as build_model_and_tokenizer_for_training
+
+REPO = Path(__file__).resolve().parents[1]
 
 LIBRARY_MODULES = ["convert", "data", "decoding", "evaluation", "evaluator", "export", "file_translation", "files",
                    "hub", "inference", "loading", "tokenization", "training", "visualize"]
@@ -73,3 +93,332 @@ def test_auto_device_is_a_gpu_when_there_is_one_and_each_process_takes_its_own(m
     assert loading.choose_device("auto") == torch.device("cuda")
     assert Processes(1, 2, 1).device("auto") == "cuda:1"
     assert Processes(1, 2, 1).device("cuda:0") == "cuda:0"
+
+
+# Checkpoints ----------------------------------------------------------------------------------------------------------
+
+
+def damaged_copy(good: Path, tmp_path: Path, damage) -> Path:
+    path = tmp_path / "damaged"
+    shutil.copytree(good, path)
+    damage(path)
+    return path
+
+
+def edit_tensors(path: Path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def first_key(tensors, part: str) -> str:
+    return next(key for key in tensors if part in key)
+
+
+def drop_tensor(path):
+    edit_tensors(path, lambda t: t.pop(first_key(t, "fc1.weight")))
+
+
+def misshape_tensor(path):
+    edit_tensors(path, lambda t: t.__setitem__(first_key(t, "fc1.weight"), torch.zeros(3, 3)))
+
+
+def add_tensor(path):
+    edit_tensors(path, lambda t: t.__setitem__("model.extra.weight", torch.zeros(3)))
+
+
+def truncate_weights(path):
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def corrupt_weights(path):
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[8:40] = b"\xff" * 32  # the JSON header
+    (path / "model.safetensors").write_bytes(bytes(data))
+
+
+def pickle_weights_only(path):
+    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+
+
+def test_missing_tensor_is_listed_by_from_pretrained_and_refused_by_the_cli(good_checkpoint, tmp_path):
+    path = damaged_copy(good_checkpoint, tmp_path, drop_tensor)
+    # The library keeps transformers' contract: the load report lists the key (and it is newly initialised).
+    _, info = VaswaniForConditionalGeneration.from_pretrained(path, output_loading_info=True)
+    assert any("fc1.weight" in key for key in info["missing_keys"])
+    # The tools never translate with random weights.
+    with pytest.raises(ValueError, match="missing keys: .*fc1.weight"):
+        load_translator(str(path), "cpu")
+
+
+def test_unexpected_tensor_is_refused_by_the_cli(good_checkpoint, tmp_path):
+    path = damaged_copy(good_checkpoint, tmp_path, add_tensor)
+    with pytest.raises(ValueError, match="unexpected keys: model.extra.weight"):
+        load_translator(str(path), "cpu")
+
+
+@pytest.mark.parametrize(
+    "damage, library_error, library_message, cli_message",
+    [
+        (misshape_tensor, RuntimeError, "ignore_mismatched_sizes", "do not have the shapes its config.json gives"),
+        (truncate_weights, SafetensorError, "incomplete metadata", "truncated or corrupted"),
+        (corrupt_weights, SafetensorError, "deserializing header", "truncated or corrupted"),
+    ],
+    ids=["mismatched-shape", "truncated", "corrupted"],
+)
+def test_damaged_weights_are_an_error(good_checkpoint, tmp_path, damage, library_error, library_message, cli_message):
+    path = damaged_copy(good_checkpoint, tmp_path, damage)
+    with pytest.raises(library_error, match=library_message):
+        VaswaniForConditionalGeneration.from_pretrained(path)
+    with pytest.raises(ValueError, match=cli_message):
+        load_translator(str(path), "cpu")
+
+
+def test_pickled_weights_are_never_read_by_the_tools(good_checkpoint, tmp_path):
+    path = damaged_copy(good_checkpoint, tmp_path, pickle_weights_only)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_translator(str(path), "cpu")
+
+
+@pytest.fixture(scope="module")
+def bert_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert") / "bert"
+    BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(path)
+    return path
+
+
+def test_checkpoint_of_another_model_type_is_refused_by_the_cli(bert_checkpoint):
+    with pytest.raises(ValueError, match="holds a 'bert' model, not a Vaswani one"):
+        load_translator(str(bert_checkpoint), "cpu")
+
+
+def test_checkpoint_of_another_model_type_is_refused_by_from_pretrained(bert_checkpoint):
+    with pytest.raises(ValueError, match="model_type"):
+        VaswaniForConditionalGeneration.from_pretrained(bert_checkpoint)
+
+
+def test_missing_or_incomplete_model_directory_is_one_line(good_checkpoint, tmp_path, capsys):
+    nowhere = str(tmp_path / "nowhere")
+    fails_with_one_line(script_main("evaluate_bleu"), ["--model", nowhere, "--corpus", str(tmp_path / "none.tsv")],
+                        capsys, "does not exist")  # the corpus is read first
+    fails_with_one_line(script_main("visualize_attention"), ["--model", nowhere, "--source", "hi", "--output_dir",
+                                                             str(tmp_path / "maps")], capsys, "does not exist")
+    assert not (tmp_path / "maps").exists()
+    translate_main = script_main("translate")
+    fails_with_one_line(translate_main, ["--model", nowhere, "hi"], capsys, "does not exist")
+    (tmp_path / "empty").mkdir()
+    fails_with_one_line(translate_main, ["--model", str(tmp_path / "empty"), "hi"], capsys, "has no config.json")
+    no_weights = damaged_copy(good_checkpoint, tmp_path, lambda p: (p / "model.safetensors").unlink())
+    fails_with_one_line(translate_main, ["--model", str(no_weights), "hi"], capsys, "damaged has no model.safetensors")
+
+
+# A model and a tokenizer that do not belong together, incomplete checkpoints ------------------------------------------
+
+
+def weights_only_copy(good: Path, tmp_path: Path) -> Path:
+    """What a user holds who copied a checkpoint's weights and forgot the rest."""
+    path = tmp_path / "weights-only"
+    path.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(good / name, path)
+    return path
+
+
+def test_a_directory_without_tokenizer_files_is_an_error_naming_them(good_checkpoint, tmp_path, capsys):
+    path = weights_only_copy(good_checkpoint, tmp_path)
+    for load in (AutoTokenizer.from_pretrained, VaswaniTokenizer.from_pretrained):
+        with pytest.raises(FileNotFoundError, match="tokenizer.json and tokenizer_config.json are missing"):
+            load(path)
+    (tmp_path / "src.en").write_text("the cat\n")
+    (tmp_path / "ref.fr").write_text("le chat\n")
+    fails_with_one_line(script_main("translate"), ["--model", str(path), "the cat"], capsys,
+                        "weights-only has no Vaswani tokenizer: tokenizer.json and tokenizer_config.json are missing")
+    fails_with_one_line(script_main("evaluate_bleu"), ["--model", str(path), "--source_file", str(tmp_path / "src.en"),
+                                                       "--reference_file", str(tmp_path / "ref.fr")], capsys,
+                        "tokenizer.json and tokenizer_config.json are missing")
+    shutil.copy(good_checkpoint / "tokenizer_config.json", path)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
+        AutoTokenizer.from_pretrained(path)
+    # Built without files on purpose, the tokenizer still spells text byte by byte.
+    assert len(VaswaniTokenizer()) == len(SPECIAL_TOKENS) + len(BYTE_TOKENS)
+
+
+def test_a_hub_repository_without_tokenizer_files_is_an_error_naming_them(good_checkpoint, tmp_path):
+    weights_only = weights_only_copy(good_checkpoint, tmp_path)
+    repo_id = "someone/weights-only"
+    with HubStub() as hub:
+        api = huggingface_hub.HfApi(endpoint=hub.endpoint, token="hf_stand_in_token")
+        with patch.object(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True):
+            api.create_repo(repo_id)
+            api.upload_folder(folder_path=str(weights_only), repo_id=repo_id)
+        code = f"""
+import vaswani
+from transformers import AutoTokenizer
+try:
+    AutoTokenizer.from_pretrained({repo_id!r})
+except FileNotFoundError as error:
+    print("refused:", error)
+"""
+        env = {**subprocess_env(), "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1",
+               "HF_HOME": str(tmp_path / "hf_home")}
+        env.pop("HF_HUB_OFFLINE"), env.pop("HF_TOKEN", None)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"refused: {repo_id} has no Vaswani tokenizer: tokenizer.json and tokenizer_config.json are missing" in \
+        result.stdout
+
+
+def set_json(path: Path, **values) -> None:
+    data = json.loads(path.read_text())
+    data.update(values)
+    path.write_text(json.dumps(data))
+
+
+def tokenizer_of_another_checkpoint(path: Path) -> None:
+    """The tokenizer files of a run with a larger vocabulary (400 tokens against the model's 320)."""
+    words = [f"mot{i} word{i * 7}" for i in range(300)]
+    train_tokenizer(words * 2, vocab_size=400).save_pretrained(path)
+
+
+def same_size_tokenizer_of_another_checkpoint(path: Path) -> None:
+    """A model trained as the training script does, which records its tokenizer in config.json, beside the
+    tokenizer of another run: as many tokens, the same special ids."""
+    set_json(path / "config.json", tokenizer_fingerprint=tokenizer_fingerprint(AutoTokenizer.from_pretrained(path)))
+    words = [f"mot{i} word{i * 7}" for i in range(300)]
+    other = train_tokenizer(words * 2, vocab_size=320)
+    assert len(other) == len(AutoTokenizer.from_pretrained(path))
+    other.save_pretrained(path)
+
+
+def config_vocabulary_smaller_than_the_tokenizer(path: Path) -> None:
+    """Weights and config of a 300-token model beside the 320-token tokenizer: the weights fit their config."""
+    VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=300)).save_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (tokenizer_of_another_checkpoint, "token ids up to 399, but the model's vocabulary holds vocab_size=320"),
+        (same_size_tokenizer_of_another_checkpoint, "is not the one the model was trained with"),
+        (config_vocabulary_smaller_than_the_tokenizer,
+         "token ids up to 319, but the model's vocabulary holds vocab_size=300"),
+        (lambda p: set_json(p / "config.json", pad_token_id=2),
+         "The tokenizer's pad id is 0, but the model's config.json has pad_token_id=2"),
+        (lambda p: set_json(p / "generation_config.json", eos_token_id=2),
+         "The tokenizer's eos id is 1, but the model's generation_config.json has eos_token_id=2"),
+        (lambda p: set_json(p / "generation_config.json", decoder_start_token_id=0),
+         "The tokenizer's decoder-start id is 3, but the model's generation_config.json has decoder_start_token_id=0"),
+    ],
+    ids=["tokenizer-of-another-checkpoint", "same-size-tokenizer-of-another-checkpoint", "config-vocabulary-too-small",
+         "pad-id", "eos-id", "decoder-start-id"],
+)
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_loader(good_checkpoint, tmp_path, capsys,
+                                                                           damage, message):
+    path = damaged_copy(good_checkpoint, tmp_path, damage)
+    with pytest.raises(ValueError, match=message):
+        load_translator(str(path), "cpu")
+    fails_with_one_line(script_main("translate"), ["--model", str(path), "--num_beams", "1", "the cat"], capsys,
+                        message)
+    model = VaswaniForConditionalGeneration.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with pytest.raises(ValueError, match=message):
+        pipeline("translation", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=message):
+        translate(model, tokenizer, ["the cat"], num_beams=1)
+
+
+def test_a_new_model_records_its_tokenizer_and_loads_with_it(good_checkpoint, tmp_path):
+    model, tokenizer = build_model_and_tokenizer_for_training(
+        ModelArguments(preset="tiny", tokenizer_name_or_path=str(good_checkpoint)), lambda: iter(()))
+    assert model.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    model.save_pretrained(tmp_path / "new")
+    tokenizer.save_pretrained(tmp_path / "new")
+    _, loaded = load_translator(str(tmp_path / "new"), "cpu")
+    assert tokenizer_fingerprint(loaded) == model.config.tokenizer_fingerprint
+
+
+def test_fine_tuning_with_a_tokenizer_that_does_not_fit_is_refused(good_checkpoint, tmp_path):
+    path = damaged_copy(good_checkpoint, tmp_path, lambda p: set_json(p / "config.json", pad_token_id=2))
+    with pytest.raises(ValueError, match="pad id is 0, but the model's config.json has pad_token_id=2"):
+        build_model_and_tokenizer_for_training(ModelArguments(model_name_or_path=str(path)), lambda: iter(()))
+
+
+def test_a_model_that_is_a_file_is_one_line(good_checkpoint, tmp_path, capsys):
+    weights = str(good_checkpoint / "model.safetensors")
+    message = f"--model {weights} is a file; give the checkpoint directory"
+    fails_with_one_line(script_main("translate"), ["--model", weights, "the cat"], capsys, message)
+    fails_with_one_line(script_main("visualize_attention"), ["--model", weights, "--source", "the cat", "--output_dir",
+                                                             str(tmp_path / "maps")], capsys, message)
+    assert not (tmp_path / "maps").exists()
+
+
+def test_a_checkpoint_without_generation_config_or_with_a_missing_shard_is_refused_by_the_tools(good_checkpoint,
+                                                                                               tmp_path, capsys):
+    no_generation_config = damaged_copy(good_checkpoint, tmp_path, lambda p: (p / "generation_config.json").unlink())
+    fails_with_one_line(script_main("translate"), ["--model", str(no_generation_config), "the cat"], capsys,
+                        "damaged has no generation_config.json, which holds the decoding settings")
+    sharded = tmp_path / "sharded"
+    VaswaniForConditionalGeneration.from_pretrained(good_checkpoint).save_pretrained(sharded, max_shard_size="20KB")
+    AutoTokenizer.from_pretrained(good_checkpoint).save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    load_translator(str(sharded), "cpu")  # complete: it loads
+    shards[1].unlink()
+    fails_with_one_line(script_main("translate"), ["--model", str(sharded), "the cat"], capsys,
+                        f"sharded lacks 1 of the {len(shards)} weight shards that model.safetensors.index.json lists "
+                        f"({shards[1].name}); copy the whole checkpoint directory again")
+
+
+# Safety --------------------------------------------------------------------------------------------------------------
+
+
+def python_files():
+    return sorted((REPO / "src" / "vaswani").glob("*.py")) + sorted((REPO / "scripts").glob("*.py"))
+
+
+def test_nothing_in_the_package_loads_pickles():
+    unsafe_modules = {"pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+    for path in python_files():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = {alias.name.split(".")[0] for alias in node.names}
+                names.add((getattr(node, "module", None) or "").split(".")[0])
+                assert not names & unsafe_modules, f"{path.name}:{node.lineno} imports {names & unsafe_modules}"
+            if isinstance(node, ast.Call):
+                callee = ast.unparse(node.func)
+                keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                if callee.endswith("torch.load"):
+                    assert keywords.get("weights_only") == "True", f"{path.name}:{node.lineno}: {callee}"
+                if callee.endswith("np.load") or callee.endswith("numpy.load"):
+                    assert keywords.get("allow_pickle") in (None, "False"), f"{path.name}:{node.lineno}"
+
+
+def test_loading_a_checkpoint_needs_remote_code_only_without_the_package(good_checkpoint):
+    code = f"""
+from transformers import AutoModelForSeq2SeqLM
+try:
+    AutoModelForSeq2SeqLM.from_pretrained({str(good_checkpoint)!r}, trust_remote_code=False)
+except ValueError as error:
+    print("without vaswani:", "trust_remote_code" in str(error))
+import vaswani
+model = AutoModelForSeq2SeqLM.from_pretrained({str(good_checkpoint)!r})
+print("with vaswani:", type(model).__module__)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=subprocess_env(), cwd="/")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "without vaswani: True" in result.stdout
+    assert "with vaswani: vaswani.modeling_vaswani" in result.stdout
+
+
+def test_tools_never_run_remote_code(good_checkpoint, tmp_path):
+    path = damaged_copy(good_checkpoint, tmp_path, lambda p: None)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForSeq2SeqLM": "evil.Model"}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "evil.py").write_text("raise SystemExit('remote code ran')\n")
+    model, _ = load_translator(str(path), "cpu")
+    assert type(model).__module__ == "vaswani.modeling_vaswani"

@@ -13,10 +13,11 @@ import pytest
 from tokenizers import normalizers
 from transformers import AutoTokenizer
 
+from conftest import SHARED_CORPUS
 import vaswani  # importing the package registers its classes with the Auto* factories
 from vaswani.tokenization_vaswani import BYTE_TOKENS, VaswaniTokenizer, train_tokenizer
 
-CORPUS = Path(os.environ.get("VASWANI_FRA_ENG") or Path(__file__).parents[2] / "shared/data/fra-eng/fra_eng.tsv.gz")
+CORPUS = Path(os.environ.get("VASWANI_FRA_ENG") or SHARED_CORPUS)
 VOCAB_SIZE = 1000
 
 

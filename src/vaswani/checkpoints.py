@@ -1,4 +1,4 @@
-"""Checkpoint directories: which are complete, how one is published atomically, and checkpoint averaging.
+"""Checkpoint directories: which are complete, which may be written over, and checkpoint averaging.
 
 §6.1 of the paper reports single models "obtained by averaging the last 5 checkpoints, which were written at
 10-minute intervals" (the last 20 for the big models); fairseq ships the same step as `average_checkpoints.py`.
@@ -27,7 +27,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from . import modeling_vaswani
 from .configuration_vaswani import tokenizer_fingerprint
-from .files import check_not_an_input, publish_files, staged_directory
+from .files import check_not_an_input, staged_directory
 
 # Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
 # complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
@@ -80,14 +80,6 @@ def check_output_dir(output_dir: str | Path, inputs: Sequence[str | Path | None]
                               "force=True (--force) to replace it.")
 
 
-def publish_staged(staging: str | Path, output_dir: str | Path) -> None:
-    """Move the complete model in `staging` into `output_dir` (which also holds checkpoints and logs), then remove
-    `staging` (`files.publish_files`). `config.json`, without which nothing loads, is removed first and moved in
-    last, so a crash never leaves a truncated file, nor the weights of one model beside the config of another: a
-    directory with a `config.json` holds one complete model."""
-    publish_files(staging, output_dir, last="config.json")
-
-
 # Averaging ----------------------------------------------------------------------------------------------------------
 
 
@@ -118,24 +110,27 @@ def last_checkpoints(sources: Sequence[str | Path], last: int | None = None) -> 
 
 
 def weight_files(checkpoint: str | Path) -> list[str]:
-    """The safetensors files of a checkpoint, sharded or not."""
+    """The safetensors files a checkpoint must hold, there or not: the shards its index lists, else the one file."""
     index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
         with open(index) as f:
             return [os.path.join(checkpoint, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
-    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (nor {SAFE_WEIGHTS_INDEX_NAME}); copy the "
-                                "whole checkpoint directory again.")
-    return [single]
+    return [os.path.join(checkpoint, SAFE_WEIGHTS_NAME)]
+
+
+def missing_weight_files(checkpoint: str | Path) -> list[str]:
+    """The names of the weight files of `checkpoint` (`weight_files`) that are not there."""
+    return [os.path.basename(path) for path in weight_files(checkpoint) if not os.path.isfile(path)]
 
 
 def check_weights(checkpoint: str | Path) -> list[str]:
     """The safetensors files of `checkpoint` (`weight_files`), each checked complete before any tensor is read: a
     missing file or shard, or one cut short or corrupted, is an error naming the directory and what is wrong.
     Opening a safetensors file reads its header only, and checks that the data it describes is all there."""
-    paths = weight_files(checkpoint)
-    missing = [os.path.basename(path) for path in paths if not os.path.isfile(path)]
+    paths, missing = weight_files(checkpoint), missing_weight_files(checkpoint)
+    if missing and not os.path.isfile(os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)):
+        raise FileNotFoundError(f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (nor {SAFE_WEIGHTS_INDEX_NAME}); copy the "
+                                "whole checkpoint directory again.")
     if missing:
         raise FileNotFoundError(f"{checkpoint} lacks {len(missing)} of the {len(paths)} weight shards that "
                                 f"{SAFE_WEIGHTS_INDEX_NAME} lists ({', '.join(missing)}); copy the whole checkpoint "
@@ -195,7 +190,7 @@ def average_state_dicts(checkpoints: Sequence[str]) -> dict[str, torch.Tensor]:
     shapes: dict[str, tuple] = {}
     for index, checkpoint in enumerate(checkpoints):
         seen = set()
-        for file in weight_files(checkpoint):
+        for file in check_weights(checkpoint):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
@@ -286,4 +281,4 @@ def _checkpoint_summary(checkpoint: str) -> str:
 
 
 __all__ = ["average_checkpoints", "average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
-           "is_complete_checkpoint", "publish_staged", "check_weights", "check_output_dir", "is_run_checkpoint"]
+           "is_complete_checkpoint", "check_weights", "missing_weight_files", "check_output_dir", "is_run_checkpoint"]

@@ -207,17 +207,33 @@ def exchange(first: str | os.PathLike, second: str | os.PathLike) -> bool:
 
 
 @contextmanager
-def staged_directory(target: str | os.PathLike, tag: str = ""):
-    """Yield an empty staging directory beside `target` to write into; when the block ends without an error, publish
-    it as `target` (`replace_directory`), otherwise remove it."""
-    staging = staging_path(target, tag)
+def staged_directory(target: str | os.PathLike, tag: str = "", *, last: str | None = None, nested: bool = False,
+                     remove_on_error: bool = True):
+    """Yield an empty staging directory to write into; when the block ends without an error, publish it as `target`,
+    otherwise remove it. The one way the package publishes a directory:
+
+    * by default the staging directory is beside `target` and replaces it whole (`replace_directory`);
+    * with `last`, `target` holds other entries that stay (a run directory's checkpoints and logs): the staging
+      directory is inside it, and its files are moved in with `publish_files`, `last` (the file whose presence says
+      the set is complete) last;
+    * with `nested`, the writer names its output itself (the Trainer writes `checkpoint-N` into the directory it is
+      given): the block writes into the staging directory, and `<staging>/<target's name>` is published;
+    * with `remove_on_error` False, a failed block leaves the staging directory for the next writer (or a resumed
+      run) to remove, as a crash would: other processes may still be writing into it."""
+    target = Path(target)
+    staging = staging_path(target / "staged" if last else target, tag)
     shutil.rmtree(staging, ignore_errors=True)  # the remains of a crash
     staging.mkdir(parents=True)
     try:
         yield staging
-        replace_directory(staging, target)
+        if last:
+            publish_files(staging, target, last)
+        else:
+            replace_directory(staging / target.name if nested else staging, target)
+            shutil.rmtree(staging, ignore_errors=True)  # a nested entry's parent (or, after an exchange, nothing)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if remove_on_error:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
 
 

@@ -149,13 +149,10 @@ def missing_checkpoint_files(model_dir: str | Path) -> list[str]:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         return ["config.json"]
-    missing = []
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing += [shard for shard in shards if not (model_dir / shard).is_file()]
-    elif not (model_dir / "model.safetensors").is_file():
-        missing.append("model.safetensors")
+    # Imported here: checkpoints writes its averages' model cards with this module.
+    from .checkpoints import missing_weight_files
+
+    missing = missing_weight_files(model_dir)
     if not (model_dir / "tokenizer_config.json").is_file():
         missing.append("tokenizer_config.json")
     missing += [name for name in sorted(_code_files(model_dir)) if not (model_dir / name).is_file()]

@@ -5,7 +5,7 @@ The rest of the package uses the Trainer through its public extension points (ca
 
 * crash-safe checkpoints. The Trainer writes `checkpoint-N` file by file, where a crash leaves a directory that
   looks like a checkpoint. `StagedCheckpoints` points the Trainer's `_save_checkpoint` at a staging directory
-  (through `_get_output_dir`) and publishes the finished checkpoint with `files.replace_directory`;
+  (through `_get_output_dir`) and publishes the finished checkpoint with `files.staged_directory`;
 * dropping the columns the model does not take from a dataset we batch ourselves (`_remove_unused_columns`);
 * a prepared data loader over our own batch sampler: Accelerate must not even the batches out (the sampler already
   gives every process as many), and accelerate 1.6 does not hand the epoch on to a batch sampler it wraps.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
+from contextlib import nullcontext
 
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -27,7 +27,7 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .files import replace_directory, staging_path
+from .files import staged_directory, staging_path
 
 # (owner, name) → the parameters it must take; None for a property that must be settable.
 UPSTREAM_CONTRACT = {
@@ -87,28 +87,31 @@ class StagedCheckpoints(Trainer):
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final = os.path.join(run_dir, name)
-        staging_root = str(staging_path(final))
+        # Every process writes its part (its RNG state) into the staging directory; the saving one creates it and
+        # publishes the checkpoint when the block ends, over one left by an earlier run at this step (see
+        # prepare_output_dir). A failure leaves it, as a crash would, for `--resume` to remove: other processes may
+        # still be writing into it.
+        staged = staged_directory(final, nested=True, remove_on_error=False) if self.args.should_save else \
+            nullcontext(staging_path(final))
+        with staged as staging_root:
+            self.accelerator.wait_for_everyone()
+            # The Trainer writes `<run_dir>/checkpoint-N`; pointing it at the staging root makes that the staged copy.
+            self._staging_run_dir = str(staging_root)
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_run_dir = None
+            # The Trainer looked for the best checkpoint among the staged ones, where only this step's can be.
+            if self.state.best_global_step:
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
+                    self.state.best_model_checkpoint = best
+            self.accelerator.wait_for_everyone()  # every process has written its RNG state
+            if self.args.should_save:
+                staged_checkpoint = os.path.join(staging_root, name)
+                self.finish_checkpoint(staged_checkpoint)
+                self.state.save_to_json(os.path.join(staged_checkpoint, TRAINER_STATE_NAME))  # the corrected best
         if self.args.should_save:
-            shutil.rmtree(staging_root, ignore_errors=True)  # the remains of a crash at this very step
-        self.accelerator.wait_for_everyone()
-        # The Trainer writes `<run_dir>/checkpoint-N`; pointing it at the staging root makes that the staged copy.
-        self._staging_run_dir = staging_root
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_run_dir = None
-        # The Trainer looked for the best checkpoint among the staged ones, where only this step's can be.
-        if self.state.best_global_step:
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
-                self.state.best_model_checkpoint = best
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state
-        if self.args.should_save:
-            staged = os.path.join(staging_root, name)
-            self.finish_checkpoint(staged)
-            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the corrected best path
-            replace_directory(staged, final)  # over one left by an earlier run at this step (see prepare_output_dir)
-            shutil.rmtree(staging_root)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
 

@@ -39,11 +39,11 @@ from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_A
 
 from . import data as vdata
 from .batching import TokenBatchSampler, example_lengths
-from .checkpoints import check_weights, checkpoints_in, is_complete_checkpoint, load_average, publish_staged
+from .checkpoints import check_weights, checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .corpus import CORPUS_ENV_VAR
 from .evaluation import build_compute_metrics, evaluate_model
-from .files import STAGING_PREFIX, staging_path
+from .files import STAGING_PREFIX, staged_directory
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
@@ -832,26 +832,26 @@ def end_distributed() -> None:
 
 def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translations: Sequence[str] = (),
                averaged_checkpoints: list[str] = ()) -> None:
-    """Write the final model through a staging directory, published into `output_dir` by `publish_staged`: a crash
+    """Write the final model through a staging directory whose files are moved into `output_dir` (which keeps its
+    checkpoints and logs) with `config.json`, without which nothing loads, last (`files.staged_directory`): a crash
     never leaves a truncated file, nor the weights of one model beside the config of another. `test_translations`,
     the test split's hypotheses in its order, go to `test_translations.txt` (one a line), so that the reported
     scores can be recomputed against the split's references."""
     from .hub import attach_translation_pipeline, write_model_card
 
-    staging = str(staging_path(os.path.join(output_dir, "final")))
-    shutil.rmtree(staging, ignore_errors=True)
-    attach_translation_pipeline(trainer.model, staging)  # pipeline("translation", model=dir, trust_remote_code=True)
-    trainer.save_model(staging)
-    tokenizer.save_pretrained(staging)
-    replace_pickled_arguments(staging, trainer.args)
-    with open(os.path.join(staging, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    if test_translations:
-        with open(os.path.join(staging, "test_translations.txt"), "w", encoding="utf-8") as f:
-            f.writelines(line.replace("\n", " ") + "\n" for line in test_translations)
-    command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
-    write_model_card(staging, metrics=metrics, training_command=command, averaged_checkpoints=averaged_checkpoints)
-    publish_staged(staging, output_dir)
+    with staged_directory(output_dir, last="config.json") as staging:
+        # pipeline("translation", model=dir, trust_remote_code=True)
+        attach_translation_pipeline(trainer.model, staging)
+        trainer.save_model(staging)
+        tokenizer.save_pretrained(staging)
+        replace_pickled_arguments(staging, trainer.args)
+        with open(os.path.join(staging, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        if test_translations:
+            with open(os.path.join(staging, "test_translations.txt"), "w", encoding="utf-8") as f:
+                f.writelines(line.replace("\n", " ") + "\n" for line in test_translations)
+        command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        write_model_card(staging, metrics=metrics, training_command=command, averaged_checkpoints=averaged_checkpoints)
 
 
 def replace_pickled_arguments(directory: str, args) -> None:
