@@ -92,7 +92,7 @@ def pad_to_shape(batch: Mapping[str, torch.Tensor], rows: int, length: int,
     tensor's value in `pad_values`, except that the attention masks (`*attention_mask`, padded with 0) show the
     first position of a new row. A new row is a padding example: its labels are all ignored (-100 for `labels`), so
     it adds nothing to the loss, to the Trainer's count of label tokens or to the gradients; its one visible token
-    keeps its attention rows from being entirely masked, which gives NaN under sdpa (and 0 × NaN is NaN)."""
+    keeps its attention rows from being entirely masked, which can give NaN under sdpa's kernels (0 × NaN is NaN)."""
     padded = {}
     for name, tensor in batch.items():
         if name not in pad_values:
