@@ -23,6 +23,7 @@ the Trainer adds to every step on the host.
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import sys
@@ -31,7 +32,9 @@ from pathlib import Path
 
 import torch
 
+from vaswani.batching import ShapeBuckets, TokenBatchSampler, pad_to_shape
 from vaswani.inference import keep_freed_cpu_memory
+from vaswani.training import MAX_SHAPE_BUCKETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -67,7 +70,9 @@ ENGINES = ("vaswani", "vaswani-compiled", "marian")
 # inside train_translation.py on a CPU (`results/main-job-recipes.md`; on this benchmark's batches the two are level).
 # Either can follow the others: `vaswani-bf16-eager`, `marian-bf16`.
 # `-graphs` (with `-compiled`): `torch.compile(mode="reduce-overhead")`, whose steps replay as CUDA graphs (one
-# recording per batch shape); CUDA only, skipped elsewhere.
+# recording per batch shape); CUDA only, skipped elsewhere. With `--shape_buckets N` every engine takes the batches
+# that `train_translation.py --shape_buckets N` cuts, and the -graphs engines pad each up to its declared shape as
+# it does (static shapes, one graph and one recording per shape, all made in the warm-up).
 OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
 
 
@@ -97,6 +102,16 @@ def bucket_batches(source_ids, target_ids, batch_tokens: int, seed: int) -> list
     return batches
 
 
+def shape_bucketed_batches(source_ids, target_ids, batch_tokens: int, seed: int,
+                           count: int) -> tuple[list[list[int]], ShapeBuckets]:
+    """The batches of `TokenBatchSampler` with `count` shape buckets over the pairs that fit a batch (as
+    `train_translation.py --shape_buckets` cuts them), shuffled, and the shapes they pad up to."""
+    keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
+    sampler = TokenBatchSampler([max(len(source_ids[i]), len(target_ids[i])) for i in keep], batch_tokens, seed=seed,
+                                shape_buckets=count)
+    return [[keep[j] for j in batch] for batch in sampler], sampler.shape_buckets
+
+
 def model_flops(config, source_lengths: list[int], target_lengths: list[int]) -> float:
     """Training FLOPs of one step (forward + backward = 3 × forward), see the module docstring."""
     d, ff, vocab = config.d_model, config.d_ff, config.vocab_size
@@ -116,7 +131,7 @@ def model_flops(config, source_lengths: list[int], target_lengths: list[int]) ->
 class Trainee:
     """One engine's model, optimizer and its copy of the batches (each model has its own padding id)."""
 
-    def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None):
+    def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None, shape_buckets=None):
         self.name = name
         base, *options = name.split("-")
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
@@ -129,11 +144,18 @@ class Trainee:
             self.model.set_attn_implementation("flex_attention" if "flex" in options else "eager")
         self.parameters = count_parameters(self.model)
         mode = "reduce-overhead" if "graphs" in options else None
-        self.forward = torch.compile(self.model, mode=mode) if "compiled" in options else self.model
+        bucketed = shape_buckets is not None and "graphs" in options
+        # Padded up to a few shapes, static ones: a graph each, rather than one with dynamic sizes.
+        self.forward = (torch.compile(self.model, mode=mode, dynamic=False if bucketed else None)
+                        if "compiled" in options else self.model)
         # The paper's Adam (§5.3); the learning-rate schedule does not change the cost of a step.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
         pad = self.model.config.pad_token_id
         self.batches = [_tensors(sources, targets, pad) for sources, targets in batches]
+        if bucketed:
+            pad_values = {"input_ids": pad, "attention_mask": 0, "labels": -100}
+            self.batches = [pad_to_shape(b, *shape_buckets.shape(max(b["input_ids"].shape[1], b["labels"].shape[1])),
+                                         pad_values) for b in self.batches]
         self.device = device
         self.autocast = (
             torch.autocast(device.device.type, dtype=torch.bfloat16) if device.is_cuda or "bf16" in options
@@ -181,37 +203,55 @@ def run(args: argparse.Namespace, argv) -> Path:
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
-    rows, batch_sentences, padding = [], {}, {}
+    rows, batch_sentences, padding, shapes, warmups = [], {}, {}, {}, {}
     for batch_tokens in budgets:
-        order = bucket_batches(source_ids, target_ids, batch_tokens, args.seed)
-        if len(order) < warmup + steps + 1:
+        buckets, warm = None, []
+        if args.shape_buckets:
+            order, buckets = shape_bucketed_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets)
+            # One batch of each shape, warmed up twice (a shape's CUDA graph is recorded at its second run), on
+            # batches the timing does not use.
+            last = {buckets.shape(max(max(len(source_ids[i]), len(target_ids[i])) for i in b)): b for b in order}
+            warm = [b for b in last.values() for _ in range(2)]
+            order = [b for b in order if not any(b is w for w in last.values())]
+            shapes[batch_tokens] = buckets.shapes
+        else:
+            order = bucket_batches(source_ids, target_ids, batch_tokens, args.seed)
+        warm = (warm + order[1:])[: max(warmup, len(warm))]
+        if len(order) < len(warm) + steps + 1:
             raise ValueError(f"The corpus gives {len(order)} batches of {batch_tokens} tokens; need "
-                             f"{warmup + steps + 1}.")
-        # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches, the same for every
-        # engine.
-        chosen = order[: 1 + warmup + steps]
+                             f"{len(warm) + steps + 1}.")
+        # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches (but a shape's two
+        # warm-ups), the same for every engine.
+        chosen = order[:1] + warm + [b for b in order[1:] if not any(b is w for w in warm)][:steps]
         batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
-        timed_batches = batches[1 + warmup :]
+        timed_batches = batches[1 + len(warm) :]
+        warmups[batch_tokens] = len(warm)
         # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
         print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
-        rows += _measure(args, device, engines, batches, batch_tokens, warmup, len(tokenizer), peak_tflops, started)
+        rows += _measure(args, device, engines, batches, batch_tokens, len(warm), len(tokenizer), peak_tflops,
+                         started, buckets)
         batch_sentences[batch_tokens] = [len(s) for s, _ in timed_batches]
         padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
         real = sum(len(x) for s, t in timed_batches for x in s + t)
         padding[batch_tokens] = round(1 - real / padded, 4)
+        if buckets is not None:  # what the -graphs engines compute: both sides padded up to the batch's shape
+            padded = sum(2 * math.prod(buckets.shape(max(map(len, s + t)))) for s, t in timed_batches)
+            padding[f"{batch_tokens} in shape buckets"] = round(1 - real / padded, 4)
     _add_ratios(rows)
     overhead = trainer_overhead(args, device, tokenizer, source_ids, target_ids) if args.trainer_overhead else []
-    return _report(args, argv, device, rows, overhead, budgets, steps, warmup, peak_tflops, corpus, pairs, tokenizer,
-                   batch_sentences, padding)
+    return _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
+                   batch_sentences, padding, shapes)
 
 
-def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, peak_tflops, started) -> list[dict]:
+def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, peak_tflops, started,
+             shape_buckets=None) -> list[dict]:
     """Every size × engine on these batches: the rows of one batch budget."""
     rows = []
     for size in args.sizes:
         config = vaswani_config(size, vocab_size, **({"dropout": args.dropout} if args.dropout is not None else {}))
-        trainees = [Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend) for name in engines]
+        trainees = [Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend, shape_buckets)
+                    for name in engines]
         memory = {}
         for trainee in trainees:
             # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
@@ -274,25 +314,31 @@ def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, p
     return rows
 
 
-def _report(args, argv, device, rows, overhead, budgets, steps, warmup, peak_tflops, corpus, pairs, tokenizer,
-            batch_sentences, padding) -> Path:
+def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
+            batch_sentences, padding, shapes) -> Path:
     settings = settings_of(
         args,
         batch_tokens=budgets,
         steps=steps,
-        warmup_steps=warmup,
+        warmup_steps=warmups,
         peak_tflops=peak_tflops,
         corpus=str(corpus),
         vocab_size_actual=len(tokenizer),
         batch_sizes_sentences=batch_sentences,
         padding_fraction=padding,
+        **({"shapes_rows_length": shapes} if shapes else {}),
     )
     notes = [
         f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
         f"tokens), bucketed by length into batches of at most {', '.join(map(str, budgets))} padded tokens per "
         f"side, shuffled (seed {args.seed}); at each budget the same {steps} timed batches (sentences per batch and "
         f"padding fraction per budget: settings `batch_sizes_sentences`, `padding_fraction`) for every engine, "
-        f"after {warmup} warm-up step(s).",
+        f"after the warm-up steps of settings `warmup_steps`.",
+        *([f"Shape buckets: the batches `TokenBatchSampler(shape_buckets={args.shape_buckets})` cuts, as "
+           f"`train_translation.py --shape_buckets {args.shape_buckets}` trains on; engines named -graphs pad each "
+           "up to its declared (rows, length) shape (settings `shapes_rows_length`), both sides, compile one static "
+           "graph per shape and record it in the warm-up (each shape twice); the padding is part of their cost "
+           "(tokens/s counts non-padding tokens)."] if args.shape_buckets else []),
         "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, "
         "backward, Adam step (β = 0.9, 0.98, ε = 1e-9, §5.3), zero_grad. Each model computes its own loss from "
         "`labels`: Vaswani with label smoothing 0.1 as in the paper (its backward written out, "
@@ -472,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds_per_setting", type=float, default=None,
                         help="repeat the timed batches until the slowest engine has trained this long at each "
                         "size and budget (a step-rate probe), instead of taking each once")
+    parser.add_argument("--shape_buckets", type=int, default=None,
+                        help=f"cut the batches as train_translation.py --shape_buckets does (at most "
+                        f"{MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--dropout", type=float, default=None,
                         help="residual dropout of both models; default: the preset's (the main job trains with 0)")
@@ -493,7 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> Path:
-    return run(build_parser().parse_args(argv), argv)
+    args = build_parser().parse_args(argv)
+    if args.shape_buckets is not None and not 1 <= args.shape_buckets <= MAX_SHAPE_BUCKETS:
+        raise SystemExit(f"--shape_buckets must be between 1 and {MAX_SHAPE_BUCKETS}.")
+    return run(args, argv)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,12 @@
 #
 # The plan, each stage alone on the GPU (a timed stage shares it with nothing):
 #   1. training     the step-rate probe, bench_training.py: base, bf16, batches of 4,000, 12,000 and 25,000 tokens,
-#                   30 s a setting; Vaswani eager, compiled and compiled with CUDA graphs against Marian on the same
-#                   batches; compilation done in the warm-up steps, before timing; steps/s, tokens/s, MFU
+#                   30 s a setting; Vaswani eager and compiled against Marian on the same batches; compilation done
+#                   in the warm-up steps, before timing; steps/s, tokens/s, MFU
+#      training-graphs  the same probe at 4,000 and 12,000 tokens on the batches of train_translation.py
+#                   --shape_buckets 4: compiled with CUDA graphs (each batch padded up to one of 4 declared shapes, a
+#                   static graph each, compiled and recorded in the warm-up) against compiled and Marian; a stage of
+#                   its own, so that its compilations (one a shape) cannot cost the probe above its results
 #   2. quality      benchmarks/gpu_quality.py: base preset, 300 s of training (torch.compile compiles before the
 #                   budget starts), beam-4 multi-reference BLEU on the test split, whose translations it keeps
 #   3. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
@@ -19,9 +23,10 @@
 #                   (transformers' loop on a GPU), the lean loop, CUDA graphs, the slots (continuous batching,
 #                   replayed as CUDA graphs), Marian with the same weights, each engine in its own process
 #   4. tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
+#                   (training's with shape buckets among them)
 # A stage gets the time left, so a call cut short loses only the stages it did not reach; the plan is longer than one
-# call, so a session runs it in two: `bash benchmarks/gpu_session.sh quality-prepare training`, then `bash
-# benchmarks/gpu_session.sh quality translation-trained tests`.
+# call, so a session runs it in three: `bash benchmarks/gpu_session.sh quality-prepare training`, `bash
+# benchmarks/gpu_session.sh training-graphs quality`, then `bash benchmarks/gpu_session.sh translation-trained tests`.
 # Other stages: fsdp (benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as
 # without), translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
 #
@@ -86,7 +91,8 @@ stage() {
             # -v: each result is in the log as it happens, should a crash end the run; the compiled CUDA graphs
             # (which segfaulted inductor's launcher on the last GPU) run last, alone.
             run "$(at_most 300 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_fast_paths.py \
-                tests/test_modeling.py tests/test_decoding.py -k "not (cuda_graphs and compiled)" -p no:cacheprovider
+                tests/test_modeling.py tests/test_decoding.py tests/test_training.py -k "not (cuda_graphs and compiled)" \
+                -p no:cacheprovider
             local first=$?
             run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_decoding.py \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
@@ -99,12 +105,20 @@ stage() {
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" "${dry[@]}" ;;
         training)
             local size=(--sizes base --batch_tokens 4000,12000,25000 --steps 10 --seconds_per_setting 30
-                        --engines vaswani-compiled-graphs,vaswani-compiled,vaswani,marian)
+                        --engines vaswani-compiled,vaswani,marian)
             [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 256,512 --steps 1 --warmup_steps 1
-                                      --seconds_per_setting 1 --engines vaswani-compiled-graphs,vaswani,marian)
-            # About 6 minutes: at each budget the four engines take turns until Marian, the slowest, has had 30 s.
+                                      --seconds_per_setting 1 --engines vaswani-compiled,vaswani,marian)
+            # About 5 minutes: at each budget the three engines take turns until Marian, the slowest, has had 30 s.
             run "$(at_most 480 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
                 --results_dir "$RESULTS_DIR" "${size[@]}" ;;
+        training-graphs)  # without CUDA (the dry run) the -graphs engine is skipped; the bucketed batches are not
+            local size=(--sizes base --batch_tokens 4000,12000 --steps 10 --seconds_per_setting 30)
+            [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 256,512 --steps 1 --seconds_per_setting 1)
+            # About 7 minutes: 4 static compilations per budget in the warm-up, then 30 s of Marian per budget. With
+            # 4 buckets the batches of 4,000 and 12,000 tokens (padded to 8) compute 31.5% padding, against 31.1% without.
+            run "$(at_most 480 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
+                --results_dir "$RESULTS_DIR" "${size[@]}" --shape_buckets 4 \
+                --engines vaswani-compiled-graphs,vaswani-compiled,marian --output_name "training-graphs-{device}" ;;
         translation-trained)  # the quality run's model, as users translate; random weights if it has none
             # Every engine runs in its own process (--keep_going), so one that crashes costs only its own rows; each
             # row counts the translations identical to the lean loop's.
@@ -152,7 +166,7 @@ stage() {
 status=0
 for name in "${stages[@]}"; do
     if [ "$name" = plan ]; then
-        for planned in quality-prepare training quality translation-trained tests; do
+        for planned in quality-prepare training training-graphs quality translation-trained tests; do
             stage $planned || status=1
         done
     else

@@ -182,6 +182,32 @@ def test_training_benchmark(corpus, tmp_path, monkeypatch):
     assert kept == [None] and any("keep_freed_cpu_memory(None)" in note for note in report["notes"])
 
 
+def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
+    """--shape_buckets: every engine trains on the batches train_translation.py --shape_buckets cuts, each declared
+    shape warmed up twice; a -graphs engine (built here, stepped only on CUDA) pads each batch up to its shape."""
+    from vaswani import VaswaniConfig
+
+    module = load("bench_training")
+    path = module.main(common_args(corpus, tmp_path) + [
+        "--sizes", "tiny", "--batch_tokens", "96", "--steps", "1", "--shape_buckets", "2", "--engines", "vaswani,marian"])
+    report = check_report(path, "bench_training", {"engine", "batch_tokens", "tokens_per_s"})
+    shapes = report["settings"]["shapes_rows_length"]["96"]
+    assert len(shapes) == 2 and all(rows * length <= 96 for rows, length in shapes)
+    assert report["settings"]["warmup_steps"]["96"] == 4
+    sources = [[5] * n for n in (3, 4, 9, 10, 10)]
+    batches, buckets = module.shape_bucketed_batches(sources, sources, 20, seed=0, count=2)
+    assert sorted(i for b in batches for i in b) == list(range(5)) and buckets.lengths == (4, 10)
+    assert buckets.shapes == [(2, 4), (2, 10)]  # [3, 4] padded to 4 columns; [9, 10] and [10] to 2 × 10
+    device = module.pick_device("cpu")
+    as_lists = [([sources[i] for i in b], [sources[i] for i in b]) for b in batches]
+    trainee = module.Trainee("vaswani-compiled-graphs", VaswaniConfig.tiny(vocab_size=64), device, as_lists, seed=0,
+                             lr=1e-4, shape_buckets=buckets)
+    assert {tuple(b[name].shape) for b in trainee.batches for name in b} == set(buckets.shapes)
+    plain = module.Trainee("vaswani-compiled", VaswaniConfig.tiny(vocab_size=64), device, as_lists, seed=0, lr=1e-4,
+                           shape_buckets=buckets)
+    assert [b["input_ids"].shape[1] for b in plain.batches] == [max(map(len, s)) for s, _ in as_lists]
+
+
 def test_scaling_benchmark(corpus, tmp_path):
     path = load("bench_scaling").main(
         common_args(corpus, tmp_path)

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import http.server
 import io
+import itertools
 import json
 import os
 import random
@@ -23,7 +24,14 @@ from tokenizers import normalizers, processors
 
 from vaswani import corpus as vcorpus
 from vaswani import data, tokenization
-from vaswani.batching import TokenBatchSampler, example_lengths, padded_lengths, token_budget_batches
+from vaswani.batching import (
+    TokenBatchSampler,
+    bucket_lengths,
+    example_lengths,
+    pad_to_shape,
+    padded_lengths,
+    token_budget_batches,
+)
 from vaswani.corpus import ReadSummary, download_corpus, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import group_references, load_translation_dataset, split_by_source, split_of
 from vaswani.tokenization import tokenize_translation_dataset
@@ -593,6 +601,59 @@ def test_a_budget_counts_the_padding_to_a_multiple(replicas):
     assert list(padded_lengths([1, 8, 9, 16], 8)) == [8, 8, 16, 16] and list(padded_lengths([3, 9], None)) == [3, 9]
     for batch in token_budget_batches(lengths, max_tokens=256, pad_to_multiple_of=8):
         assert len(batch) * -(-max(lengths[i] for i in batch) // 8) * 8 <= 256
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_shape_buckets_declare_a_few_shapes_within_the_budget(replicas):
+    """With shape buckets every batch fits one of at most N declared (rows, length) shapes, and padded up to it
+    (rows and length) still holds at most the budget's tokens; every example is in one batch, once."""
+    lengths = random_lengths()
+    sampler = TokenBatchSampler(lengths, max_tokens=256, seed=1, num_replicas=replicas, pad_to_multiple_of=8,
+                                shape_buckets=4)
+    buckets = sampler.shape_buckets
+    assert len(buckets.shapes) == 4 and list(buckets.lengths) == sorted(buckets.lengths)
+    assert all(length % 8 == 0 for length in buckets.lengths) and buckets.lengths[-1] == 64  # 60, padded to 8
+    batches = list(sampler)
+    assert len(batches) % replicas == 0
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    shapes = [buckets.shape(max(lengths[i] for i in b)) for b in batches]
+    assert set(shapes) == set(buckets.shapes)
+    assert all(len(b) <= rows and rows * length <= 256 for b, (rows, length) in zip(batches, shapes))
+    assert TokenBatchSampler(lengths, max_tokens=256).shape_buckets is None
+
+
+def test_bucket_lengths_pad_an_epoch_least():
+    """The chosen lengths are those of fewest padded tokens among every choice of as many (found by trying all)."""
+    rng = random.Random(4)
+    lengths = [rng.choice([3, 5, 6, 9, 12, 17, 20, 21, 30]) for _ in range(300)]
+
+    def padded(buckets):
+        return int(padded_lengths(lengths, None, buckets).sum())
+
+    distinct = sorted(set(lengths))
+    for count in (1, 2, 3, 4):
+        chosen = bucket_lengths(lengths, count)
+        best = min(padded([*others, 30]) for others in itertools.combinations(distinct[:-1], count - 1))
+        assert len(chosen) == count and chosen[-1] == 30 and padded(chosen) == best
+    assert list(bucket_lengths(lengths, 20)) == distinct  # no more buckets than lengths
+    assert list(bucket_lengths([7, 9, 10], 2, pad_to_multiple_of=8)) == [8, 16]
+    assert bucket_lengths([], 3).size == 0
+    with pytest.raises(ValueError, match="longer than the longest bucket"):
+        padded_lengths([5, 40], None, [8, 16])
+
+
+def test_padding_a_batch_to_its_shape_adds_examples_the_loss_ignores():
+    batch = {"input_ids": torch.tensor([[5, 6, 2], [7, 2, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+             "labels": torch.tensor([[8, 2], [9, -100]])}
+    padded = pad_to_shape(batch, 4, 5, {"input_ids": 0, "attention_mask": 0, "labels": -100})
+    assert padded["input_ids"].tolist() == [[5, 6, 2, 0, 0], [7, 2, 0, 0, 0], [0] * 5, [0] * 5]
+    # A padding row sees one token, so that no attention row is entirely masked.
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    assert padded["labels"].tolist() == [[8, 2, -100, -100, -100], [9, -100, -100, -100, -100], [-100] * 5, [-100] * 5]
+    with pytest.raises(ValueError, match="No padding value for the batch's 'labels'"):
+        pad_to_shape(batch, 4, 5, {"input_ids": 0, "attention_mask": 0})
+    with pytest.raises(ValueError, match=r"does not fit \(1, 5\)"):
+        pad_to_shape(batch, 1, 5, {"input_ids": 0, "attention_mask": 0, "labels": -100})
 
 
 def test_an_example_longer_than_the_budget_once_padded_is_refused():

@@ -23,6 +23,7 @@ import vaswani.training
 from conftest import free_port, script_main
 
 REPO = Path(__file__).resolve().parents[1]
+VaswaniSeq2SeqTrainer = vaswani.training.VaswaniSeq2SeqTrainer  # as imported, whatever a test patches
 SCRIPTS = REPO / "scripts"
 
 NUMBERS = [("one", "un"), ("two", "deux"), ("three", "trois"), ("four", "quatre"), ("five", "cinq")]
@@ -491,6 +492,19 @@ def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
     loader = trainer.get_train_dataloader()
     assert loader.persistent_workers
     assert [batch["input_ids"].tolist() for batch in loader] == [batch["input_ids"].tolist() for batch in batches]
+    # Padded up to declared shapes, rows included, the batches stay within the budget too (padded to multiples of 2
+    # here: multiples of 8 leave these sentences a single length).
+    args.dataloader_num_workers = 0
+    trainer = training.VaswaniSeq2SeqTrainer(
+        model=model, args=args, train_dataset=features, processing_class=tokenizer, shape_buckets=3,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=2), max_tokens_per_batch=100)
+    batches = list(trainer.get_train_dataloader())
+    declared = set(trainer.batch_sampler.shape_buckets.shapes)
+    assert len(declared) == 3 and all(length % 2 == 0 for _, length in declared)
+    assert {tuple(batch[name].shape) for batch in batches for name in batch} == declared
+    assert max(rows * length for rows, length in declared) <= 100
+    examples = [batch["labels"][(batch["labels"] != -100).any(dim=1)] for batch in batches]
+    assert sum(len(rows) for rows in examples) == len(features)
 
 
 # Ops that hand a tensor's value to the host: on an accelerator each makes the host wait for the device.
@@ -618,3 +632,104 @@ def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path,
     unwarmed = train(tmp_path / "cold")
     assert graphs["begin"] == 0 and graphs["end"] == 2
     torch.testing.assert_close(losses, unwarmed, rtol=1e-5, atol=1e-6)
+
+
+class ShapesSeen(TrainerCallback):
+    """The (input_ids, labels) shapes of the batches trained on, and Dynamo's graphs at the start and end."""
+
+    def __init__(self):
+        self.shapes, self.graphs, self.padding_rows = set(), {}, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch._dynamo.utils import counters
+
+        self.graphs["begin"] = counters["stats"]["unique_graphs"]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from torch._dynamo.utils import counters
+
+        self.graphs["end"], self.graphs["breaks"] = counters["stats"]["unique_graphs"], sum(
+            counters["graph_break"].values())
+
+
+def bucketed_run(monkeypatch, corpus, output_dir, *extra):
+    """train_translation.py with shape buckets: the trainer, and the `ShapesSeen` of its training steps."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    seen, trainers = ShapesSeen(), []
+
+    class Trainer(VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(seen)
+            trainers.append(self)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.training_started is not None:  # not the warm-up's
+                seen.shapes.add((tuple(inputs["input_ids"].shape), tuple(inputs["labels"].shape)))
+                seen.padding_rows += int((inputs["labels"] == -100).all(dim=1).sum())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    torch._dynamo.reset()
+    counters.clear()
+    script_main("train_translation")(train_args(
+        corpus, output_dir, "--max_test_samples", "2", "--generation_num_beams", "1", "--max_tokens_per_batch", "150",
+        "--shape_buckets", "3", "--max_train_time", "600", "--config_overrides", "dropout=0", *extra))
+    return trainers[-1], seen
+
+
+def logged(trainer, name):
+    return [entry[name] for entry in trainer.state.log_history if name in entry]
+
+
+def test_shape_buckets_train_as_the_batches_unpadded_do(tmp_path, monkeypatch):
+    """Batches padded up to their shape bucket (columns, and rows the loss ignores) give the losses and gradient
+    norms of the same batches unpadded, step by step (fp32, no dropout: padding draws other dropout masks)."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    steps = ("--max_steps", "8", "--logging_steps", "1", "--use_cpu")
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "bucketed", *steps)
+    declared = set(trainer.batch_sampler.shape_buckets.shapes)
+    assert {inputs for inputs, labels in seen.shapes} <= declared and all(a == b for a, b in seen.shapes)
+    assert seen.padding_rows > 0  # rows of ignored labels were there, and left the loss as it was
+    losses, norms = logged(trainer, "loss"), logged(trainer, "grad_norm")
+    assert len(losses) == len(norms) == 8
+
+    monkeypatch.setattr(vaswani.training.ShapePaddedCollator, "__call__", lambda self, features: self.collator(features))
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "unpadded", *steps)
+    assert not {inputs for inputs, labels in seen.shapes} <= declared  # the same batches, at their own widths
+    torch.testing.assert_close(logged(trainer, "loss"), losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(trainer, "grad_norm"), norms, rtol=1e-4, atol=1e-6)
+
+
+def test_shape_buckets_compile_one_graph_per_shape_before_the_clock(tmp_path, monkeypatch):
+    """--torch_compile with shape buckets over batches of many lengths: every batch trained on takes a declared
+    shape, and Dynamo builds one static graph per shape before the clock starts, none while training, no break."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "30", "--use_cpu",
+                                 "--torch_compile", "--torch_compile_backend", "eager", "--logging_steps", "10")
+    declared = trainer.batch_sampler.shape_buckets.shapes
+    assert len(declared) == 3
+    assert {inputs for inputs, labels in seen.shapes} == set(declared) and all(a == b for a, b in seen.shapes)
+    assert seen.graphs == {"begin": 3, "end": 3, "breaks": 0}
+    assert trainer.compile_seconds > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shape_buckets_as_cuda_graphs_train_as_eager_does(tmp_path, monkeypatch):
+    """On CUDA, --torch_compile_mode reduce-overhead with shape buckets (each shape's step recorded as a CUDA graph
+    before the clock, replayed while training) gives the losses of the uncompiled step on the same batches."""
+    from torch._dynamo.utils import counters
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    steps = ("--max_steps", "12", "--logging_steps", "1", "--dataloader_pin_memory", "true")
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "graphs", *steps, "--torch_compile",
+                                 "--torch_compile_mode", "reduce-overhead")
+    assert trainer.args.device.type == "cuda"
+    assert seen.graphs["begin"] == seen.graphs["end"] == len(trainer.batch_sampler.shape_buckets.shapes)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    graphed = logged(trainer, "loss")
+    trainer, _ = bucketed_run(monkeypatch, corpus, tmp_path / "eager", *steps)
+    torch.testing.assert_close(graphed, logged(trainer, "loss"), rtol=1e-3, atol=1e-4)

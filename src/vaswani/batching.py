@@ -1,11 +1,15 @@
 """Token-budget batches: examples of similar length, at most a given number of tokens (padding included) per
-batch. For training (`TokenBatchSampler`), in a shuffled order that every process and every resumed run shares;
-for translation (`token_budget_batches`), longest first."""
+batch. For training (`TokenBatchSampler`), in a shuffled order that every process and every resumed run shares,
+optionally padded up to a few declared shapes (`ShapeBuckets`, `pad_to_shape`); for translation
+(`token_budget_batches`), longest first."""
 
-from collections.abc import Iterator, Sequence
+from bisect import bisect_left
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.compute as pc
+import torch
 from datasets import Dataset
 from torch.utils.data import Sampler
 
@@ -19,15 +23,88 @@ def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16) -> np.ndarray
     return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
 
 
-def padded_lengths(lengths: Sequence[int], pad_to_multiple_of: int | None = None) -> np.ndarray:
+def padded_lengths(lengths: Sequence[int], pad_to_multiple_of: int | None = None,
+                   buckets: Sequence[int] | None = None) -> np.ndarray:
     """The length each example takes in a padded batch whose longest example it is: its own, rounded up to a
     multiple of `pad_to_multiple_of` where the collator pads so (as `DataCollatorForSeq2Seq` and tokenizers'
-    `pad` do). A batch of n examples computes n times the largest of these on each side: the one rule by which
-    every token budget here is counted, so that a budget bounds what the device computes."""
+    `pad` do), then, with `buckets` (ascending lengths, `bucket_lengths`), up to the smallest of them that holds it.
+    A batch of n examples computes n times the largest of these on each side: the one rule by which every token
+    budget here is counted, so that a budget bounds what the device computes."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if pad_to_multiple_of and pad_to_multiple_of > 1:
         lengths = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
+    if buckets is not None and len(buckets):
+        buckets = np.asarray(buckets, dtype=np.int64)
+        index = np.searchsorted(buckets, lengths)
+        if lengths.size and index.max() == len(buckets):
+            raise ValueError(f"An example of {lengths.max()} tokens is longer than the longest bucket, {buckets[-1]}.")
+        lengths = buckets[index]
     return lengths
+
+
+def bucket_lengths(lengths: Sequence[int], count: int, pad_to_multiple_of: int | None = None) -> np.ndarray:
+    """At most `count` lengths, ascending, to pad examples up to (`padded_lengths`), chosen so that an epoch's padded
+    tokens are fewest: each example takes the smallest one that holds it, so the longest is the longest example's.
+    An exact dynamic programme over the distinct padded lengths (a few hundred at most): the fewest padded tokens
+    of the examples up to each length with j buckets, the last one at that length."""
+    values, counts = np.unique(padded_lengths(lengths, pad_to_multiple_of), return_counts=True)
+    below = np.concatenate([[0], np.cumsum(counts)]).astype(np.float64)  # below[i]: examples shorter than values[i]
+    cost = values * below[1:]  # with one bucket: every example up to values[i] padded to it
+    choices = []
+    # Exactly min(count, distinct lengths) buckets: splitting a bucket never adds padding.
+    for _ in range(1, min(count, len(values))):
+        # joined[p, i]: the previous bucket at values[p], the next at values[i] (p < i; otherwise impossible).
+        joined = cost[:, None] + values[None, :] * (below[None, 1:] - below[1:, None])
+        joined[np.tril_indices(len(values))] = np.inf
+        choices.append(joined.argmin(axis=0))
+        cost = joined.min(axis=0)
+    chosen = [len(values) - 1] if values.size else []
+    for previous in reversed(choices):
+        chosen.append(int(previous[chosen[-1]]))
+    return values[sorted(chosen)]
+
+
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """The declared (rows, length) shapes every training batch is padded up to: a batch whose longest example takes
+    `length` tokens (after the collator's padding, on the longer side) takes the shape of the smallest bucket length
+    that holds it, with that bucket's rows, on both sides. A compiled step then has one static graph per shape, which
+    can all be compiled (and recorded as CUDA graphs) before training, at the cost of the padding."""
+
+    lengths: tuple[int, ...]  # ascending
+    rows: tuple[int, ...]  # the rows of the bucket of each length
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        return list(zip(self.rows, self.lengths))
+
+    def shape(self, length: int) -> tuple[int, int]:
+        """(rows, length) of the bucket of a batch whose longer side is `length` tokens wide."""
+        index = bisect_left(self.lengths, length)
+        if index == len(self.lengths):
+            raise ValueError(f"A batch {length} tokens wide is wider than the widest shape bucket, {self.lengths[-1]}.")
+        return self.rows[index], self.lengths[index]
+
+
+def pad_to_shape(batch: Mapping[str, torch.Tensor], rows: int, length: int,
+                 pad_values: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """A collated batch of (rows, length) tensors padded up to `rows` × `length`: new columns and rows with each
+    tensor's value in `pad_values`, except that the attention masks (`*attention_mask`, padded with 0) show the
+    first position of a new row. A new row is a padding example: its labels are all ignored (-100 for `labels`), so
+    it adds nothing to the loss, to the Trainer's count of label tokens or to the gradients; its one visible token
+    keeps its attention rows from being entirely masked, which can give NaN under sdpa's kernels (0 × NaN is NaN)."""
+    padded = {}
+    for name, tensor in batch.items():
+        if name not in pad_values:
+            raise ValueError(f"No padding value for the batch's {name!r}; pass one in pad_values.")
+        if tensor.dim() != 2 or tensor.shape[0] > rows or tensor.shape[1] > length:
+            raise ValueError(f"The batch's {name!r} of shape {tuple(tensor.shape)} does not fit ({rows}, {length}).")
+        full = tensor.new_full((rows, length), pad_values[name])
+        full[: tensor.shape[0], : tensor.shape[1]] = tensor
+        if name.endswith("attention_mask"):
+            full[tensor.shape[0]:, 0] = 1
+        padded[name] = full
+    return padded
 
 
 def token_budget_batches(lengths: Sequence[int], max_tokens: int | None, max_sentences: int | None = None,
@@ -69,23 +146,35 @@ class TokenBatchSampler(Sampler[list[int]]):
     sharding does), the count of batches is made a multiple of `num_replicas` by halving the largest batches:
     otherwise the sharding would repeat batches from the start to even out the processes, and the epoch would
     hold some examples twice.
+
+    With `shape_buckets` (a count), examples are padded up to that many lengths (`bucket_lengths`) and batches cut by
+    those: every batch of a bucket length has at most as many rows as its largest, which the budget bounds, and
+    `shape_buckets` becomes the `ShapeBuckets` the batches are padded up to (`pad_to_shape`); otherwise it is None.
     """
 
     def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int = 1, pad_to_multiple_of: int | None = None):
+                 num_replicas: int = 1, pad_to_multiple_of: int | None = None, shape_buckets: int | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        padded = padded_lengths(self.lengths, pad_to_multiple_of)
+        buckets = bucket_lengths(self.lengths, shape_buckets, pad_to_multiple_of) if shape_buckets else None
+        padded = padded_lengths(self.lengths, pad_to_multiple_of, buckets)
         too_long = np.flatnonzero(padded > max_tokens)
         if too_long.size:
             raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {padded[too_long[0]]} tokens "
                              f"padded) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
         # Batch boundaries depend only on the sorted lengths, which ties do not change: they are fixed. Padded
         # lengths sort as the lengths do, so the cut by padded lengths applies to the order by lengths.
-        self._starts = _even_out(_greedy_starts(np.sort(padded), max_tokens), len(self.lengths), num_replicas)
+        padded = np.sort(padded)
+        self._starts = _even_out(_greedy_starts(padded, max_tokens), len(self.lengths), num_replicas)
+        self.shape_buckets = None
+        if buckets is not None and len(padded):
+            # A batch's length is its last (longest) example's; its bucket's rows, the most any batch of it has.
+            widths, sizes = padded[np.append(self._starts[1:], len(padded)) - 1], np.diff([*self._starts, len(padded)])
+            rows = {int(width): int(sizes[widths == width].max()) for width in np.unique(widths)}
+            self.shape_buckets = ShapeBuckets(tuple(rows), tuple(rows.values()))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
 from . import data as vdata
-from .batching import TokenBatchSampler, example_lengths
+from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
 from .checkpoints import check_weights, checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
 from .corpus import CORPUS_ENV_VAR
@@ -134,6 +134,10 @@ class DataArguments:
                 raise ValueError(f"--{name} must be a positive number, got {value}.")
 
 
+# torch.compile's default `recompile_limit`: the graphs it keeps of one function, beyond which it runs it uncompiled.
+MAX_SHAPE_BUCKETS = 8
+
+
 @dataclass
 class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
     max_train_time: float | None = field(
@@ -143,6 +147,17 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
         default=None,
         metadata={"help": "Length-bucketed batches of at most this many (padded) tokens per device, as in §5.1 of "
                           "the paper (about 25,000 source + 25,000 target tokens per batch there)."},
+    )
+    shape_buckets: int | None = field(
+        default=None,
+        metadata={"help": "With --max_tokens_per_batch: every training batch padded up to one of at most this many "
+                          "(rows, length) shapes, chosen from the data before training (both sides padded to the "
+                          "shape's length, rows filled with examples the loss ignores), so that a compiled step has "
+                          "that many static graphs, all compiled before the clock starts; under --torch_compile_mode "
+                          "reduce-overhead on CUDA each is recorded once as a CUDA graph and replayed. The padding "
+                          "costs work: off by default (the GPU step-rate probe's result, "
+                          "benchmarks/results/training-graphs-cuda-*.md, says whether it pays). At most "
+                          f"{MAX_SHAPE_BUCKETS}."},
     )
     paper_recipe: bool = field(
         default=False,
@@ -203,10 +218,18 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError("--fsdp: transformers' Trainer shards with FSDP only on GPUs (and other accelerators); "
                              "on CPUs it would train with DDP instead. Drop --fsdp to train with DDP over gloo "
                              "(torchrun ... --ddp_backend gloo), or run on GPUs.")
-        for name in ("max_train_time", "max_tokens_per_batch", "save_interval_seconds", "average_last_checkpoints"):
+        for name in ("max_train_time", "max_tokens_per_batch", "shape_buckets", "save_interval_seconds",
+                     "average_last_checkpoints"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}.")
+        if self.shape_buckets is not None:
+            if not self.max_tokens_per_batch:
+                raise ValueError("--shape_buckets pads token-budget batches; it needs --max_tokens_per_batch.")
+            if self.shape_buckets > MAX_SHAPE_BUCKETS:
+                raise ValueError(f"--shape_buckets {self.shape_buckets}: torch.compile keeps at most "
+                                 f"{MAX_SHAPE_BUCKETS} graphs of a step and runs any further shape uncompiled; give "
+                                 f"at most {MAX_SHAPE_BUCKETS}.")
         if self.average_last_checkpoints:
             if self.save_strategy == "no" and not self.save_interval_seconds:
                 raise ValueError("--average_last_checkpoints averages checkpoints; write some with "
@@ -416,10 +439,25 @@ class TimeBudgetProgressCallback(ProgressCallback):
             self.training_bar.update(elapsed - self.training_bar.n)
 
 
-class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
-    """Seq2SeqTrainer with three additions:
+class ShapePaddedCollator:
+    """A data collator whose batches are padded up to their declared shape (`batching.ShapeBuckets`, by the width
+    of their longer side, `batching.pad_to_shape`), with `pad_values` per input. A class rather than a closure, so
+    that loader workers can be handed it."""
 
-    * token-budget batches (`max_tokens_per_batch`);
+    def __init__(self, collator, buckets: ShapeBuckets, pad_values: dict[str, int]):
+        self.collator, self.buckets, self.pad_values = collator, buckets, pad_values
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.collator(features)
+        width = max(tensor.shape[1] for tensor in batch.values())
+        return pad_to_shape(batch, *self.buckets.shape(width), self.pad_values)
+
+
+class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
+    """Seq2SeqTrainer with these additions:
+
+    * token-budget batches (`max_tokens_per_batch`), optionally padded up to a few declared shapes
+      (`shape_buckets`, a count: `TokenBatchSampler`, `ShapePaddedCollator`);
     * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
       step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
@@ -430,10 +468,18 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       (`elapsed_seconds`).
     """
 
-    def __init__(self, *args, max_tokens_per_batch: int | None = None, time_budget: TimeBudgetCallback | None = None,
-                 **kwargs):
+    def __init__(self, *args, max_tokens_per_batch: int | None = None, shape_buckets: int | None = None,
+                 time_budget: TimeBudgetCallback | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        if shape_buckets and not max_tokens_per_batch:
+            raise ValueError("shape_buckets pads token-budget batches; it needs max_tokens_per_batch.")
         self.max_tokens_per_batch = max_tokens_per_batch
+        self.shape_buckets = shape_buckets
+        if shape_buckets and self.args.torch_compile:
+            # One static graph per declared shape. With automatic dynamic shapes the second shape would bring a
+            # graph with dynamic sizes instead, which serves the rest with kernels made for no size in particular.
+            self.accelerator.state.dynamo_plugin.dynamic = False
+        self._train_collate = self.data_collator
         self.time_budget = time_budget
         self.time_budget_schedule = None
         self._first_bad_step = None
@@ -456,11 +502,17 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         pad_to = getattr(self.data_collator, "pad_to_multiple_of", None)
         self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch, shuffle=True,
                                                seed=self.args.seed, num_replicas=self.args.world_size,
-                                               pad_to_multiple_of=pad_to)
+                                               pad_to_multiple_of=pad_to, shape_buckets=self.shape_buckets)
+        self._train_collate = self.data_collator
+        if self.batch_sampler.shape_buckets is not None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None) or self.processing_class
+            self._train_collate = ShapePaddedCollator(self.data_collator, self.batch_sampler.shape_buckets, {
+                "input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100,  # the loss ignores -100
+                "decoder_input_ids": self.model.config.pad_token_id, "decoder_attention_mask": 0})
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
-            collate_fn=self.data_collator,
+            collate_fn=self._train_collate,
             num_workers=self.args.dataloader_num_workers,
             # Workers kept from one epoch to the next rather than started again (the batches' order is decided in
             # this process, by the sampler, so they need nothing new per epoch).
@@ -493,13 +545,22 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         return loss
 
     def warm_up_batches(self) -> list[list[int]]:
-        """The batches whose shapes the compiled step is first made for: the one with the most rows, the longest,
-        the shortest, and one of a single row if there is one (a size of 1 is a shape torch.compile specializes
-        for). Taken from the token-budget sampler's batches, the same on every process."""
+        """The batches whose shapes the compiled step is first made for: with shape buckets, the largest batch of
+        each (padded up to its shape, it stands for all); otherwise the one with the most rows, the longest, the
+        shortest, and one of a single row if there is one (a size of 1 is a shape torch.compile specializes for).
+        Taken from the token-budget sampler's batches, the same on every process."""
         sampler = getattr(self, "batch_sampler", None)
         if not isinstance(sampler, TokenBatchSampler) or self._train_features is None:
             return []
         batches = sampler.batches_by_length()
+        if sampler.shape_buckets is not None:
+            largest = {}
+            for batch in batches:  # shortest first: a batch's bucket is that of its last example
+                width = int(sampler.lengths[batch[-1]])
+                key = sampler.shape_buckets.shape(width)
+                if len(batch) > len(largest.get(key, ())):
+                    largest[key] = batch
+            return list(largest.values())
         longest = [int(sampler.lengths[batch].max()) for batch in batches]
         chosen = [max(range(len(batches)), key=lambda i: len(batches[i])), int(np.argmax(longest)),
                   int(np.argmin(longest))]
@@ -509,13 +570,15 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     def compile_before_the_clock(self) -> None:
         """Under `--torch_compile`, run the training step's forward and backward on `warm_up_batches` before the
         time budget's clock starts, so that torch.compile builds its graphs then rather than in the first timed
-        steps (on a GPU a whole forward and backward compile takes tens of seconds). The batches' sizes are marked
-        dynamic first, so that one graph serves every later shape instead of a static graph followed by a dynamic
-        one. The gradients are dropped and the random state restored: training then starts as it would have.
+        steps (on a GPU a whole forward and backward compile takes tens of seconds). Without shape buckets the
+        batches' sizes are marked dynamic first, so that one graph serves every later shape instead of a static
+        graph followed by a dynamic one; with them, each declared shape gets its static graph. The gradients are
+        dropped and the random state restored: training then starts as it would have.
 
-        The Trainer's `--torch_compile_mode reduce-overhead` replays the compiled step as CUDA graphs (one recording
-        per batch shape). It stays off by default until the GPU step-rate probe (`bench_training.py`, engine
-        `vaswani-compiled-graphs`, in benchmarks/results/training-cuda-*.md) measures it faster."""
+        The Trainer's `--torch_compile_mode reduce-overhead` replays the compiled step as CUDA graphs, one recording
+        per batch shape: with `--shape_buckets` each shape's is recorded here too (its second run; the first warms
+        up). Both stay off by default until the GPU step-rate probe (`bench_training.py --shape_buckets`, engine
+        `vaswani-compiled-graphs`, in benchmarks/results/training-graphs-cuda-*.md) measures them faster."""
         if not self.args.torch_compile:
             return
         batches = self.warm_up_batches()
@@ -523,24 +586,28 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             logger.warning("--torch_compile without --max_tokens_per_batch: the step compiles within the first "
                            "timed steps.")
             return
+        bucketed = self.batch_sampler.shape_buckets is not None
+        graphed = bucketed and self.args.device.type == "cuda" and self.args.torch_compile_mode == "reduce-overhead"
         start = time.monotonic()
         model = self.model_wrapped
         devices = [self.args.device] if self.args.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
             for indices in batches:
-                collated = self.data_collator([self._train_features[i] for i in indices])
+                collated = self._train_collate([self._train_features[i] for i in indices])
                 # On the device already, where the marks stay (a copy made later would not carry them).
                 batch = {name: tensor.to(self.args.device) for name, tensor in collated.items()}
-                for tensor in batch.values():
+                for tensor in batch.values() if not bucketed else ():
                     for dim in range(min(tensor.dim(), 2)):
                         torch._dynamo.maybe_mark_dynamic(tensor, dim)
-                samples, items = self.get_batch_samples(iter([batch]), 1, self.args.device)
-                self.training_step(model, samples[0], items)
-                model.zero_grad()
+                for _ in range(2 if graphed else 1):
+                    samples, items = self.get_batch_samples(iter([batch]), 1, self.args.device)
+                    self.training_step(model, samples[0], items)
+                    model.zero_grad()
         self._first_bad_step = None  # a warm-up step is no training step
         self.compile_seconds = time.monotonic() - start
-        logger.info("Compiled the training step on %d batch shapes in %.1f s, before training started.",
-                    len(batches), self.compile_seconds)
+        logger.info("Compiled the training step on %d batch shapes%s in %.1f s, before training started.",
+                    len(batches), " (shape buckets)" if bucketed else "", self.compile_seconds)
+
 
     def floating_point_ops(self, inputs: dict) -> int:
         """The Trainer's estimate (6 × tokens × non-embedding parameters), with the parameters counted once: the
@@ -755,6 +822,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         compute_metrics=build_compute_metrics(tokenizer, references) if args.predict_with_generate else None,
         callbacks=callbacks,
         max_tokens_per_batch=args.max_tokens_per_batch,
+        shape_buckets=args.shape_buckets,
         time_budget=time_budget,
     )
     if args.max_train_time and trainer.pop_callback(ProgressCallback) is not None:  # None: no bar (--disable_tqdm)
