@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging import version
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 
@@ -570,7 +572,12 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
         "--use_cpu", "--bf16", "--attn_implementation", "eager", "--max_tokens_per_batch", "200",
         "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100"))
     assert counter.mode is not None and not counter.mode.in_step
-    assert dict(counter.mode.reads) == {} and dict(counter.mode.lifted) == {}
+    lifted = dict(counter.mode.lifted)
+    if version.parse(transformers.__version__) < version.parse("5.21"):
+        # Before 5.21, transformers' eager attention mask (masking_utils.eager_mask) makes its zero from a host
+        # scalar, once per mask; 5.21 makes it on the device. Upstream's copy, not the package's: only that one.
+        lifted = {where: count for where, count in lifted.items() if "masking_utils.py" not in where}
+    assert dict(counter.mode.reads) == {} and lifted == {}
     assert not trainers[0].args.logging_nan_inf_filter
     # The batches are copied without waiting where they come from pinned memory (on CUDA).
     arguments = vaswani.training.VaswaniTrainingArguments

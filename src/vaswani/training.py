@@ -6,6 +6,7 @@ Arguments follow transformers' `run_translation.py`: a `ModelArguments`, a `Data
 works unchanged, and `accelerate launch` / `torchrun` run the same script with DDP (or FSDP2 on GPUs, with `--fsdp`).
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -475,10 +476,6 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             raise ValueError("shape_buckets pads token-budget batches; it needs max_tokens_per_batch.")
         self.max_tokens_per_batch = max_tokens_per_batch
         self.shape_buckets = shape_buckets
-        if shape_buckets and self.args.torch_compile:
-            # One static graph per declared shape. With automatic dynamic shapes the second shape would bring a
-            # graph with dynamic sizes instead, which serves the rest with kernels made for no size in particular.
-            self.accelerator.state.dynamo_plugin.dynamic = False
         self._train_collate = self.data_collator
         self.time_budget = time_budget
         self.time_budget_schedule = None
@@ -591,7 +588,11 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         start = time.monotonic()
         model = self.model_wrapped
         devices = [self.args.device] if self.args.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+        # With buckets, one static graph per declared shape: under automatic dynamic shapes the second shape would
+        # bring a graph with dynamic sizes instead, made for no size in particular. Every declared shape is compiled
+        # here, so training then finds its graph without compiling.
+        static = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if bucketed else contextlib.nullcontext()
+        with static, torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
             for indices in batches:
                 collated = self._train_collate([self._train_features[i] for i in indices])
                 # On the device already, where the marks stay (a copy made later would not carry them).
@@ -607,7 +608,6 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self.compile_seconds = time.monotonic() - start
         logger.info("Compiled the training step on %d batch shapes%s in %.1f s, before training started.",
                     len(batches), " (shape buckets)" if bucketed else "", self.compile_seconds)
-
 
     def floating_point_ops(self, inputs: dict) -> int:
         """The Trainer's estimate (6 × tokens × non-embedding parameters), with the parameters counted once: the
