@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# Install what the package needs into the active Python: PyTorch if none is installed yet (the CPU build where this
-# machine keeps one, else the registry's), then the package with its test extras, the rest resolving as a user's
-# `pip install` does (the newest versions pyproject.toml allows). PIP_CONSTRAINT=.ci/oldest.txt installs the oldest
-# supported set instead. Idempotent: fast when already installed.
+# Install the package with its test extras into the active Python, every dependency (PyTorch included) resolving as
+# a user's `pip install` resolves it: the newest versions pyproject.toml allows, from the indexes this machine's pip
+# is configured with (a CPU build of PyTorch where that is what they offer as newest). pyproject.toml is the one
+# place versions are decided. PIP_CONSTRAINT=.ci/oldest.txt installs the oldest supported set instead. Idempotent:
+# fast when already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pip=(python3 -m pip install --quiet --disable-pip-version-check)
-if ! python3 -c "import torch" 2>/dev/null; then
-  "${pip[@]}" "torch==2.13.0" 2>/dev/null || "${pip[@]}" "torch>=2.13,<2.16"
-fi
-"${pip[@]}" -e ".[test]"
+python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
