@@ -12,7 +12,7 @@ that lists what was averaged). Checkpoints of different shapes, configs or token
 
 import argparse
 
-from vaswani.checkpoints import average_checkpoints
+from vaswani.averaging import average_checkpoints
 from vaswani.cli import user_errors_exit
 
 

@@ -14,7 +14,8 @@ from transformers import AutoModelForSeq2SeqLM
 from conftest import (WITHOUT_THE_PACKAGE, fails_with_one_line, other_names, padded_batch, random_ids,
                       run_without_the_package, script_main, snapshot, tiny_config)
 from vaswani import VaswaniForConditionalGeneration
-from vaswani.checkpoints import average_checkpoints, average_state_dicts, last_checkpoints, load_average
+from vaswani.averaging import average_checkpoints
+from vaswani.checkpoints import average_state_dicts, last_checkpoints, load_average
 from vaswani.training import check_resumed_weights
 from vaswani.tokenization_vaswani import train_tokenizer
 

@@ -1,6 +1,7 @@
 """Versions are decided in pyproject.toml alone: the install scripts take what a user's `pip install` resolves, and
 the oldest supported set that CI tests is exactly the lower bounds pyproject.toml declares."""
 
+import ast
 import importlib.metadata
 import re
 from pathlib import Path
@@ -41,3 +42,38 @@ def test_no_install_script_pins_a_version_of_its_own():
     for script in INSTALL_SCRIPTS:
         for number, line in enumerate((ROOT / script).read_text().splitlines(), 1):
             assert not pinned.search(line), f"{script}:{number} decides a version outside pyproject.toml: {line}"
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module → the package's modules it imports, at its top or inside a function (`from .x import y`, `from . import
+    x`)."""
+    package = ROOT / "src" / "vaswani"
+    modules = {path.stem for path in package.glob("*.py")}
+    graph = {}
+    for path in package.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                imported |= {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
+        graph[path.stem] = imported & modules - {path.stem}
+    return graph
+
+
+def test_the_package_imports_downward_with_no_cycle_even_inside_functions():
+    graph = package_imports()
+    finished, path = set(), []
+
+    def visit(module):
+        if module in path:
+            cycle = path[path.index(module):] + [module]
+            raise AssertionError("import cycle: " + " → ".join(cycle))
+        if module in finished:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        finished.add(module)
+
+    for module in sorted(graph):
+        visit(module)

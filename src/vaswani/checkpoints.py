@@ -1,8 +1,8 @@
-"""Checkpoint directories: which are complete, which may be written over, and checkpoint averaging.
+"""Checkpoint directories: which are complete, which may be written over, and the average of their weights.
 
 §6.1 of the paper reports single models "obtained by averaging the last 5 checkpoints, which were written at
 10-minute intervals" (the last 20 for the big models); fairseq ships the same step as `average_checkpoints.py`.
-`average_checkpoints` writes that average as a complete checkpoint: the element-wise mean of the weights in float32,
+`vaswani.averaging.average_checkpoints` writes that average as a complete checkpoint: the element-wise mean of the weights in float32,
 with the config, tokenizer, generation config, module files and a model card of the newest checkpoint averaged.
 Checkpoints of different shapes, configs or tokenizers are refused, naming the difference. Weights that a model
 ties (the shared embeddings and the output projection) are stored once, so their average is tied too.
@@ -20,14 +20,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from . import modeling_vaswani
 from .configuration_vaswani import tokenizer_fingerprint
-from .files import check_not_an_input, staged_directory
+from .files import check_not_an_input
 
 # Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
 # complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
@@ -235,50 +234,5 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
     return model
 
 
-def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, last: int | None = None,
-                        force: bool = False):
-    """Average the last `last` checkpoints of a run directory (or the given checkpoint directories) and write a
-    complete checkpoint to `output_dir`, which is refused where it is one of the inputs or a run's and replaced whole
-    otherwise (`check_output_dir`, `files.staged_directory`): float32 weights, the newest checkpoint's config,
-    generation config, tokenizer and module files, the translation pipeline for a translation model, and a model
-    card that lists what was averaged (and reports no scores: evaluate the average itself). Every checkpoint's
-    weights are checked complete before any is read (`check_weights`). Returns the averaged model."""
-    from .hub import attach_translation_pipeline, write_model_card
-
-    checkpoints = last_checkpoints(sources, last)
-    check_output_dir(output_dir, [*sources, *checkpoints], force)
-    for checkpoint in checkpoints:
-        check_weights(checkpoint)
-    newest = checkpoints[-1]
-    architectures = AutoConfig.from_pretrained(newest).architectures or []
-    model_class = getattr(modeling_vaswani, architectures[0], None) if architectures else None
-    if model_class is None:
-        raise ValueError(f"{newest}/config.json names no Vaswani model class (architectures={architectures}).")
-    model = model_class.from_pretrained(newest, dtype=torch.float32)
-    load_average(model, checkpoints)
-    model.eval()
-
-    with staged_directory(output_dir, f"-{os.getpid()}") as staging:
-        if model.config.is_encoder_decoder:
-            attach_translation_pipeline(model, staging)
-        model.save_pretrained(staging)
-        if os.path.isfile(os.path.join(newest, "tokenizer_config.json")):
-            AutoTokenizer.from_pretrained(newest).save_pretrained(staging)
-        # No scores: those of any checkpoint averaged are not the average's.
-        write_model_card(staging, averaged_checkpoints=[_checkpoint_summary(path) for path in checkpoints])
-    return model
-
-
-def _checkpoint_summary(checkpoint: str) -> str:
-    """`checkpoint-N` (step N, epoch E) for the model card."""
-    state_file = os.path.join(checkpoint, TRAINER_STATE_NAME)
-    if not os.path.isfile(state_file):
-        return str(checkpoint)
-    with open(state_file) as f:
-        state = json.load(f)
-    return f"{os.path.basename(os.path.normpath(checkpoint))} (step {state.get('global_step')}, epoch " \
-           f"{state.get('epoch', 0):.2f})"
-
-
-__all__ = ["average_checkpoints", "average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
+__all__ = ["average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
            "is_complete_checkpoint", "check_weights", "missing_weight_files", "check_output_dir", "is_run_checkpoint"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import sacrebleu
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
+from .checkpoints import missing_weight_files
 from .files import write_atomically
 
 logger = logging.getLogger(__name__)
@@ -149,9 +150,6 @@ def missing_checkpoint_files(model_dir: str | Path) -> list[str]:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         return ["config.json"]
-    # Imported here: checkpoints writes its averages' model cards with this module.
-    from .checkpoints import missing_weight_files
-
     missing = missing_weight_files(model_dir)
     if not (model_dir / "tokenizer_config.json").is_file():
         missing.append("tokenizer_config.json")
