@@ -2,8 +2,9 @@
 
 §6.1 of the paper reports single models "obtained by averaging the last 5 checkpoints, which were written at
 10-minute intervals" (the last 20 for the big models); fairseq ships the same step as `average_checkpoints.py`.
-`vaswani.averaging.average_checkpoints` writes that average as a complete checkpoint: the element-wise mean of the weights in float32,
-with the config, tokenizer, generation config, module files and a model card of the newest checkpoint averaged.
+`vaswani.averaging.average_checkpoints` writes that average as a complete checkpoint: the element-wise mean of the
+weights in float32, with the config, tokenizer, generation config, module files and a model card of the newest
+checkpoint averaged.
 Checkpoints of different shapes, configs or tokenizers are refused, naming the difference. Weights that a model
 ties (the shared embeddings and the output projection) are stored once, so their average is tied too.
 
