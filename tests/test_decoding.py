@@ -600,32 +600,3 @@ def test_slots_as_cuda_graphs_return_what_they_return_without(trained, num_beams
     assert graphed == plain
     assert recorded[-1] == sorted(set(recorded[-1])) and len(recorded[-1]) <= 3
 
-
-def test_the_transformers_methods_that_the_loops_call_take_what_they_pass():
-    """generation_vaswani calls these private GenerationMixin methods (the beam-search bookkeeping and generate()'s
-    preparation) by keyword: an upstream release that renames one, or a parameter, fails here by name."""
-    import inspect
-
-    from transformers.generation.utils import GenerationMixin
-
-    called = {
-        "_gather_beams": set(), "_beam_search_has_unfinished_sequences": set(),
-        "_get_running_beams_for_next_iteration": {"topk_log_probs", "topk_running_sequences",
-                                                  "topk_running_beam_indices", "next_token_hits_stopping_criteria",
-                                                  "num_beams"},
-        "_update_finished_beams": {"sequences", "topk_running_sequences", "beam_scores", "topk_log_probs",
-                                   "beam_indices", "topk_running_beam_indices", "is_early_stop_heuristic_unsatisfied",
-                                   "is_sent_finished", "next_token_hits_stopping_criteria", "top_num_beam_mask",
-                                   "num_beams", "cur_len", "decoder_prompt_len", "length_penalty", "early_stopping"},
-        "_check_early_stop_heuristic": {"is_early_stop_heuristic_unsatisfied", "running_beam_scores", "beam_scores",
-                                        "is_sent_finished", "cur_len", "max_length", "decoder_prompt_len",
-                                        "early_stopping", "length_penalty"},
-        "_prepare_generation_config": set(), "_prepare_special_tokens": {"device"},
-        "_get_logits_processor": {"generation_config", "input_ids_seq_length", "encoder_input_ids", "device"},
-        "_get_stopping_criteria": set(),
-    }
-    for name, parameters in called.items():
-        method = getattr(GenerationMixin, name, None)
-        assert method is not None, f"transformers' GenerationMixin has no {name} any more"
-        missing = parameters - set(inspect.signature(method).parameters)
-        assert not missing, f"GenerationMixin.{name} takes no {sorted(missing)} any more"
