@@ -12,7 +12,14 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation import GenerationMixin
 
 import vaswani.generation_vaswani as generation_vaswani
-from vaswani.generation_vaswani import UPSTREAM_CONTRACT, UPSTREAM_SPECIAL_TOKENS, _SlotLayer, check_upstream_contract
+from vaswani.generation_vaswani import (
+    UPSTREAM_CONTRACT,
+    UPSTREAM_OVERRIDES,
+    UPSTREAM_SPECIAL_TOKENS,
+    _signature_names,
+    _SlotLayer,
+    check_upstream_contract,
+)
 
 from tiny_translation_model import build_model_and_tokenizer
 
@@ -25,7 +32,7 @@ def test_the_installed_transformers_keeps_every_private_name_the_loops_use():
     assert not problems, "transformers changed what vaswani.generation_vaswani relies on:\n" + "\n".join(problems)
 
 
-def test_a_missing_method_a_parameter_no_longer_taken_or_newly_required_is_named():
+def test_a_missing_method_a_parameter_no_longer_taken_or_newly_required_or_a_changed_override_is_named():
     class Changed:
         def _update_finished_beams(self, sequences, beam_scores, decoder_prompt_len, new_argument):
             pass
@@ -37,11 +44,17 @@ def test_a_missing_method_a_parameter_no_longer_taken_or_newly_required_is_named
         def _prepare_generation_config(self, generation_config):
             pass
 
+        def get_mask_sizes(self, query_length, layer_index=0):
+            pass
+
     problems = check_upstream_contract({
         (Changed, "_update_finished_beams"): ("sequences", "beam_scores", "cur_len", "decoder_prompt_len"),
         (Changed, "_gather_beams"): ("tensor", "beam_indices"),
         (Changed, "_prepare_generation_config"): ("generation_config", "**"),
         (Changed, "_check_early_stop_heuristic"): ("cur_len",),
+    }, overrides={
+        (Changed, "get_mask_sizes"): ("self", "query_length"),
+        (Changed, "update"): ("self", "key_states", "value_states", "*args", "**kwargs"),
     }, special_tokens=())
     where = f"{Changed.__module__}.{Changed.__name__}"
     assert problems == [
@@ -49,11 +62,13 @@ def test_a_missing_method_a_parameter_no_longer_taken_or_newly_required_is_named
         f"{where}._update_finished_beams now requires 'new_argument', which is not passed",
         f"{where}._prepare_generation_config no longer takes other keyword arguments",
         f"{where}._check_early_stop_heuristic no longer exists",
+        f"{where}.get_mask_sizes now takes ('self', 'query_length', 'layer_index'), not ('self', 'query_length')",
+        f"{where}.update no longer exists",
     ]
 
 
 def test_a_special_token_tensor_that_is_no_longer_set_is_named():
-    problems = check_upstream_contract({}, special_tokens=("_eos_token_tensor", "_a_tensor_never_set"))
+    problems = check_upstream_contract({}, {}, special_tokens=("_eos_token_tensor", "_a_tensor_never_set"))
     assert problems == ["GenerationMixin._prepare_special_tokens no longer sets GenerationConfig._a_tensor_never_set"]
 
 
@@ -86,10 +101,13 @@ def test_the_loops_reach_transformers_private_names_only_through_the_adapter():
         private | set(UPSTREAM_SPECIAL_TOKENS)
 
 
-def test_the_slot_layer_overrides_only_what_the_contract_checks():
-    """A new override of a transformers cache-layer method must be added to the contract, or it would go unchecked."""
-    overridden = {name for name in vars(_SlotLayer) if callable(getattr(DynamicLayer, name, None))}
-    assert overridden <= {name for owner, name in UPSTREAM_CONTRACT if owner is DynamicLayer}
+def test_the_slot_layer_overrides_only_what_the_contract_checks_with_its_signatures():
+    """A new override of a transformers cache-layer method must be added to the contract, or it would go unchecked;
+    each takes what transformers passes the method it overrides."""
+    overridden = {name for name in vars(_SlotLayer) if callable(getattr(DynamicLayer, name, None))} - {"__init__"}
+    assert overridden == {name for owner, name in UPSTREAM_OVERRIDES if owner is DynamicLayer}
+    for (owner, name), parameters in UPSTREAM_OVERRIDES.items():
+        assert _signature_names(getattr(_SlotLayer, name)) == parameters, name
 
 
 def test_the_contract_lists_what_the_adapter_passes(monkeypatch):

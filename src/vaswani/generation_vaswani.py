@@ -109,12 +109,12 @@ CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "pa
 # `custom_generate` hands a decoding method what generate() prepared, but beam search's bookkeeping, the preparation of
 # a generation config outside generate(), its special-token tensors and transformers' own loops have no public API. The
 # loops below reach them only through `_Upstream`, which calls each by keyword (a reordered signature cannot swap two
-# arguments unnoticed). UPSTREAM_CONTRACT lists each with the parameters `_Upstream` passes, and the cache layer
-# methods that `_SlotLayer` overrides with the parameters transformers calls them with; `check_upstream_contract` names
-# any that an installed release has changed (tests/test_generation_internals.py runs it), so that an upgrade fails
-# there, by name, instead of deep inside a decoding step.
+# arguments unnoticed). UPSTREAM_CONTRACT lists each method called with the parameters passed, UPSTREAM_OVERRIDES the
+# cache-layer methods that `_SlotLayer` overrides with the signature transformers calls them with, and
+# `check_upstream_contract` names any that an installed release has changed (tests/test_generation_internals.py runs
+# it), so that an upgrade fails there, by name, instead of deep inside a decoding step.
 
-# (owner, name) → the parameters that must be there, "**" where other keywords must be taken too.
+# (owner, name) → the parameters passed to it (besides self), "**" where other keywords are passed too.
 UPSTREAM_CONTRACT = {
     (GenerationMixin, "_prepare_generation_config"): ("generation_config", "**"),
     (GenerationMixin, "_prepare_special_tokens"): ("generation_config", "kwargs_has_attention_mask", "device"),
@@ -139,25 +139,35 @@ UPSTREAM_CONTRACT = {
     (GenerationMixin, "_beam_search_has_unfinished_sequences"): (
         "is_early_stop_heuristic_unsatisfied", "is_sent_finished", "next_token_hits_stopping_criteria",
         "early_stopping"),
-    (DynamicLayer, "__init__"): (),
-    (DynamicLayer, "update"): ("key_states", "value_states", "**"),
-    (DynamicLayer, "get_mask_sizes"): ("query_length",),
-    (DynamicLayer, "get_seq_length"): (),
-    (DynamicLayer, "get_max_length"): (),
-    (DynamicLayer, "lazy_initialization"): ("key_states", "value_states"),
+    (DynamicLayer, "__init__"): (),  # `_SlotLayer` allocates its own buffers
+}
+
+# (owner, name) → its parameters, which an override must take ("*args", "**kwargs" for the variable ones).
+UPSTREAM_OVERRIDES = {
+    (DynamicLayer, "update"): ("self", "key_states", "value_states", "*args", "**kwargs"),
+    (DynamicLayer, "get_mask_sizes"): ("self", "query_length"),
+    (DynamicLayer, "get_seq_length"): ("self",),
+    (DynamicLayer, "get_max_length"): ("self",),
+    (DynamicLayer, "lazy_initialization"): ("self", "key_states", "value_states"),
 }
 
 # The tensors `_prepare_special_tokens` leaves on a generation config, which the loops read.
 UPSTREAM_SPECIAL_TOKENS = ("_decoder_start_token_tensor", "_eos_token_tensor", "_pad_token_tensor")
 
 
-def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT,
+def _signature_names(function) -> tuple[str, ...]:
+    """A function's parameter names as written, the variable ones with their stars: ("self", "x", "*args", ...)."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return tuple(stars.get(p.kind, "") + name for name, p in inspect.signature(function).parameters.items())
+
+
+def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict = UPSTREAM_OVERRIDES,
                             special_tokens: tuple = UPSTREAM_SPECIAL_TOKENS) -> list[str]:
-    """What an installed transformers no longer offers of `contract`, one line per change (empty where all holds):
-    a method that is gone, a parameter passed that it no longer takes, one it now requires that is not passed, and
-    a special-token tensor that `_prepare_special_tokens` no longer leaves on the generation config."""
+    """What an installed transformers no longer offers, one line per change (empty where all holds): a method that
+    is gone; of `contract`'s, a parameter passed that it no longer takes or one it now requires that is not passed;
+    of `overrides`', another signature; a special-token tensor that `_prepare_special_tokens` no longer sets."""
     problems = []
-    for (owner, name), passed in contract.items():
+    for (owner, name), expected in [*contract.items(), *overrides.items()]:
         where = f"{owner.__module__}.{owner.__name__}.{name}"
         member = inspect.getattr_static(owner, name, None)
         if member is None:
@@ -166,19 +176,20 @@ def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT,
         if not callable(getattr(owner, name)):
             problems.append(f"{where} is no longer a method")
             continue
+        if (owner, name) in overrides:
+            if _signature_names(getattr(owner, name)) != expected:
+                problems.append(f"{where} now takes {_signature_names(getattr(owner, name))}, not {expected}")
+            continue
         parameters = dict(inspect.signature(getattr(owner, name)).parameters)
         if not isinstance(member, (staticmethod, classmethod)):
             parameters.pop(next(iter(parameters), None), None)  # self
-        kinds = {parameter.kind for parameter in parameters.values()}
-        named = {name for name, parameter in parameters.items()
-                 if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)}
-        for gone in [name for name in passed if name != "**" and name not in named]:
+        variable = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        named = {name for name, parameter in parameters.items() if parameter.kind not in variable}
+        for gone in [name for name in expected if name != "**" and name not in named]:
             problems.append(f"{where} no longer takes {gone!r}")
-        if "**" in passed and inspect.Parameter.VAR_KEYWORD not in kinds:
+        if "**" in expected and inspect.Parameter.VAR_KEYWORD not in {p.kind for p in parameters.values()}:
             problems.append(f"{where} no longer takes other keyword arguments")
-        for required in [name for name, parameter in parameters.items() if name not in passed
-                         and parameter.default is parameter.empty
-                         and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]:
+        for required in [name for name in named - set(expected) if parameters[name].default is inspect.Parameter.empty]:
             problems.append(f"{where} now requires {required!r}, which is not passed")
     if special_tokens:
         # `_prepare_special_tokens` reads only the model's config and device.
