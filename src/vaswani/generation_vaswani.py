@@ -17,9 +17,10 @@ modeling_vaswani.py, whose `generate()` calls `generate` below; and with every t
 still validates the arguments, runs the encoder, expands the batch for the beams, makes the cache and builds the
 logits processors and stopping criteria; `decode` replaces only the loop over decoding steps. The outputs are
 transformers' own: the same tokens for greedy search, and the same hypotheses for beam search, whose bookkeeping
-(finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are
-(tests/test_decoding.py compares both with transformers' loop; benchmarks/results/decoding-loops-cpu-main-job-model.md
-counts identical translations on a trained model). One caveat: one source row per sentence and finished sentences
+(finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are, through
+`_Upstream`, the one place that reaches transformers' private generation methods (tests/test_decoding.py compares
+both with transformers' loop; benchmarks/results/decoding-loops-cpu-main-job-model.md counts identical translations on
+a trained model). One caveat: one source row per sentence and finished sentences
 leaving the batch (4 and 5 below) change the shapes of the matrix products, which may change the last bit of a
 result. int8 (`vaswani.inference.quantize_for_cpu`) adds nothing to that: each activation
 row has its own scale and integer products add up exactly, so a row's numbers do not depend on the rows beside it or
@@ -67,7 +68,7 @@ multiplications are int8 (benchmarks/README.md):
    the cross-attention keys/values and the source mask are kept per slot. Beam search's bookkeeping is `_advance`'s,
    with each sentence's own length (`_PerSentence`): transformers' helpers keep the hypotheses, and its length
    penalty is applied by the same float32 division. Each output is what generate() returns for that sentence alone
-   with its own max_new_tokens (tests/test_decoding.py; the caveat of 4 and 5 holds: neighbours change the shapes
+   with its own max_new_tokens (tests/test_decoding_static.py; the caveat of 4 and 5 holds: neighbours change the shapes
    of the matrix products). Finished slots are found on the device; the host reads which ones once every
    `SYNC_EVERY` steps, in one transfer with their outputs, and nothing else during the steps. On a GPU the step is
    replayed as a CUDA graph, recorded once per slot count: once no source is left to start, the slots are halved
