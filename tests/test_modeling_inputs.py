@@ -1,6 +1,6 @@
 """Inputs the model refuses, and lengths it runs past (`vaswani.modeling_vaswani`), one test each: token ids and labels
 outside the vocabulary, empty batches, positions past those it learned. Configuration values are tested in
-test_modeling.py. docs/reliability.md is their table."""
+test_configuration.py. docs/reliability.md is their table."""
 
 import pytest
 import torch

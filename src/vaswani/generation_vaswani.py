@@ -17,9 +17,10 @@ modeling_vaswani.py, whose `generate()` calls `generate` below; and with every t
 still validates the arguments, runs the encoder, expands the batch for the beams, makes the cache and builds the
 logits processors and stopping criteria; `decode` replaces only the loop over decoding steps. The outputs are
 transformers' own: the same tokens for greedy search, and the same hypotheses for beam search, whose bookkeeping
-(finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are
-(tests/test_decoding.py compares both with transformers' loop; benchmarks/results/decoding-loops-cpu-main-job-model.md
-counts identical translations on a trained model). One caveat: one source row per sentence and finished sentences
+(finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are, through
+`_Upstream`, the one place that reaches transformers' private generation methods (tests/test_decoding.py compares
+both with transformers' loop; benchmarks/results/decoding-loops-cpu-main-job-model.md counts identical translations on
+a trained model). One caveat: one source row per sentence and finished sentences
 leaving the batch (4 and 5 below) change the shapes of the matrix products, which may change the last bit of a
 result. int8 (`vaswani.inference.quantize_for_cpu`) adds nothing to that: each activation
 row has its own scale and integer products add up exactly, so a row's numbers do not depend on the rows beside it or
@@ -67,7 +68,7 @@ multiplications are int8 (benchmarks/README.md):
    the cross-attention keys/values and the source mask are kept per slot. Beam search's bookkeeping is `_advance`'s,
    with each sentence's own length (`_PerSentence`): transformers' helpers keep the hypotheses, and its length
    penalty is applied by the same float32 division. Each output is what generate() returns for that sentence alone
-   with its own max_new_tokens (tests/test_decoding.py; the caveat of 4 and 5 holds: neighbours change the shapes
+   with its own max_new_tokens (tests/test_decoding_static.py; the caveat of 4 and 5 holds: neighbours change the shapes
    of the matrix products). Finished slots are found on the device; the host reads which ones once every
    `SYNC_EVERY` steps, in one transfer with their outputs, and nothing else during the steps. On a GPU the step is
    replayed as a CUDA graph, recorded once per slot count: once no source is left to start, the slots are halved
@@ -90,7 +91,7 @@ from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
@@ -102,6 +103,190 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 # The decoding cache's name in generate()'s model_kwargs: `cache` since transformers 5.24, `past_key_values` before
 # (modeling_vaswani.CACHE_NAME; this file imports nothing of the package, so that it can ship on its own).
 CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+
+# transformers' private generation methods, in one place ---------------------------------------------------------------
+#
+# `custom_generate` hands a decoding method what generate() prepared, but beam search's bookkeeping, the preparation of
+# a generation config outside generate(), its special-token tensors and transformers' own loops have no public API. The
+# loops below reach them only through `_Upstream`, which calls each by keyword (a reordered signature cannot swap two
+# arguments unnoticed). UPSTREAM_CONTRACT lists each method called with the parameters passed, UPSTREAM_OVERRIDES the
+# cache-layer methods that `_SlotLayer` overrides with the signature transformers calls them with, and
+# `check_upstream_contract` names any that an installed release has changed (tests/test_generation_internals.py runs
+# it), so that an upgrade fails there, by name, instead of deep inside a decoding step.
+
+# (owner, name) → the parameters passed to it (besides self), "**" where other keywords are passed too.
+UPSTREAM_CONTRACT = {
+    (GenerationMixin, "_prepare_generation_config"): ("generation_config", "**"),
+    (GenerationMixin, "_prepare_special_tokens"): ("generation_config", "kwargs_has_attention_mask", "device"),
+    (GenerationMixin, "_get_logits_processor"): ("generation_config", "input_ids_seq_length", "encoder_input_ids",
+                                                 "device"),
+    (GenerationMixin, "_get_stopping_criteria"): ("generation_config", "stopping_criteria"),
+    (GenerationMixin, "_sample"): ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "**"),
+    (GenerationMixin, "_beam_search"): ("input_ids", "logits_processor", "stopping_criteria", "generation_config",
+                                        "**"),
+    (GenerationMixin, "_gather_beams"): ("tensor", "beam_indices"),
+    (GenerationMixin, "_get_running_beams_for_next_iteration"): (
+        "topk_log_probs", "topk_running_sequences", "topk_running_beam_indices", "next_token_hits_stopping_criteria",
+        "num_beams"),
+    (GenerationMixin, "_update_finished_beams"): (
+        "sequences", "topk_running_sequences", "beam_scores", "topk_log_probs", "beam_indices",
+        "topk_running_beam_indices", "is_early_stop_heuristic_unsatisfied", "is_sent_finished",
+        "next_token_hits_stopping_criteria", "top_num_beam_mask", "num_beams", "cur_len", "decoder_prompt_len",
+        "length_penalty", "early_stopping"),
+    (GenerationMixin, "_check_early_stop_heuristic"): (
+        "is_early_stop_heuristic_unsatisfied", "running_beam_scores", "beam_scores", "is_sent_finished", "cur_len",
+        "max_length", "decoder_prompt_len", "early_stopping", "length_penalty"),
+    (GenerationMixin, "_beam_search_has_unfinished_sequences"): (
+        "is_early_stop_heuristic_unsatisfied", "is_sent_finished", "next_token_hits_stopping_criteria",
+        "early_stopping"),
+    (DynamicLayer, "__init__"): (),  # `_SlotLayer` allocates its own buffers
+}
+
+# (owner, name) → its parameters, which an override must take ("*args", "**kwargs" for the variable ones).
+UPSTREAM_OVERRIDES = {
+    (DynamicLayer, "update"): ("self", "key_states", "value_states", "*args", "**kwargs"),
+    (DynamicLayer, "get_mask_sizes"): ("self", "query_length"),
+    (DynamicLayer, "get_seq_length"): ("self",),
+    (DynamicLayer, "get_max_length"): ("self",),
+    (DynamicLayer, "lazy_initialization"): ("self", "key_states", "value_states"),
+}
+
+# The tensors `_prepare_special_tokens` leaves on a generation config, which the loops read.
+UPSTREAM_SPECIAL_TOKENS = ("_decoder_start_token_tensor", "_eos_token_tensor", "_pad_token_tensor")
+
+
+def _signature_names(function) -> tuple[str, ...]:
+    """A function's parameter names as written, the variable ones with their stars: ("self", "x", "*args", ...)."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return tuple(stars.get(p.kind, "") + name for name, p in inspect.signature(function).parameters.items())
+
+
+def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict = UPSTREAM_OVERRIDES,
+                            special_tokens: tuple = UPSTREAM_SPECIAL_TOKENS) -> list[str]:
+    """What an installed transformers no longer offers, one line per change (empty where all holds): a method that
+    is gone; of `contract`'s, a parameter passed that it no longer takes or one it now requires that is not passed;
+    of `overrides`', another signature; a special-token tensor that `_prepare_special_tokens` no longer sets."""
+    problems = []
+    for (owner, name), expected in [*contract.items(), *overrides.items()]:
+        where = f"{owner.__module__}.{owner.__name__}.{name}"
+        member = inspect.getattr_static(owner, name, None)
+        if member is None:
+            problems.append(f"{where} no longer exists")
+            continue
+        if not callable(getattr(owner, name)):
+            problems.append(f"{where} is no longer a method")
+            continue
+        if (owner, name) in overrides:
+            if _signature_names(getattr(owner, name)) != expected:
+                problems.append(f"{where} now takes {_signature_names(getattr(owner, name))}, not {expected}")
+            continue
+        parameters = dict(inspect.signature(getattr(owner, name)).parameters)
+        if not isinstance(member, (staticmethod, classmethod)):
+            parameters.pop(next(iter(parameters), None), None)  # self
+        variable = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        named = {name for name, parameter in parameters.items() if parameter.kind not in variable}
+        for gone in [name for name in expected if name != "**" and name not in named]:
+            problems.append(f"{where} no longer takes {gone!r}")
+        if "**" in expected and inspect.Parameter.VAR_KEYWORD not in {p.kind for p in parameters.values()}:
+            problems.append(f"{where} no longer takes other keyword arguments")
+        for required in [name for name in named - set(expected) if parameters[name].default is inspect.Parameter.empty]:
+            problems.append(f"{where} now requires {required!r}, which is not passed")
+    if special_tokens:
+        # `_prepare_special_tokens` reads only the model's config and device.
+        stand_in = type("StandIn", (), {"config": GenerationConfig(), "device": torch.device("cpu")})()
+        stand_in.config.is_encoder_decoder = True
+        generation_config = GenerationConfig(decoder_start_token_id=1, eos_token_id=2, pad_token_id=0)
+        try:
+            GenerationMixin._prepare_special_tokens(stand_in, generation_config, True, device="cpu")
+        except Exception as error:  # noqa: BLE001 - reported, with what it was
+            problems.append(f"GenerationMixin._prepare_special_tokens failed on a plain generation config: {error!r}")
+        else:
+            for name in special_tokens:
+                if not isinstance(getattr(generation_config, name, None), torch.Tensor):
+                    problems.append(f"GenerationMixin._prepare_special_tokens no longer sets GenerationConfig.{name}")
+    return problems
+
+
+class _SpecialTokens(NamedTuple):
+    """A prepared generation config's special tokens, as tensors on the model's device (eos: 1-D, or None)."""
+
+    decoder_start: torch.Tensor
+    eos: torch.Tensor | None
+    pad: torch.Tensor | None
+
+
+class _Upstream:
+    """Every call of transformers' private generation methods, and every read of what they leave (see
+    UPSTREAM_CONTRACT above). The loops call these, never the private names."""
+
+    @staticmethod
+    def generation_config(model, generation_config=None, **options):
+        """The generation config that generate() decodes with: a copy of `generation_config` (or the model's), with
+        `options` (generate()'s keyword arguments that are generation settings) over it."""
+        prepared, _ = model._prepare_generation_config(generation_config=generation_config, **options)
+        return prepared
+
+    @staticmethod
+    def prepare_special_tokens(model, generation_config, device) -> None:
+        """Put the special tokens on `generation_config` as tensors on `device`, as generate() does before decoding."""
+        model._prepare_special_tokens(generation_config=generation_config, kwargs_has_attention_mask=True,
+                                      device=device)
+
+    @staticmethod
+    def special_tokens(generation_config) -> _SpecialTokens:
+        """The special tokens of a prepared generation config (one that generate() hands a decoding method, or one
+        given to `prepare_special_tokens`)."""
+        return _SpecialTokens(generation_config._decoder_start_token_tensor, generation_config._eos_token_tensor,
+                              generation_config._pad_token_tensor)
+
+    @staticmethod
+    def processors_and_criteria(model, generation_config, device):
+        """The logits processors and stopping criteria that generate() builds from `generation_config` alone (a
+        prepared one), for a one-token source."""
+        source = torch.zeros(1, 1, dtype=torch.long, device=device)
+        processors = model._get_logits_processor(generation_config=generation_config, input_ids_seq_length=1,
+                                                 encoder_input_ids=source, device=device)
+        criteria = model._get_stopping_criteria(generation_config=generation_config,
+                                                stopping_criteria=StoppingCriteriaList())
+        return processors, criteria
+
+    @staticmethod
+    def own_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        """transformers' own loop for the generation mode, taken from its own table as generate() takes it; of
+        those, only its sampling and beam-search loops run on what generate() hands a decoding method (assisted
+        decoding needs its assistant, the rest are Hub repositories)."""
+        mode = generation_config.get_generation_mode()
+        name = GENERATION_MODES_MAPPING.get(mode)
+        if name not in ("_sample", "_beam_search"):
+            raise ValueError(f"decode runs greedy search, sampling and beam search, not {mode.value}; call "
+                             "generate() without it.")
+        method = getattr(type(model), name)  # as generate() picks it
+        return method(model, input_ids=input_ids, logits_processor=logits_processor,
+                      stopping_criteria=stopping_criteria, generation_config=generation_config, **model_kwargs)
+
+    @staticmethod
+    def gather_beams(model, tensor, beam_indices):
+        return model._gather_beams(tensor=tensor, beam_indices=beam_indices)
+
+    @staticmethod
+    def running_beams_for_next_iteration(model, **arguments):
+        return model._get_running_beams_for_next_iteration(**arguments)
+
+    @staticmethod
+    def update_finished_beams(model, **arguments):
+        return model._update_finished_beams(**arguments)
+
+    @staticmethod
+    def check_early_stop_heuristic(model, **arguments):
+        return model._check_early_stop_heuristic(**arguments)
+
+    @staticmethod
+    def has_unfinished_sentences(model, improvable, is_sent_finished, hits_stop, early_stopping):
+        """transformers' test of whether beam search goes on."""
+        return model._beam_search_has_unfinished_sequences(
+            is_early_stop_heuristic_unsatisfied=improvable, is_sent_finished=is_sent_finished,
+            next_token_hits_stopping_criteria=hits_stop, early_stopping=early_stopping)
 
 
 def _block_size(vocab_size: int, k: int) -> int | None:
@@ -163,15 +348,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     static = cuda_graphs and _static_covers(logits_processor, stopping_criteria)
     mode = _lean_mode(model, generation_config, model_kwargs, static)
     if mode is None:
-        # transformers' own method for this mode, from its own table; of those, only its sampling and beam-search
-        # loops run on what generate() hands a decoding method (assisted decoding needs its assistant, the rest are
-        # Hub repositories).
-        name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
-        if name not in ("_sample", "_beam_search"):
-            raise ValueError(f"decode runs greedy search, sampling and beam search, not "
-                             f"{generation_config.get_generation_mode().value}; call generate() without it.")
-        method = getattr(type(model), name)  # as generate() picks it
-        return method(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+        return _Upstream.own_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  **model_kwargs)
     cache = model_kwargs[CACHE_NAME]
     encoder_outputs, attention_mask = model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask")
     if mode == GenerationMode.BEAM_SEARCH:  # one source row per sentence (4 in the module docstring)
@@ -209,7 +387,7 @@ def _stops_at_eos(stopping_criteria) -> bool:
 def _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_sample` without sampling: the argmax token, padding after a sequence has stopped; stopped
     sequences leave the batch (5 in the module docstring)."""
-    pad_token_id = generation_config._pad_token_tensor
+    pad_token_id = _Upstream.special_tokens(generation_config).pad
     stops_at_eos = _stops_at_eos(stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     live = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still decoded
@@ -261,7 +439,7 @@ class _BeamSettings(NamedTuple):
 
 def _start_beams(input_ids, generation_config) -> tuple[_Beams, _BeamSettings]:
     """The state before the first step, as transformers' `_beam_search` sets it up."""
-    eos_token_id, pad_token_id = generation_config._eos_token_tensor, generation_config._pad_token_tensor
+    _, eos_token_id, pad_token_id = _Upstream.special_tokens(generation_config)
     max_length, num_beams = generation_config.max_length, generation_config.num_beams
     rows, prompt_len = input_ids.shape
     batch_size, device = rows // num_beams, input_ids.device
@@ -324,8 +502,8 @@ def _advance(model, log_probs, beams: _Beams, cur_len: int | _PerSentence, stopp
     topk_tokens = tokens.view(batch_size, -1).gather(1, choice)
 
     # What transformers' `_get_top_k_continuations` makes of its top-k over beams × vocabulary.
-    topk_running_sequences = model._gather_beams(beams.running_sequences, topk_beams)
-    topk_running_beam_indices = model._gather_beams(beams.running_beam_indices, topk_beams)
+    topk_running_sequences = _Upstream.gather_beams(model, beams.running_sequences, topk_beams)
+    topk_running_beam_indices = _Upstream.gather_beams(model, beams.running_beam_indices, topk_beams)
     batch_offset = torch.arange(batch_size, device=device).view(-1, 1) * num_beams
     per_sentence = isinstance(cur_len, _PerSentence)
     if per_sentence:
@@ -356,14 +534,16 @@ def _advance(model, log_probs, beams: _Beams, cur_len: int | _PerSentence, stopp
         finished_log_probs, hypothetical_penalty = topk_log_probs, None
         penalised_len, heuristic_len = cur_len, cur_len + 1
 
-    running_sequences, running_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
+    running_sequences, running_scores, running_beam_indices = _Upstream.running_beams_for_next_iteration(
+        model,
         topk_log_probs=topk_log_probs,
         topk_running_sequences=topk_running_sequences,
         topk_running_beam_indices=topk_running_beam_indices,
         next_token_hits_stopping_criteria=hits_stop,
         num_beams=num_beams,
     )
-    sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
+    sequences, beam_scores, beam_indices, is_sent_finished = _Upstream.update_finished_beams(
+        model,
         sequences=beams.sequences,
         topk_running_sequences=topk_running_sequences,
         beam_scores=beams.beam_scores,
@@ -380,7 +560,8 @@ def _advance(model, log_probs, beams: _Beams, cur_len: int | _PerSentence, stopp
         length_penalty=settings.length_penalty,
         early_stopping=settings.early_stopping,
     )
-    improvable = model._check_early_stop_heuristic(
+    improvable = _Upstream.check_early_stop_heuristic(
+        model,
         is_early_stop_heuristic_unsatisfied=beams.improvable,
         running_beam_scores=running_scores if hypothetical_penalty is None else running_scores / hypothetical_penalty,
         beam_scores=beam_scores,
@@ -419,8 +600,8 @@ def _beam(model, input_ids, state, logits_processor, stopping_criteria, generati
         beams, hits_stop, parent_rows = _advance(model, log_probs, beams, cur_len, stopping_criteria, settings)
         model._reorder_cache(state[2], parent_rows)
         cur_len += 1
-        if not model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
-                                                           settings.early_stopping):
+        if not _Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
+                                                  settings.early_stopping):
             break
         done = ~beams.improvable[:, 0]  # no later step can change these sentences' finished hypotheses
         if done.any() and not logits_processor:
@@ -504,7 +685,7 @@ def _decodes(model, arguments: dict) -> bool:
         return False
     # The generation config that generate() will use (a copy: the call's options over the model's defaults).
     options = {name: value for name, value in arguments.items() if name not in _GENERATE_PARAMETERS}
-    generation_config, _ = model._prepare_generation_config(arguments.get("generation_config"), **options)
+    generation_config = _Upstream.generation_config(model, arguments.get("generation_config"), **options)
     return generation_config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.BEAM_SEARCH)
 
 
@@ -648,8 +829,7 @@ def _static_state(model, key: tuple, rows: int, encoder_states: torch.Tensor, ma
 
 def _criteria_key(stopping_criteria, generation_config) -> tuple:
     """What the recorded steps take from the stopping criteria and the generation config, as plain values."""
-    eos = generation_config._eos_token_tensor
-    pad = generation_config._pad_token_tensor
+    _, eos, pad = _Upstream.special_tokens(generation_config)
     return (tuple(type(c).__name__ for c in stopping_criteria), generation_config.max_length,
             tuple(eos.tolist()) if eos is not None else None, int(pad) if pad is not None else None)
 
@@ -660,7 +840,7 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
     max_length = generation_config.max_length
     static = _static_state(model, ("greedy", prompt_len, *_criteria_key(stopping_criteria, generation_config)),
                            rows, encoder_states, max_length)
-    pad_token_id = generation_config._pad_token_tensor
+    pad_token_id = _Upstream.special_tokens(generation_config).pad
     stops_at_eos = _stops_at_eos(stopping_criteria)
     if static.search is None:
         static.search = (torch.empty(rows, max_length, dtype=torch.long, device=input_ids.device),
@@ -709,8 +889,8 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
         static.tokens.copy_(beams.running_sequences[:, :, cur_len].reshape(rows, 1))
 
     def unfinished():
-        return model._beam_search_has_unfinished_sequences(beams.improvable, beams.is_sent_finished, hits_stop,
-                                                           settings.early_stopping)
+        return _Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
+                                                  settings.early_stopping)
 
     static.decode(input_ids, encoder_states, attention_mask, advance, unfinished)
     return _best_hypotheses(beams.sequences, beams.beam_indices, prompt_len, generation_config).clone()
@@ -791,17 +971,13 @@ def slots_cover(model, **generate_options) -> bool:
     config = model.config
     if config.model_type != "vaswani" or not config.is_encoder_decoder:
         return False
-    generation_config, _ = model._prepare_generation_config(None, **generate_options)
+    generation_config = _Upstream.generation_config(model, **generate_options)
     if generation_config.get_generation_mode() not in (GenerationMode.GREEDY_SEARCH, GenerationMode.BEAM_SEARCH):
         return False
     if generation_config.num_return_sequences != 1 or generation_config.return_dict_in_generate:
         return False
-    device = model.device
-    model._prepare_special_tokens(generation_config, True, device=device)
-    source = torch.zeros(1, 1, dtype=torch.long, device=device)
-    processors = model._get_logits_processor(generation_config, input_ids_seq_length=1, encoder_input_ids=source,
-                                             device=device)
-    criteria = model._get_stopping_criteria(generation_config, StoppingCriteriaList())
+    _Upstream.prepare_special_tokens(model, generation_config, model.device)
+    processors, criteria = _Upstream.processors_and_criteria(model, generation_config, model.device)
     return not processors and _static_covers(processors, criteria)
 
 
@@ -845,15 +1021,16 @@ class _Slots:
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         self.final = torch.zeros(slots, max_length, dtype=torch.long, device=device)  # each finished output
         self.final_len = torch.zeros(slots, dtype=torch.long, device=device)
-        eos = generation_config._eos_token_tensor
-        self.eos = eos.to(device) if eos is not None else None
+        tokens = _Upstream.special_tokens(generation_config)
+        self.eos = tokens.eos.to(device) if tokens.eos is not None else None
+        self.decoder_start = tokens.decoder_start
         if self.beam:
-            start = generation_config._decoder_start_token_tensor.view(1, 1).expand(slots * self.num_beams, 1)
+            start = tokens.decoder_start.view(1, 1).expand(slots * self.num_beams, 1)
             self.beams, self.settings = _start_beams(start, _with_max_length(generation_config, max_length))
             self.penalties = _length_penalties(max_length, generation_config.length_penalty, device)
         else:
             self.sequences = torch.zeros(slots, max_length, dtype=torch.long, device=device)
-            self.sequences[:, 0] = generation_config._decoder_start_token_tensor
+            self.sequences[:, 0] = tokens.decoder_start
         # A slot's search state before its first step, copied into a slot when it is refilled.
         self.fresh = [tensor.clone() for tensor in self._state()]
 
@@ -880,7 +1057,7 @@ class _Slots:
                 fixed.index_copy_(0, index, torch.nn.functional.pad(projected, (0, 0, 0, padding)))
         mask = torch.nn.functional.pad(attention_mask.bool(), (0, padding))
         self.source_mask.index_copy_(0, index, mask[:, None, None, :])
-        self.tokens[rows] = self.generation_config._decoder_start_token_tensor
+        self.tokens[rows] = self.decoder_start
         self.lengths[index] = 1
         self.max_lengths[index] = torch.tensor(max_lengths, dtype=torch.long, device=device)
         self.active[index] = True
@@ -1007,15 +1184,15 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
     limits = [max_new_tokens] * len(sources) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(sources):
         raise ValueError(f"{len(limits)} max_new_tokens for {len(sources)} sources.")
-    generation_config, _ = model._prepare_generation_config(None, **generate_options)
-    model._prepare_special_tokens(generation_config, True, device=device)
+    generation_config = _Upstream.generation_config(model, **generate_options)
+    _Upstream.prepare_special_tokens(model, generation_config, device)
     prompt_len = 1  # the decoder start token
     max_length = prompt_len + max(limits)
     positions = model.config.max_position_embeddings
     if model.config.position_embedding_type == "learned" and max_length > positions:
         raise ValueError(f"max_length {max_length} is longer than the {positions} learned positions of this model; "
                          "lower max_new_tokens.")
-    pad = generation_config._pad_token_tensor
+    pad = _Upstream.special_tokens(generation_config).pad
     pad_id = int(pad) if pad is not None else 0
     state = _Slots(model, generation_config, min(slots, len(sources)), max(map(len, sources)), max_length,
                    graphs is not None)
