@@ -11,13 +11,13 @@ import torch
 import transformers
 from packaging import version
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import TrainerCallback
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 
 import vaswani.inference
 import vaswani.trainer
 import vaswani.training
 from conftest import script_main
-from training_script import synthetic_corpus, train_args
+from training_script import NOUNS, synthetic_corpus, train_args
 
 VaswaniSeq2SeqTrainer = vaswani.training.VaswaniSeq2SeqTrainer  # as imported, whatever a test patches
 
@@ -63,6 +63,43 @@ def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
     assert max(rows * length for rows, length in declared) <= 100
     examples = [batch["labels"][(batch["labels"] != -100).any(dim=1)] for batch in batches]
     assert sum(len(rows) for rows in examples) == len(features)
+
+
+def test_validation_scores_the_translations_of_the_one_translation_path(tmp_path, monkeypatch):
+    """With --predict_with_generate, each evaluation during training logs the Trainer's eval_loss beside eval_bleu,
+    eval_chrf and eval_ter of the package's translation path (`trainer.score_split`, which the test evaluation takes
+    too), and the best model is picked by them: the last evaluation's scores, at the last step, are those of the
+    saved model scored again. The Trainer's own generation never runs."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    trainers, loss_only = [], set()
+
+    class Trainer(VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+            loss_only.add(prediction_loss_only)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    corpus = tmp_path / "corpus.tsv"  # sentences all different, so that the validation split gets some
+    corpus.write_text("".join(f"I have {n} {noun}s.\tJ'ai {n} {plural}.\n"
+                              for n in range(1000) for noun, _, plural in [NOUNS[n % len(NOUNS)]]), encoding="utf-8")
+    script_main("train_translation")(train_args(
+        corpus, tmp_path / "out", "--max_steps", "10", "--eval_strategy", "steps", "--eval_steps", "5",
+        "--predict_with_generate", "--max_eval_samples", "12", "--use_cpu", "--metric_for_best_model", "bleu"))
+    trainer = trainers[-1]
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evaluations] == [5, 10] and loss_only == {True}
+    assert all({"eval_bleu", "eval_chrf", "eval_ter"} <= entry.keys() for entry in evaluations)
+    assert trainer.state.best_metric == max(entry["eval_bleu"] for entry in evaluations)
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert len(trainer.eval_texts) == 12
+    scores = vaswani.trainer.score_split(model, tokenizer, trainer.eval_texts, batch_size=8)
+    assert {name: evaluations[-1][f"eval_{name}"] for name in ("bleu", "chrf", "ter")} == {
+        name: scores[name] for name in ("bleu", "chrf", "ter")}
 
 
 # Ops that hand a tensor's value to the host: on an accelerator each makes the host wait for the device.

@@ -8,10 +8,12 @@ import time
 
 import numpy as np
 import torch
+from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer
 
 from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
+from .evaluation import evaluate_model
 from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 from .training_arguments import scheduler_name
@@ -46,12 +48,17 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`;
     * under `--torch_compile`, the training step compiled before any clock starts (`compile_before_the_clock`),
       its seconds kept in `compile_seconds`; every logged line carries the seconds of training so far
-      (`elapsed_seconds`).
+      (`elapsed_seconds`);
+    * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
+      `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
+      test evaluation does, beside the Trainer's own evaluation loss (`evaluation_loop`).
     """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, shape_buckets: int | None = None,
-                 time_budget: TimeBudgetCallback | None = None, **kwargs):
+                 time_budget: TimeBudgetCallback | None = None, eval_texts: Dataset | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.eval_texts = eval_texts
+        self._score_translations = False
         if shape_buckets and not max_tokens_per_batch:
             raise ValueError("shape_buckets pads token-budget batches; it needs max_tokens_per_batch.")
         self.max_tokens_per_batch = max_tokens_per_batch
@@ -189,6 +196,28 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         logger.info("Compiled the training step on %d batch shapes%s in %.1f s, before training started.",
                     len(batches), " (shape buckets)" if bucketed else "", self.compile_seconds)
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs) -> dict:
+        # Only the evaluation split whose text the trainer holds is scored by translating it.
+        self._score_translations = (eval_dataset is None and self.eval_texts is not None
+                                    and self.args.predict_with_generate and not self.args.prediction_loss_only)
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        finally:
+            self._score_translations = False
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """The Trainer's loop for the loss alone, and BLEU, chrF and TER (`eval_bleu`...) of `score_split`'s
+        translations, in the metrics the Trainer then logs and picks the best model by. Every process translates
+        the whole split, so that all of them decide on the same scores."""
+        if not self._score_translations:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
+        scores = score_split(self.model, self.processing_class, self.eval_texts, self.args.per_device_eval_batch_size)
+        output.metrics.update({f"{metric_key_prefix}_{name}": scores[name] for name in ("bleu", "chrf", "ter")})
+        return output
+
     def floating_point_ops(self, inputs: dict) -> int:
         """The Trainer's estimate (6 × tokens × non-embedding parameters), with the parameters counted once: the
         Trainer counts them again at every step, a walk over the whole module tree."""
@@ -215,3 +244,12 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
 
     def finish_checkpoint(self, directory: str) -> None:
         replace_pickled_arguments(directory, self.args)
+
+
+def score_split(model, tokenizer, split: Dataset, batch_size: int) -> dict:
+    """`split`'s sources translated with the model's own decoding settings (its `generation_config`) and scored
+    against its references (every accepted one, where the corpus has several): `evaluation.evaluate_model`'s
+    scores and hypotheses. Validation during training and the final test evaluation both score through this."""
+    references = split["references"] if "references" in split.column_names else [[t] for t in split["target"]]
+    return evaluate_model(model, tokenizer, split["source"], references, num_beams=model.generation_config.num_beams,
+                          max_new_tokens=model.generation_config.max_new_tokens, batch_size=batch_size)

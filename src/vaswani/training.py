@@ -32,7 +32,6 @@ from transformers import (
 from . import data as vdata
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
-from .evaluation import build_compute_metrics, evaluate_model
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .run_directory import (
     check_checkpoint_matches,
@@ -44,7 +43,7 @@ from .run_directory import (
     save_final,
 )
 from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
-from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer
+from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer, score_split
 from .training_arguments import (
     MAX_SHAPE_BUCKETS,
     DataArguments,
@@ -183,15 +182,13 @@ def tokenize_splits(data: PreparedData, tokenizer, data_args: DataArguments, arg
             for split in (data.train, data.validation))
 
 
-
-
 def run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments, *,
                  command: Sequence[str] = ()) -> dict:
     """Train (or fine-tune), evaluate on the test split with sacreBLEU/chrF/TER, save a complete checkpoint
     (weights, tokenizer, generation config, module files, model card) and optionally push it to the Hub.
     `command` is the command line that started the run, program name first, for the model card (the script passes
-    it down: the package never reads the process' arguments). Returns the final metrics. A run that fails leaves no output_dir behind
-    unless it got as far as a checkpoint."""
+    it down: the package never reads the process' arguments). Returns the final metrics. A run that fails leaves no
+    output_dir behind unless it got as far as a checkpoint."""
     created = not os.path.exists(args.output_dir)
     try:
         return _run_training(model_args, data_args, args, command)
@@ -236,7 +233,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         model, averaged = final_model(trainer)
         if args.average_last_checkpoints:
             metrics["averaged_checkpoints"] = len(averaged)
-        test_metrics = evaluate_on(test, model, tokenizer, args)
+        test_metrics = score_split(model, tokenizer, test, args.per_device_eval_batch_size)
         metrics.update({f"test_{k}": v for k, v in test_metrics.items() if k != "hypotheses"})
         metrics["test_sentences"] = len(test)
         save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"],
@@ -263,7 +260,6 @@ def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_featur
     """The run's trainer, with the callbacks its arguments ask for and, under a time budget, a progress bar that
     counts the budget's seconds."""
     callbacks, time_budget = callbacks_for(args)
-    references = validation["references"] if "references" in validation.column_names else None
     # Tensor-core friendly shapes on GPUs; on a CPU the padding would only add work to short-sentence batches.
     pad_to = 8 if (args.bf16 or args.fp16) and args.device.type != "cpu" else None
     trainer = VaswaniSeq2SeqTrainer(
@@ -273,7 +269,7 @@ def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_featur
         eval_dataset=validation_features if args.eval_strategy != "no" else None,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=pad_to),
         processing_class=tokenizer,
-        compute_metrics=build_compute_metrics(tokenizer, references) if args.predict_with_generate else None,
+        eval_texts=validation,
         callbacks=callbacks,
         max_tokens_per_batch=args.max_tokens_per_batch,
         shape_buckets=args.shape_buckets,
@@ -326,15 +322,6 @@ def final_model(trainer: VaswaniSeq2SeqTrainer):
                            args.average_last_checkpoints, len(averaged))
         load_average(model, averaged)
     return model, averaged
-
-
-def evaluate_on(split: Dataset, model, tokenizer, args: VaswaniTrainingArguments) -> dict:
-    """`split`'s sources translated with the model's saved decoding settings and scored against its references
-    (every accepted one, where the corpus has several): `evaluation.evaluate_model`'s scores and hypotheses."""
-    references = split["references"] if "references" in split.column_names else [[t] for t in split["target"]]
-    return evaluate_model(model, tokenizer, split["source"], references, num_beams=model.generation_config.num_beams,
-                          max_new_tokens=model.generation_config.max_new_tokens,
-                          batch_size=args.per_device_eval_batch_size)
 
 
 def end_distributed() -> None:
