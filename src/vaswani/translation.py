@@ -30,11 +30,9 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .batching import token_budget_batches
+from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401  (OUTPUT_SLACK: named here too)
 from .generation_vaswani import decode_in_slots, slots_cover
 
-# Output-length limit when none is given (neither by the caller nor the generation config): the source length plus
-# 50 tokens (§6.1).
-OUTPUT_SLACK = 50
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
 # decodes in batches.
 DEFAULT_SLOTS: dict[str, int] = {}
@@ -85,11 +83,10 @@ def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty
 def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
     """(max_source_length, max_new_tokens) that a model with learned positions can take: sources are truncated to
     its `max_position_embeddings` and the output stops there. Sinusoidal and rotary positions have no limit."""
-    config = model.config
-    if config.position_embedding_type != "learned":
+    longest = longest_output(model.config)
+    if longest is None:
         return None, max_new_tokens
-    limit = config.max_position_embeddings - 1  # the decoder's start token takes position 0
-    return config.max_position_embeddings, limit if max_new_tokens is None else min(max_new_tokens, limit)
+    return model.config.max_position_embeddings, longest if max_new_tokens is None else min(max_new_tokens, longest)
 
 
 class TorchEngine:
@@ -136,9 +133,7 @@ class TorchEngine:
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]:
         if self.continuous:
-            limits = [self.max_new_tokens if self.max_new_tokens is not None else len(ids) + OUTPUT_SLACK
-                      for ids in batch]
-            limits = [min(limit, self.longest_output or limit) for limit in limits]
+            limits = [output_limit(len(ids), self.max_new_tokens, self.longest_output) for ids in batch]
             with torch.inference_mode():
                 outputs = decode_in_slots(self.model, batch, limits, slots=self.slots, **self.options)
             eos = self.options.get("eos_token_id", self.model.generation_config.eos_token_id)
@@ -146,8 +141,7 @@ class TorchEngine:
             return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
         padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
-        limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
-        limit = min(limit, self.longest_output or limit)
+        limit = output_limit(input_ids.shape[1], self.max_new_tokens, self.longest_output)
         generated = generate_token_ids(self.model, input_ids, padded["attention_mask"].to(self.model.device),
                                        max_new_tokens=limit, **self.options)
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
@@ -212,8 +206,8 @@ class CTranslate2Engine:
         """Each sentence's generated token ids (CTranslate2 leaves out the decoder start token and the end of
         sentence), as `generate_token_ids` gives them for a transformers model."""
         sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
-        limit = self.max_new_tokens if self.max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
-        limit = min(limit, self.tokenizer.model_max_length)  # the decoder start token takes position 0
+        limit = output_limit(max(map(len, sources)), self.max_new_tokens,
+                             self.tokenizer.model_max_length)  # the decoder start token takes position 0
         results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
                                                   min_decoding_length=self.min_decoding_length,
                                                   max_batch_size=len(batch))
