@@ -54,6 +54,10 @@ def test_trained_checkpoint_loads_and_translates(trained):
     assert type(model).__name__ == "VaswaniForConditionalGeneration"
     assert model.generation_config.num_beams == 2
     assert model.generation_config.length_penalty == 0.6  # --generation_length_penalty's default, the paper's α
+    # No --generation_max_length: the one length rule (each source's length + 50) for the package's engines, and the
+    # position table's end for a stock generate(), which needs a max_length.
+    assert model.generation_config.max_new_tokens is None
+    assert model.generation_config.max_length == model.config.max_position_embeddings
     batch = tokenizer(["I have two cats."], return_tensors="pt")
     output = model.generate(**batch, max_new_tokens=10)
     assert output.shape[0] == 1

@@ -3,6 +3,8 @@
 import pytest
 
 from training_script import run_script, train_args
+from vaswani.tokenization import TRUNCATION_TOKENS
+from vaswani.training_arguments import DataArguments, VaswaniTrainingArguments, scheduler_name
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -22,3 +24,11 @@ def test_schedule_and_averaging_options_refuse_what_they_cannot_do(tmp_path, ext
     result = run_script("train_translation.py", *train_args(tmp_path / "none.tsv", tmp_path / "out", *extra))
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_training_truncates_as_tokenization_does_and_names_its_schedule_plainly(tmp_path):
+    """The truncation default is the package's one (`tokenization.TRUNCATION_TOKENS`); `scheduler_name`, the one
+    reading of --lr_scheduler_type, gives the plain name whatever the Trainer turned the flag into."""
+    assert DataArguments().max_length == TRUNCATION_TOKENS
+    args = VaswaniTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, lr_scheduler_type="cosine")
+    assert type(args.lr_scheduler_type).__name__ == "SchedulerType" and scheduler_name(args) == "cosine"

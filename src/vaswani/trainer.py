@@ -247,9 +247,10 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
 
 
 def score_split(model, tokenizer, split: Dataset, batch_size: int) -> dict:
-    """`split`'s sources translated with the model's own decoding settings (its `generation_config`) and scored
-    against its references (every accepted one, where the corpus has several): `evaluation.evaluate_model`'s
-    scores and hypotheses. Validation during training and the final test evaluation both score through this."""
+    """`split`'s sources translated with the model's own decoding settings (its `generation_config`), at most
+    `batch_size` sentences a batch, and scored against its references (every accepted one, where the corpus has
+    several): `evaluation.evaluate_model`'s scores and hypotheses, through the package's one translation path
+    (`loading.engine_for_model`, `translation.translate`). Validation during training and the final test evaluation
+    both score through this."""
     references = split["references"] if "references" in split.column_names else [[t] for t in split["target"]]
-    return evaluate_model(model, tokenizer, split["source"], references, num_beams=model.generation_config.num_beams,
-                          max_new_tokens=model.generation_config.max_new_tokens, batch_size=batch_size)
+    return evaluate_model(model, tokenizer, split["source"], references, batch_size=batch_size)

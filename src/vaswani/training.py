@@ -31,7 +31,7 @@ from transformers import (
 
 from . import data as vdata
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
-from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, tokenizer_fingerprint
+from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .run_directory import (
     check_checkpoint_matches,
@@ -43,6 +43,7 @@ from .run_directory import (
     save_final,
 )
 from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
+from .translation import write_decoding_defaults
 from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer, score_split
 from .training_arguments import (
     MAX_SHAPE_BUCKETS,
@@ -122,7 +123,7 @@ def new_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) ->
             "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.bos_token_id,
-            "decoder_start_token_id": tokenizer.bos_token_id,
+            "decoder_start_token_id": decoder_start_token_id(tokenizer),
             "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             **parse_overrides(model_args.config_overrides),
         },
@@ -217,7 +218,11 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         check_checkpoint_matches(last_checkpoint, model.config)
     if args.paper_recipe:
         apply_paper_recipe(args, model.config.d_model)
-    write_generation_defaults(model, args, data_args)
+    # The decoding settings of the evaluations, saved with the model for every later decoding of it.
+    generation = model.generation_config
+    write_decoding_defaults(generation, num_beams=args.generation_num_beams or generation.num_beams,
+                            length_penalty=args.generation_length_penalty, max_new_tokens=args.generation_max_length,
+                            max_length=model.config.max_position_embeddings)
     train_features, validation_features = tokenize_splits(data, tokenizer, data_args, args)
     # The final model is pushed once, complete, at the end; the Trainer's own pushes (a repo set up at the start and
     # an upload at every save) would publish intermediate states.
@@ -244,15 +249,6 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
             push_to_hub(args.output_dir, args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
                         token=args.hub_token, private=bool(args.hub_private_repo))
     return metrics
-
-
-def write_generation_defaults(model, args: VaswaniTrainingArguments, data_args: DataArguments) -> None:
-    """The decoding settings that evaluation during training and after it use, saved as generation_config.json."""
-    model.generation_config.num_beams = args.generation_num_beams or 4
-    if model.generation_config.num_beams > 1:  # a beam-search setting, which transformers refuses beside greedy
-        model.generation_config.length_penalty = args.generation_length_penalty
-    model.generation_config.max_new_tokens = args.generation_max_length or data_args.max_length
-    model.generation_config.max_length = None
 
 
 def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_features: Dataset,

@@ -15,6 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
 from .corpus import CORPUS_ENV_VAR
+from .tokenization import TRUNCATION_TOKENS
 
 
 @dataclass
@@ -76,7 +77,8 @@ class DataArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Its configuration name, e.g. 'fr-en'."})
     source_lang: str = "en"
     target_lang: str = "fr"
-    max_length: int = field(default=128, metadata={"help": "Truncate sources and targets to this many tokens."})
+    max_length: int = field(default=TRUNCATION_TOKENS,
+                            metadata={"help": "Truncate training sources and targets to this many tokens."})
     max_train_samples: int | None = None
     max_eval_samples: int | None = field(default=None, metadata={"help": "Validation sentences used while training."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Test sentences for the final evaluation."})
@@ -142,6 +144,17 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "effective decay ramps up as min(decay, (1 + step) / (10 + step))) and make it the final "
                           "model. Off by default, as in the paper (which averages its last checkpoints instead)."},
     )
+    generation_num_beams: int | None = field(
+        default=4,
+        metadata={"help": "Beam size saved in generation_config.json, with which the evaluations during and after "
+                          "training and every later decoding of the model translate (4 is the paper's, §6.1). None: "
+                          "the fine-tuned checkpoint's own."},
+    )
+    generation_max_length: int | None = field(
+        default=None,
+        metadata={"help": "At most this many new tokens per translation, saved in generation_config.json. Default: "
+                          "each source's length plus 50 (§6.1), up to where learned positions end."},
+    )
     generation_length_penalty: float = field(
         default=0.6,
         metadata={"help": "Beam search's length penalty, used by the evaluations and saved in generation_config.json "
@@ -185,7 +198,7 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                              "on CPUs it would train with DDP instead. Drop --fsdp to train with DDP over gloo "
                              "(torchrun ... --ddp_backend gloo), or run on GPUs.")
         for name in ("max_train_time", "max_tokens_per_batch", "shape_buckets", "save_interval_seconds",
-                     "average_last_checkpoints"):
+                     "average_last_checkpoints", "generation_num_beams", "generation_max_length"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}.")
