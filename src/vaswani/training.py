@@ -43,7 +43,6 @@ from .run_directory import (
     save_final,
 )
 from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
-from .translation import write_decoding_defaults
 from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer, score_split
 from .training_arguments import (
     MAX_SHAPE_BUCKETS,
@@ -61,6 +60,7 @@ from .training_callbacks import (
     WeightAverageCallback,
     callbacks_for,
 )
+from .translation import write_decoding_defaults
 
 __all__ = [
     "MAX_SHAPE_BUCKETS", "DataArguments", "IntervalCheckpointCallback", "ModelArguments", "PreparedData",
