@@ -49,7 +49,8 @@ def main(argv=None):
                         help="lines read, sorted and written together (what a resume can lose at most)")
     parser.add_argument("--max_tokens_per_batch", type=positive_int, default=DEFAULT_MAX_TOKENS,
                         help="padded source tokens per batch (batch size × its longest source)")
-    parser.add_argument("--batch_size", type=positive_int, default=None, help="at most this many sentences per batch too")
+    parser.add_argument("--batch_size", type=positive_int, default=None,
+                        help="at most this many sentences per batch too")
     add_decoding_arguments(parser)
     parser.add_argument("--do_sample", action="store_true", default=None, help="sample instead of beam search")
     parser.add_argument("--temperature", type=float, default=None, help="with --do_sample (default: the checkpoint's)")

@@ -31,7 +31,8 @@ import torch
 from transformers import GenerationConfig
 
 from .batching import token_budget_batches
-from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401  (OUTPUT_SLACK: named here too)
+# OUTPUT_SLACK: the length rule's slack, under this module's name too.
+from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401
 from .generation_vaswani import decode_in_slots, slots_cover
 
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
