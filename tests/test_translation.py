@@ -142,7 +142,7 @@ def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
 
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(trained, num_beams, monkeypatch):
-    """engine_for_model(slots=...): translate() hands it every sentence at once, longest first (whatever the budget); each
+    """An engine in slots: translate() hands it every sentence at once, longest first (whatever the budget); each
     output is generate()'s for that sentence alone, within the paper's limit for its own source (its length plus 50
     tokens) or the engine's max_new_tokens; in input order. Evaluation goes through it alike."""
     import vaswani.translation as translation

@@ -105,7 +105,8 @@ class VaswaniConfig(PreTrainedConfig):
     classifier_dropout: float | None = None
     use_cache: bool = True
     is_encoder_decoder: bool = True
-    # Special tokens: the layout written by `VaswaniTokenizer` (the decoder starts at its <s>: `decoder_start_token_id`).
+    # Special tokens: the layout written by `VaswaniTokenizer` (the decoder starts at its <s>, as
+    # `decoder_start_token_id` rules).
     pad_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     bos_token_id: int | None = 3

@@ -28,9 +28,11 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
+from transformers import GenerationConfig
 
 from .batching import token_budget_batches
-from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401  (OUTPUT_SLACK: named here too)
+# OUTPUT_SLACK: the length rule's slack, under this module's name too.
+from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401
 from .generation_vaswani import decode_in_slots, slots_cover
 
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
@@ -181,12 +183,14 @@ class CTranslate2Engine:
     continuous = False
     SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "min_decoding_length")  # what it can be given
 
-    def __init__(self, translator, tokenizer, generation_config, *, num_beams: int | None = None,
+    def __init__(self, translator, tokenizer, generation_config=None, *, num_beams: int | None = None,
                  max_new_tokens: int | None = None, max_source_length: int | None = None,
                  min_decoding_length: int | None = None):
         """`min_decoding_length`: CTranslate2 masks the end of sentence until each output has that many tokens (with
-        `max_new_tokens` the same, every output is exactly that long)."""
-        settings = decoding_settings(generation_config, num_beams=num_beams, max_new_tokens=max_new_tokens)
+        `max_new_tokens` the same, every output is exactly that long). `generation_config` None: generate()'s
+        defaults (one beam, the length rule)."""
+        settings = decoding_settings(generation_config or GenerationConfig(), num_beams=num_beams,
+                                     max_new_tokens=max_new_tokens)
         self.translator, self.tokenizer, self.num_beams = translator, tokenizer, settings["num_beams"]
         self.max_new_tokens, self.min_decoding_length = settings.get("max_new_tokens"), min_decoding_length or 0
         self.max_source_length = max_source_length or tokenizer.model_max_length
