@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import sys
+from pathlib import Path
 
 from transformers import HfArgumentParser
 
@@ -21,6 +22,7 @@ from shared_corpus import SHARED_CORPUS  # beside this script
 
 @user_errors_exit
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     data_args.default_corpus = str(SHARED_CORPUS)
@@ -32,7 +34,8 @@ def main(argv=None):
     # The Trainer prints its progress logs on stdout; keep stdout for the final metrics, which scripts parse.
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            metrics = run_training(model_args, data_args, training_args)
+            # The model card records the command line as this script received it.
+            metrics = run_training(model_args, data_args, training_args, command=[Path(__file__).name, *argv])
     finally:
         end_distributed()
     if training_args.process_index == 0:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import BertConfig, HfArgumentParser, Trainer
 
 from conftest import fails_with_one_line, script_main, snapshot, subprocess_env, tiny_config
-from test_training import SCRIPTS, synthetic_corpus, train_args
+from training_script import SCRIPTS, synthetic_corpus, train_args
 
 import vaswani.tokenization
 import vaswani.training

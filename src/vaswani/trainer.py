@@ -1,0 +1,256 @@
+"""The Trainer of a training run: `Seq2SeqTrainer` with token-budget batches (optionally padded up to a few declared
+shapes), a non-finite loss check that adds no host synchronisation, crash-safe checkpoints, a learning-rate schedule
+over a time budget, and the training step compiled before any clock starts."""
+
+import contextlib
+import logging
+import time
+
+import numpy as np
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader
+from transformers import Seq2SeqTrainer
+
+from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
+from .evaluation import evaluate_model
+from .run_directory import replace_pickled_arguments
+from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
+from .training_arguments import scheduler_name
+from .training_callbacks import StartTheClockCallback, TimeBudgetCallback, time_budget_schedule
+
+logger = logging.getLogger(__name__)
+
+
+class ShapePaddedCollator:
+    """A data collator whose batches are padded up to their declared shape (`batching.ShapeBuckets`, by the width
+    of their longer side, `batching.pad_to_shape`), with `pad_values` per input. A class rather than a closure, so
+    that loader workers can be handed it."""
+
+    def __init__(self, collator, buckets: ShapeBuckets, pad_values: dict[str, int]):
+        self.collator, self.buckets, self.pad_values = collator, buckets, pad_values
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.collator(features)
+        width = max(tensor.shape[1] for tensor in batch.values())
+        return pad_to_shape(batch, *self.buckets.shape(width), self.pad_values)
+
+
+class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
+    """Seq2SeqTrainer with these additions:
+
+    * token-budget batches (`max_tokens_per_batch`), optionally padded up to a few declared shapes
+      (`shape_buckets`, a count: `TokenBatchSampler`, `ShapePaddedCollator`);
+    * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
+      step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
+      step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
+    * checkpoints that are never visible half-written (`trainer_internals.StagedCheckpoints`), resumable and rotated
+      as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`;
+    * under `--torch_compile`, the training step compiled before any clock starts (`compile_before_the_clock`),
+      its seconds kept in `compile_seconds`; every logged line carries the seconds of training so far
+      (`elapsed_seconds`);
+    * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
+      `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
+      test evaluation does, beside the Trainer's own evaluation loss (`evaluation_loop`).
+    """
+
+    def __init__(self, *args, max_tokens_per_batch: int | None = None, shape_buckets: int | None = None,
+                 time_budget: TimeBudgetCallback | None = None, eval_texts: Dataset | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eval_texts = eval_texts
+        self._score_translations = False
+        if shape_buckets and not max_tokens_per_batch:
+            raise ValueError("shape_buckets pads token-budget batches; it needs max_tokens_per_batch.")
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.shape_buckets = shape_buckets
+        self._train_collate = self.data_collator
+        self.time_budget = time_budget
+        self.time_budget_schedule = None
+        self._first_bad_step = None
+        self._non_embedding_parameters = None
+        self._train_features = None
+        self.compile_seconds = 0.0
+        self.training_started = None
+        # First, so that the compilation ends before any other callback starts a clock.
+        self.callback_handler.callbacks.insert(0, StartTheClockCallback(self))
+        # The Trainer's own NaN/inf filter reads every step's loss back to the host (`isnan(loss) or isinf(loss)`),
+        # which makes the host wait for the device once a step. The device-side check below replaces it, and stops
+        # the run where the filter would have trained on.
+        self.args.logging_nan_inf_filter = False
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not self.max_tokens_per_batch:
+            return super().get_train_dataloader()
+        dataset = self._train_features = self.unused_columns_removed(self.train_dataset, description="training")
+        # The budget counts what the device computes: the collator's padding to a multiple included.
+        pad_to = getattr(self.data_collator, "pad_to_multiple_of", None)
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch, shuffle=True,
+                                               seed=self.args.seed, num_replicas=self.args.world_size,
+                                               pad_to_multiple_of=pad_to, shape_buckets=self.shape_buckets)
+        self._train_collate = self.data_collator
+        if self.batch_sampler.shape_buckets is not None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None) or self.processing_class
+            self._train_collate = ShapePaddedCollator(self.data_collator, self.batch_sampler.shape_buckets, {
+                "input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100,  # the loss ignores -100
+                "decoder_input_ids": self.model.config.pad_token_id, "decoder_attention_mask": 0})
+        loader = DataLoader(
+            dataset,
+            batch_sampler=self.batch_sampler,
+            collate_fn=self._train_collate,
+            num_workers=self.args.dataloader_num_workers,
+            # Workers kept from one epoch to the next rather than started again (the batches' order is decided in
+            # this process, by the sampler, so they need nothing new per epoch).
+            persistent_workers=self.args.dataloader_num_workers > 0,
+            # Pinned host memory, from which the batches are copied without the host waiting (non_blocking, set in
+            # `VaswaniTrainingArguments`), exists only for CUDA.
+            pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
+        )
+        return prepare_uneven_loader(self.accelerator, loader)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        # A schedule made here is made again by the next `train()`, whose optimiser may be another, as the Trainer
+        # does with its own; one passed in through `optimizers` is kept.
+        if (self.args.lr_decay_over_time_budget and self.time_budget is not None
+                and (self.lr_scheduler is None or self.lr_scheduler is self.time_budget_schedule)):
+            self.lr_scheduler = self.time_budget_schedule = time_budget_schedule(
+                optimizer or self.optimizer, scheduler_name(self.args),
+                self.args.get_warmup_steps(num_training_steps), self.time_budget,
+            )
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # Filled on the device: a tensor made from host data would be a blocking copy to it.
+        step = torch.full((), self.state.global_step + 1, dtype=torch.long, device=loss.device)
+        bad = ~torch.isfinite(loss)
+        if self._first_bad_step is None:
+            self._first_bad_step = torch.full_like(step, -1)
+        self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), step, self._first_bad_step)
+        return loss
+
+    def warm_up_batches(self) -> list[list[int]]:
+        """The batches whose shapes the compiled step is first made for: with shape buckets, the largest batch of
+        each (padded up to its shape, it stands for all); otherwise the one with the most rows, the longest, the
+        shortest, and one of a single row if there is one (a size of 1 is a shape torch.compile specializes for).
+        Taken from the token-budget sampler's batches, the same on every process."""
+        sampler = getattr(self, "batch_sampler", None)
+        if not isinstance(sampler, TokenBatchSampler) or self._train_features is None:
+            return []
+        batches = sampler.batches_by_length()
+        if sampler.shape_buckets is not None:
+            largest = {}
+            for batch in batches:  # shortest first: a batch's bucket is that of its last example
+                width = int(sampler.lengths[batch[-1]])
+                key = sampler.shape_buckets.shape(width)
+                if len(batch) > len(largest.get(key, ())):
+                    largest[key] = batch
+            return list(largest.values())
+        longest = [int(sampler.lengths[batch].max()) for batch in batches]
+        chosen = [max(range(len(batches)), key=lambda i: len(batches[i])), int(np.argmax(longest)),
+                  int(np.argmin(longest))]
+        chosen += [i for i, batch in enumerate(batches) if len(batch) == 1][:1]
+        return [batches[i] for i in dict.fromkeys(chosen)]
+
+    def compile_before_the_clock(self) -> None:
+        """Under `--torch_compile`, run the training step's forward and backward on `warm_up_batches` before the
+        time budget's clock starts, so that torch.compile builds its graphs then rather than in the first timed
+        steps (on a GPU a whole forward and backward compile takes tens of seconds). Without shape buckets the
+        batches' sizes are marked dynamic first, so that one graph serves every later shape instead of a static
+        graph followed by a dynamic one; with them, each declared shape gets its static graph. The gradients are
+        dropped and the random state restored: training then starts as it would have.
+
+        The Trainer's `--torch_compile_mode reduce-overhead` replays the compiled step as CUDA graphs, one recording
+        per batch shape: with `--shape_buckets` each shape's is recorded here too (its second run; the first warms
+        up). Both stay off by default until the GPU step-rate probe (`bench_training.py --shape_buckets`, engine
+        `vaswani-compiled-graphs`, in benchmarks/results/training-graphs-cuda-*.md) measures them faster."""
+        if not self.args.torch_compile:
+            return
+        batches = self.warm_up_batches()
+        if not batches:
+            logger.warning("--torch_compile without --max_tokens_per_batch: the step compiles within the first "
+                           "timed steps.")
+            return
+        bucketed = self.batch_sampler.shape_buckets is not None
+        graphed = bucketed and self.args.device.type == "cuda" and self.args.torch_compile_mode == "reduce-overhead"
+        start = time.monotonic()
+        model = self.model_wrapped
+        devices = [self.args.device] if self.args.device.type == "cuda" else []
+        # With buckets, one static graph per declared shape: under automatic dynamic shapes the second shape would
+        # bring a graph with dynamic sizes instead, made for no size in particular. Every declared shape is compiled
+        # here, so training then finds its graph without compiling.
+        static = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if bucketed else contextlib.nullcontext()
+        with static, torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+            for indices in batches:
+                collated = self._train_collate([self._train_features[i] for i in indices])
+                # On the device already, where the marks stay (a copy made later would not carry them).
+                batch = {name: tensor.to(self.args.device) for name, tensor in collated.items()}
+                for tensor in batch.values() if not bucketed else ():
+                    for dim in range(min(tensor.dim(), 2)):
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                for _ in range(2 if graphed else 1):
+                    samples, items = self.get_batch_samples(iter([batch]), 1, self.args.device)
+                    self.training_step(model, samples[0], items)
+                    model.zero_grad()
+        self._first_bad_step = None  # a warm-up step is no training step
+        self.compile_seconds = time.monotonic() - start
+        logger.info("Compiled the training step on %d batch shapes%s in %.1f s, before training started.",
+                    len(batches), " (shape buckets)" if bucketed else "", self.compile_seconds)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs) -> dict:
+        # Only the evaluation split whose text the trainer holds is scored by translating it.
+        self._score_translations = (eval_dataset is None and self.eval_texts is not None
+                                    and self.args.predict_with_generate and not self.args.prediction_loss_only)
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        finally:
+            self._score_translations = False
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """The Trainer's loop for the loss alone, and BLEU, chrF and TER (`eval_bleu`...) of `score_split`'s
+        translations, in the metrics the Trainer then logs and picks the best model by. Every process translates
+        the whole split, so that all of them decide on the same scores."""
+        if not self._score_translations:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
+        scores = score_split(self.model, self.processing_class, self.eval_texts, self.args.per_device_eval_batch_size)
+        output.metrics.update({f"{metric_key_prefix}_{name}": scores[name] for name in ("bleu", "chrf", "ter")})
+        return output
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """The Trainer's estimate (6 × tokens × non-embedding parameters), with the parameters counted once: the
+        Trainer counts them again at every step, a walk over the whole module tree."""
+        if self._non_embedding_parameters is None:
+            self._non_embedding_parameters = self.model.num_parameters(exclude_embeddings=True)
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        return 6 * inputs[main_input].numel() * self._non_embedding_parameters if main_input in inputs else 0
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        self.raise_on_nonfinite_loss()
+        if self.training_started is not None:
+            logs = {**logs, "elapsed_seconds": round(time.monotonic() - self.training_started, 2)}
+        super().log(logs, *args, **kwargs)
+
+    def raise_on_nonfinite_loss(self) -> None:
+        if self._first_bad_step is not None and int(self._first_bad_step) >= 0:
+            raise FloatingPointError(
+                f"Training loss became NaN/inf at step {int(self._first_bad_step)}. Lower the learning rate, "
+                "use bf16 instead of fp16, or check the data for empty or corrupted examples."
+            )
+
+    def before_checkpoint(self) -> None:
+        self.raise_on_nonfinite_loss()
+
+    def finish_checkpoint(self, directory: str) -> None:
+        replace_pickled_arguments(directory, self.args)
+
+
+def score_split(model, tokenizer, split: Dataset, batch_size: int) -> dict:
+    """`split`'s sources translated with the model's own decoding settings (its `generation_config`), at most
+    `batch_size` sentences a batch, and scored against its references (every accepted one, where the corpus has
+    several): `evaluation.evaluate_model`'s scores and hypotheses, through the package's one translation path
+    (`loading.engine_for_model`, `translation.translate`). Validation during training and the final test evaluation
+    both score through this."""
+    references = split["references"] if "references" in split.column_names else [[t] for t in split["target"]]
+    return evaluate_model(model, tokenizer, split["source"], references, batch_size=batch_size)

@@ -1,0 +1,335 @@
+"""The Trainer of a training run (`vaswani.trainer.VaswaniSeq2SeqTrainer`): token-budget batches, shape buckets,
+a training step that reads nothing back from the device, and the step compiled before the clock starts."""
+
+import collections
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from packaging import version
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
+
+import vaswani.inference
+import vaswani.trainer
+import vaswani.training
+from conftest import script_main
+from training_script import NOUNS, synthetic_corpus, train_args
+
+VaswaniSeq2SeqTrainer = vaswani.training.VaswaniSeq2SeqTrainer  # as imported, whatever a test patches
+
+
+def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
+    """The Trainer's batches, as its collator pads them (to multiples of 8, as on GPUs under bf16), hold at most
+    --max_tokens_per_batch tokens on each side: the budget counts what the device computes."""
+    from transformers import DataCollatorForSeq2Seq, HfArgumentParser
+
+    from vaswani import training
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    parser = HfArgumentParser((training.ModelArguments, training.DataArguments, training.VaswaniTrainingArguments))
+    model_args, data_args, args = parser.parse_args_into_dataclasses(
+        args=train_args(corpus, tmp_path / "out", "--max_tokens_per_batch", "100", "--use_cpu"))
+    data = training.prepare_data(model_args, data_args, args)
+    model, tokenizer = training.build_model_and_tokenizer(model_args, data.tokenizer)
+    features, _ = training.tokenize_splits(data, tokenizer, data_args, args)
+    trainer = training.VaswaniSeq2SeqTrainer(
+        model=model, args=args, train_dataset=features, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8), max_tokens_per_batch=100)
+    batches = list(trainer.get_train_dataloader())
+    assert sum(len(batch["input_ids"]) for batch in batches) == len(features)
+    assert {batch["input_ids"].shape[1] % 8 for batch in batches} == {0}
+    assert max(max(batch["input_ids"].numel(), batch["labels"].numel()) for batch in batches) <= 100
+    # Short sentences padded to 8 or 16: the budget allows fewer of them than their own lengths would.
+    assert max(len(batch["input_ids"]) for batch in batches) <= 100 // 8
+    # With loader workers: the same batches, from workers kept for the next epoch instead of started again.
+    args.dataloader_num_workers = 1
+    loader = trainer.get_train_dataloader()
+    assert loader.persistent_workers
+    assert [batch["input_ids"].tolist() for batch in loader] == [batch["input_ids"].tolist() for batch in batches]
+    # Padded up to declared shapes, rows included, the batches stay within the budget too (padded to multiples of 2
+    # here: multiples of 8 leave these sentences a single length).
+    args.dataloader_num_workers = 0
+    trainer = training.VaswaniSeq2SeqTrainer(
+        model=model, args=args, train_dataset=features, processing_class=tokenizer, shape_buckets=3,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=2), max_tokens_per_batch=100)
+    batches = list(trainer.get_train_dataloader())
+    declared = set(trainer.batch_sampler.shape_buckets.shapes)
+    assert len(declared) == 3 and all(length % 2 == 0 for _, length in declared)
+    assert {tuple(batch[name].shape) for batch in batches for name in batch} == declared
+    assert max(rows * length for rows, length in declared) <= 100
+    examples = [batch["labels"][(batch["labels"] != -100).any(dim=1)] for batch in batches]
+    assert sum(len(rows) for rows in examples) == len(features)
+
+
+def test_validation_scores_the_translations_of_the_one_translation_path(tmp_path, monkeypatch):
+    """With --predict_with_generate, each evaluation during training logs the Trainer's eval_loss beside eval_bleu,
+    eval_chrf and eval_ter of the package's translation path (`trainer.score_split`, which the test evaluation takes
+    too), and the best model is picked by them: the last evaluation's scores, at the last step, are those of the
+    saved model scored again. The Trainer's own generation never runs."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    trainers, loss_only = [], set()
+
+    class Trainer(VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+            loss_only.add(prediction_loss_only)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    corpus = tmp_path / "corpus.tsv"  # sentences all different, so that the validation split gets some
+    corpus.write_text("".join(f"I have {n} {noun}s.\tJ'ai {n} {plural}.\n"
+                              for n in range(1000) for noun, _, plural in [NOUNS[n % len(NOUNS)]]), encoding="utf-8")
+    script_main("train_translation")(train_args(
+        corpus, tmp_path / "out", "--max_steps", "10", "--eval_strategy", "steps", "--eval_steps", "5",
+        "--predict_with_generate", "--max_eval_samples", "12", "--use_cpu", "--metric_for_best_model", "bleu"))
+    trainer = trainers[-1]
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evaluations] == [5, 10] and loss_only == {True}
+    assert all({"eval_bleu", "eval_chrf", "eval_ter"} <= entry.keys() for entry in evaluations)
+    assert trainer.state.best_metric == max(entry["eval_bleu"] for entry in evaluations)
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert len(trainer.eval_texts) == 12
+    scores = vaswani.trainer.score_split(model, tokenizer, trainer.eval_texts, batch_size=8)
+    assert {name: evaluations[-1][f"eval_{name}"] for name in ("bleu", "chrf", "ter")} == {
+        name: scores[name] for name in ("bleu", "chrf", "ter")}
+
+
+# Ops that hand a tensor's value to the host: on an accelerator each makes the host wait for the device.
+READ_BACK_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "item", "equal"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a value back, and the tensors made from host data (`lift_fresh`: `torch.tensor`,
+    on an accelerator a blocking copy to it) while `in_step`, each with the code that asked for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.lifted, self.in_step = collections.Counter(), collections.Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in READ_BACK_OPS or (name == "lift_fresh" and self.in_step):
+            caller = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[-8:-1])
+            (self.reads if name in READ_BACK_OPS else self.lifted)[f"{name} at {caller}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SteadyStepReads(TrainerCallback):
+    """Counts `HostReads` over the steps after `first` up to `last` (their data loading, forward, backward,
+    optimiser step and every callback); `in_step` covers the steps proper, without the loader's collation."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last, self.mode = first, last, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.mode is not None:
+            self.mode.in_step = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.first:
+            self.mode = HostReads()
+            self.mode.__enter__()
+        elif state.global_step == self.last:
+            self.mode.__exit__(None, None, None)
+        if self.mode is not None:
+            self.mode.in_step = False
+
+
+def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
+    """Through the training script, with a time budget, interval checkpoints and a weight average (every
+    per-step callback on), a steady step between logging steps reads no value back to the host and copies no host
+    value to the device: nothing makes the host wait for the device, which can then run ahead of it. The counts
+    hold on any device, so this CPU run stands for the GPU's."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    counter = SteadyStepReads(first=4, last=10)
+    trainers = []
+
+    class CountingTrainer(vaswani.training.VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(counter)
+            trainers.append(self)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    script_main("train_translation")(train_args(
+        corpus, tmp_path / "out", "--max_steps", "12", "--max_test_samples", "2", "--generation_num_beams", "1",
+        "--use_cpu", "--bf16", "--attn_implementation", "eager", "--max_tokens_per_batch", "200",
+        "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100"))
+    assert counter.mode is not None and not counter.mode.in_step
+    lifted = dict(counter.mode.lifted)
+    if version.parse(transformers.__version__) < version.parse("5.21"):
+        # Before 5.21, transformers' eager attention mask (masking_utils.eager_mask) makes its zero from a host
+        # scalar, once per mask; 5.21 makes it on the device. Upstream's copy, not the package's: only that one.
+        lifted = {where: count for where, count in lifted.items() if "masking_utils.py" not in where}
+    assert dict(counter.mode.reads) == {} and lifted == {}
+    assert not trainers[0].args.logging_nan_inf_filter
+    # The batches are copied without waiting where they come from pinned memory (on CUDA).
+    arguments = vaswani.training.VaswaniTrainingArguments
+    assert arguments(output_dir=str(tmp_path / "a"), report_to="none").accelerator_config.non_blocking
+    assert not arguments(output_dir=str(tmp_path / "b"), report_to="none",
+                         dataloader_pin_memory=False).accelerator_config.non_blocking
+
+
+def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path, monkeypatch):
+    """--torch_compile with token-budget batches of many shapes: Dynamo builds one graph of the step, with no
+    graph break, before the time budget's clock starts (a warm-up on the extreme shapes, sizes marked dynamic), and
+    none while training. metrics.json reports the compilation apart from the runtime, every logged line carries the
+    elapsed seconds, and the warm-up changes nothing in training: the losses are those of a run without it (whose
+    graphs are compiled inside the timed steps, a static one and then a dynamic one)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    graphs, shapes, trainers = {}, set(), []
+
+    class Graphs(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            graphs["begin"] = counters["stats"]["unique_graphs"]
+
+        def on_train_end(self, args, state, control, **kwargs):
+            graphs["end"], graphs["breaks"] = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    class CountingTrainer(vaswani.training.VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(Graphs())
+            trainers.append(self)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            shapes.add((tuple(inputs["input_ids"].shape), tuple(inputs["labels"].shape)))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+
+    def train(output_dir):
+        torch._dynamo.reset()
+        counters.clear()
+        script_main("train_translation")(train_args(
+            corpus, output_dir, "--max_steps", "20", "--max_test_samples", "2", "--generation_num_beams", "1",
+            "--use_cpu", "--max_tokens_per_batch", "150", "--max_train_time", "600", "--logging_steps", "5",
+            "--torch_compile", "--torch_compile_backend", "eager"))
+        return [entry["loss"] for entry in trainers[-1].state.log_history if "loss" in entry]
+
+    losses = train(tmp_path / "warm")
+    assert len(shapes) >= 5  # many shapes, one graph
+    assert graphs == {"begin": 1, "end": 1, "breaks": 0}
+    metrics = json.loads((tmp_path / "warm" / "metrics.json").read_text())
+    assert 0 < metrics["train_compile_seconds"] < metrics["train_wall_seconds"]
+    assert metrics["train_runtime"] < metrics["train_wall_seconds"] - metrics["train_compile_seconds"]
+    assert all("elapsed_seconds" in entry for entry in trainers[-1].state.log_history)
+    assert len(losses) == 4
+
+    monkeypatch.setattr(CountingTrainer, "compile_before_the_clock", lambda self: None)
+    unwarmed = train(tmp_path / "cold")
+    assert graphs["begin"] == 0 and graphs["end"] == 2
+    torch.testing.assert_close(losses, unwarmed, rtol=1e-5, atol=1e-6)
+
+
+class ShapesSeen(TrainerCallback):
+    """The (input_ids, labels) shapes of the batches trained on, and Dynamo's graphs at the start and end."""
+
+    def __init__(self):
+        self.shapes, self.graphs, self.padding_rows = set(), {}, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch._dynamo.utils import counters
+
+        self.graphs["begin"] = counters["stats"]["unique_graphs"]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from torch._dynamo.utils import counters
+
+        self.graphs["end"], self.graphs["breaks"] = counters["stats"]["unique_graphs"], sum(
+            counters["graph_break"].values())
+
+
+def bucketed_run(monkeypatch, corpus, output_dir, *extra):
+    """train_translation.py with shape buckets: the trainer, and the `ShapesSeen` of its training steps."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    seen, trainers = ShapesSeen(), []
+
+    class Trainer(VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(seen)
+            trainers.append(self)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.training_started is not None:  # not the warm-up's
+                seen.shapes.add((tuple(inputs["input_ids"].shape), tuple(inputs["labels"].shape)))
+                seen.padding_rows += int((inputs["labels"] == -100).all(dim=1).sum())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    torch._dynamo.reset()
+    counters.clear()
+    script_main("train_translation")(train_args(
+        corpus, output_dir, "--max_test_samples", "2", "--generation_num_beams", "1", "--max_tokens_per_batch", "150",
+        "--shape_buckets", "3", "--max_train_time", "600", "--config_overrides", "dropout=0", *extra))
+    return trainers[-1], seen
+
+
+def logged(trainer, name):
+    return [entry[name] for entry in trainer.state.log_history if name in entry]
+
+
+def test_shape_buckets_train_as_the_batches_unpadded_do(tmp_path, monkeypatch):
+    """Batches padded up to their shape bucket (columns, and rows the loss ignores) give the losses and gradient
+    norms of the same batches unpadded, step by step (fp32, no dropout: padding draws other dropout masks)."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    steps = ("--max_steps", "8", "--logging_steps", "1", "--use_cpu")
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "bucketed", *steps)
+    declared = set(trainer.batch_sampler.shape_buckets.shapes)
+    assert {inputs for inputs, labels in seen.shapes} <= declared and all(a == b for a, b in seen.shapes)
+    assert seen.padding_rows > 0  # rows of ignored labels were there, and left the loss as it was
+    losses, norms = logged(trainer, "loss"), logged(trainer, "grad_norm")
+    assert len(losses) == len(norms) == 8
+
+    monkeypatch.setattr(vaswani.trainer.ShapePaddedCollator, "__call__", lambda self, features: self.collator(features))
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "unpadded", *steps)
+    assert not {inputs for inputs, labels in seen.shapes} <= declared  # the same batches, at their own widths
+    torch.testing.assert_close(logged(trainer, "loss"), losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(trainer, "grad_norm"), norms, rtol=1e-4, atol=1e-6)
+
+
+def test_shape_buckets_compile_one_graph_per_shape_before_the_clock(tmp_path, monkeypatch):
+    """--torch_compile with shape buckets over batches of many lengths: every batch trained on takes a declared
+    shape, and Dynamo builds one static graph per shape before the clock starts, none while training, no break."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "30", "--use_cpu",
+                                 "--torch_compile", "--torch_compile_backend", "eager", "--logging_steps", "10")
+    declared = trainer.batch_sampler.shape_buckets.shapes
+    assert len(declared) == 3
+    assert {inputs for inputs, labels in seen.shapes} == set(declared) and all(a == b for a, b in seen.shapes)
+    assert seen.graphs == {"begin": 3, "end": 3, "breaks": 0}
+    assert trainer.compile_seconds > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shape_buckets_as_cuda_graphs_train_as_eager_does(tmp_path, monkeypatch):
+    """On CUDA, --torch_compile_mode reduce-overhead with shape buckets (each shape's step recorded as a CUDA graph
+    before the clock, replayed while training) gives the losses of the uncompiled step on the same batches."""
+    from torch._dynamo.utils import counters
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    steps = ("--max_steps", "12", "--logging_steps", "1", "--dataloader_pin_memory", "true")
+    trainer, seen = bucketed_run(monkeypatch, corpus, tmp_path / "graphs", *steps, "--torch_compile",
+                                 "--torch_compile_mode", "reduce-overhead")
+    assert trainer.args.device.type == "cuda"
+    assert seen.graphs["begin"] == seen.graphs["end"] == len(trainer.batch_sampler.shape_buckets.shapes)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    graphed = logged(trainer, "loss")
+    trainer, _ = bucketed_run(monkeypatch, corpus, tmp_path / "eager", *steps)
+    torch.testing.assert_close(graphed, logged(trainer, "loss"), rtol=1e-3, atol=1e-4)

@@ -1,0 +1,126 @@
+"""The training run's callbacks (`vaswani.training_callbacks`): the shared clock, the time budget and its
+learning-rate schedule, interval checkpoints and the weight average."""
+
+import re
+
+import pytest
+import torch
+
+from training_script import run_script, synthetic_corpus, train_args
+
+
+def test_the_learning_rate_decays_over_the_time_budget(tmp_path):
+    """--lr_decay_over_time_budget: warm-up in steps, then linear (or cosine) decay of the budget's spent part,
+    reaching zero as the budget runs out, instead of decaying over --max_steps, which a timed run never reaches."""
+    from vaswani import VaswaniForConditionalGeneration
+    from vaswani.trainer import VaswaniSeq2SeqTrainer
+    from vaswani.training_arguments import VaswaniTrainingArguments
+    from vaswani.training_callbacks import TimeBudgetCallback
+
+    from conftest import tiny_config
+
+    for kind, halfway in (("linear", 0.5), ("cosine", 0.5), ("linear", 0.25)):
+        args = VaswaniTrainingArguments(output_dir=str(tmp_path), max_train_time=100, lr_scheduler_type=kind,
+                                        lr_decay_over_time_budget=True, warmup_steps=4, learning_rate=1.0,
+                                        max_steps=100000, report_to="none", use_cpu=True)
+        budget = TimeBudgetCallback(args.max_train_time)
+        trainer = VaswaniSeq2SeqTrainer(model=VaswaniForConditionalGeneration(tiny_config()), args=args,
+                                        time_budget=budget)
+        trainer.create_optimizer()
+        scheduler = trainer.create_scheduler(num_training_steps=100000)
+        rates = []
+        for step in range(1, 7):
+            trainer.optimizer.step()
+            scheduler.step()
+            rates.append(scheduler.get_last_lr()[0])
+        assert rates[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and rates[4:] == pytest.approx([1.0, 1.0])
+        budget.fraction = halfway
+        trainer.optimizer.step()
+        scheduler.step()
+        expected = 1 - halfway if kind == "linear" else 0.5 * (1 + torch.cos(torch.tensor(torch.pi * halfway))).item()
+        assert scheduler.get_last_lr()[0] == pytest.approx(expected)
+        budget.fraction = 1.0
+        trainer.optimizer.step()
+        scheduler.step()
+        assert scheduler.get_last_lr()[0] == 0.0
+
+
+def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
+    """The time budget and the interval checkpoints decide on the same all-reduced clock (one all-reduce per step
+    under DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
+    from transformers import TrainerControl, TrainerState
+
+    import vaswani.training_callbacks as callbacks
+    from vaswani.training_arguments import VaswaniTrainingArguments
+
+    now, reductions = [100.0], []
+    monkeypatch.setattr(callbacks.time, "monotonic", lambda: now[0])
+
+    def slowest_rank(seconds, args):
+        reductions.append(seconds)
+        return seconds
+
+    monkeypatch.setattr(callbacks, "slowest_rank", slowest_rank)
+    clock = callbacks.TrainingClock()
+    budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
+    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
+    state.max_steps = 100
+    for callback in (budget, interval):
+        callback.on_train_begin(args, state, TrainerControl())
+    saved, stopped = [], None
+    for step in range(1, 8):
+        now[0] += 2.0
+        state.global_step, control = step, TrainerControl()
+        for callback in (budget, interval):
+            control = callback.on_step_end(args, state, control)
+        if control.should_save:
+            saved.append(step)
+            interval.on_save(args, state, control)
+        if control.should_training_stop:
+            stopped = step
+            break
+    assert len(reductions) == stopped == 5  # one reading per step, shared by both callbacks
+    assert saved == [2, 4, 5] and budget.fraction == 1.0  # 4 s, 8 s, then the budget's last step (10 s)
+
+
+def test_the_weight_average_becomes_the_final_model():
+    """--ema_decay: every step moves the average towards the weights by 1 − min(decay, (1 + n) / (10 + n)); at the
+    end of training the model holds the average."""
+    from vaswani import VaswaniForConditionalGeneration
+    from vaswani.training_callbacks import WeightAverageCallback
+
+    from conftest import tiny_config
+
+    model = VaswaniForConditionalGeneration(tiny_config())
+    callback = WeightAverageCallback(decay=0.9)
+    callback.on_train_begin(None, None, None, model=model)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for n in range(1, 31):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        callback.on_step_end(None, None, None)
+        weight = 1 - min(0.9, (1 + n) / (10 + n))
+        for name, p in model.named_parameters():
+            expected[name] += weight * (p.detach() - expected[name])
+    last = {name: p.detach().clone() for name, p in model.named_parameters()}
+    callback.on_train_end(None, None, None)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name])
+        assert not torch.equal(p.detach(), last[name])
+
+
+def test_a_timed_run_with_decay_and_averaging_ends_near_a_zero_rate(tmp_path):
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv")
+    output_dir = tmp_path / "decayed"
+    args = train_args(corpus, output_dir, "--max_steps", "100000", "--max_train_time", "4", "--logging_steps", "1",
+                      "--lr_scheduler_type", "cosine", "--lr_decay_over_time_budget", "--ema_decay", "0.9")
+    result = run_script("train_translation.py", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rates = [float(rate) for rate in re.findall(r"'learning_rate': '?([-+.e0-9]+)", result.stderr)]
+    assert len(rates) > 10, result.stderr[-2000:]
+    peak = max(rates)
+    assert peak == pytest.approx(3e-3, rel=0.01)
+    after_peak = rates[rates.index(peak):]
+    assert all(b <= a for a, b in zip(after_peak, after_peak[1:])) and after_peak[-1] < 0.1 * peak, rates
+    assert (output_dir / "model.safetensors").is_file()

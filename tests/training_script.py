@@ -1,0 +1,42 @@
+"""The training script on a small synthetic corpus, as the training tests run it: the corpus, the arguments of a
+short run, and the script run in a fresh process."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+
+NUMBERS = [("one", "un"), ("two", "deux"), ("three", "trois"), ("four", "quatre"), ("five", "cinq")]
+NOUNS = [("cat", "chat", "chats"), ("dog", "chien", "chiens"), ("book", "livre", "livres"), ("car", "voiture", "voitures")]
+
+
+def synthetic_corpus(path: Path, pairs: int = 600, seed: int = 0) -> Path:
+    """English<TAB>French lines from templates: enough structure for a tiny model to learn something."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(pairs):
+        (en_n, fr_n), (en_s, fr_s, fr_p) = rng.choice(NUMBERS), rng.choice(NOUNS)
+        if en_n == "one":
+            lines.append(f"I have one {en_s}.\tJ'ai un {fr_s}.")
+        else:
+            lines.append(f"I have {en_n} {en_s}s.\tJ'ai {fr_n} {fr_p}.")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def train_args(corpus: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--preset", "tiny", "--vocab_size", "300", "--corpus", str(corpus), "--output_dir", str(output_dir),
+        "--max_steps", "30", "--per_device_train_batch_size", "16", "--learning_rate", "3e-3",
+        "--warmup_steps", "5", "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "10",
+        "--report_to", "none", "--max_test_samples", "20", "--generation_num_beams", "2", "--seed", "0",
+        "--dataloader_pin_memory", "false", *extra,
+    ]
+
+
+def run_script(name: str, *args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
