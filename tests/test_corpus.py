@@ -117,7 +117,7 @@ def test_the_scripts_pass_the_repository_copy_that_the_package_does_not_know(mon
 
     training_script = script_module("train_translation")
     monkeypatch.setattr(training_script, "keep_freed_cpu_memory", lambda **kwargs: None)  # process-wide otherwise
-    monkeypatch.setattr(training_script, "run_training", lambda model_args, data_args, args: capture(
+    monkeypatch.setattr(training_script, "run_training", lambda model_args, data_args, args, command: capture(
         default_corpus=Path(data_args.default_corpus), corpus=data_args.corpus))
     with pytest.raises(Called):
         training_script.main(["--output_dir", str(tmp_path / "model"), "--use_cpu", "true"])
