@@ -5,7 +5,6 @@ import argparse
 import gzip
 import importlib.util
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -251,39 +250,6 @@ def _tiny_checkpoint(tmp_path) -> str:
     return str(tmp_path / "model")
 
 
-def test_decoding_loops_benchmark(corpus, tmp_path):
-    path = load("bench_decoding_loops").main(
-        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
-         "--repeats", "1", "--results_dir", str(tmp_path / "results")]
-    )
-    report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
-    assert [(row["precision"], row["loop"]) for row in report["results"]] == [
-        ("fp32", "transformers"), ("fp32", "lean"), ("int8", "transformers"), ("int8", "lean")]
-    assert all(row["sentences"] == 8 for row in report["results"])
-    assert report["results"][1]["identical_to_transformers"] == 8  # fp32: the lean loop's outputs are generate()'s
-    equality = report["Token-identical outputs, fp32"]
-    assert len(equality) == 15 and all(row["identical"] == row["sentences"] == 8 for row in equality)
-
-
-def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
-    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8)."""
-    pytest.importorskip("torchao")
-    path = load("bench_decoding_loops").main(
-        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
-         "--repeats", "1", "--precisions", "int8-torchao", "--results_dir", str(tmp_path / "results")]
-    )
-    report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
-    assert [(row["precision"], row["loop"]) for row in report["results"]] == [
-        ("int8-torchao", "transformers"), ("int8-torchao", "lean")]
-    assert any("torchao" in note for note in report["notes"])
-
-
-def test_decoding_loops_benchmark_refuses_an_unknown_precision(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        load("bench_decoding_loops").main(["--model", str(tmp_path), "--precisions", "fp32,int4"])
-    assert "argument --precisions: unknown int4; choose from fp32, int8, int8-torchao" in capsys.readouterr().err
-
-
 def test_translation_benchmark_refuses_an_unknown_stopping_mode(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("bench_translation").main(["--stopping", "eos,never"])
@@ -309,47 +275,6 @@ def test_training_engine_names():
     for name in ("marian-flex", "vaswani-fast", "vaswani-flex-eager", "vaswani-bf16-bf16", "t5-bf16"):
         with pytest.raises(ValueError, match="Unknown engine"):
             module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
-
-
-def _onednn_saturates_here() -> bool | None:
-    """Whether oneDNN's int8 kernels must add byte products in 16 bits here (no VNNI, or capped below it), from the
-    CPU's flags and ONEDNN_MAX_CPU_ISA; None where that cannot be told (no /proc/cpuinfo, another cap)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if cap in ("SSE41", "AVX", "AVX2", "AVX512_CORE"):
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return None if cap else not any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
-def test_int8_kernels_benchmark(tmp_path):
-    """Every kernel computes the layer's function, on a checkpoint's shapes: to within int8 rounding, unless its row
-    says that its 16-bit sums saturate on this CPU; which kernels saturate is what the CPU and oneDNN's cap imply."""
-    path = load("bench_int8_kernels").main(
-        ["--model", _tiny_checkpoint(tmp_path), "--threads", "1", "--rows", "4", "--repeats", "1",
-         "--min_seconds", "0.001", "--results_dir", str(tmp_path / "results")]
-    )
-    report = check_report(path, "bench_int8_kernels", {"layer", "rows", "kernel", "microseconds", "relative_error"})
-    results = report["results"]
-    kernels = {row["kernel"] for row in results}
-    assert {"fp32", "bf16", "Int8Linear", "onednn", "_int_mm", "int8 weights only"} <= kernels
-    assert {row["layer"] for row in results} == {"attention projection", "feed-forward in", "feed-forward out",
-                                                  "output projection"}
-    for row in results:
-        assert row["microseconds"] > 0
-        if row["kernel"] == "fp32":
-            assert row["relative_error"] == 0 and not row["saturates"], row
-        elif not row["saturates"]:
-            assert row["relative_error"] < 0.1, row
-    saturating = {row["kernel"] for row in results if row["saturates"]}
-    assert saturating <= {"torchao", "onednn", "_int_mm"}  # the kernels with int8 activations
-    if (onednn_saturates := _onednn_saturates_here()) is not None:
-        assert ("onednn" in saturating) == onednn_saturates, saturating
-    assert "saturate" in (path.with_suffix(".md")).read_text()
-    config = json.loads((Path(report["settings"]["model"]) / "config.json").read_text())
-    assert next(row for row in results if row["layer"] == "output projection")["out_features"] == config["vocab_size"]
 
 
 def test_translation_benchmark_bf16_engines(corpus, tmp_path):
