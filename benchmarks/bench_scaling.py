@@ -24,19 +24,16 @@ from common import (  # noqa: E402
     Column,
     PeakMemory,
     add_common_arguments,
-    command_line,
     corpus_and_tokenizer,
     count_parameters,
     csv_of,
     pick_device,
-    result_name,
+    report,
     resident_mib,
     sample_sentences,
     timed,
     vaswani_config,
     sdpa_backend,
-    settings_of,
-    write_report,
 )
 
 from vaswani import VaswaniForCausalLM  # noqa: E402
@@ -105,8 +102,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     for r in cache_rows:
         r["vs_mha"] = r["bytes_per_token"] / base if base else None
 
-    settings = settings_of(
-        args,
+    settings = dict(
         batch_tokens=batch_tokens,
         sequences_per_batch=batch_of,
         peak_tflops=peak_tflops,
@@ -130,8 +126,6 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.is_cuda else 'fp32'}; "
         "attention implementation: the transformers default (sdpa).",
     ]
-    if args.notes:
-        notes.append(args.notes)
     columns = [
         Column("mode", "mode"),
         Column("attention", "attention"),
@@ -151,12 +145,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         Column("kib_per_token", "KiB/token", "{:.1f}"),
         Column("vs_mha", "× MHA", "{:.3f}"),
     ]
-    name = result_name(args, "scaling", device)
-    json_path, _ = write_report(
-        name, "Sequence-length scaling (decoder-only)", command_line(__file__, argv), device, settings, rows,
-        columns, notes, args.results_dir, extra_tables=[("KV cache per token", cache_rows, cache_columns)],
-    )
-    return json_path
+    return report(__file__, argv, args, device, "scaling", "Sequence-length scaling (decoder-only)", rows, columns,
+                  notes, settings, extra_tables=[("KV cache per token", cache_rows, cache_columns)])
 
 
 def measure(mode, config, length, batch, stream, args, device) -> dict:

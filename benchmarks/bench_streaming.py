@@ -40,13 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Column,
     add_common_arguments,
-    command_line,
     csv_of,
     pick_device,
+    report,
     resolve_corpus,
-    result_name,
-    settings_of,
-    write_report,
 )
 
 STAGES = ("scale", "whole_file")
@@ -196,10 +193,8 @@ def main(argv=None) -> Path:
                        Column("vs_whole_file", "× whole-file", "{:.2f}"), Column("identical", "identical")]
     main_rows, main_columns = (rows, columns) if rows else (compared, compare_columns)
     extra = [("Streamed against the whole-file sort", compared, compare_columns)] if rows and compared else []
-    json_path, _ = write_report(result_name(args, "streaming", device), "File translation at scale",
-                                command_line(__file__, argv), device, settings_of(args, corpus=str(corpus)),
-                                main_rows, main_columns, notes, args.results_dir, extra_tables=extra)
-    return json_path
+    return report(__file__, argv, args, device, "streaming", "File translation at scale", main_rows, main_columns,
+                  notes, {"corpus": str(corpus)}, extra_tables=extra)
 
 
 if __name__ == "__main__":

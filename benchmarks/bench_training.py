@@ -25,12 +25,12 @@ import argparse
 import contextlib
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
+from transformers import DataCollatorForSeq2Seq
 
 from vaswani.batching import ShapeBuckets, TokenBatchSampler, pad_to_shape
 from vaswani.inference import keep_freed_cpu_memory
@@ -43,17 +43,14 @@ from common import (  # noqa: E402
     PeakMemory,
     add_common_arguments,
     build_seq2seq,
-    command_line,
     corpus_and_tokenizer,
     count_parameters,
     csv_of,
     pick_device,
-    result_name,
+    report,
     timed,
     vaswani_config,
     sdpa_backend,
-    settings_of,
-    write_report,
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
@@ -81,34 +78,15 @@ def engine_label(name: str) -> str:
     return " ".join([ENGINE_LABELS[base].replace(" (HF)", "") if options else ENGINE_LABELS[base], *options])
 
 
-def bucket_batches(source_ids, target_ids, batch_tokens: int, seed: int) -> list[list[int]]:
-    """Length-bucketed batches (as fairseq/tensor2tensor build them): pairs sorted by length, cut so that each
-    batch holds at most `batch_tokens` tokens on each side *including padding*, then shuffled."""
-    rng = random.Random(seed)
-    longest = [max(len(s), len(t)) for s, t in zip(source_ids, target_ids)]
-    order = sorted(range(len(longest)), key=lambda i: (longest[i], rng.random()))
-    batches, current, width = [], [], 0
-    for i in order:
-        if longest[i] > batch_tokens:
-            continue  # a pair longer than a whole batch would not fit any
-        if current and max(width, longest[i]) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, width = [], 0
-        current.append(i)
-        width = max(width, longest[i])
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
-
-
-def shape_bucketed_batches(source_ids, target_ids, batch_tokens: int, seed: int,
-                           count: int) -> tuple[list[list[int]], ShapeBuckets]:
-    """The batches of `TokenBatchSampler` with `count` shape buckets over the pairs that fit a batch (as
-    `train_translation.py --shape_buckets` cuts them), shuffled, and the shapes they pad up to."""
+def token_batches(source_ids, target_ids, batch_tokens: int, seed: int,
+                  shape_buckets: int | None = None) -> tuple[list[list[int]], ShapeBuckets | None]:
+    """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
+    `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
+    per side padding included, shuffled (seed); pairs longer than a whole batch are left out. Returns the batches as
+    indices and, with `shape_buckets`, the shapes they pad up to (else None)."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sampler = TokenBatchSampler([max(len(source_ids[i]), len(target_ids[i])) for i in keep], batch_tokens, seed=seed,
-                                shape_buckets=count)
+                                shape_buckets=shape_buckets)
     return [[keep[j] for j in batch] for batch in sampler], sampler.shape_buckets
 
 
@@ -132,6 +110,8 @@ class Trainee:
     """One engine's model, optimizer and its copy of the batches (each model has its own padding id)."""
 
     def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None, shape_buckets=None):
+        """`batches`: collated (`DataCollatorForSeq2Seq`), shared by every engine (Marian's twin pads as Vaswani
+        does)."""
         self.name = name
         base, *options = name.split("-")
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
@@ -150,12 +130,11 @@ class Trainee:
                         if "compiled" in options else self.model)
         # The paper's Adam (§5.3); the learning-rate schedule does not change the cost of a step.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
-        pad = self.model.config.pad_token_id
-        self.batches = [_tensors(sources, targets, pad) for sources, targets in batches]
+        self.batches = batches
         if bucketed:
-            pad_values = {"input_ids": pad, "attention_mask": 0, "labels": -100}
+            pad_values = {"input_ids": self.model.config.pad_token_id, "attention_mask": 0, "labels": -100}
             self.batches = [pad_to_shape(b, *shape_buckets.shape(max(b["input_ids"].shape[1], b["labels"].shape[1])),
-                                         pad_values) for b in self.batches]
+                                         pad_values) for b in batches]
         self.device = device
         self.autocast = (
             torch.autocast(device.device.type, dtype=torch.bfloat16) if device.is_cuda or "bf16" in options
@@ -179,15 +158,6 @@ class Trainee:
         return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def _tensors(sources: list[list[int]], targets: list[list[int]], pad: int) -> dict:
-    def padded(rows, value):
-        width = max(map(len, rows))
-        return torch.tensor([row + [value] * (width - len(row)) for row in rows])
-
-    input_ids = padded(sources, pad)
-    return {"input_ids": input_ids, "attention_mask": input_ids != pad, "labels": padded(targets, -100)}
-
-
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
     budgets = args.batch_tokens or ([4000, 12000, 25000] if device.is_cuda else [2048])
@@ -202,20 +172,19 @@ def run(args: argparse.Namespace, argv) -> Path:
     started = time.monotonic()
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
+    collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt")  # labels padded with -100, which the loss skips
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
     rows, batch_sentences, padding, shapes, warmups = [], {}, {}, {}, {}
     for batch_tokens in budgets:
-        buckets, warm = None, []
-        if args.shape_buckets:
-            order, buckets = shape_bucketed_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets)
+        order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets)
+        warm = []
+        if buckets is not None:
             # One batch of each shape, warmed up twice (a shape's CUDA graph is recorded at its second run), on
             # batches the timing does not use.
             last = {buckets.shape(max(max(len(source_ids[i]), len(target_ids[i])) for i in b)): b for b in order}
             warm = [b for b in last.values() for _ in range(2)]
             order = [b for b in order if not any(b is w for w in last.values())]
             shapes[batch_tokens] = buckets.shapes
-        else:
-            order = bucket_batches(source_ids, target_ids, batch_tokens, args.seed)
         warm = (warm + order[1:])[: max(warmup, len(warm))]
         if len(order) < len(warm) + steps + 1:
             raise ValueError(f"The corpus gives {len(order)} batches of {batch_tokens} tokens; need "
@@ -229,8 +198,9 @@ def run(args: argparse.Namespace, argv) -> Path:
         # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
         print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
-        rows += _measure(args, device, engines, batches, batch_tokens, len(warm), len(tokenizer), peak_tflops,
-                         started, buckets)
+        collated = [collate([{"input_ids": s, "labels": t} for s, t in zip(*batch)]) for batch in batches]
+        rows += _measure(args, device, engines, batches, collated, batch_tokens, len(warm), len(tokenizer),
+                         peak_tflops, started, buckets)
         batch_sentences[batch_tokens] = [len(s) for s, _ in timed_batches]
         padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
         real = sum(len(x) for s, t in timed_batches for x in s + t)
@@ -244,13 +214,14 @@ def run(args: argparse.Namespace, argv) -> Path:
                    batch_sentences, padding, shapes)
 
 
-def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, peak_tflops, started,
+def _measure(args, device, engines, batches, collated, batch_tokens, warmup, vocab_size, peak_tflops, started,
              shape_buckets=None) -> list[dict]:
-    """Every size × engine on these batches: the rows of one batch budget."""
+    """Every size × engine on these batches (token ids, and `collated` as the models take them): the rows of one
+    batch budget."""
     rows = []
     for size in args.sizes:
         config = vaswani_config(size, vocab_size, **({"dropout": args.dropout} if args.dropout is not None else {}))
-        trainees = [Trainee(name, config, device, batches, args.seed, args.lr, args.sdpa_backend, shape_buckets)
+        trainees = [Trainee(name, config, device, collated, args.seed, args.lr, args.sdpa_backend, shape_buckets)
                     for name in engines]
         memory = {}
         for trainee in trainees:
@@ -316,8 +287,7 @@ def _measure(args, device, engines, batches, batch_tokens, warmup, vocab_size, p
 
 def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
             batch_sentences, padding, shapes) -> Path:
-    settings = settings_of(
-        args,
+    settings = dict(
         batch_tokens=budgets,
         steps=steps,
         warmup_steps=warmups,
@@ -330,8 +300,8 @@ def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tf
     )
     notes = [
         f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
-        f"tokens), bucketed by length into batches of at most {', '.join(map(str, budgets))} padded tokens per "
-        f"side, shuffled (seed {args.seed}); at each budget the same {steps} timed batches (sentences per batch and "
+        f"tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler) into batches of at "
+        f"most {', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}); at each budget the same {steps} timed batches (sentences per batch and "
         f"padding fraction per budget: settings `batch_sizes_sentences`, `padding_fraction`) for every engine, "
         f"after the warm-up steps of settings `warmup_steps`.",
         *([f"Shape buckets: the batches `TokenBatchSampler(shape_buckets={args.shape_buckets})` cuts, as "
@@ -361,8 +331,6 @@ def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tf
         + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
            if args.sdpa_backend else "with torch's own choice of kernel."),
     ]
-    if args.notes:
-        notes.append(args.notes)
     if overhead:
         notes.append("Trainer overhead: the tiny preset's steps through `VaswaniSeq2SeqTrainer` (a time budget on, "
                      "as train_translation.py sets it up) and through a bare loop (forward, backward, clipping to "
@@ -386,14 +354,10 @@ def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tf
         Column("load_average", "load avg", "{:.1f}"),
         Column("compilations_while_timed", "recompiles"),
     ]
-    name = result_name(args, "training", device)
     overhead_columns = [Column("loop", "loop"), Column("steps", "steps"),
                         Column("ms_per_step", "ms/step", "{:.2f}"), Column("added_ms", "added ms/step", "{:.2f}")]
-    json_path, _ = write_report(
-        name, "Training throughput", command_line(__file__, argv), device, settings, rows, columns, notes,
-        args.results_dir, extra_tables=[("Trainer overhead", overhead, overhead_columns)] if overhead else (),
-    )
-    return json_path
+    return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings,
+                  extra_tables=[("Trainer overhead", overhead, overhead_columns)] if overhead else ())
 
 
 OVERHEAD_WARMUP = 5

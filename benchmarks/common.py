@@ -1,5 +1,6 @@
 """What the benchmarks share: the device and its timing/memory probes, the real corpus and its tokenizer, the
-Vaswani / Marian twins at one size, and the JSON + Markdown report with the environment and the exact command.
+Vaswani / Marian twins at one size, and the one report runner (`report`: JSON + Markdown with the environment and
+the exact command).
 
 Every benchmark compares engines on *identical work*: the same token ids, the same batches, the same precision
 (bf16 on CUDA, fp32 on CPU) and, for generation, the same number of decoding steps. Nothing here changes a model;
@@ -26,12 +27,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import MarianConfig, MarianMTModel
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.convert import to_marian
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
-from vaswani.loading import choose_device
+from vaswani.loading import choose_device, named_dtype
 from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
@@ -63,7 +64,8 @@ BF16_PEAK_TFLOPS = (
 
 @dataclass
 class Device:
-    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU."""
+    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (where bf16 is an engine's option,
+    measured beside fp32, whatever `vaswani.loading.choose_dtype` would pick for the CPU)."""
 
     device: torch.device
 
@@ -72,8 +74,12 @@ class Device:
         return self.device.type == "cuda"
 
     @property
+    def dtype_name(self) -> str:
+        return "bfloat16" if self.is_cuda else "float32"
+
+    @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.is_cuda else torch.float32
+        return named_dtype(self.dtype_name)
 
     @property
     def tag(self) -> str:
@@ -228,51 +234,16 @@ def vaswani_config(size: str, vocab_size: int, **overrides) -> VaswaniConfig:
     return VaswaniConfig.from_preset(size, vocab_size=vocab_size, **overrides)
 
 
-def marian_twin_config(config: VaswaniConfig, max_positions: int = 1024) -> MarianConfig:
-    """The MarianConfig with the same weight shapes: post-norm, sinusoidal positions, √d_model-scaled shared
-    embeddings tied to the output, the same widths, heads, depth, activation, dropouts and eos id.
-
-    One difference is Marian's own convention (Opus-MT's, which CTranslate2's converter expects): one extra, last
-    vocabulary row for its `<pad>`, from which decoding starts (a zero embedding). That is 1 row in 32,000, so the
-    work is the same. `forced_eos_token_id` is off so that nothing forces an early end.
-    """
-    pad = config.vocab_size
-    return MarianConfig(
-        vocab_size=config.vocab_size + 1,
-        d_model=config.d_model,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        encoder_attention_heads=config.num_attention_heads,
-        decoder_attention_heads=config.num_attention_heads,
-        encoder_ffn_dim=config.d_ff,
-        decoder_ffn_dim=config.d_ff,
-        activation_function=config.ffn_activation,
-        dropout=config.dropout,
-        attention_dropout=config.attention_dropout,
-        activation_dropout=config.activation_dropout,
-        max_position_embeddings=max_positions,
-        scale_embedding=config.scale_embedding,
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,
-        pad_token_id=pad,
-        eos_token_id=config.eos_token_id,
-        bos_token_id=None,
-        decoder_start_token_id=pad,
-        forced_eos_token_id=None,
-    )
-
-
 def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: torch.dtype, seed: int = 0):
-    """A freshly initialised Vaswani or Marian translation model on `device` in `dtype` (random weights: speed
-    does not depend on their values once the number of generated tokens is fixed)."""
-    torch.manual_seed(seed)
-    if engine == "vaswani":
-        model = VaswaniForConditionalGeneration(config)
-    elif engine == "marian":
-        model = MarianMTModel(marian_twin_config(config))
-    else:
+    """A freshly initialised Vaswani translation model on `device` in `dtype` (random weights: speed does not depend
+    on their values once the number of generated tokens is fixed), or its Marian twin: `vaswani.convert.to_marian`
+    of the same weights, a `MarianMTModel` computing the same function (post-norm, sinusoidal positions,
+    √d_model-scaled shared embeddings tied to the output, the same widths, heads, depth, activation and dropouts)."""
+    if engine not in ("vaswani", "marian"):
         raise ValueError(f"Unknown PyTorch engine {engine!r}; choose vaswani or marian.")
-    return model.to(device=device.device, dtype=dtype)
+    torch.manual_seed(seed)
+    model = VaswaniForConditionalGeneration(config)
+    return (to_marian(model) if engine == "marian" else model).to(device=device.device, dtype=dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -281,6 +252,20 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 # Reports ----------------------------------------------------------------------------------------------------------
+
+
+def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, device: Device, benchmark: str,
+           title: str, rows: Sequence[dict], columns: Sequence["Column"], notes: Sequence[str],
+           settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence["Column"]]] = (),
+           ) -> Path:
+    """The one way a benchmark ends: its report (`write_report`) in --results_dir, named --output_name or
+    `<benchmark>-<device tag>`, with the command as run (`argv` None: this process' own), the run's arguments and
+    `settings`, and --notes after `notes`. Returns the JSON file's path."""
+    name = (getattr(args, "output_name", None) or f"{benchmark}-{{device}}").format(device=device.tag)
+    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
+    return write_report(name, title, command_line(script, argv), device, settings, rows, columns, notes,
+                        args.results_dir, extra_tables)[0]
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
@@ -417,7 +402,7 @@ def write_report(
 
 
 def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where a benchmark writes its report: --results_dir and --output_name (read by `result_name`)."""
+    """Where a benchmark writes its report: --results_dir and --output_name (read by `report`)."""
     parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
                         "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
@@ -452,11 +437,6 @@ def sdpa_backend(name: str | None):
     return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
 
-def settings_of(args: argparse.Namespace, **extra) -> dict:
-    """The run's arguments (paths as strings) and whatever else the report should record."""
-    return {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **extra}
-
-
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:
     """An argparse type for comma-separated lists: `--sizes tiny,base`. With `choices`, argparse refuses any other
     item with a usage error."""
@@ -479,8 +459,3 @@ def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str
     pairs, _ = read_parallel_tsv(corpus)
     train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
     return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
-
-
-def result_name(args, benchmark: str, device) -> str:
-    """The result file stem: --output_name with {device} filled in, or <benchmark>-<device tag>."""
-    return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)

@@ -194,17 +194,21 @@ def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
     assert len(shapes) == 2 and all(rows * length <= 96 for rows, length in shapes)
     assert report["settings"]["warmup_steps"]["96"] == 4
     sources = [[5] * n for n in (3, 4, 9, 10, 10)]
-    batches, buckets = module.shape_bucketed_batches(sources, sources, 20, seed=0, count=2)
+    batches, buckets = module.token_batches(sources, sources, 20, seed=0, shape_buckets=2)
     assert sorted(i for b in batches for i in b) == list(range(5)) and buckets.lengths == (4, 10)
     assert buckets.shapes == [(2, 4), (2, 10)]  # [3, 4] padded to 4 columns; [9, 10] and [10] to 2 × 10
     device = module.pick_device("cpu")
-    as_lists = [([sources[i] for i in b], [sources[i] for i in b]) for b in batches]
-    trainee = module.Trainee("vaswani-compiled-graphs", VaswaniConfig.tiny(vocab_size=64), device, as_lists, seed=0,
+    from transformers import DataCollatorForSeq2Seq
+    from tiny_translation_model import build_tokenizer
+
+    collate = DataCollatorForSeq2Seq(build_tokenizer(), return_tensors="pt")
+    collated = [collate([{"input_ids": sources[i], "labels": sources[i]} for i in b]) for b in batches]
+    trainee = module.Trainee("vaswani-compiled-graphs", VaswaniConfig.tiny(vocab_size=64), device, collated, seed=0,
                              lr=1e-4, shape_buckets=buckets)
     assert {tuple(b[name].shape) for b in trainee.batches for name in b} == set(buckets.shapes)
-    plain = module.Trainee("vaswani-compiled", VaswaniConfig.tiny(vocab_size=64), device, as_lists, seed=0, lr=1e-4,
+    plain = module.Trainee("vaswani-compiled", VaswaniConfig.tiny(vocab_size=64), device, collated, seed=0, lr=1e-4,
                            shape_buckets=buckets)
-    assert [b["input_ids"].shape[1] for b in plain.batches] == [max(map(len, s)) for s, _ in as_lists]
+    assert [b["input_ids"].shape[1] for b in plain.batches] == [max(len(sources[i]) for i in b) for b in batches]
 
 
 def test_scaling_benchmark(corpus, tmp_path):
@@ -229,16 +233,18 @@ def test_model_flops_counts_both_stacks():
     assert training.model_flops(config, [6], [7]) > one and training.model_flops(config, [5], [8]) > one
 
 
-def test_length_buckets_respect_the_token_budget():
+def test_training_batches_are_train_translations_and_respect_the_token_budget():
     training = load("bench_training")
     rng = random.Random(1)
-    sources = [[1] * rng.randint(1, 30) for _ in range(500)]
-    targets = [[1] * rng.randint(1, 30) for _ in range(500)]
-    batches = training.bucket_batches(sources, targets, 100, seed=0)
-    assert sorted(i for b in batches for i in b) == list(range(500))
+    sources = [[1] * rng.randint(1, 30) for _ in range(500)] + [[1] * 101]
+    targets = [[1] * rng.randint(1, 30) for _ in range(500)] + [[1]]
+    batches, buckets = training.token_batches(sources, targets, 100, seed=0)
+    assert buckets is None and sorted(i for b in batches for i in b) == list(range(500))  # the 101-token pair left out
     for batch in batches:
         width = max(max(len(sources[i]), len(targets[i])) for i in batch)
         assert width * len(batch) <= 100
+    assert batches == training.token_batches(sources, targets, 100, seed=0)[0] != training.token_batches(
+        sources, targets, 100, seed=1)[0]
 
 
 def _tiny_checkpoint(tmp_path) -> str:
