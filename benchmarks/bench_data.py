@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
+from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name  # noqa: E402
 
 from vaswani.corpus import ReadSummary, iter_parallel_tsv, read_parallel_tsv, resolve_corpus_path  # noqa: E402
 from vaswani.tokenization import WordCachedEncoder  # noqa: E402
@@ -258,14 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         notes = ["One core (TOKENIZERS_PARALLELISM=false); the fastest of 3 runs each. The tokenizer (vocabulary "
                  f"{args.vocab_size}) learned from the same sentences before any were changed. Both give the same ids "
                  "(checked on every run). A batch more than `MOSTLY_NEW` new words is encoded a sentence at a time."]
-        if args.notes:
-            notes.append(args.notes)
-        write_report(args.output_name or "data-encoder-cpu",
-                     "Tokenization: the word cache against the tokenizer's call", command_line(__file__, argv),
-                     pick_device("cpu"), {"vocab_size": args.vocab_size}, rows, columns, notes, args.results_dir)
+        report(__file__, argv, args, pick_device("cpu"), "data-encoder",
+               "Tokenization: the word cache against the tokenizer's call", rows, columns, notes)
         return
-    name = args.output_name or "data-cpu"
-    previous = args.results_dir / f"{name}.json"
+    previous = args.results_dir / f"{result_name(args, 'data', pick_device('cpu'))}.json"
     rows = json.loads(previous.read_text())["results"] if args.append and previous.is_file() else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for corpus in args.corpora:
@@ -280,11 +276,11 @@ def main(argv: list[str] | None = None) -> None:
                        "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
                 print(json.dumps(row), flush=True)
                 rows = [r for r in rows if (r["pairs"], r["processes"], r["run"]) != (pairs, processes, run)] + [row]
-                report(name, rows, args, argv)  # after every row: a long series stopped early keeps what it measured
+                data_report(rows, args, argv)  # after every row: a long series stopped early keeps what it measured
         shutil.rmtree(args.work_dir, ignore_errors=True)
 
 
-def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
+def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
     rows = sorted(rows, key=lambda row: (row["pairs"], row["processes"], row["run"] != "first"))
     columns = [Column("pairs", "pairs", "{:,}"), Column("processes", "processes"), Column("run", "run"),
                Column("read_s", "corpus read (s)"), Column("tokenizer_s", "tokenizer ready (s)"),
@@ -306,13 +302,9 @@ def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str
         "processes own; 'mapped files' is pages of memory-mapped files (Arrow, libraries) the kernel can drop.",
         *slope_notes(rows),
     ]
-    if args.notes:
-        notes.append(args.notes)
-    write_report(name, "Data path at scale: time to the first training step and peak memory",
-                 command_line(__file__, argv), pick_device("cpu"),
-                 {"training_arguments": TRAINING_ARGUMENTS, "preprocessing_num_workers": args.workers,
-                  "preset": args.preset, "vocab_size": args.vocab_size}, rows, columns,
-                 notes, args.results_dir)
+    report(__file__, argv, args, pick_device("cpu"), "data",
+           "Data path at scale: time to the first training step and peak memory", rows, columns, notes,
+           {"training_arguments": TRAINING_ARGUMENTS})
 
 
 if __name__ == "__main__":

@@ -261,7 +261,7 @@ def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, de
     """The one way a benchmark ends: its report (`write_report`) in --results_dir, named --output_name or
     `<benchmark>-<device tag>`, with the command as run (`argv` None: this process' own), the run's arguments and
     `settings`, and --notes after `notes`. Returns the JSON file's path."""
-    name = (getattr(args, "output_name", None) or f"{benchmark}-{{device}}").format(device=device.tag)
+    name = result_name(args, benchmark, device)
     notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
     return write_report(name, title, command_line(script, argv), device, settings, rows, columns, notes,
@@ -459,3 +459,8 @@ def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str
     pairs, _ = read_parallel_tsv(corpus)
     train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
     return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
+
+
+def result_name(args: argparse.Namespace, benchmark: str, device: Device) -> str:
+    """The result file stem: --output_name with {device} filled in, or <benchmark>-<device tag>."""
+    return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)

@@ -26,10 +26,9 @@ from common import (
     SHARED_CORPUS,
     Column,
     add_result_arguments,
-    command_line,
     pick_device,
     result_name,
-    write_report,
+    report,
 )
 from vaswani import VaswaniForConditionalGeneration, VaswaniTokenizer
 from vaswani.data import load_translation_dataset
@@ -134,9 +133,8 @@ def main(argv=None):
     columns = [Column("run", "run"), Column("returncode", "exit"), Column("seconds", "seconds", "{:.1f}"),
                Column("held_out_loss", "held-out loss", "{:.6f}"), Column("agrees_with_plain", "agrees"),
                Column("saved", "saved")]
-    write_report(name, "FSDP2 through the Trainer on one GPU: same losses as without it, save and reload",
-                 command_line(__file__, argv), device, vars(args) | {"tolerance": TOLERANCE}, rows, columns, notes,
-                 results_dir)
+    report(__file__, argv, args, device, "gpu-fsdp", "FSDP2 through the Trainer on one GPU: same losses as without "
+           "it, save and reload", rows, columns, notes, {"tolerance": TOLERANCE})
     return 0 if agree and rows[-1]["returncode"] == 0 else 1
 
 

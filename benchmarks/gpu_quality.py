@@ -28,8 +28,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device
-from common import result_name, write_report
+from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name
 from vaswani.training import (
     DataArguments,
     ModelArguments,
@@ -213,10 +212,8 @@ def main(argv=None):
                Column("test_ter", "test TER", "{:.2f}"), Column("train_steps", "steps"),
                Column("train_epochs", "epochs", "{:.1f}"), Column("steps_per_second", "steps/s", "{:.2f}"),
                Column("train_loss", "train loss", "{:.3f}")]
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    settings["commands"] = {row["recipe"]: row["command"] for row in rows}
-    write_report(name, "Quality: base preset, fixed time budget, multi-reference BLEU on the held-out test split",
-                 command_line(__file__, argv), device, settings, rows, columns, notes, results_dir)
+    report(__file__, argv, args, device, "gpu-quality", "Quality: base preset, fixed time budget, multi-reference "
+           "BLEU on the held-out test split", rows, columns, notes, {"commands": {r["recipe"]: r["command"] for r in rows}})
     return 0 if chosen else 1
 
 
