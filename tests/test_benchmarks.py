@@ -70,7 +70,7 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
 def test_translation_benchmark(corpus, tmp_path, same_process):
     engines = "vaswani-int8,marian" if same_process else "vaswani,vaswani-hfloop,vaswani-graphs,marian"
     if importlib.util.find_spec("ctranslate2") and not same_process:
-        engines += ",ct2-int8,vaswani-ct2-int8"
+        engines += ",ct2-float32,ct2-int8"
     path = load("bench_translation").main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", engines, "--batch_sizes", "4", "--beams", "1,2", "--num_sentences", "8",
@@ -94,17 +94,14 @@ def test_translation_benchmark_names_a_failing_engine(corpus, tmp_path):
 def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_path, monkeypatch):
     """--keep_going: an engine that fails mid-run is left out and named in the notes; the others are measured."""
     module = load("bench_translation")
-    make_engine = module.make_engine
+    timed_translate, calls = module.LocalEngine.timed_translate, iter(range(100))
 
-    def failing_on_second_call(name, **spec):
-        engine = make_engine(name=name, **spec)
-        if name == "vaswani-hfloop":
-            calls = iter(range(100))
-            original = engine.timed_translate
-            engine.timed_translate = lambda *a: original(*a) if next(calls) < 1 else 1 / 0
-        return engine
+    def failing_on_second_call(engine, *args):
+        if engine.name == "vaswani-hfloop" and next(calls) >= 1:
+            raise ZeroDivisionError("division by zero")
+        return timed_translate(engine, *args)
 
-    monkeypatch.setattr(module, "make_engine", failing_on_second_call)
+    monkeypatch.setattr(module.LocalEngine, "timed_translate", failing_on_second_call)
     path = module.main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", "vaswani,vaswani-hfloop,marian", "--batch_sizes", "4", "--beams", "1,2",
@@ -351,84 +348,30 @@ def test_gpu_scripts_give_train_translation_arguments_it_parses():
     assert namespace.fsdp is True and namespace.max_steps == 10
 
 
-def _old_harness_ids(model, batch, beams, new_tokens, stop_at_eos):
-    """What the benchmark's engine returned before it called the package: generate() on the batch padded with the
-    model's pad id, the decoder start column dropped, and with eos stopping each row cut at its first eos. (It also
-    cut at a pad generated before the eos, which the package's decoding never did: the harness now counts such a
-    token as the package decodes it.)"""
-    pad = model.config.pad_token_id
-    width = max(map(len, batch))
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=ids != pad, num_beams=beams, do_sample=False,
-                             max_new_tokens=new_tokens, **({} if stop_at_eos else {"eos_token_id": None}))
-    rows = out[:, 1:].tolist()
-    if not stop_at_eos:
-        return rows
-    stops = {model.generation_config.eos_token_id}
-    return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
-
-
-@pytest.mark.parametrize("weights", ["random", "trained"])
-@pytest.mark.parametrize("name", ["vaswani", "marian"])
-def test_benchmark_torch_engine_is_the_package_engine(tmp_path, weights, name):
-    """The benchmark's PyTorch engine gives the token ids it gave before it called the package, and the package's
-    `TorchEngine` gives the same translations, greedy and beam, stopping at eos and forced to a length."""
-    from tiny_translation_model import SOURCES, build_tokenizer
-
-    from vaswani import VaswaniConfig
-    from vaswani.translation import TorchEngine as PackageEngine
-
-    bench, common = load("bench_translation"), load("common")
-    tokenizer = build_tokenizer()
-    config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
-    model_dir = _tiny_checkpoint(tmp_path) if weights == "trained" else None
-    engine = bench.TorchEngine(name, config, tokenizer, common.pick_device("cpu", 1), seed=0, model_dir=model_dir)
-    batch = sorted(tokenizer(SOURCES)["input_ids"], key=len)
-    for beams in (1, 3):
-        for stop_at_eos in (True, False):
-            ids = engine.translate(batch, beams, 7, stop_at_eos)
-            assert ids == _old_harness_ids(engine.model, batch, beams, 7, stop_at_eos), (beams, stop_at_eos)
-            if not stop_at_eos:
-                assert {len(row) for row in ids} == {7}
-            elif weights == "trained":  # some sentences end before the limit, so the cut at their end is exercised
-                assert min(map(len, ids)) < 7
-            if name == "vaswani":  # the package engine pads with the tokenizer, whose pad is Vaswani's
-                options = dict(num_beams=beams, max_new_tokens=7, do_sample=False,
-                               **({} if stop_at_eos else {"eos_token_id": None}))
-                translations = PackageEngine(engine.model, tokenizer, **options).translate_batch(batch)
-                assert translations == tokenizer.batch_decode(ids, skip_special_tokens=True)
-                # what the package engine returned before it called generate_token_ids: whole rows, decoded
-                padded = tokenizer.pad({"input_ids": batch}, return_tensors="pt")
-                with torch.inference_mode():
-                    whole = engine.model.generate(**padded, **options)
-                assert translations == tokenizer.batch_decode(whole, skip_special_tokens=True)
-
-
-def test_benchmark_ctranslate2_engine_is_the_package_engine(tmp_path):
-    """The benchmark's CTranslate2 engine calls the package's `CTranslate2Engine`, whose translations it decodes from,
-    and gives the ids of the direct `translate_batch` call it made before, at eos and forced to a length."""
-    pytest.importorskip("ctranslate2")
+@pytest.mark.parametrize("name", ["vaswani", "vaswani-slots", "marian", "ct2-float32"])
+def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
+    """The benchmark times the factory's engine below the text: its token ids, decoded, are the translations that the
+    same engine gives through `vaswani.translation.translate`, greedy and beam, stopping at eos; forced, every row
+    has exactly the asked length."""
+    if name.startswith("ct2-"):
+        pytest.importorskip("ctranslate2")
     from tiny_translation_model import SOURCES
 
-    from vaswani.tokenization_vaswani import VaswaniTokenizer
-    from vaswani.translation import CTranslate2Engine
+    from vaswani.translation import translate
 
-    bench, common = load("bench_translation"), load("common")
-    model_dir = _tiny_checkpoint(tmp_path)
-    tokenizer = VaswaniTokenizer.from_pretrained(model_dir)
-    engine = bench.CT2Engine("ct2-float32", None, tokenizer, common.pick_device("cpu", 1), 0, 1, tmp_path / "work",
-                             checkpoint=model_dir)
-    batch = sorted(tokenizer(SOURCES)["input_ids"], key=len)
+    bench = load("bench_translation")
+    engine = bench.LocalEngine(name, _tiny_checkpoint(tmp_path), "cpu", 1, None, tmp_path / "ct2", False)
+    tokenizer = engine.engine.tokenizer
+    encoded = tokenizer(SOURCES)["input_ids"]
+    batch = [encoded[i] for i in sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)]
+    sources = [SOURCES[encoded.index(ids)] for ids in batch]  # translate()'s order: longest first
     for beams in (1, 3):
-        for stop_at_eos in (True, False):
-            ids = engine.translate(batch, beams, 7, stop_at_eos)
-            direct = engine.translator.translate_batch(
-                [tokenizer.convert_ids_to_tokens(s) for s in batch], beam_size=beams, num_hypotheses=1,
-                min_decoding_length=0 if stop_at_eos else 7, max_decoding_length=7, max_input_length=0)
-            assert ids == [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in direct], (beams, stop_at_eos)
-            if not stop_at_eos:
-                assert {len(row) for row in ids} == {7}
-            package = CTranslate2Engine(engine.translator, tokenizer, num_beams=beams, max_new_tokens=7,
-                                        min_decoding_length=0 if stop_at_eos else 7)
-            assert package.translate_batch(batch) == [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        ids = engine.translate(batch, beams, 7, stop_at_eos=True)
+        if name.startswith("ct2-"):
+            engine.engine.num_beams, engine.engine.max_new_tokens, engine.engine.min_decoding_length = beams, 7, 0
+        else:
+            engine.engine.options["num_beams"], engine.engine.max_new_tokens = beams, 7
+        texts = translate(engine.engine, sources).texts
+        assert [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)] == texts, beams
+        assert min(map(len, ids)) < 7  # a trained model: some sentences end before the limit
+        assert {len(row) for row in engine.translate(batch, beams, 7, stop_at_eos=False)} == {7}
