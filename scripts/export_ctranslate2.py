@@ -3,13 +3,13 @@
 
     python scripts/export_ctranslate2.py --model outputs/en-fr --output_dir outputs/en-fr-ct2 --quantization int8
 
-The directory holds the CTranslate2 model and the tokenizer. Score it, or translate with it from Python:
+The directory holds the CTranslate2 model, the tokenizer and the checkpoint's generation config (its beam count and
+output length). Score it, or translate with it from Python, as a checkpoint:
 
-    python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --ctranslate2 --compute_type int8
+    python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --compute_type int8
 
-    from vaswani.export import load_ctranslate2, translate_ctranslate2
-    translator, tokenizer = load_ctranslate2("outputs/en-fr-ct2", compute_type="int8")
-    translate_ctranslate2(translator, tokenizer, ["I lost.", "I'm calm."], num_beams=4)
+    engine = vaswani.loading.load_engine("outputs/en-fr-ct2", compute_type="int8")
+    vaswani.translation.translate(engine, ["I lost.", "I'm calm."]).texts
 
 or with CTranslate2 alone: `ctranslate2.Translator(dir).translate_batch(sources)`, where a source is the tokenizer's
 tokens, </s> included.

@@ -25,19 +25,16 @@ multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp
 import argparse
 import io
 
-from vaswani.cli import add_decoding_arguments, user_errors_exit
-from vaswani.export import load_ctranslate2
+from vaswani.cli import add_decoding_arguments, engine_from_args, positive_int, user_errors_exit
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
 from vaswani.files import check_output_file
-from vaswani.loading import DTYPES, load_translator
-from vaswani.translation import CTranslate2Engine, TorchEngine
 
 
 @user_errors_exit
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sentences", nargs="*", help="sentences to translate")
-    parser.add_argument("--model", required=True, help="checkpoint directory or Hub id")
+    parser.add_argument("--model", required=True, help="checkpoint directory, Hub id or CTranslate2 directory")
     parser.add_argument("--input_file", help="one sentence per line (default: stdin)")
     parser.add_argument("--output_file", help="one translation per line (default: stdout)")
     parser.add_argument("--resume", action="store_true",
@@ -45,56 +42,28 @@ def main(argv=None):
                         "(safe on every run: one that wrote nothing starts again, a complete file is left as it is)")
     parser.add_argument("--progress", action="store_true", help="show the progress bar on stderr even when it is "
                         "not a terminal (it is shown on a terminal anyway)")
-    parser.add_argument("--chunk_lines", type=int, default=DEFAULT_CHUNK_LINES,
+    parser.add_argument("--chunk_lines", type=positive_int, default=DEFAULT_CHUNK_LINES,
                         help="lines read, sorted and written together (what a resume can lose at most)")
-    parser.add_argument("--max_tokens_per_batch", type=int, default=DEFAULT_MAX_TOKENS,
+    parser.add_argument("--max_tokens_per_batch", type=positive_int, default=DEFAULT_MAX_TOKENS,
                         help="padded source tokens per batch (batch size × its longest source)")
-    parser.add_argument("--batch_size", type=int, default=None, help="at most this many sentences per batch too")
-    parser.add_argument("--num_beams", type=int, default=4)
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available; "
-                        "under torchrun or accelerate launch, each process's own GPU)")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                        help="precision of the PyTorch model (default auto: bf16 where it is native and faster)")
+    parser.add_argument("--batch_size", type=positive_int, default=None, help="at most this many sentences per batch too")
     add_decoding_arguments(parser)
-    parser.add_argument("--ctranslate2", action="store_true",
-                        help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 decodes")
-    parser.add_argument("--compute_type", default="default",
-                        help="with --ctranslate2: int8, int8_float32, float32, … (default: the format on disk)")
-    parser.add_argument("--do_sample", action="store_true", help="sample instead of beam search")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top_k", type=int, default=None)
-    parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--do_sample", action="store_true", default=None, help="sample instead of beam search")
+    parser.add_argument("--temperature", type=float, default=None, help="with --do_sample (default: the checkpoint's)")
+    parser.add_argument("--top_k", type=int, default=None, help="with --do_sample (default: the checkpoint's)")
+    parser.add_argument("--top_p", type=float, default=None, help="with --do_sample (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=0, help="with --do_sample, chunk i samples with seed + i")
     args = parser.parse_args(argv)
-    for name in ("num_beams", "batch_size", "max_new_tokens", "chunk_lines", "max_tokens_per_batch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be positive")
     if args.sentences and (args.input_file or args.resume):
         parser.error("give sentences as arguments or --input_file, not both (--resume needs --input_file)")
 
     if args.output_file:
         check_output_file(args.output_file, [args.input_file])  # refused before the model loads
     processes = Processes.from_environment()
-    device = processes.device(args.device)
-    if args.ctranslate2:
-        if args.int8 or args.do_sample or args.dtype != "auto":
-            raise ValueError("--int8, --dtype and --do_sample are the PyTorch path's; with --ctranslate2 use "
-                             "--compute_type")
-        translator, tokenizer = load_ctranslate2(args.model, device=device, compute_type=args.compute_type)
-        engine = CTranslate2Engine(translator, tokenizer, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
-        precision = args.compute_type
-    else:
-        beams = 1 if args.do_sample else args.num_beams
-        model, tokenizer = load_translator(args.model, device, int8=args.int8, decoding=args.decoding,
-                                           dtype=args.dtype, num_beams=beams)
-        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-        engine = TorchEngine(model, tokenizer, num_beams=beams, max_new_tokens=args.max_new_tokens,
-                             slots=args.slots, **(sampling if args.do_sample else {}))
-        precision = str(model.dtype).removeprefix("torch.")
-    settings = {key: getattr(args, key) for key in ("model", "num_beams", "max_new_tokens", "int8", "decoding", "slots",
-                                                    "ctranslate2", "compute_type", "do_sample", "temperature",
-                                                    "top_k", "top_p")} | {"precision": precision}
+    sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    engine = engine_from_args(args, processes.device(args.device), **sampling)
+    settings = {key: getattr(args, key) for key in ("model", "int8", "decoding", "slots", "ctranslate2",
+                                                    "compute_type", *sampling)} | engine.settings
     stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
     translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,
                    max_tokens=args.max_tokens_per_batch, max_sentences=args.batch_size, resume=args.resume,

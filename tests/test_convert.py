@@ -391,7 +391,9 @@ print(json.dumps({{"ids": model.generate(**inputs, num_beams=2, max_new_tokens=8
 
 def test_ctranslate2_export_translates_like_marian(marian_checkpoint, converted, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
-    from vaswani.export import export_to_ctranslate2, load_ctranslate2, translate_ctranslate2
+    from vaswani.export import export_to_ctranslate2
+    from vaswani.loading import load_engine
+    from vaswani.translation import translate
 
     _, marian, tokenizer = marian_checkpoint
     if tokenizer.separate_vocabs:
@@ -399,13 +401,13 @@ def test_ctranslate2_export_translates_like_marian(marian_checkpoint, converted,
             export_to_ctranslate2(str(converted), tmp_path / "ct2")
         return
     export_to_ctranslate2(str(converted), tmp_path / "ct2")
-    translator, ct2_tokenizer = load_ctranslate2(str(tmp_path / "ct2"), threads=1)
-    assert isinstance(translator, ctranslate2.Translator) and type(ct2_tokenizer).__name__ == "MarianTokenizer"
+    engine = load_engine(str(tmp_path / "ct2"), num_beams=1, max_new_tokens=11)
+    assert isinstance(engine.translator, ctranslate2.Translator) and type(engine.tokenizer).__name__ == "MarianTokenizer"
     sentences = SOURCES[:4]
     # Greedy: the pad token, which Marian's generation config bans, must not come out of CTranslate2 either. These
     # random models run to the length limit, where Marian's forced_eos_token_id turns the last token into </s> and
     # CTranslate2 does not: 11 tokens from CTranslate2 are Marian's 12 with the forced </s>.
-    assert translate_ctranslate2(translator, ct2_tokenizer, sentences, num_beams=1, max_new_tokens=11) == \
+    assert translate(engine, sentences, max_sentences=32).texts == \
         marian_translations(marian, tokenizer, sentences, num_beams=1, max_new_tokens=12)
 
 

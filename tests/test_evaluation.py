@@ -176,7 +176,7 @@ def test_evaluate_bleu_script_decodes_with_the_chosen_length_penalty(model_and_t
     with pytest.raises(SystemExit):
         script_main("evaluate_bleu")(["--model", str(tmp_path / "model"), "--ctranslate2", "--length_penalty", "0.6",
                                       *files])
-    assert "--length_penalty is generate()'s" in capsys.readouterr().err
+    assert "--length_penalty: the PyTorch engine's" in capsys.readouterr().err
 
 
 def test_evaluate_bleu_never_writes_its_report_over_an_input(tmp_path, capsys):

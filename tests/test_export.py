@@ -12,7 +12,9 @@ from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
-from vaswani.export import export_to_ctranslate2, load_ctranslate2, translate_ctranslate2
+from vaswani.export import export_to_ctranslate2
+from vaswani.loading import load_engine
+from vaswani.translation import translate as translate_with
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -132,10 +134,11 @@ def test_export_script(checkpoint, tmp_path, capsys):
 def test_the_exported_directory_translates_like_evaluation_translate(trained, tmp_path):
     model, tokenizer = trained
     export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
-    translator, saved_tokenizer = load_ctranslate2(str(tmp_path / "ct2"))  # the tokenizer travels with the export
+    engine = load_engine(str(tmp_path / "ct2"))  # the tokenizer travels with the export, found by its model.bin
+    assert engine.settings["engine"] == "ctranslate2"
 
     # Greedy, where the two libraries' outputs are equal (beam search may stop differently: see above).
-    got = translate_ctranslate2(translator, saved_tokenizer, SOURCES, batch_size=2, num_beams=1)
+    got = translate_with(engine, SOURCES, max_sentences=2, warn=False).texts
 
     assert got == translate(model, tokenizer, SOURCES, batch_size=2, num_beams=1)
 
@@ -154,7 +157,7 @@ def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, ca
     evaluate(["--model", str(tmp_path / "ct2"), "--ctranslate2", *files])
     exported = json.loads(capsys.readouterr().out)
 
-    assert exported["engine"] == "ctranslate2 default" and pytorch["engine"] == "pytorch"
+    assert exported["engine"] == "ctranslate2 float32" and pytorch["engine"] == "pytorch float32"
     assert exported["bleu"] == pytorch["bleu"] and exported["chrf"] == pytorch["chrf"]
     with pytest.raises(SystemExit):  # a checkpoint that is no CTranslate2 export is a one-line user error
         evaluate(["--model", str(checkpoint), "--ctranslate2", *files])
@@ -164,8 +167,8 @@ def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, ca
 def test_sources_and_outputs_stay_inside_the_exported_position_table(trained, tmp_path):
     model, tokenizer = trained
     export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer, max_positions=24)
-    translator, saved_tokenizer = load_ctranslate2(str(tmp_path / "ct2"))
-    calls = []
+    engine = load_engine(str(tmp_path / "ct2"), num_beams=2, max_new_tokens=100)
+    translator, calls = engine.translator, []
 
     class Recording:  # CTranslate2 fails past the table ("No position encodings are defined for positions >= 24")
         def translate_batch(self, sources, **options):
@@ -173,8 +176,8 @@ def test_sources_and_outputs_stay_inside_the_exported_position_table(trained, tm
             return translator.translate_batch(sources, **options)
 
     long_source = " ".join(SOURCES * 4)  # about 90 tokens
-    got = translate_ctranslate2(Recording(), saved_tokenizer, [long_source, SOURCES[0]], num_beams=2,
-                                max_new_tokens=100)
+    engine.translator = Recording()
+    got = translate_with(engine, [long_source, SOURCES[0]], warn=False).texts
 
     assert len(got) == 2 and all(got)
     assert calls == [([24, 7], 24)]

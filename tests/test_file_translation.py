@@ -22,8 +22,8 @@ from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate
 from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
 from vaswani.files import decode_lines
-from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype
-from vaswani.translation import TorchEngine, generation_limits
+from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, engine_for_model
+from vaswani.translation import generation_limits
 
 GREEDY = {"num_beams": 1, "max_new_tokens": 8}
 # Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.
@@ -71,7 +71,7 @@ def test_count_lines_counts_a_last_line_without_a_newline(tmp_path):
 @pytest.mark.parametrize("chunk_lines", [1, 7, 1000])
 def test_a_file_translates_to_the_lines_whole_file_translate_gives(trained, expected, tmp_path, chunk_lines):
     model, tokenizer = trained
-    engine = TorchEngine(model, tokenizer, **GREEDY)
+    engine = engine_for_model(model, tokenizer, **GREEDY)
     output = tmp_path / "out.fr"
     result = translate_file(engine, write_input(tmp_path), str(output), chunk_lines=chunk_lines, max_tokens=24,
                             progress=False)
@@ -84,7 +84,7 @@ def test_a_file_translates_to_the_lines_whole_file_translate_gives(trained, expe
 
 def test_stdin_to_stdout_and_an_empty_input(trained, expected):
     model, tokenizer = trained
-    engine = TorchEngine(model, tokenizer, **GREEDY)
+    engine = engine_for_model(model, tokenizer, **GREEDY)
     stdout = io.BytesIO()
     translate_file(engine, None, None, chunk_lines=5, stdin=io.BytesIO("".join(f"{x}\n" for x in LINES).encode()),
                    stdout=stdout, progress=False)
@@ -107,7 +107,7 @@ def test_an_undecodable_line_is_reported_with_its_number(checkpoint, tmp_path, c
 def test_long_lines_are_truncated_and_counted(tmp_path, capsys):
     model, tokenizer = build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
     max_source_length, max_new_tokens = generation_limits(model, 4)
-    engine = TorchEngine(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
+    engine = engine_for_model(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
                              max_source_length=max_source_length)
     stdout = io.BytesIO()
     long = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
@@ -182,7 +182,7 @@ def test_resume_of_a_run_that_wrote_nothing_starts_from_the_beginning(trained, e
     output = tmp_path / "out.fr"
     if output_exists:
         output.write_bytes(b"")
-    result = translate_file(TorchEngine(model, tokenizer, **GREEDY), write_input(tmp_path), str(output),
+    result = translate_file(engine_for_model(model, tokenizer, **GREEDY), write_input(tmp_path), str(output),
                             chunk_lines=7, max_tokens=24, resume=True, progress=False)
     assert output.read_text(encoding="utf-8") == expected and result.resumed_chunks == 0
 
@@ -256,7 +256,7 @@ def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(traine
     """Two lines joined (the same byte size, one line fewer), or a character changed, in lines already translated:
     the old translations would no longer line up, so resuming is refused, naming the input, and nothing changes."""
     model, tokenizer = trained
-    engine, source, output = TorchEngine(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
+    engine, source, output = engine_for_model(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
     state = tmp_path / "out.fr.resume.json"
     run = {"chunk_lines": 7, "max_tokens": 24, "progress": False}
     text = source.read_text(encoding="utf-8")
@@ -284,7 +284,7 @@ def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(traine
 
 def test_an_edit_past_the_translated_chunks_is_translated_on_resume(trained, tmp_path, monkeypatch):
     model, tokenizer = trained
-    engine, source, output = TorchEngine(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
+    engine, source, output = engine_for_model(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
     run = {"chunk_lines": 7, "max_tokens": 24, "progress": False}
     with monkeypatch.context() as patch:
         interrupted_after(2, patch)
@@ -301,7 +301,7 @@ def test_an_edit_past_the_translated_chunks_is_translated_on_resume(trained, tmp
 
 def test_a_complete_output_whose_input_grew_is_refused(trained, tmp_path):
     model, tokenizer = trained
-    engine, source, output = TorchEngine(model, tokenizer, **GREEDY), write_input(tmp_path), tmp_path / "out.fr"
+    engine, source, output = engine_for_model(model, tokenizer, **GREEDY), write_input(tmp_path), tmp_path / "out.fr"
     run = {"chunk_lines": 5, "max_tokens": 24, "progress": False}
     assert len(LINES) % run["chunk_lines"] == 0  # the line added starts a chunk of its own
     translate_file(engine, source, str(output), **run)

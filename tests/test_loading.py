@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import huggingface_hub
@@ -20,14 +21,17 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BertConfig, BertM
 
 from conftest import fails_with_one_line, script_main, subprocess_env
 from hub_stub import HubStub
+from tiny_translation_model import SOURCES
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, loading
-from vaswani.configuration_vaswani import tokenizer_fingerprint
+from vaswani.configuration_vaswani import decoder_start_token_id, tokenizer_fingerprint
 from vaswani.evaluation import translate
 from vaswani.file_translation import Processes
 from vaswani.loading import load_translator
 from vaswani.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS, VaswaniTokenizer, train_tokenizer
 from vaswani.training import ModelArguments
 from vaswani.training import build_model_and_tokenizer as build_model_and_tokenizer_for_training
+from vaswani.translation import translate as translate_with
+from vaswani.translation import write_decoding_defaults
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,12 +75,63 @@ def test_dtype_auto_comes_from_the_config_before_the_weights_are_read(checkpoint
     assert model.dtype == chosen
 
 
-def test_the_default_precision_is_fp32_on_a_cpu_and_int8_keeps_fp32(checkpoint, monkeypatch):
+def test_the_default_precision_is_auto_with_the_checkpoints_beams_and_int8_keeps_fp32(checkpoint, monkeypatch):
+    """One meaning for every tool: no precision given is "auto", for the beams the checkpoint decodes with."""
     monkeypatch.setattr(loading, "cpu_multiplies_bf16", lambda: True)
+    monkeypatch.setattr(loading, "CPU_BF16_MIN_D_MODEL", {"greedy": 10**6, "beam": 1})
     seen = from_pretrained_dtypes(monkeypatch)
-    loading.load_translator(str(checkpoint), "cpu")
+    loading.load_translator(str(checkpoint), "cpu", num_beams=4)
+    loading.load_translator(str(checkpoint), "cpu")  # the checkpoint's generation config: greedy
+    loading.load_engine(str(checkpoint), device="cpu", num_beams=4)
     loading.load_translator(str(checkpoint), "cpu", dtype="auto", int8=True, num_beams=4)
-    assert seen == [torch.float32, torch.float32]
+    assert seen == [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
+
+
+def test_an_engine_is_loaded_with_one_check_and_decodes_with_the_checkpoints_settings_unless_told(
+        checkpoint, tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, path)
+    model = AutoModelForSeq2SeqLM.from_pretrained(path)
+    write_decoding_defaults(model.generation_config, num_beams=3, length_penalty=0.5, max_new_tokens=6)
+    model.generation_config.save_pretrained(path)
+    checks = []
+    original = loading.check_tokenizer_fits
+    monkeypatch.setattr(loading, "check_tokenizer_fits", lambda *args: checks.append(1) or original(*args))
+
+    engine = loading.load_engine(str(path), device="cpu", slots=0)
+
+    assert len(checks) == 1 and engine.model.device == torch.device("cpu") and not engine.continuous
+    assert (engine.options["num_beams"], engine.max_new_tokens) == (3, 6)
+    assert translate_with(engine, SOURCES).texts == translate(model, tokenizer_of(path), SOURCES, num_beams=3,
+                                                              length_penalty=0.5, max_new_tokens=6)
+    told = loading.load_engine(str(path), device="cpu", num_beams=1, max_new_tokens=4, length_penalty=None)
+    assert (told.options, told.max_new_tokens) == ({"num_beams": 1}, 4)
+    assert loading.load_engine(str(path), device="cpu", do_sample=True).options == {"do_sample": True, "num_beams": 1}
+    assert loading.engine_for_model(model, tokenizer_of(path)).settings == engine.settings
+
+
+def tokenizer_of(path):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_each_engine_refuses_the_others_settings_before_loading(checkpoint, tmp_path):
+    export = tmp_path / "ct2"
+    export.mkdir()
+    (export / "model.bin").write_bytes(b"")  # found a CTranslate2 directory by this file alone
+    for options, named in [({"int8": True}, "--int8"), ({"dtype": "bfloat16"}, "--dtype"), ({"slots": 2}, "--slots"),
+                           ({"length_penalty": 0.6, "decoding": "lean"}, "--decoding, --length_penalty")]:
+        with pytest.raises(ValueError, match=f"^{named}: the PyTorch engine's"):
+            loading.load_engine(str(export), **options)
+    with pytest.raises(ValueError, match="--compute_type is CTranslate2's"):
+        loading.load_engine(str(checkpoint), compute_type="int8")
+
+
+def test_one_rule_decides_where_the_decoder_starts(checkpoint):
+    """<s> where the tokenizer has one (a new model's config default is VaswaniTokenizer's), else the pad token
+    (Marian's tokenizers); every loader holds a model to it (`check_tokenizer_fits`)."""
+    tokenizer = tokenizer_of(checkpoint)
+    assert decoder_start_token_id(tokenizer) == tokenizer.bos_token_id == VaswaniConfig().decoder_start_token_id
+    assert decoder_start_token_id(SimpleNamespace(bos_token_id=None, pad_token_id=58100)) == 58100
 
 
 def test_a_named_precision_is_refused_with_int8_before_any_file_is_read(tmp_path):

@@ -6,13 +6,20 @@ import io
 import pytest
 import torch
 from conftest import script_main
-from tiny_translation_model import SOURCES, build_model_and_tokenizer
+from tiny_translation_model import SOURCES, build_model_and_tokenizer, build_tokenizer
+from datasets import Dataset
+from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 
 from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate as translate_model
 from vaswani.file_translation import translate_file
+from vaswani.tokenization import TRUNCATION_TOKENS, tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import DEFAULT_SLOTS, TorchEngine, generation_limits, translate
+from vaswani.loading import engine_for_model
+from vaswani.translation import (DEFAULT_SLOTS, decoding_settings, generation_limits, translate,
+                                 write_decoding_defaults)
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
 
@@ -40,7 +47,7 @@ def test_batches_of_any_budget_give_each_sentence_its_own_translation_in_input_o
                                                                                     max_sentences):
     model, tokenizer = trained
     sentences = [*SOURCES, *SOURCES[::-1], "cat"]
-    engine = TorchEngine(model, tokenizer, num_beams=1, max_new_tokens=8)
+    engine = engine_for_model(model, tokenizer, num_beams=1, max_new_tokens=8)
 
     texts, truncated = translate(engine, sentences, max_tokens=max_tokens, max_sentences=max_sentences)
 
@@ -53,7 +60,7 @@ def test_long_sources_are_truncated_by_one_rule_and_reported_by_one_warning(lear
     model, tokenizer = learned
     max_source_length, max_new_tokens = generation_limits(model, 4)
     assert len(tokenizer(LONG)["input_ids"]) > max_source_length
-    engine = TorchEngine(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
+    engine = engine_for_model(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
                          max_source_length=max_source_length)
     sentences = [LONG, "cat", LONG + " cat"]
     warning = f"warning: 2 sentence(s) longer than the model's {max_source_length} learned positions were truncated."
@@ -133,7 +140,7 @@ def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
 
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(trained, num_beams, monkeypatch):
-    """TorchEngine(slots=...): translate() hands it every sentence at once, longest first (whatever the budget); each
+    """engine_for_model(slots=...): translate() hands it every sentence at once, longest first (whatever the budget); each
     output is generate()'s for that sentence alone, within the paper's limit for its own source (its length plus 50
     tokens) or the engine's max_new_tokens; in input order. Evaluation goes through it alike."""
     import vaswani.translation as translation
@@ -145,7 +152,7 @@ def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(tra
     monkeypatch.setattr(translation, "decode_in_slots",
                         lambda model, sources, limits, **options: streams.append((sources, limits))
                         or original(model, sources, limits, **options))
-    engine = TorchEngine(model, tokenizer, num_beams=num_beams, slots=3)
+    engine = engine_for_model(model, tokenizer, num_beams=num_beams, slots=3)
     assert engine.continuous
 
     texts, truncated = translate(engine, sentences, max_tokens=12, max_sentences=2)
@@ -157,7 +164,7 @@ def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(tra
     expected = [one_by_one(model, tokenizer, [sentence], num_beams=num_beams,
                            max_new_tokens=len(tokenizer(sentence)["input_ids"]) + 50)[0] for sentence in sentences]
     assert texts == expected and truncated == 0
-    short = TorchEngine(model, tokenizer, num_beams=num_beams, max_new_tokens=3, slots=2)
+    short = engine_for_model(model, tokenizer, num_beams=num_beams, max_new_tokens=3, slots=2)
     assert translate(short, sentences).texts == one_by_one(model, tokenizer, sentences, num_beams=num_beams,
                                                           max_new_tokens=3)
     assert translate_model(model, tokenizer, sentences, num_beams=num_beams, slots=3) == texts
@@ -166,6 +173,67 @@ def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(tra
 def test_an_engine_decodes_in_batches_where_slots_do_not_cover_the_options(trained):
     """Options that the slots do not decode (a logits processor here) and slots=0 keep the batches."""
     model, tokenizer = trained
-    assert not TorchEngine(model, tokenizer, num_beams=4, no_repeat_ngram_size=2, slots=3).continuous
-    assert not TorchEngine(model, tokenizer, num_beams=4, slots=0).continuous
-    assert TorchEngine(model, tokenizer, num_beams=4).continuous == bool(DEFAULT_SLOTS.get("cpu"))
+    assert not engine_for_model(model, tokenizer, num_beams=4, no_repeat_ngram_size=2, slots=3).continuous
+    assert not engine_for_model(model, tokenizer, num_beams=4, slots=0).continuous
+    assert engine_for_model(model, tokenizer, num_beams=4).continuous == bool(DEFAULT_SLOTS.get("cpu"))
+
+
+def test_settings_left_out_are_the_generation_configs_and_sampling_takes_one_beam():
+    config = GenerationConfig(num_beams=5, max_new_tokens=7, length_penalty=0.6)
+    assert decoding_settings(config) == {"num_beams": 5, "max_new_tokens": 7}
+    assert decoding_settings(config, num_beams=2, max_new_tokens=None, length_penalty=None) == \
+        {"num_beams": 2, "max_new_tokens": 7}
+    assert decoding_settings(config, do_sample=True, top_k=None) == {"do_sample": True, "num_beams": 1,
+                                                                     "max_new_tokens": 7}
+    assert decoding_settings(GenerationConfig()) == {"num_beams": 1}  # then each source's length plus 50 tokens
+
+
+@pytest.mark.parametrize("max_new_tokens", [None, 5])
+def test_written_decoding_defaults_rule_our_engine_and_a_stock_generate_after_a_reload(max_new_tokens, tmp_path):
+    """An untrained model never ends a sentence, so every output runs to the length its decoder allows: the source
+    plus 50 tokens in our engine (or `max_new_tokens`), the position table's end (`max_length`) in a stock
+    `generate()`, not `generate()`'s 20 tokens."""
+    tokenizer = build_tokenizer()
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer))).eval()
+    table = model.config.max_position_embeddings
+    write_decoding_defaults(model.generation_config, num_beams=2, length_penalty=0.5, max_new_tokens=max_new_tokens,
+                            max_length=table)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    reloaded.generation_config.validate(strict=True)
+    source = tokenizer(["the cat"], return_tensors="pt")
+    expected_length = (max_new_tokens or len(source["input_ids"][0]) + 50) + 1  # and the decoder start token
+
+    engine = engine_for_model(reloaded, tokenizer, slots=0)
+    asked = []
+    generate = reloaded.generate
+    reloaded.generate = lambda *args, **kwargs: (asked.append(kwargs), generate(*args, **kwargs))[1]
+    translate(engine, ["the cat"])
+    del reloaded.generate
+    stock = reloaded.generate(**source, lean_decoding=False)  # no options: all from generation_config.json
+
+    assert asked[0]["num_beams"] == 2 and "length_penalty" not in asked[0]  # generate() reads it from the config
+    assert asked[0]["max_new_tokens"] == expected_length - 1
+    assert stock.shape[1] == (expected_length if max_new_tokens else table)
+    options = {"max_new_tokens": max_new_tokens} if max_new_tokens else {"max_length": table}
+    assert torch.equal(stock, reloaded.generate(**source, lean_decoding=False, num_beams=2, length_penalty=0.5,
+                                                **options))
+
+    greedy = GenerationConfig(length_penalty=0.6)
+    write_decoding_defaults(greedy, num_beams=1, length_penalty=0.6, max_new_tokens=9)
+    greedy.validate(strict=True)  # transformers refuses a length penalty beside one beam
+    assert (greedy.num_beams, greedy.length_penalty, greedy.max_new_tokens) == (1, None, 9)
+    with pytest.raises(ValueError, match="max_length"):
+        write_decoding_defaults(greedy, num_beams=4, length_penalty=0.6)
+
+
+def test_training_data_is_truncated_at_one_default_length():
+    """`TRUNCATION_TOKENS` is where `tokenize_translation_dataset` cuts both sides when not told (training's
+    `--max_length` default too), the end of sentence kept."""
+    tokenizer = build_tokenizer()
+    long = " ".join(["the cat sat"] * 200)
+    split = Dataset.from_dict({"source": [long, "cat"], "target": [long, "chat"]})
+    rows = tokenize_translation_dataset(split, tokenizer)
+    assert [len(ids) for ids in rows["input_ids"]][0] == len(rows["labels"][0]) == TRUNCATION_TOKENS
+    assert rows["input_ids"][0][-1] == tokenizer.eos_token_id and len(rows["input_ids"][1]) < TRUNCATION_TOKENS

@@ -6,7 +6,7 @@ import argparse
 import functools
 import sys
 
-from .loading import DECODING_LOOPS
+from .loading import DECODING_LOOPS, DTYPES, load_engine
 
 # Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
 # training loss (FloatingPointError) is here because its message names the step and the fix.
@@ -29,9 +29,24 @@ def user_errors_exit(main):
     return wrapper
 
 
+def positive_int(text: str) -> int:
+    """An argparse `type` for counts and sizes: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--int8`, `--decoding` and `--slots`, for scripts that decode (the first two passed on to
-    `vaswani.loading.load_translator`, `--slots` to `vaswani.translation.TorchEngine`)."""
+    """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`, `--int8`,
+    `--decoding`, `--slots`, `--ctranslate2`, `--compute_type`) and how it decodes (`--num_beams`,
+    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.loading.load_engine` by `engine_from_args`.
+    A decoding setting left out is the checkpoint's (its generation_config.json)."""
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available; "
+                        "under torchrun or accelerate launch, each process's own GPU)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="precision of the PyTorch model (default auto: bf16 where the hardware multiplies it "
+                        "natively and it is faster, see vaswani.loading.choose_dtype; fp32 elsewhere)")
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
@@ -43,3 +58,25 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "once by the next (vaswani.generation_vaswani.decode_in_slots; each output as generate() "
                         "gives it for that sentence alone, up to its length plus 50 tokens); 0: in batches. Default: "
                         "the engine's (vaswani.translation.TorchEngine)")
+    parser.add_argument("--ctranslate2", action="store_true", default=None,
+                        help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 "
+                        "decodes (default: so when --model holds model.bin)")
+    parser.add_argument("--compute_type", default="default",
+                        help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
+    parser.add_argument("--num_beams", type=positive_int, default=None,
+                        help="beam size (default: the checkpoint's generation config; 1 with --do_sample)")
+    parser.add_argument("--max_new_tokens", type=positive_int, default=None,
+                        help="longest output in tokens (default: the checkpoint's generation config's, else each "
+                        "source's length plus 50); never past a learned position table")
+    parser.add_argument("--length_penalty", type=float, default=None,
+                        help="beam search's length penalty (generate()'s: scores divided by length**penalty); "
+                        "default: the checkpoint's generation config")
+
+
+def engine_from_args(args: argparse.Namespace, device: str | None = None, **decoding_options):
+    """`vaswani.loading.load_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
+    `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
+    return load_engine(args.model, device=args.device if device is None else device, dtype=args.dtype, int8=args.int8,
+                       decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
+                       compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
+                       length_penalty=args.length_penalty, **decoding_options)

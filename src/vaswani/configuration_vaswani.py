@@ -103,7 +103,7 @@ class VaswaniConfig(PreTrainedConfig):
     classifier_dropout: float | None = None
     use_cache: bool = True
     is_encoder_decoder: bool = True
-    # Special tokens: the layout written by `VaswaniTokenizer`.
+    # Special tokens: the layout written by `VaswaniTokenizer` (the decoder starts at its <s>: `decoder_start_token_id`).
     pad_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     bos_token_id: int | None = 3
@@ -253,8 +253,8 @@ def check_tokenizer_fits(model, tokenizer) -> None:
 
     Every loader of a model together with its tokenizer calls this (the command-line tools, the translation
     pipeline, `vaswani.evaluation.translate`, fine-tuning). It lives in this file because this file ships with
-    every checkpoint, so the pipeline can import it as remote code. The decoder starts from the tokenizer's `<s>`,
-    or from its pad token where it has no `<s>` (Marian's tokenizers, whose converted checkpoints start there).
+    every checkpoint, so the pipeline can import it as remote code. The decoder must start where
+    `decoder_start_token_id` says.
     """
     fix = ("the tokenizer and the model come from different checkpoints; load both from the same directory (a "
            "checkpoint holds tokenizer.json and tokenizer_config.json beside config.json)")
@@ -268,9 +268,8 @@ def check_tokenizer_fits(model, tokenizer) -> None:
     if recorded is not None and recorded != _fingerprint(vocab):
         raise ValueError(f"The tokenizer's vocabulary (fingerprint {_fingerprint(vocab)}) is not the one the model was "
                          f"trained with (config.json has tokenizer_fingerprint={recorded}); {fix}.")
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
     expected = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
-                "decoder_start_token_id": start}
+                "decoder_start_token_id": decoder_start_token_id(tokenizer)}
     for settings, file in ((config, "config.json"), (getattr(model, "generation_config", None),
                                                      "generation_config.json")):
         for name, tokenizer_id in expected.items():
@@ -280,6 +279,14 @@ def check_tokenizer_fits(model, tokenizer) -> None:
             if tokenizer_id not in (model_id if isinstance(model_id, list) else [model_id]):
                 raise ValueError(f"The tokenizer's {name.removesuffix('_token_id').replace('_', '-')} id is "
                                  f"{tokenizer_id}, but the model's {file} has {name}={model_id}; {fix}.")
+
+
+def decoder_start_token_id(tokenizer) -> int | None:
+    """The one rule for the token a decoder starts from: the tokenizer's `<s>`, or its pad token where it has no
+    `<s>` (Marian's tokenizers, whose converted checkpoints start there). A new model takes it into its config
+    (`VaswaniConfig`'s default is `VaswaniTokenizer`'s `<s>`), and `check_tokenizer_fits` holds every loaded one
+    to it."""
+    return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -297,4 +304,4 @@ def _divisor_near(n: int, k: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
-__all__ = ["VaswaniConfig", "check_tokenizer_fits", "tokenizer_fingerprint"]
+__all__ = ["VaswaniConfig", "check_tokenizer_fits", "decoder_start_token_id", "tokenizer_fingerprint"]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from sacrebleu.metrics import BLEU, CHRF, TER
 
-from .translation import TorchEngine
+from .loading import engine_for_model
 from .translation import translate as run_translation
 
 References = Sequence[str] | Sequence[Sequence[str]]
@@ -103,11 +103,12 @@ def translate(
     **engine_options,
 ) -> list[str]:
     """Translate `sentences` with `model.generate`, returning one string per sentence in the input order: the
-    package's one translation path (`vaswani.translation.translate`) with a `TorchEngine`, in batches of
-    `batch_size` sentences, longest first. `engine_options`: `num_beams` (default 4, the paper's beam size,
-    Section 6.1), `max_new_tokens` (default: each batch's longest source plus 50 tokens, the paper's output-length
-    limit), `max_source_length` (default: where the model's positions end, as `TorchEngine` decides for every
-    caller; a truncation is reported on stderr) and `generate()`'s options. `device` moves the model there first;
+    package's one translation path (`vaswani.translation.translate`) with the engine `vaswani.loading.engine_for_model`
+    builds, in batches of `batch_size` sentences, longest first. `engine_options`: `num_beams`, `max_new_tokens`
+    (default: the model's generation config's; without one there, each batch's longest source plus 50 tokens, the
+    paper's output-length limit), `max_source_length` (default: where the model's positions end, as `TorchEngine`
+    decides for every caller; a truncation is reported on stderr), `slots` and `generate()`'s options (None: the
+    generation config's). `device` moves the model there first;
     by default the model's own device is used. The model's training mode is restored afterwards, so that this can
     run in the middle of training.
     """
@@ -117,7 +118,7 @@ def translate(
         model.to(device)
     was_training = model.training
     try:
-        engine = TorchEngine(model, tokenizer, **engine_options)
+        engine = engine_for_model(model, tokenizer, **engine_options)
         return run_translation(engine, sentences, max_sentences=batch_size).texts
     finally:
         model.train(was_training)

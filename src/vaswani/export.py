@@ -2,8 +2,8 @@
 CPUs (`pip install "vaswani[ct2]"` or `ctranslate2`; not a dependency of the model itself).
 
     export_to_ctranslate2("path/or/repo", "model-ct2", quantization="int8")   # or scripts/export_ctranslate2.py
-    translator, tokenizer = load_ctranslate2("model-ct2", compute_type="int8")
-    translate_ctranslate2(translator, tokenizer, ["I'm calm."], num_beams=4)   # like vaswani.evaluation.translate
+    engine = vaswani.loading.load_engine("model-ct2", compute_type="int8")    # as for a checkpoint
+    vaswani.translation.translate(engine, ["I'm calm."]).texts
 
 CTranslate2's own `TransformerSpec` describes the architecture: encoder and decoder layers of self-attention,
 cross-attention and FFN, post- or pre-norm, shared embeddings scaled by √d_model. What CTranslate2 does not derive
@@ -23,21 +23,16 @@ more than one key/value head, which CTranslate2 offers only for decoder-only mod
 vocabularies; banned sequences of several tokens.
 """
 
-import json
 import math
 import os
 
 import numpy as np
 import torch
-from transformers import MarianTokenizer
-
 from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
 from .files import staged_directory
 from .loading import load_translator
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
-from .tokenization_vaswani import VaswaniTokenizer
-from .translation import CTranslate2Engine, translate
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
 FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("SWISH", False),
@@ -61,7 +56,7 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
 
     check_output_dir(output_dir, [model] if isinstance(model, (str, os.PathLike)) else [], force)
     if isinstance(model, (str, os.PathLike)):
-        model, saved_tokenizer = load_translator(str(model), device="cpu")
+        model, saved_tokenizer = load_translator(str(model), device="cpu", dtype="float32")
         tokenizer = tokenizer or saved_tokenizer
     if not isinstance(model, VaswaniForConditionalGeneration):
         raise ValueError(f"Expected a VaswaniForConditionalGeneration, got {type(model).__name__}.")
@@ -74,41 +69,9 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
 
     with staged_directory(output_dir, f"-{os.getpid()}") as staging:
         VaswaniConverter().convert(str(staging), quantization=quantization, force=True)  # (into the empty staging)
-        tokenizer.save_pretrained(staging)  # the directory is then all a deployment needs (`load_ctranslate2`)
+        tokenizer.save_pretrained(staging)  # the directory is then all a deployment needs (`loading.load_engine`),
+        model.generation_config.save_pretrained(staging)  # with the decoding settings the model was evaluated with
     return str(output_dir)
-
-
-def load_ctranslate2(path: str, device: str = "cpu", compute_type: str = "default", threads: int = 0):
-    """A `ctranslate2.Translator` over an exported directory, and the tokenizer saved beside it. `device`: cpu,
-    cuda, cuda:1 or auto; `compute_type`: CTranslate2's (int8, int8_float32, float32, …; "default" keeps the format
-    on disk); `threads`: CPU threads, 0 = all cores."""
-    import ctranslate2
-
-    if not os.path.isfile(os.path.join(path, "model.bin")):
-        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no model.bin); make one with "
-                                "scripts/export_ctranslate2.py.")
-    kind, _, index = device.partition(":")
-    translator = ctranslate2.Translator(path, device=kind, device_index=int(index or 0), compute_type=compute_type,
-                                        intra_threads=threads)
-    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as file:
-        # A model converted from Marian keeps its sentencepiece tokenizer (vaswani.convert).
-        marian = json.load(file).get("tokenizer_class") == "MarianTokenizer"
-    tokenizer = (MarianTokenizer if marian else VaswaniTokenizer).from_pretrained(path)
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
-        # The exported position table ends here: sources are truncated to it and outputs stop at it, where
-        # CTranslate2 would otherwise fail ("No position encodings are defined for positions >= …").
-        tokenizer.model_max_length = json.load(file).get("max_positions", tokenizer.model_max_length)
-    return translator, tokenizer
-
-
-def translate_ctranslate2(translator, tokenizer, sentences, *, batch_size: int = 32, num_beams: int = 4,
-                          max_new_tokens: int | None = None, max_source_length: int | None = None) -> list[str]:
-    """`vaswani.evaluation.translate` run by CTranslate2: the package's one translation path
-    (`vaswani.translation.translate`) with a `CTranslate2Engine` (its limits and beam-search rule), in batches of
-    `batch_size` sentences, longest first; one string per sentence in input order."""
-    engine = CTranslate2Engine(translator, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                               max_source_length=max_source_length)
-    return translate(engine, sentences, max_sentences=batch_size).texts
 
 
 def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions: int | None = None):
@@ -129,7 +92,7 @@ def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions:
     )
     spec.config.layer_norm_epsilon = config.layer_norm_eps
     max_positions = max_positions or config.max_position_embeddings
-    spec.config.add_attribute("max_positions", max_positions)  # read back by load_ctranslate2
+    spec.config.add_attribute("max_positions", max_positions)  # read back by loading.load_ctranslate2
     base = model.model
     for stack_spec, stack in ((spec.encoder, base.encoder), (spec.decoder, base.decoder)):
         set_stack(stack_spec, stack, position_table(stack, max_positions), config)

@@ -1,9 +1,16 @@
-"""A checkpoint → a model and tokenizer ready to translate, with the checks, the device and the precision decided
-in one place for every tool.
+"""A checkpoint → an engine that translates (or a model and tokenizer), with the checks, the device, the
+precision, int8, the decoding loop and the decoding settings decided in one place for every tool.
 
-    model, tokenizer = load_translator("outputs/en-fr")                      # a GPU if there is one, else the CPU
-    model, tokenizer = load_translator("outputs/en-fr", "cpu", dtype="auto", num_beams=4)  # bf16 where it is faster
-    model, tokenizer = load_translator("outputs/en-fr", "cpu", int8=True)    # int8 CPU decoding
+    engine = load_engine("outputs/en-fr")                     # a GPU if there is one, else the CPU; bf16 where faster
+    engine = load_engine("outputs/en-fr", device="cpu", int8=True, num_beams=1)   # int8 CPU decoding, greedy
+    engine = load_engine("outputs/en-fr-ct2", compute_type="int8")                # a CTranslate2 export
+    engine = engine_for_model(model, tokenizer)                # a model already in memory (validation BLEU, tests)
+    translations = vaswani.translation.translate(engine, sentences).texts
+
+The engines are `vaswani.translation`'s, built here only. A decoding setting left out (or None) is the
+checkpoint's `generation_config` (`vaswani.translation.decoding_settings`); the output length, unless
+`max_new_tokens` is set there or here, is each source's length plus `translation.OUTPUT_SLACK`.
+`load_translator` gives the model and tokenizer alone, for tools that run the model another way (heatmaps, export).
 
 Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result: only
 safetensors weights are read, no remote code runs, and a checkpoint that is not a Vaswani model, or whose weights
@@ -17,15 +24,19 @@ import os
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianTokenizer
 
 from .checkpoints import check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
+from .tokenization_vaswani import VaswaniTokenizer
+from .translation import CTranslate2Engine, Engine, TorchEngine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DECODING_LOOPS = ("auto", "lean", "graphs", "transformers")
+# What marks a CTranslate2 model directory (`vaswani.export`), as config.json marks a checkpoint.
+CTRANSLATE2_WEIGHTS = "model.bin"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -93,18 +104,61 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
 # Loading
 
 
+def load_engine(model_dir: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
+                int8: bool = False, decoding: str = "auto", slots: int | None = None, ctranslate2: bool | None = None,
+                compute_type: str = "default", attn_implementation: str | None = None,
+                **decoding_overrides) -> Engine:
+    """The engine that translates with the checkpoint in `model_dir` (a directory or Hub id), or with the
+    CTranslate2 model there (`ctranslate2=True`, or None: a directory holding `model.bin`).
+
+    `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
+    `int8`, `decoding` and `attn_implementation` as `load_translator` takes them, `slots` as `TorchEngine` does; for
+    a CTranslate2 model: `compute_type` (CTranslate2's: int8, int8_float32, float32, …; "default" keeps the format
+    on disk), and those five are refused. `decoding_overrides`: `num_beams`, `max_new_tokens`, `max_source_length`,
+    and for PyTorch any `generate()` option (`length_penalty`, `do_sample`, `temperature`…); one given as None is
+    the checkpoint's `generation_config` (`vaswani.translation.decoding_settings`).
+    """
+    device = choose_device(device)
+    if ctranslate2 is None:
+        ctranslate2 = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
+    if ctranslate2:
+        pytorch_only = {"--dtype": dtype != "auto", "--int8": int8, "--decoding": decoding != "auto",
+                        "--slots": slots is not None, "--attn_implementation": attn_implementation is not None}
+        pytorch_only |= {f"--{name}": value is not None for name, value in decoding_overrides.items()
+                         if name not in CTranslate2Engine.SETTINGS}
+        if any(pytorch_only.values()):
+            raise ValueError(f"{', '.join(name for name, given in pytorch_only.items() if given)}: the PyTorch "
+                             "engine's; a CTranslate2 model takes --compute_type, --num_beams and --max_new_tokens.")
+        translator, tokenizer, generation_config = load_ctranslate2(model_dir, device, compute_type)
+        settings = {name: value for name, value in decoding_overrides.items() if name in CTranslate2Engine.SETTINGS}
+        return CTranslate2Engine(translator, tokenizer, generation_config, **settings)
+    if compute_type != "default":
+        raise ValueError("--compute_type is CTranslate2's; for a PyTorch checkpoint use --dtype or --int8.")
+    beams = decoding_overrides.get("num_beams") or (1 if decoding_overrides.get("do_sample") else None)
+    model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype, num_beams=beams)
+    return TorchEngine(model, tokenizer, slots=slots, **decoding_overrides)
+
+
+def engine_for_model(model, tokenizer, *, slots: int | None = None, **decoding_overrides) -> TorchEngine:
+    """The engine for a model already in memory, on its own device and in its own precision (training's
+    validation and test BLEU, tests): `load_engine`'s settings and checks, without the loading."""
+    check_tokenizer_fits(model, tokenizer)
+    return TorchEngine(model, tokenizer, slots=slots, **decoding_overrides)
+
+
 def load_translator(model_dir: str, device: str | torch.device | None = None, attn_implementation: str | None = None,
-                    int8: bool = False, decoding: str = "auto", dtype: str | torch.dtype | None = None, *,
-                    num_beams: int = 1):
+                    int8: bool = False, decoding: str = "auto", dtype: str | torch.dtype = "auto", *,
+                    num_beams: int | None = None):
     """Model (eval mode, on `device`, see `choose_device`) and tokenizer from a directory or Hub id.
 
-    `dtype`: a torch dtype; a name that `choose_dtype` decides ("auto", "float32", "bfloat16"), "auto" from the
-    model's width in its config, read before the weights, and from `num_beams`; or None: bf16 on GPUs that support
-    it, fp32 elsewhere (no CPU bf16). With `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers,
-    freed memory reused). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is the model's
-    default (`generation_vaswani`: the lean loop on a CPU, transformers' elsewhere), "lean" the lean loop on any
-    device (the same outputs as transformers' loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes,
-    each step a replayed CUDA graph on a GPU), "transformers" transformers' own loop (`lean_decoding=False`). The checks are the module docstring's.
+    `dtype`: a torch dtype, or a name that `choose_dtype` decides ("auto", "float32", "bfloat16"), "auto" from the
+    model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
+    generation_config). With `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory
+    reused). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is the model's default
+    (`generation_vaswani`: the lean loop on a CPU, transformers' elsewhere), "lean" the lean loop on any device (the
+    same outputs as transformers' loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a
+    replayed CUDA graph on a GPU), "transformers" transformers' own loop (`lean_decoding=False`). The checks are the
+    module docstring's.
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 
@@ -115,11 +169,11 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
 
     check_checkpoint_dir(model_dir)
     device = choose_device(device)
-    if dtype is None:
-        dtype = choose_dtype("auto", device, 0, int8=int8, cpu_bf16=False)
     try:
         if dtype == "auto":
             d_model = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).d_model
+            if num_beams is None:
+                num_beams = GenerationConfig.from_pretrained(model_dir).num_beams or 1
             dtype = choose_dtype("auto", device, d_model, num_beams=num_beams, int8=int8)
         model, info = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,
@@ -151,6 +205,31 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     elif decoding in ("lean", "transformers"):
         model.generate = functools.partial(model.generate, lean_decoding=decoding == "lean")
     return model, tokenizer
+
+
+def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type: str = "default", threads: int = 0):
+    """A `ctranslate2.Translator` over a directory that `vaswani.export` wrote, the tokenizer saved beside it, and
+    the generation config of the model it was exported from (an empty one for an export that has none). `device`:
+    a torch device (cpu, cuda, cuda:1); `compute_type`: as `load_engine` takes it; `threads`: CPU threads, 0 = all
+    cores. `load_engine` is the way in for translating; this is its CTranslate2 half."""
+    import ctranslate2
+
+    if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
+        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one with "
+                                "scripts/export_ctranslate2.py.")
+    device = torch.device(device)
+    translator = ctranslate2.Translator(path, device=device.type, device_index=device.index or 0,
+                                        compute_type=compute_type, intra_threads=threads)
+    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as file:
+        # A model converted from Marian keeps its sentencepiece tokenizer (vaswani.convert).
+        marian = json.load(file).get("tokenizer_class") == "MarianTokenizer"
+    tokenizer = (MarianTokenizer if marian else VaswaniTokenizer).from_pretrained(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
+        # The exported position table ends here: sources are truncated to it and outputs stop at it, where
+        # CTranslate2 would otherwise fail ("No position encodings are defined for positions >= …").
+        tokenizer.model_max_length = json.load(file).get("max_positions", tokenizer.model_max_length)
+    exported = os.path.isfile(os.path.join(path, "generation_config.json"))
+    return translator, tokenizer, GenerationConfig.from_pretrained(path) if exported else GenerationConfig()
 
 
 def check_checkpoint_dir(model_dir: str) -> None:

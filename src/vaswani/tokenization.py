@@ -94,11 +94,15 @@ def cached_corpus_tokenizer(
 # --------------------------------------------------------------------------------------------------
 # Tokenization
 
+# Where training truncates sources and targets when not told: long enough for all but a handful of the corpus'
+# sentences, short enough that one overlong pair cannot blow up a token-budget batch.
+TRUNCATION_TOKENS = 128
+
 
 def tokenize_translation_dataset(
     dataset: Dataset | DatasetDict,
     tokenizer,
-    max_length: int = 256,
+    max_length: int = TRUNCATION_TOKENS,
     num_proc: int | None = None,
     overwrite_cache: bool = False,
 ) -> Dataset | DatasetDict:

@@ -8,14 +8,17 @@ So one rule decides how sources are truncated and how the output length is limit
 benchmarks time the engines' own calls below the decoding to text: `generate_token_ids` and
 `CTranslate2Engine.generate_ids`.
 
-An engine has `max_source_length` (None: no limit), `positions` (what that limit counts, for the warning),
-`encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`:
+Engines are built by `vaswani.loading` (`load_engine`, `engine_for_model`), which decides device, precision and
+loop; each reads the decoding settings it is not given from the model's `generation_config` (`decoding_settings`),
+which training writes (`write_decoding_defaults`). An engine has `max_source_length` (None: no limit), `positions`
+(what that limit counts, for the warning), `continuous`, `encode(sentences, truncate=False)` and
+`translate_batch(batch of token ids) → strings`:
 
 * `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
   decoding loop), truncating sources where the model's positions end (`generation_limits`); or, with `slots`,
   `generation_vaswani.decode_in_slots`, an engine that is `continuous`: it takes every sentence in one batch and
   keeps its own batch full;
-* `CTranslate2Engine`: a model exported by `vaswani.export` (`load_ctranslate2`).
+* `CTranslate2Engine`: a model exported by `vaswani.export` (`vaswani.loading.load_ctranslate2`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .batching import token_budget_batches
-from .configuration_vaswani import check_tokenizer_fits
 from .generation_vaswani import decode_in_slots, slots_cover
 
-# Output-length limit when none is given: the source length plus 50 tokens (§6.1).
+# Output-length limit when none is given (neither by the caller nor the generation config): the source length plus
+# 50 tokens (§6.1).
 OUTPUT_SLACK = 50
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
 # decodes in batches.
@@ -40,10 +43,43 @@ DEFAULT_SLOTS: dict[str, int] = {}
 class Engine(Protocol):
     max_source_length: int | None
     positions: str
+    continuous: bool  # whether `translate_batch` takes every sentence at once and keeps its own batch full
+    settings: dict  # what decides its outputs (beams, length limit, precision…), for a resumed run to compare
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]: ...
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]: ...
+
+
+def decoding_settings(generation_config, **overrides) -> dict:
+    """The settings an engine decodes with: each of `overrides` that is not None, and where `num_beams` or
+    `max_new_tokens` is not given, the `generation_config`'s (sampling without a beam count: one beam). A
+    `max_new_tokens` that neither gives is left out: the engines then allow each source's length plus
+    `OUTPUT_SLACK`. Every other `generate()` option not given, `generate()` itself takes from the generation
+    config."""
+    settings = {name: value for name, value in overrides.items() if value is not None}
+    if "num_beams" not in settings:
+        settings["num_beams"] = 1 if settings.get("do_sample") else generation_config.num_beams or 1
+    if "max_new_tokens" not in settings and generation_config.max_new_tokens is not None:
+        settings["max_new_tokens"] = generation_config.max_new_tokens
+    return settings
+
+
+def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty: float | None,
+                            max_new_tokens: int | None = None, max_length: int | None = None) -> None:
+    """Write the decoding settings a model is evaluated with into its `generation_config`, so that every later
+    decoding uses them: our engines (`decoding_settings`), and a stock `generate()` or `pipeline` (remote-code users).
+    `length_penalty` is beam search's (transformers refuses it beside greedy search, so one beam drops it).
+    `max_new_tokens` None keeps the one length rule of the engines (each source's length plus `OUTPUT_SLACK`), which
+    `generate()` cannot express; it then needs `max_length`, the longest output the model allows (its
+    `config.max_position_embeddings`), in place of `generate()`'s default of 20 tokens."""
+    if max_new_tokens is None and max_length is None:
+        raise ValueError("without max_new_tokens, give max_length (the model's max_position_embeddings): a stock "
+                         "generate() would stop at 20 tokens.")
+    generation_config.num_beams = num_beams
+    generation_config.length_penalty = length_penalty if num_beams > 1 else None
+    generation_config.max_new_tokens = max_new_tokens
+    generation_config.max_length = None if max_new_tokens is not None else max_length
 
 
 def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
@@ -57,7 +93,8 @@ def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, in
 
 
 class TorchEngine:
-    """Batches of token ids → translations with `model.generate()`. `max_new_tokens=None` allows the batch's
+    """Batches of token ids → translations with `model.generate()`, decoding as `decoding_settings` says (the
+    arguments, else the model's `generation_config`). `max_new_tokens` unset by both allows the batch's
     longest source plus 50 tokens (the paper's limit; a batch holds sentences of similar length, so that is close
     to the per-sentence rule); `max_source_length` is where sources are truncated, by default where the model's
     positions end. Whatever the caller asks, no output runs past a learned position table
@@ -68,18 +105,18 @@ class TorchEngine:
     (`continuous`) and each output gets the paper's limit for its own source (its length plus 50 tokens). Each
     output is then what `generate()` gives that sentence alone. For the options that the slots do not cover
     (`slots_cover`: logits processors, several outputs per sentence…) the engine decodes batches as without slots.
-    `slots=None` takes `DEFAULT_SLOTS` for the model's device type, 0 decodes in batches."""
+    `slots=None` takes `DEFAULT_SLOTS` for the model's device type, 0 decodes in batches. Built by
+    `vaswani.loading` (which checks that the tokenizer fits the model)."""
 
     positions = "learned positions"
 
-    def __init__(self, model, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None, slots: int | None = None, **generate_kwargs):
-        check_tokenizer_fits(model, tokenizer)
+    def __init__(self, model, tokenizer, *, max_source_length: int | None = None, slots: int | None = None,
+                 **decoding_overrides):
         self.model, self.tokenizer = model.eval(), tokenizer
         table, self.longest_output = generation_limits(model, None)
         self.max_source_length = table if max_source_length is None else max_source_length
-        self.options = {"num_beams": num_beams, **generate_kwargs}
-        self.max_new_tokens = max_new_tokens
+        self.options = decoding_settings(model.generation_config, **decoding_overrides)
+        self.max_new_tokens = self.options.pop("max_new_tokens", None)
         if slots is None:
             slots = DEFAULT_SLOTS.get(model.device.type)
         self.slots = slots if slots and slots_cover(model, **self.options) else None
@@ -88,6 +125,11 @@ class TorchEngine:
     def continuous(self) -> bool:
         """Whether `translate_batch` takes any number of sentences and keeps its own batch full."""
         return self.slots is not None
+
+    @property
+    def settings(self) -> dict:
+        return {"engine": "pytorch", "length_penalty": self.model.generation_config.length_penalty, **self.options,
+                "max_new_tokens": self.max_new_tokens, "precision": str(self.model.dtype).removeprefix("torch.")}
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
@@ -138,17 +180,27 @@ class CTranslate2Engine:
     position table, the tokenizer's `model_max_length` as `load_ctranslate2` sets it), and no output is longer
     than that table. Greedy outputs equal `TorchEngine`'s. Beam search ends by CTranslate2's rule, once
     `num_beams` hypotheses have finished, which can stop before transformers' default (early_stopping=False)
-    would, so some beam outputs differ (benchmarks/results/export-ctranslate2-cpu.md)."""
+    would, so some beam outputs differ (benchmarks/results/export-ctranslate2-cpu.md). `num_beams` and
+    `max_new_tokens` not given are the exported model's `generation_config`'s (`decoding_settings`)."""
 
     positions = "exported positions"
+    continuous = False
+    SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "min_decoding_length")  # what it can be given
 
-    def __init__(self, translator, tokenizer, *, num_beams: int = 4, max_new_tokens: int | None = None,
-                 max_source_length: int | None = None, min_decoding_length: int = 0):
+    def __init__(self, translator, tokenizer, generation_config, *, num_beams: int | None = None,
+                 max_new_tokens: int | None = None, max_source_length: int | None = None,
+                 min_decoding_length: int | None = None):
         """`min_decoding_length`: CTranslate2 masks the end of sentence until each output has that many tokens (with
         `max_new_tokens` the same, every output is exactly that long)."""
-        self.translator, self.tokenizer, self.num_beams = translator, tokenizer, num_beams
-        self.max_new_tokens, self.min_decoding_length = max_new_tokens, min_decoding_length
+        settings = decoding_settings(generation_config, num_beams=num_beams, max_new_tokens=max_new_tokens)
+        self.translator, self.tokenizer, self.num_beams = translator, tokenizer, settings["num_beams"]
+        self.max_new_tokens, self.min_decoding_length = settings.get("max_new_tokens"), min_decoding_length or 0
         self.max_source_length = max_source_length or tokenizer.model_max_length
+
+    @property
+    def settings(self) -> dict:
+        return {"engine": "ctranslate2", "num_beams": self.num_beams, "max_new_tokens": self.max_new_tokens,
+                "precision": self.translator.compute_type}
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
@@ -199,7 +251,7 @@ def translate(engine: Engine, sentences: Sequence[str], *, max_tokens: int | Non
             encoded[i] = ids
     texts: list[str] = [""] * len(encoded)
     batches = token_budget_batches([len(ids) for ids in encoded], max_tokens, max_sentences)
-    if getattr(engine, "continuous", False):  # it keeps its own batch full: all sentences, longest first
+    if engine.continuous:  # it keeps its own batch full: all sentences, longest first
         batches = [[i for batch in batches for i in batch]]
     for batch in batches:
         for i, text in zip(batch, engine.translate_batch([encoded[i] for i in batch])):
