@@ -10,9 +10,10 @@ Two stages:
   sentence then decodes `--max_new_tokens` tokens): the file handling and memory at a million lines in minutes on
   2 cores, where the trained model would take hours.
 * `whole_file`: on `--model` itself, the first `--compare_sentences` test sentences translated in this process by
-  `vaswani.evaluation.translate` (the whole file sorted by length, batches of 64: what translate.py did before it
-  streamed) and by `vaswani.file_translation.translate_file` with translate.py's defaults, interleaved, the fastest
-  of `--repeats` for each; lines/s and how many lines are identical.
+  `vaswani.translation.translate` (the whole file sorted by length, batches of 64: what translate.py did before it
+  streamed) and by `vaswani.file_translation.translate_file` with translate.py's defaults, both with the engine
+  `vaswani.loading.load_engine` builds (fp32, the checkpoint's decoding settings but the beams), interleaved, the
+  fastest of `--repeats` for each; lines/s and how many lines are identical.
 
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stand_in tiny --threads 2
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stages whole_file --threads 2
@@ -30,11 +31,10 @@ import torch
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.data import load_translation_dataset
-from vaswani.evaluation import translate
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, translate_file
-from vaswani.loading import load_translator
+from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import TorchEngine
+from vaswani.translation import translate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -50,7 +50,6 @@ STAGES = ("scale", "whole_file")
 TRANSLATE = Path(__file__).resolve().parent.parent / "scripts" / "translate.py"
 # What scripts/translate.py did before it streamed: the whole input sorted by length, batches of 64 sentences.
 WHOLE_FILE_BATCH = 64
-TRANSLATE_MAX_NEW_TOKENS = 128  # translate.py's default --max_new_tokens
 
 
 def repeat_to(sentences: list[str], lines: int, path: Path) -> None:
@@ -108,19 +107,17 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
 
 
 def whole_file_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
-    model, tokenizer = load_translator(args.model, "cpu", dtype=torch.float32)
     input_path, output_path = workdir / "compare.en", workdir / "compare.fr"
     repeat_to(sentences, len(sentences), input_path)
     rows = []
     for beams in args.beams:
-        options = {"num_beams": beams, "max_new_tokens": TRANSLATE_MAX_NEW_TOKENS}  # limits as translate.py's
+        engine = load_engine(args.model, device="cpu", dtype="float32", num_beams=beams)
 
         def whole_file():
-            return translate(model, tokenizer, sentences, batch_size=WHOLE_FILE_BATCH, **options)
+            return translate(engine, sentences, max_sentences=WHOLE_FILE_BATCH).texts
 
         def streamed():
-            translate_file(TorchEngine(model, tokenizer, **options), str(input_path), str(output_path),
-                           progress=False)
+            translate_file(engine, str(input_path), str(output_path), progress=False)
             return output_path.read_text(encoding="utf-8").split("\n")[:-1]
 
         best, outputs = {}, {}
@@ -151,7 +148,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--scale_beams", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=16,
                         help="scale stage's limit (a random-weight stand-in always reaches it); the whole_file stage "
-                        f"uses translate.py's default, {TRANSLATE_MAX_NEW_TOKENS}")
+                        "decodes as translate.py does by default, with the checkpoint's limit")
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="whole_file stage")
     parser.add_argument("--compare_sentences", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=2)
@@ -182,8 +179,9 @@ def main(argv=None) -> Path:
     if compared:
         notes.append(
             f"whole_file: {Path(args.model).name} in fp32 in this process, the first {args.compare_sentences} test "
-            "sentences; whole-file sort = vaswani.evaluation.translate with batch 64 (translate.py before it "
-            "streamed); streamed = vaswani.file_translation.translate_file with translate.py's defaults, writing a "
+            "sentences, one engine from vaswani.loading.load_engine (the checkpoint's decoding settings but the "
+            "beams); whole-file sort = vaswani.translation.translate in batches of 64 sentences (translate.py before "
+            "it streamed); streamed = vaswani.file_translation.translate_file with translate.py's defaults, writing a "
             f"file; interleaved, fastest of {args.repeats}; identical = lines equal to the whole-file sort's.")
     columns = [Column("model", "model"), Column("lines", "lines"), Column("beams", "beams"),
                Column("seconds", "wall s", "{:.1f}"), Column("lines_per_s", "lines/s", "{:.0f}"),
