@@ -5,7 +5,6 @@ utilisation.
 
     python benchmarks/bench_training.py                          # GPU: tiny, base, big; 4k, 12k, 25k-token batches
     python benchmarks/bench_training.py --device cpu --sizes tiny,base --batch_tokens 2048 --steps 4
-    python benchmarks/bench_training.py --device cpu --threads 2 --sizes tiny --batch_tokens 1000 --trainer_overhead
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
         --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
 
@@ -14,11 +13,6 @@ Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (C
 6·N·tokens for an encoder-decoder, where a source token passes the encoder (and the decoder's cross-attention
 key/value projections) and a target token the decoder and the output projection; MFU = FLOPs/s over the
 device's dense bf16 peak.
-
-`--trainer_overhead` also times a tiny model's steps through the package's Trainer (`VaswaniSeq2SeqTrainer`, set up
-as train_translation.py sets it up, with a time budget) against a bare loop over the same data loader (forward,
-backward, clipping, the Trainer's optimizer, zero_grad): where the model's own work is small, the difference is what
-the Trainer adds to every step on the host.
 """
 
 import argparse
@@ -209,8 +203,7 @@ def run(args: argparse.Namespace, argv) -> Path:
             padded = sum(2 * math.prod(buckets.shape(max(map(len, s + t)))) for s, t in timed_batches)
             padding[f"{batch_tokens} in shape buckets"] = round(1 - real / padded, 4)
     _add_ratios(rows)
-    overhead = trainer_overhead(args, device, tokenizer, source_ids, target_ids) if args.trainer_overhead else []
-    return _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
+    return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
                    batch_sentences, padding, shapes)
 
 
@@ -285,7 +278,7 @@ def _measure(args, device, engines, batches, collated, batch_tokens, warmup, voc
     return rows
 
 
-def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
+def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
             batch_sentences, padding, shapes) -> Path:
     settings = dict(
         batch_tokens=budgets,
@@ -331,12 +324,6 @@ def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tf
         + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
            if args.sdpa_backend else "with torch's own choice of kernel."),
     ]
-    if overhead:
-        notes.append("Trainer overhead: the tiny preset's steps through `VaswaniSeq2SeqTrainer` (a time budget on, "
-                     "as train_translation.py sets it up) and through a bare loop (forward, backward, clipping to "
-                     "norm 1, the Trainer's optimizer, zero_grad) over the same prepared data loader, one after the "
-                     f"other; the first {OVERHEAD_WARMUP} steps of each untimed. The difference is what the Trainer "
-                     "adds to a step.")
     columns = [
         Column("size", "size"),
         Column("batch_tokens", "batch tokens"),
@@ -354,83 +341,7 @@ def _report(args, argv, device, rows, overhead, budgets, steps, warmups, peak_tf
         Column("load_average", "load avg", "{:.1f}"),
         Column("compilations_while_timed", "recompiles"),
     ]
-    overhead_columns = [Column("loop", "loop"), Column("steps", "steps"),
-                        Column("ms_per_step", "ms/step", "{:.2f}"), Column("added_ms", "added ms/step", "{:.2f}")]
-    return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings,
-                  extra_tables=[("Trainer overhead", overhead, overhead_columns)] if overhead else ())
-
-
-OVERHEAD_WARMUP = 5
-
-
-def trainer_overhead(args, device, tokenizer, source_ids, target_ids) -> list[dict]:
-    """ms per step of the tiny preset through the package's Trainer and through a bare loop, on the same prepared
-    data loader (see the module docstring)."""
-    import tempfile
-
-    from datasets import Dataset
-    from transformers import DataCollatorForSeq2Seq, PrinterCallback, TrainerCallback
-
-    from vaswani.training import TimeBudgetCallback, TrainingClock, VaswaniSeq2SeqTrainer, VaswaniTrainingArguments
-
-    steps = OVERHEAD_WARMUP + args.overhead_steps
-    budget = args.overhead_batch_tokens
-    keep = [i for i in range(len(source_ids)) if max(len(source_ids[i]), len(target_ids[i])) <= budget]
-    features = Dataset.from_dict({"input_ids": [source_ids[i] for i in keep], "labels": [target_ids[i] for i in keep]})
-    config = vaswani_config("tiny", len(tokenizer), **({"dropout": args.dropout} if args.dropout is not None else {}))
-
-    class Stamps(TrainerCallback):
-        def __init__(self):
-            self.times = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            device.sync()
-            self.times.append(time.perf_counter())
-
-    with tempfile.TemporaryDirectory() as output_dir:
-        training_args = VaswaniTrainingArguments(
-            output_dir=output_dir, max_steps=steps, learning_rate=args.lr, report_to="none", save_strategy="no",
-            logging_steps=10 * steps, disable_tqdm=True, use_cpu=not device.is_cuda, seed=args.seed,
-            bf16=device.is_cuda, dataloader_pin_memory=device.is_cuda)
-        model = build_seq2seq("vaswani", config, device, torch.float32, args.seed).train()
-        clock = TrainingClock()
-        budget_callback = TimeBudgetCallback(3600.0, clock)
-        stamps = Stamps()
-        trainer = VaswaniSeq2SeqTrainer(
-            model=model, args=training_args, train_dataset=features,
-            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model), processing_class=tokenizer,
-            callbacks=[budget_callback, stamps], max_tokens_per_batch=budget, time_budget=budget_callback)
-        trainer.pop_callback(PrinterCallback)  # its log lines would interleave with the report
-        trainer.train()
-        through_trainer = stamps.times
-
-        # The bare loop: a fresh model of the same size over the same loader (the same batches, the same collation).
-        model = build_seq2seq("vaswani", config, device, torch.float32, args.seed).train()
-        optimizer_class, optimizer_kwargs = trainer.get_optimizer_cls_and_kwargs(training_args, model)
-        optimizer = optimizer_class(model.parameters(), **optimizer_kwargs)  # the Trainer's own (fused AdamW)
-        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.is_cuda else contextlib.nullcontext())
-        bare = []
-        for step, batch in enumerate(trainer.get_train_dataloader()):
-            if step == steps:
-                break
-            batch = {name: tensor.to(device.device, non_blocking=True) for name, tensor in batch.items()}
-            with autocast:
-                loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            device.sync()
-            bare.append(time.perf_counter())
-
-    def per_step(times):
-        return (times[-1] - times[OVERHEAD_WARMUP - 1]) / (len(times) - OVERHEAD_WARMUP) * 1000
-
-    timed = min(len(through_trainer), len(bare))
-    bare_ms, trainer_ms = per_step(bare[:timed]), per_step(through_trainer[:timed])
-    return [{"loop": "bare", "steps": timed - OVERHEAD_WARMUP, "ms_per_step": bare_ms, "added_ms": None},
-            {"loop": "VaswaniSeq2SeqTrainer", "steps": timed - OVERHEAD_WARMUP, "ms_per_step": trainer_ms,
-             "added_ms": trainer_ms - bare_ms}]
+    return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings)
 
 
 def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
@@ -495,11 +406,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile the timed steps of each engine and print the top operators")
     parser.add_argument("--profile_rows", type=int, default=25)
-    parser.add_argument("--trainer_overhead", action="store_true",
-                        help="also time the tiny preset's steps through the package's Trainer against a bare loop")
-    parser.add_argument("--overhead_steps", type=int, default=40, help="timed steps of each loop for that")
-    parser.add_argument("--overhead_batch_tokens", type=int, default=256,
-                        help="their token budget per batch (small: the host's share of a step shows)")
     parser.add_argument("--peak_tflops", type=float, default=None,
                         help="the device's dense bf16 peak, for MFU on GPUs not in common.BF16_PEAK_TFLOPS")
     return parser

@@ -32,6 +32,7 @@ from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.convert import to_marian
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
+from vaswani.files import write_atomically
 from vaswani.loading import choose_device, named_dtype
 from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
@@ -47,16 +48,8 @@ DEFAULT_VOCAB_SIZE = 32000
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from the vendor data sheets, matched against
 # torch.cuda.get_device_name() in this order (so "H100 PCIe" wins over "H100", "L40S" over "L4").
-BF16_PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989.0),
-    ("GH200", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-)
+BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "GH200": 989.0,  # H100: SXM
+                    "A100": 312.0, "L40S": 362.0, "L4": 121.0}
 
 
 # Device, timing, memory -------------------------------------------------------------------------------------------
@@ -95,12 +88,10 @@ class Device:
             torch.cuda.synchronize(self.device)
 
     def bf16_peak_tflops(self, override: float | None = None) -> float | None:
-        if override:
+        if override or not self.is_cuda:
             return override
-        if not self.is_cuda:
-            return None
         name = torch.cuda.get_device_name(self.device)
-        return next((peak for key, peak in BF16_PEAK_TFLOPS if key in name), None)
+        return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
 def pick_device(name: str = "auto", threads: int | None = None) -> Device:
@@ -125,14 +116,9 @@ def timed(device: Device, fn: Callable[[], object]) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def _cpu_peak_rss_bytes() -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-
-
-def _cpu_rss_bytes() -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+def _cpu_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status: VmRSS (resident now) or VmHWM (its peak)."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
 def _release_memory(device: Device) -> None:
@@ -155,7 +141,7 @@ def resident_mib(device: Device, settle: bool = False) -> float | None:
     if device.is_cuda:
         return torch.cuda.memory_allocated(device.device) / 2**20
     try:
-        return _cpu_rss_bytes() / 2**20
+        return _cpu_mib("VmRSS")
     except (OSError, AttributeError):
         return None
 
@@ -195,10 +181,8 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         if self._baseline is None:
             return
-        if self.device.is_cuda:
-            peak = torch.cuda.max_memory_allocated(self.device.device) / 2**20
-        else:
-            peak = _cpu_peak_rss_bytes() / 2**20
+        peak = (torch.cuda.max_memory_allocated(self.device.device) / 2**20 if self.device.is_cuda
+                else _cpu_mib("VmHWM"))
         self.added_mib = max(peak - self._baseline, 0.0)
 
 
@@ -252,20 +236,6 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 # Reports ----------------------------------------------------------------------------------------------------------
-
-
-def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, device: Device, benchmark: str,
-           title: str, rows: Sequence[dict], columns: Sequence["Column"], notes: Sequence[str],
-           settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence["Column"]]] = (),
-           ) -> Path:
-    """The one way a benchmark ends: its report (`write_report`) in --results_dir, named --output_name or
-    `<benchmark>-<device tag>`, with the command as run (`argv` None: this process' own), the run's arguments and
-    `settings`, and --notes after `notes`. Returns the JSON file's path."""
-    name = result_name(args, benchmark, device)
-    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
-    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
-    return write_report(name, title, command_line(script, argv), device, settings, rows, columns, notes,
-                        args.results_dir, extra_tables)[0]
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
@@ -341,61 +311,38 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    name: str,
-    title: str,
-    command: str,
-    device: Device,
-    settings: dict,
-    rows: Sequence[dict],
-    columns: Sequence[Column],
-    notes: Sequence[str],
-    results_dir: Path,
-    extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
-) -> tuple[Path, Path]:
-    """Write `<name>.json` (everything) and `<name>.md` (the tables, the command, the environment, the notes),
-    and print the main table."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    env = environment(device)
-    payload = {
-        "benchmark": title,
-        "command": command,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": env,
-        "settings": settings,
-        "results": list(rows),
-        "notes": list(notes),
-    }
-    for heading, extra_rows, _ in extra_tables:
-        payload[heading] = list(extra_rows)
-    json_path = results_dir / f"{name}.json"
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
+def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, device: Device, benchmark: str,
+           title: str, rows: Sequence[dict], columns: Sequence[Column], notes: Sequence[str],
+           settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
+           ) -> Path:
+    """The one way a benchmark ends: `<name>.json` (everything) and `<name>.md` (the tables, the command, the
+    environment, the notes) in --results_dir, written atomically (`vaswani.files.write_atomically`), and the main
+    table printed. The name is --output_name or `<benchmark>-<device tag>` (`result_name`); the command is the one
+    run (`argv` None: this process' own); settings are the run's arguments and `settings`; --notes follows `notes`.
+    Returns the JSON file's path."""
+    name, command, env = result_name(args, benchmark, device), command_line(script, argv), environment(device)
+    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
+    payload = {"benchmark": title, "command": command, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "environment": env, "settings": settings, "results": list(rows), "notes": notes,
+               **{heading: list(extra_rows) for heading, extra_rows, _ in extra_tables}}
     table = markdown_table(rows, columns)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    md = [
-        f"# {title}",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
-        f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
-        f"Versions: {versions}. Model code: commit {env['git_commit']}"
-        + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
-        + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).",
-        "",
-        table,
-    ]
+    md = [f"# {title}", "", "```bash", command, "```", "",
+          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
+          f"Versions: {versions}. Model code: commit {env['git_commit']}"
+          + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
+          + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).", "", table]
     for heading, extra_rows, extra_columns in extra_tables:
         md += ["", f"## {heading}", "", markdown_table(extra_rows, extra_columns)]
     if notes:
         md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
-    md_path = results_dir / f"{name}.md"
-    md_path.write_text("\n".join(md) + "\n")
-    print(table)
-    print(f"\nwrote {json_path} and {md_path}")
-    return json_path, md_path
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = args.results_dir / f"{name}.json", args.results_dir / f"{name}.md"
+    write_atomically(json_path, json.dumps(payload, indent=2, default=str) + "\n")
+    write_atomically(md_path, "\n".join(md) + "\n")
+    print(f"{table}\n\nwrote {json_path} and {md_path}")
+    return json_path
 
 
 # Command line ---------------------------------------------------------------------------------------------------
