@@ -27,8 +27,7 @@
 # A stage gets the time left, so a call cut short loses only the stages it did not reach; the plan is longer than one
 # call, so a session runs it in three: `bash benchmarks/gpu_session.sh quality-prepare training`, `bash
 # benchmarks/gpu_session.sh training-graphs quality`, then `bash benchmarks/gpu_session.sh translation-trained tests`.
-# Other stages: fsdp (benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as
-# without), translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
+# Other stages: translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
 #
 # Results go to $RESULTS_DIR (default benchmarks/results), logs beside them. With $ARCHIVE set, the results folder
 # is also packed into that .tar.gz after every stage (a device machine returns few files). Wheels in .whl/ are
@@ -96,9 +95,6 @@ stage() {
             local first=$?
             run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_decoding.py \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
-        fsdp)
-            run "$(at_most 300 "$(left)")" "$log" python3 benchmarks/gpu_fsdp_check.py --results_dir "$RESULTS_DIR" \
-                --timeout 120 "${dry[@]}" ;;
         quality-prepare)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --prepare_only "${dry[@]}" ;;
         quality)
