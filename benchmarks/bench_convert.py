@@ -35,13 +35,7 @@ from vaswani.translation import generate_token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column,
-    add_common_arguments,
-    corpus_and_tokenizer,
-    pick_device,
-    report,
-    sample_sentences,
-    timed,
+    Column, add_common_arguments, corpus_and_tokenizer, pick_device, report, sample_sentences, timed,
 )
 
 # Helsinki-NLP/opus-mt-en-fr's config.json, the fields that shape the model.

@@ -21,19 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column,
-    PeakMemory,
-    add_common_arguments,
-    corpus_and_tokenizer,
-    count_parameters,
-    csv_of,
-    pick_device,
-    report,
-    resident_mib,
-    sample_sentences,
-    timed,
-    vaswani_config,
-    sdpa_backend,
+    Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, count_parameters, csv_of, pick_device, report,
+    resident_mib, sample_sentences, timed, vaswani_config, sdpa_backend,
 )
 
 from vaswani import VaswaniForCausalLM  # noqa: E402
@@ -102,13 +91,8 @@ def run(args: argparse.Namespace, argv) -> Path:
     for r in cache_rows:
         r["vs_mha"] = r["bytes_per_token"] / base if base else None
 
-    settings = dict(
-        batch_tokens=batch_tokens,
-        sequences_per_batch=batch_of,
-        peak_tflops=peak_tflops,
-        corpus=str(corpus),
-        vocab_size_actual=len(tokenizer),
-    )
+    settings = dict(batch_tokens=batch_tokens, sequences_per_batch=batch_of, peak_tflops=peak_tflops,
+                    corpus=str(corpus), vocab_size_actual=len(tokenizer))
     config = vaswani_config(args.preset, len(tokenizer))
     notes = [
         f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
@@ -127,24 +111,14 @@ def run(args: argparse.Namespace, argv) -> Path:
         "attention implementation: the transformers default (sdpa).",
     ]
     columns = [
-        Column("mode", "mode"),
-        Column("attention", "attention"),
-        Column("length", "length"),
-        Column("batch", "batch"),
-        Column("tokens_per_s", "tokens/s", "{:.0f}"),
-        Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
-        Column("mfu", "MFU", "{:.1%}"),
-        Column("peak_mib", "peak MiB", "{:.0f}"),
-        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"),
-        Column("load_average", "load avg", "{:.1f}"),
+        Column("mode", "mode"), Column("attention", "attention"), Column("length", "length"), Column("batch", "batch"),
+        Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
+        Column("mfu", "MFU", "{:.1%}"), Column("peak_mib", "peak MiB", "{:.0f}"),
+        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"), Column("load_average", "load avg", "{:.1f}"),
     ]
-    cache_columns = [
-        Column("attention", "attention"),
-        Column("kv_heads", "kv heads"),
-        Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
-        Column("kib_per_token", "KiB/token", "{:.1f}"),
-        Column("vs_mha", "× MHA", "{:.3f}"),
-    ]
+    cache_columns = [Column("attention", "attention"), Column("kv_heads", "kv heads"),
+                     Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
+                     Column("kib_per_token", "KiB/token", "{:.1f}"), Column("vs_mha", "× MHA", "{:.3f}")]
     return report(__file__, argv, args, device, "scaling", "Sequence-length scaling (decoder-only)", rows, columns,
                   notes, settings, extra_tables=[("KV cache per token", cache_rows, cache_columns)])
 
@@ -198,17 +172,10 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
             if step:  # the first is the warm-up
                 seconds += elapsed
     new_tokens = batch * (args.decode_tokens if mode == "decode" else length) * args.steps
-    row = {
-        "batch": batch,
-        "parameters": count_parameters(model),
-        "steps": args.steps,
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds,
-        "peak_mib": peak.added_mib,
-        "kv_cache_mib": kv_mib,
-        "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
-        "load_average": os.getloadavg()[0],
-    }
+    row = {"batch": batch, "parameters": count_parameters(model), "steps": args.steps, "seconds": seconds,
+           "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib, "kv_cache_mib": kv_mib,
+           "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
+           "load_average": os.getloadavg()[0]}
     del model, optimizer
     return row
 
@@ -223,13 +190,8 @@ def kv_cache_row(config, device) -> dict:
     expected = 2 * config.decoder_layers * config.num_key_value_heads * config.head_dim * device.dtype.itemsize
     if measured != expected:
         raise RuntimeError(f"KV cache holds {measured} bytes per token, expected {expected}.")
-    return {
-        "attention": attention_name(config),
-        "kv_heads": config.num_key_value_heads,
-        "num_heads": config.num_attention_heads,
-        "bytes_per_token": measured,
-        "kib_per_token": measured / 1024,
-    }
+    return {"attention": attention_name(config), "kv_heads": config.num_key_value_heads,
+            "num_heads": config.num_attention_heads, "bytes_per_token": measured, "kib_per_token": measured / 1024}
 
 
 def _progress(row: dict) -> str:

@@ -38,12 +38,7 @@ from vaswani.translation import translate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column,
-    add_common_arguments,
-    csv_of,
-    pick_device,
-    report,
-    resolve_corpus,
+    Column, add_common_arguments, csv_of, pick_device, report, resolve_corpus,
 )
 
 STAGES = ("scale", "whole_file")

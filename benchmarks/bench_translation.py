@@ -42,30 +42,10 @@ from vaswani.translation import CTranslate2Engine, generate_token_ids, output_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ENGINE_LABELS,
-    Column,
-    PeakMemory,
-    add_common_arguments,
-    build_seq2seq,
-    corpus_and_tokenizer,
-    count_parameters,
-    csv_of,
-    loaded,
-    pick_device,
-    report,
-    resolve_corpus,
-    sample_sentences,
-    sdpa_backend,
-    timed,
-    vaswani_config,
+    Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters, engine_label,
+    csv_of, loaded, pick_device, report, resolve_corpus, sample_sentences, sdpa_backend, timed, vaswani_config,
 )
 
-ENGINE_LABELS = {**ENGINE_LABELS, "vaswani-hfloop": "Vaswani transformers' loop",
-                 "vaswani-lean": "Vaswani lean loop", "vaswani-int8": "Vaswani int8",
-                 "vaswani-int8-hfloop": "Vaswani int8 transformers' loop", "vaswani-compiled": "Vaswani compiled",
-                 "vaswani-graphs": "Vaswani CUDA graphs", "vaswani-graphs-compiled": "Vaswani CUDA graphs compiled",
-                 "vaswani-bf16": "Vaswani bf16", "marian-bf16": "Marian (HF) bf16", "vaswani-slots": "Vaswani slots",
-                 "vaswani-bf16-slots": "Vaswani bf16 slots"}
 # An engine's options after its model's name, joined by dashes (`vaswani-int8-hfloop`): the factory's precision
 # (`int8`: `--int8`, CPU only; `bf16`: `--dtype bfloat16`), its decoding loop (`hfloop`: transformers' own, `lean`:
 # the lean loop on any device, `graphs`: the lean loop's steps replayed as CUDA graphs), `compiled`
@@ -349,7 +329,7 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
         seconds = sum(best[name])
         output_tokens = sum(map(len, translations[name]))
         rows.append({
-            "engine": name, "engine_label": ENGINE_LABELS.get(name, name), "parameters": engines[name].parameters,
+            "engine": name, "engine_label": engine_label(name), "parameters": engines[name].parameters,
             "stopping": "eos" if stop_at_eos else "forced", "beams": beams, "sentences": sentences,
             "new_tokens_per_sentence": None if stop_at_eos else new_tokens, "output_tokens": output_tokens,
             "seconds": seconds, "sentences_per_s": sentences / seconds, "tokens_per_s": output_tokens / seconds,
@@ -392,66 +372,46 @@ def _columns(args) -> list[Column]:
 
 
 def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device) -> list[str]:
-    sample = (f"The first {len(source_ids)} sentences of the checkpoint's held-out test split of {corpus.name}, "
-              "tokenized by the checkpoint's tokenizer" if args.model else
-              f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from {corpus.name}, tokenized "
-              "by the project's joint BPE")
-    notes = [f"{sample} ({len(tokenizer)} tokens; mean source length "
+    sample = (f"The first {len(source_ids)} sentences of the checkpoint's held-out test split of {corpus.name}"
+              if args.model else f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from "
+              f"{corpus.name}")
+    notes = [f"{sample}, tokenized ({len(tokenizer)} tokens; mean source length "
              f"{sum(map(len, source_ids)) / len(source_ids):.1f} tokens incl. </s>), sorted by length and batched "
              "identically for every engine."]
     if "forced" in stopping:
-        notes.append(
-            f"Forced rows, identical work: every engine generates exactly {args.new_tokens} tokens per sentence, "
-            "verified on every output: transformers with max_new_tokens and eos_token_id=None (no EOS stopping, no "
-            "logits processor), CTranslate2 with min_decoding_length = max_decoding_length (EOS masked in place)."
-            + (" CTranslate2's outputs then differ from transformers' once a sentence would have ended "
-               "(transformers may emit the end of sentence and go on): identical compares the PyTorch engines only."
-               if args.model else ""))
+        notes.append(f"Forced rows, identical work: exactly {args.new_tokens} tokens per sentence, checked on every "
+                     "output (transformers: eos_token_id=None; CTranslate2: min_decoding_length = max_decoding_length)."
+                     + (" identical then compares the PyTorch engines only: transformers may emit the end of sentence "
+                        "and go on, CTranslate2 masks it." if args.model else ""))
     if "eos" in stopping:
-        notes.append(
-            "eos rows, as users translate: each sentence stops at its own end of sentence, at most "
-            f"{args.max_new_tokens} new tokens, with the checkpoint's generation config (beams as the row says). "
-            "identical = translations whose token ids equal Vaswani fp32's; output tokens exclude the end of sentence.")
-    notes.append(
-        (f"Checkpoint {args.model}." if args.model else "Random weights (seeded), saved as a checkpoint of each "
-         "preset and loaded like a trained one.")
-        + " Every engine comes from vaswani.loading.load_engine, as the scripts' do: Marian (HF) = "
-        "vaswani.convert.to_marian of the loaded model (a MarianMTModel computing the same function, with the same "
-        "generation config) in that engine; CT2 = CTranslate2 running the checkpoint exported by "
-        "vaswani.export.export_to_ctranslate2.")
+        notes.append(f"eos rows, as users translate: each sentence stops at its end of sentence, at most "
+                     f"{args.max_new_tokens} new tokens, with the checkpoint's generation config; identical = "
+                     "translations whose token ids equal Vaswani fp32's (the end of sentence not counted).")
     notes += [
-        "Warm runs only: every engine first translates the shortest and the longest batch once, untimed. Engines "
-        "are then interleaved batch by batch (the order rotating), so a change in machine load hits all of them "
-        f"alike; seconds = sum over batches of the fastest of {args.repeats} repeat(s). Input tensors are built "
-        "inside the timed call.",
-        f"Precision {device.dtype_name} (bf16 rows: load_engine(dtype='bfloat16')); attention: sdpa. Vaswani = "
-        "generate() as users call it (the lean loop of vaswani.generation_vaswani on a CPU, transformers' loop "
-        "elsewhere); lean loop / transformers' loop / CUDA graphs = load_engine(decoding='lean' / 'transformers' / "
-        "'graphs'); compiled = vaswani.inference.compile_for_generation; Vaswani int8 = load_engine(int8=True), the "
-        "scripts' --int8 (vaswani.inference.quantize_for_cpu: int8 weights per output channel, activations per row, "
-        "freed memory reused). CTranslate2: compute type as named, inter_threads 1.",
-        ("Every engine ran in a process of its own (the parent interleaves them batch by batch). "
-         if not args.same_process else "All engines shared one process (--same_process). ")
-        + ("Every engine's process ran with vaswani.inference.keep_freed_cpu_memory(), Marian included. "
-           if args.keep_freed_memory else "")
-        + "Memory: load = resident memory added by loading the engine (weights, runtime); work = peak added while "
-        "translating the longest batch; peak = load + work. On CPU these are process RSS (VmHWM) increments.",
+        (f"Checkpoint {args.model}." if args.model else "Random weights (seeded), saved as a checkpoint of the preset.")
+        + " Every engine comes from vaswani.loading.load_engine, as the scripts' do; Marian (HF) is that engine with "
+        "vaswani.convert.to_marian of its model (the same function and generation config); CT2 runs the checkpoint "
+        "exported by vaswani.export.export_to_ctranslate2 (inter_threads 1).",
+        f"Precision {device.dtype_name} (bf16: dtype='bfloat16'; int8: int8=True, the scripts' --int8); Vaswani = "
+        "generate() as users call it; lean loop / transformers' loop / CUDA graphs = decoding='lean' / "
+        "'transformers' / 'graphs'; compiled = vaswani.inference.compile_for_generation; attention: sdpa.",
+        "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
+        f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",
+        ("Each engine in a process of its own. " if not args.same_process else "All engines in one process. ")
+        + ("Every PyTorch engine with keep_freed_cpu_memory(). " if args.keep_freed_memory else "")
+        + "Memory: load = resident memory the engine added; work = peak added while translating the longest batch; "
+        "peak = load + work (on CPU, process RSS and VmHWM increments).",
     ]
     if args.linear_time:
-        notes.append(
-            "linear-layer s (--linear_time): each PyTorch engine translated every batch once more under torch.profiler;"
-            f" the CPU time inside {', '.join(sorted(LINEAR_KERNELS))} (self time): the projections', feed-forward "
-            "layers' and output projection's products, a floor under that engine's seconds whatever is done around "
-            "them. Attention's batched products are not included.")
+        notes.append(f"linear-layer s: one more pass under torch.profiler, the self CPU time of "
+                     f"{', '.join(sorted(LINEAR_KERNELS))}: a floor under the engine's seconds (attention's batched "
+                     "products not included).")
     if any("slots" in name.split("-") for name in names):
-        notes.append(
-            "Vaswani slots = generation_vaswani.decode_in_slots (the scripts' --slots): continuous batching, as many "
-            "slots as a batch has sentences, each finished sentence's slot taken at once by the next. It gets all the "
-            "sentences at once, in the batches' order: its seconds are of one call per repeat, the fastest counted; "
-            "its memory is that of the longest batch decoded in slots alone.")
-    notes += [f"{ENGINE_LABELS.get(name, name)} failed and was left out from then on (--keep_going): {why}"
-              for name, why in failed.items()]
-    return notes
+        notes.append("slots = generation_vaswani.decode_in_slots (the scripts' --slots), as many slots as a batch has "
+                     "sentences: one call per repeat over all sentences in the batches' order; its memory is that of "
+                     "the longest batch decoded in slots alone.")
+    return notes + [f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"
+                    for name, why in failed.items()]
 
 
 def build_parser() -> argparse.ArgumentParser:

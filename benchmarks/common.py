@@ -210,7 +210,15 @@ def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) ->
 
 # The twin models ------------------------------------------------------------------------------------------------
 
-ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2-float32": "CT2 fp32", "ct2-int8": "CT2 int8"}
+ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2": "CT2"}
+OPTION_LABELS = {"hfloop": "transformers' loop", "lean": "lean loop", "graphs": "CUDA graphs", "float32": "fp32"}
+
+
+def engine_label(name: str) -> str:
+    """An engine's name as the tables show it: its model, then its options (`vaswani-int8-hfloop` → "Vaswani int8
+    transformers' loop")."""
+    base, *options = name.split("-")
+    return " ".join([ENGINE_LABELS.get(base, base), *(OPTION_LABELS.get(option, option) for option in options)])
 
 
 def vaswani_config(size: str, vocab_size: int, **overrides) -> VaswaniConfig:

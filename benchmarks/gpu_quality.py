@@ -30,22 +30,14 @@ from transformers import HfArgumentParser
 
 from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name
 from vaswani.training import (
-    DataArguments,
-    ModelArguments,
-    VaswaniTrainingArguments,
-    build_model_and_tokenizer,
-    prepare_data,
-    tokenize_splits,
+    DataArguments, ModelArguments, VaswaniTrainingArguments, build_model_and_tokenizer, prepare_data, tokenize_splits,
 )
 
 # Each recipe's own arguments, on top of the shared ones below. The paper's base model regularizes with dropout 0.1
 # (§6.3); 0.3 is the usual choice for corpora of this size (IWSLT'14's 160k pairs) trained for dozens of epochs.
 # Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
 # alone is the default.
-RECIPES = {
-    "dropout-0.1": ["--config_overrides", "dropout=0.1"],
-    "dropout-0.3": ["--config_overrides", "dropout=0.3"],
-}
+RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"]}
 
 
 def shared_arguments(args: argparse.Namespace, output_dir: Path) -> list[str]:

@@ -267,10 +267,11 @@ def test_training_engine_names():
     trainee = module.Trainee("vaswani-bf16-eager", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
     assert trainee.model.config._attn_implementation == "eager"
     assert module.engine_label(trainee.name) == "Vaswani bf16 eager"
+    assert module.engine_label("vaswani-int8-hfloop") == "Vaswani int8 transformers' loop"
     with trainee.autocast:
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert module.engine_label("marian") == "Marian (HF)"
-    assert module.engine_label("marian-compiled") == "Marian compiled"
+    assert module.engine_label("marian-compiled") == "Marian (HF) compiled"
     for name in ("marian-flex", "vaswani-fast", "vaswani-flex-eager", "vaswani-bf16-bf16", "t5-bf16"):
         with pytest.raises(ValueError, match="Unknown engine"):
             module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
