@@ -1,21 +1,14 @@
 #!/usr/bin/env python
-"""The data path at WMT's scale: time to the first training step and peak memory of `train_translation.py`, on
-stand-in corpora of a given number of pairs, on a first run (empty cache) and a second run (the cache filled by
-the first), with one process and with two (torchrun, gloo).
+"""The data path at WMT's scale: time to the first training step and peak memory of `train_translation.py`
+(`--preset small --vocab_size 8000`, the main job's 1,000-token batches, `--preprocessing_num_workers` 2) on stand-in
+corpora (each line joins 2-4 random fra-eng pairs, about 25 tokens a side, seeded), first run (empty cache) and
+cached rerun, one process or two (torchrun, gloo). The script runs as a user runs it; its log is read as it comes
+and the run stopped at the first logged step. Memory: proportional set sizes of the whole process tree, sampled
+every 0.2 s (`anon`: owned by the processes; `file`: mapped files the kernel can drop). Times: wall seconds from the
+start. (results/data-encoder-cpu.md came from this script's `--encoder_shares` at commit e4633a9, removed since.)
 
     python benchmarks/bench_data.py --build 1000000 --corpus_dir /tmp/corpora       # stand-in corpora first
     python benchmarks/bench_data.py --corpora /tmp/corpora/standin-1000000.tsv.gz --processes 1 2
-
-A stand-in corpus line joins 2-4 random fra-eng pairs (about 25 tokens a side, WMT's sentence length), drawn with
-a fixed seed. Each measurement runs the training script as a user would (`--preset small --vocab_size 8000`, the
-main job's 1,000-token batches, `--preprocessing_num_workers` 2), reads its log as it comes, and stops it at the
-first logged training step. Memory is sampled every 0.2 s from /proc for the whole process tree (launcher,
-training processes, tokenizing workers) as proportional set sizes, so pages shared between processes count once:
-`anon` is memory the processes own; `file` is pages of mapped files (the memory-mapped Arrow files, the libraries),
-which the kernel can drop and read again. Times are wall-clock seconds from the command's start.
-
-(results/data-encoder-cpu.md, the word cache of `tokenize_translation_dataset` against the tokenizer's own call, came
-from this script's `--encoder_shares` at commit e4633a9, removed since.)
 """
 
 import argparse

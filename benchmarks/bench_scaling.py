@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, count_parameters, csv_of, pick_device, report,
-    resident_mib, sample_sentences, timed, vaswani_config, sdpa_backend,
+    resident_mib, sample_sentences, timed, sdpa_backend,
 )
 
-from vaswani import VaswaniForCausalLM  # noqa: E402
+from vaswani import VaswaniConfig, VaswaniForCausalLM  # noqa: E402
 from vaswani.modeling_vaswani import CACHE_NAME  # noqa: E402  (the cache's name in this transformers release)
 
 def attention_name(config) -> str:
@@ -73,7 +73,8 @@ def run(args: argparse.Namespace, argv) -> Path:
 
     rows = []
     for kv_heads in args.kv_heads:
-        config = vaswani_config(args.preset, len(tokenizer), num_key_value_heads=kv_heads, dropout=0.0)
+        config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=kv_heads,
+                                           dropout=0.0)
         for mode in args.modes:
             for length in args.lengths:
                 with sdpa_backend(args.sdpa_backend):
@@ -85,15 +86,15 @@ def run(args: argparse.Namespace, argv) -> Path:
                 rows.append(row)
                 print(_progress(row), flush=True)
 
-    cache_rows = [kv_cache_row(vaswani_config(args.preset, len(tokenizer), num_key_value_heads=k, dropout=0.0), device)
-                  for k in args.cache_kv_heads]
+    cache_rows = [kv_cache_row(VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=k,
+                                                         dropout=0.0), device) for k in args.cache_kv_heads]
     base = next((r["bytes_per_token"] for r in cache_rows if r["kv_heads"] == cache_rows[0]["num_heads"]), None)
     for r in cache_rows:
         r["vs_mha"] = r["bytes_per_token"] / base if base else None
 
     settings = dict(batch_tokens=batch_tokens, sequences_per_batch=batch_of, peak_tflops=peak_tflops,
                     corpus=str(corpus), vocab_size_actual=len(tokenizer))
-    config = vaswani_config(args.preset, len(tokenizer))
+    config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer))
     notes = [
         f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
         f"{config.num_attention_heads} query heads, {config.position_embedding_type} positions, "

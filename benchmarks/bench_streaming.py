@@ -1,19 +1,14 @@
 """File translation at scale: `scripts/translate.py --input_file --output_file` (streamed in chunks by
 `vaswani.file_translation`) on 100k and 1M lines, and the streamed path against the whole-file sort it replaced.
 
-Two stages:
-
-* `scale`: the held-out test sentences of `--model`'s corpus split, repeated to each of `--lines` lines, translated
-  by `scripts/translate.py` run as a user runs it (a process of its own); wall time (loading included), lines/s and
-  the process's peak RSS (from `wait4`), and a check that the output has one line per input line. With
-  `--stand_in tiny`, a random-weight `VaswaniConfig.tiny` model with `--model`'s tokenizer runs instead (every
-  sentence then decodes `--max_new_tokens` tokens): the file handling and memory at a million lines in minutes on
-  2 cores, where the trained model would take hours.
-* `whole_file`: on `--model` itself, the first `--compare_sentences` test sentences translated in this process by
-  `vaswani.translation.translate` (the whole file sorted by length, batches of 64: what translate.py did before it
-  streamed) and by `vaswani.file_translation.translate_file` with translate.py's defaults, both with the engine
-  `vaswani.loading.load_engine` builds (fp32, the checkpoint's decoding settings but the beams), interleaved, the
-  fastest of `--repeats` for each; lines/s and how many lines are identical.
+* `scale`: `--model`'s held-out test sentences repeated to each of `--lines` lines, translated by translate.py in a
+  process of its own: wall time (loading included), lines/s, peak RSS (`wait4`), one output line per input line.
+  `--stand_in tiny`: a random-weight `VaswaniConfig.tiny` with `--model`'s tokenizer instead (every sentence decodes
+  `--max_new_tokens` tokens): a million lines in minutes on 2 cores, where the trained model would take hours.
+* `whole_file`: the first `--compare_sentences` test sentences, in this process, through one engine of
+  `vaswani.loading.load_engine`: `vaswani.translation.translate` over the whole file sorted by length in batches of
+  64 (translate.py before it streamed) against `translate_file` with translate.py's defaults, interleaved, the
+  fastest of `--repeats`; lines/s and identical lines.
 
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stand_in tiny --threads 2
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stages whole_file --threads 2

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import DataCollatorForSeq2Seq
 
+from vaswani import VaswaniConfig
 from vaswani.batching import ShapeBuckets, TokenBatchSampler, pad_to_shape
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
@@ -33,7 +34,7 @@ from vaswani.training import MAX_SHAPE_BUCKETS
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters, engine_label,
-    csv_of, pick_device, report, sdpa_backend, timed, vaswani_config,
+    csv_of, pick_device, report, sdpa_backend, timed,
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
@@ -185,7 +186,8 @@ def _measure(args, device, engines, batches, collated, batch_tokens, warmup, voc
     batch budget."""
     rows = []
     for size in args.sizes:
-        config = vaswani_config(size, vocab_size, **({"dropout": args.dropout} if args.dropout is not None else {}))
+        dropout = {"dropout": args.dropout} if args.dropout is not None else {}
+        config = VaswaniConfig.from_preset(size, vocab_size=vocab_size, **dropout)
         trainees = [Trainee(name, config, device, collated, args.seed, args.lr, args.sdpa_backend, shape_buckets)
                     for name in engines]
         memory = {}
@@ -245,40 +247,31 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
                     padding_fraction=padding, **({"shapes_rows_length": shapes} if shapes else {}))
     notes = [
         f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
-        f"tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler) into batches of at "
-        f"most {', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}); at each budget the same {steps} timed batches (sentences per batch and "
-        f"padding fraction per budget: settings `batch_sizes_sentences`, `padding_fraction`) for every engine, "
-        f"after the warm-up steps of settings `warmup_steps`.",
-        *([f"Shape buckets: the batches `TokenBatchSampler(shape_buckets={args.shape_buckets})` cuts, as "
-           f"`train_translation.py --shape_buckets {args.shape_buckets}` trains on; engines named -graphs pad each "
-           "up to its declared (rows, length) shape (settings `shapes_rows_length`), both sides, compile one static "
-           "graph per shape and record it in the warm-up (each shape twice); the padding is part of their cost "
-           "(tokens/s counts non-padding tokens)."] if args.shape_buckets else []),
-        "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, "
-        "backward, Adam step (β = 0.9, 0.98, ε = 1e-9, §5.3), zero_grad. Each model computes its own loss from "
-        "`labels`: Vaswani with label smoothing 0.1 as in the paper (its backward written out, "
-        "`SmoothedCrossEntropy`), Marian plain cross-entropy through autograd.",
-        "Engines are interleaved step by step (order rotating), so changes in machine load hit both alike.",
-        *(["Every engine ran with vaswani.inference.keep_freed_cpu_memory(None) (process-wide, as "
-           "train_translation.py does on a CPU): glibc malloc reuses freed memory of any size instead of mapping "
-           "fresh pages per large tensor."]
+        "tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler"
+        + (f", shape_buckets={args.shape_buckets}" if args.shape_buckets else "") + f") into batches of at most "
+        f"{', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}), collated by "
+        f"DataCollatorForSeq2Seq; at each budget the same {steps} timed batches for every engine (settings "
+        "`batch_sizes_sentences`, `padding_fraction`), after the warm-up steps of settings `warmup_steps`.",
+        *(["-graphs engines pad each batch up to its (rows, length) shape (settings `shapes_rows_length`), one static "
+           "graph per shape recorded in the warm-up (each shape twice); tokens/s counts non-padding tokens."]
+          if args.shape_buckets else []),
+        "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, backward, "
+        "Adam (β = 0.9, 0.98, ε = 1e-9, §5.3), zero_grad. Vaswani's loss is label-smoothed (0.1, its backward "
+        "written out), Marian's plain cross-entropy. Engines interleaved step by step, the order rotating.",
+        *(["keep_freed_cpu_memory(None) for the whole process, as train_translation.py on a CPU."]
           if args.keep_freed_memory and not device.is_cuda else []),
-        (f"Precision: bf16 autocast with fp32 weights on CUDA; MFU against a dense bf16 peak of {peak_tflops} "
-         "TFLOP/s." if device.is_cuda else "Precision fp32 on CPU (engines named -bf16: bf16 autocast with fp32 "
-         "weights, as `--bf16 --use_cpu` trains); model TFLOP/s is reported, MFU only on GPU."),
-        "Memory: peak = weights + Adam state (resident between steps) + the peak a step adds on top (measured on "
-        "one extra untimed step after the warm-up; on CPU as a process RSS increment, which includes the gradients).",
-        "Compiled engines: `torch.compile(model)` (inductor, default mode, automatic dynamic shapes; -graphs: "
-        "mode=\"reduce-overhead\", CUDA graphs) called like the eager model; compilation happens in the warm-up "
-        "steps, and the graphs built during the timed steps are counted (column `recompiles`).",
-        f"Dropout {args.dropout if args.dropout is not None else 'as configured (0.1; big: 0.3)'}, attention "
-        "implementation: the transformers default (sdpa; eager for engines named -eager, FlexAttention for -flex), "
-        + (f"restricted to torch's {args.sdpa_backend} kernel for every engine."
-           if args.sdpa_backend else "with torch's own choice of kernel."),
+        (f"bf16 autocast with fp32 weights; MFU against a dense bf16 peak of {peak_tflops} TFLOP/s." if device.is_cuda
+         else "fp32 (-bf16 engines: bf16 autocast with fp32 weights, as `--bf16 --use_cpu` trains); MFU only on GPU."),
+        "Memory: peak = weights + Adam state + the peak one extra untimed step adds (on CPU, a process RSS increment).",
+        "Compiled engines: torch.compile(model) (-graphs: mode=\"reduce-overhead\"), compiled in the warm-up; graphs "
+        "built during the timed steps are counted (column `recompiles`).",
+        f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager, "
+        "-flex: FlexAttention)" + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else "."),
     ]
     columns = [
         Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("engine_label", "engine"),
-        Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"), Column("seconds", "seconds", "{:.2f}"),
+        Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"),
+        Column("seconds", "seconds", "{:.2f}"),
         Column("steps_per_s", "steps/s", "{:.2f}"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
         Column("target_tokens_per_s", "target tokens/s", "{:.0f}"), Column("vs_marian", "× Marian", "{:.2f}"),
         Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
@@ -327,31 +320,24 @@ def _progress(row: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser)
-    parser.add_argument("--sizes", type=csv_of(str), default=["tiny", "base", "big"])
-    parser.add_argument("--engines", type=csv_of(str), default=list(ENGINES))
-    parser.add_argument("--batch_tokens", type=csv_of(int), default=None,
-                        help="padded tokens per side per batch, one or more budgets; default 4000,12000,25000 on CUDA "
-                        "(25,000: the paper's), 2048 on CPU")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
-    parser.add_argument("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
-    parser.add_argument("--seconds_per_setting", type=float, default=None,
-                        help="repeat the timed batches until the slowest engine has trained this long at each "
-                        "size and budget (a step-rate probe), instead of taking each once")
-    parser.add_argument("--shape_buckets", type=int, default=None,
-                        help=f"cut the batches as train_translation.py --shape_buckets does (at most "
-                        f"{MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--dropout", type=float, default=None,
-                        help="residual dropout of both models; default: the preset's (the main job trains with 0)")
-    parser.add_argument("--keep_freed_memory", action="store_true",
-                        help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the whole process, as "
-                        "train_translation.py does on a CPU: every engine, Marian included, reuses freed memory of "
-                        "any size")
-    parser.add_argument("--profile", action="store_true",
-                        help="after timing, profile the timed steps of each engine and print the top operators")
-    parser.add_argument("--profile_rows", type=int, default=25)
-    parser.add_argument("--peak_tflops", type=float, default=None,
-                        help="the device's dense bf16 peak, for MFU on GPUs not in common.BF16_PEAK_TFLOPS")
+    add = parser.add_argument
+    add("--sizes", type=csv_of(str), default=["tiny", "base", "big"])
+    add("--engines", type=csv_of(str), default=list(ENGINES))
+    add("--batch_tokens", type=csv_of(int), default=None, help="padded tokens per side per batch, one or more budgets; "
+        "default 4000,12000,25000 on CUDA (25,000: the paper's), 2048 on CPU")
+    add("--steps", type=int, default=None, help="timed steps per engine; default 20 CUDA, 4 CPU")
+    add("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
+    add("--seconds_per_setting", type=float, default=None, help="repeat the timed batches until the slowest engine "
+        "has trained this long at each size and budget (a step-rate probe)")
+    add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
+        f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
+    add("--lr", type=float, default=1e-4)
+    add("--dropout", type=float, default=None, help="dropout of both models; default: the preset's")
+    add("--keep_freed_memory", action="store_true", help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the "
+        "whole process, as train_translation.py does on a CPU, Marian's steps included")
+    add("--profile", action="store_true", help="after timing, print each engine's top operators over the timed steps")
+    add("--profile_rows", type=int, default=25)
+    add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU on GPUs not in BF16_PEAK_TFLOPS")
     return parser
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from vaswani import VaswaniConfig
 from vaswani.convert import to_marian
 from vaswani.data import load_translation_dataset
 from vaswani.export import export_to_ctranslate2
@@ -43,7 +44,7 @@ from vaswani.translation import CTranslate2Engine, generate_token_ids, output_id
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters, engine_label,
-    csv_of, loaded, pick_device, report, resolve_corpus, sample_sentences, sdpa_backend, timed, vaswani_config,
+    csv_of, loaded, pick_device, report, resolve_corpus, sample_sentences, sdpa_backend, timed,
 )
 
 # An engine's options after its model's name, joined by dashes (`vaswani-int8-hfloop`): the factory's precision
@@ -216,7 +217,8 @@ def _serve(pipe, spec: dict) -> None:
 def random_checkpoint(size: str, tokenizer, seed: int, directory: Path) -> str:
     """A checkpoint of the preset `size` with random weights (seeded) and the corpus' tokenizer, for the factory to
     load as it loads a trained one: speed does not depend on the weights' values once the output length is fixed."""
-    model = build_seq2seq("vaswani", vaswani_config(size, len(tokenizer)), pick_device("cpu"), torch.float32, seed)
+    config = VaswaniConfig.from_preset(size, vocab_size=len(tokenizer))
+    model = build_seq2seq("vaswani", config, pick_device("cpu"), torch.float32, seed)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
@@ -417,42 +419,32 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser)
-    parser.add_argument("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
-    parser.add_argument("--engines", type=csv_of(str), default=None,
-                        help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs|-slots][-compiled], marian[-bf16], "
-                        "ct2-<compute type> (CTranslate2 running the model's export: ct2-float32, ct2-int8, "
-                        f"ct2-bfloat16 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, "
-                        f"{','.join(DEFAULT_ENGINES_CPU)} on CPU")
-    parser.add_argument("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
-    parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
-    parser.add_argument("--num_sentences", type=int, default=3000)
-    parser.add_argument("--batch1_sentences", type=int, default=None,
-                        help="at batch size 1 translate only the first N sentences of the sample (its uniform draws "
-                        "are unordered, so any prefix is itself a uniform sample); default: all")
-    parser.add_argument("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS,
-                        help="tokens generated per sentence in the forced rows")
-    parser.add_argument("--model", default=None,
-                        help="a trained Vaswani checkpoint to run instead of random weights (--sizes is then unused): "
-                        "its held-out test sentences")
-    parser.add_argument("--stopping", type=csv_of(str, STOPPING), default=None,
-                        help=f"{', '.join(STOPPING)}: each sentence stops at its end of sentence (needs --model) / "
-                        "exactly --new_tokens per sentence; default: eos,forced with --model, else forced")
-    parser.add_argument("--max_new_tokens", type=int, default=128,
-                        help="at most this many new tokens per sentence in the eos rows (the limit of the README's "
-                        "committed rows)")
-    parser.add_argument("--keep_freed_memory", action="store_true",
-                        help="vaswani.inference.keep_freed_cpu_memory() in every engine's process (--int8 applies it "
-                        "anyway), Marian included")
-    parser.add_argument("--keep_going", action="store_true",
-                        help="an engine that fails (an error, or its process dies) is left out from then on and named "
-                        "in the report's notes; the others go on (for unattended GPU runs)")
-    parser.add_argument("--same_process", action="store_true",
-                        help="run every engine in this one process instead of one process each (shows how "
-                        "CTranslate2 and PyTorch slow each other down when they share a process)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
-    parser.add_argument("--linear_time", action="store_true",
-                        help="on a CPU, also report each PyTorch engine's seconds inside its linear layers' kernels "
-                        "(one more pass under torch.profiler, untimed): the floor that the rest of decoding adds to")
+    add = parser.add_argument
+    add("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
+    add("--engines", type=csv_of(str), default=None, help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs|"
+        "-slots][-compiled], marian[-bf16], ct2-<compute type> (CTranslate2 running the model's export: ct2-float32, "
+        f"ct2-int8 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")
+    add("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
+    add("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
+    add("--num_sentences", type=int, default=3000)
+    add("--batch1_sentences", type=int, default=None, help="at batch size 1 only the first N sentences of the sample "
+        "(a uniform sample too); default: all")
+    add("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens per sentence in the forced rows")
+    add("--model", default=None, help="a trained checkpoint to run on its held-out test sentences instead of random "
+        "weights (--sizes is then unused)")
+    add("--stopping", type=csv_of(str, STOPPING), default=None, help=f"{', '.join(STOPPING)}: each sentence to its end "
+        "of sentence (needs --model) / exactly --new_tokens; default: eos,forced with --model, else forced")
+    add("--max_new_tokens", type=int, default=128, help="at most this many new tokens in the eos rows (the limit of "
+        "the README's committed rows)")
+    add("--keep_freed_memory", action="store_true", help="vaswani.inference.keep_freed_cpu_memory() in every "
+        "engine's process, Marian's included (--int8 applies it anyway)")
+    add("--keep_going", action="store_true", help="leave out an engine that fails (an error, or its process dies), "
+        "named in the report's notes, and go on with the others (for unattended GPU runs)")
+    add("--same_process", action="store_true", help="every engine in this one process instead of one process each "
+        "(shows how CTranslate2 and PyTorch slow each other down in one process)")
+    add("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
+    add("--linear_time", action="store_true", help="on a CPU, also each PyTorch engine's seconds inside its linear "
+        "layers' kernels (one more pass under torch.profiler): the floor the rest of decoding adds to")
     return parser
 
 

@@ -147,21 +147,14 @@ def resident_mib(device: Device, settle: bool = False) -> float | None:
 
 
 class PeakMemory:
-    """How much memory one measurement adds at its peak over what was resident when it started (`added_mib`).
-
-    CUDA: `torch.cuda.max_memory_allocated` (tensors only). CPU: the process' peak resident set size, VmHWM, which
-    Linux lets us reset by writing 5 to /proc/self/clear_refs; it counts everything, tensors and allocator slack
-    alike. Other engines may be resident at the same time, so only the increase is attributed to this one; a
-    model's own footprint is measured separately when it is loaded (`resident_mib` before and after).
-    Elsewhere the CPU figure is None.
-    """
+    """How much memory one measurement adds at its peak (`added_mib`) over what was resident when it started, or over
+    `baseline_mib` (e.g. measured before a model was built). CUDA: `torch.cuda.max_memory_allocated` (tensors only).
+    CPU: the process' peak resident set size, VmHWM, which Linux resets on writing 5 to /proc/self/clear_refs (tensors
+    and allocator slack alike; None elsewhere). Only the increase is this measurement's: other engines may be
+    resident too, and a model's own footprint is measured when it is loaded (`loaded`)."""
 
     def __init__(self, device: Device, baseline_mib: float | None = None):
-        """`baseline_mib`: count from this level (e.g. measured before a model was built) instead of from what is
-        resident on entry."""
-        self.device = device
-        self.added_mib: float | None = None
-        self._baseline: float | None = baseline_mib
+        self.device, self.added_mib, self._baseline = device, None, baseline_mib
 
     def __enter__(self) -> "PeakMemory":
         if self._baseline is None:  # with a given baseline the caller has just settled memory
@@ -221,11 +214,6 @@ def engine_label(name: str) -> str:
     return " ".join([ENGINE_LABELS.get(base, base), *(OPTION_LABELS.get(option, option) for option in options)])
 
 
-def vaswani_config(size: str, vocab_size: int, **overrides) -> VaswaniConfig:
-    """A preset (tiny, small, base, big, modern) with the tokenizer's vocabulary."""
-    return VaswaniConfig.from_preset(size, vocab_size=vocab_size, **overrides)
-
-
 def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: torch.dtype, seed: int = 0):
     """A freshly initialised Vaswani translation model on `device` in `dtype` (random weights: speed does not depend
     on their values once the number of generated tokens is fixed), or its Marian twin: `vaswani.convert.to_marian`
@@ -257,9 +245,8 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
 
 def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -284,12 +271,8 @@ def environment(device: Device) -> dict:
     env = {
         "device": device.tag,
         "device_name": torch.cuda.get_device_name(device.device) if device.is_cuda else _cpu_name(),
-        "dtype": str(device.dtype).removeprefix("torch."),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "cpu": _cpu_name(),
-        "platform": platform.platform(),
-        "versions": versions,
+        "dtype": device.dtype_name, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
         "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,
@@ -308,9 +291,7 @@ class Column:
 
     def render(self, row: dict) -> str:
         value = row.get(self.key)
-        if value is None:
-            return "–"
-        return self.fmt.format(value) if not isinstance(value, str) else value
+        return "–" if value is None else value if isinstance(value, str) else self.fmt.format(value)
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
@@ -337,7 +318,8 @@ def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, de
     table = markdown_table(rows, columns)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     md = [f"# {title}", "", "```bash", command, "```", "",
-          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
+          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads)."
+          " "
           f"Versions: {versions}. Model code: commit {env['git_commit']}"
           + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
           + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).", "", table]
@@ -364,6 +346,7 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every benchmark of the corpus takes: device, threads, corpus, vocabulary, caches, report, seed."""
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
     parser.add_argument("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
     parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else "
