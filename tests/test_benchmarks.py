@@ -362,20 +362,3 @@ def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
         assert [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)] == texts, beams
         assert min(map(len, ids)) < 7  # a trained model: some sentences end before the limit
         assert {len(row) for row in engine.translate(batch, beams, 7, stop_at_eos=False)} == {7}
-
-
-def test_convert_benchmark(corpus, tmp_path, monkeypatch):
-    """The converted Marian model, loaded by the package's factory, translates as Marian does in fp32 (here at a tiny
-    shape in place of OPUS-MT-base's)."""
-    module = load("bench_convert")
-    monkeypatch.setattr(module, "OPUS_MT_EN_FR", dict(
-        vocab_size=320, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, activation_function="swish",
-        scale_embedding=True, max_position_embeddings=64, share_encoder_decoder_embeddings=True))
-    module.main(common_args(corpus, tmp_path) + ["--batch_size", "4", "--num_sentences", "8", "--new_tokens", "4",
-                                                 "--repeats", "1"])
-    report = check_report(tmp_path / "results" / "convert-marian-cpu.json", "bench_convert",
-                          {"engine", "beams", "sentences_per_s", "identical"})
-    assert [(row["engine"], row["beams"]) for row in report["results"]] == [
-        (label, beams) for beams in (1, 4) for label in module.ENGINES.values()]
-    assert all(row["identical"] == 1.0 for row in report["results"] if "int8" not in row["engine"])
