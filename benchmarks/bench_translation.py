@@ -103,7 +103,7 @@ class LocalEngine:
             raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
         self.engine, self.load_mib = loaded(self.device, lambda: build_engine(name, model_dir, self.device, ct2_dir))
         self.name, self.ct2 = name, isinstance(self.engine, CTranslate2Engine)
-        # Counted on the PyTorch rows of the same weights (int8 turns weights into buffers, counted before that).
+        # None for CTranslate2 and int8 (whose weights are buffers): the fp32 rows of the same weights count them.
         self.parameters = None if self.ct2 or "int8" in name else count_parameters(self.engine.model)
         self.slots, self.attention_kernel = "slots" in name.split("-"), attention_kernel
 
