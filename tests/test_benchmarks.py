@@ -362,3 +362,19 @@ def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
         assert [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)] == texts, beams
         assert min(map(len, ids)) < 7  # a trained model: some sentences end before the limit
         assert {len(row) for row in engine.translate(batch, beams, 7, stop_at_eos=False)} == {7}
+
+
+def test_benchmark_int8_engine_is_the_scripts_int8_path(tmp_path):
+    """The benchmark's `vaswani-int8` engine is what the scripts' `--int8` loads: every linear layer int8, the output
+    projection included."""
+    from tiny_translation_model import SOURCES
+
+    from vaswani.inference import Int8Linear
+
+    engine = load("bench_translation").LocalEngine("vaswani-int8", _tiny_checkpoint(tmp_path), "cpu", 1, None,
+                                                   tmp_path / "ct2", False)
+    model = engine.engine.model
+    assert [name for name, module in model.named_modules() if type(module) is torch.nn.Linear] == []
+    assert isinstance(model.lm_head, Int8Linear)
+    translations = engine.translate(engine.engine.tokenizer(SOURCES[:2])["input_ids"], 2, 3, stop_at_eos=False)
+    assert list(map(len, translations)) == [3, 3]
