@@ -6,7 +6,7 @@
     python scripts/translate.py --model outputs/en-fr --input_file english.txt --output_file french.txt --resume
     cat english.txt | python scripts/translate.py --model outputs/en-fr --num_beams 4 > french.txt
     python scripts/translate.py --model outputs/en-fr --device cpu --int8 "I lost."     # int8 CPU decoding
-    python scripts/translate.py --model outputs/en-fr-ct2 --ctranslate2 --input_file english.txt  # an exported model
+    python scripts/translate.py --model outputs/en-fr-ct2 --input_file english.txt  # an exported CTranslate2 model
     accelerate launch --num_processes 2 scripts/translate.py --model outputs/en-fr --input_file english.txt \\
         --output_file french.txt     # one GPU each (or torchrun --nproc_per_node 2; on CPUs: accelerate --multi_gpu)
 
@@ -19,7 +19,10 @@ terminal (--progress: always).
 
 One output line per input line: an empty input line gives an empty output line. Sources longer than the model's
 positions are truncated (a warning on stderr counts them). --dtype auto translates in bf16 where the hardware
-multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp32 elsewhere.
+multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp32 elsewhere. A decoding setting
+not given (--num_beams, --max_new_tokens, --length_penalty, the sampling ones) is the checkpoint's, from its
+generation_config.json; without a max_new_tokens there, each output may run to its source's length plus 50 tokens.
+The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does.
 """
 
 import argparse
@@ -46,7 +49,8 @@ def main(argv=None):
                         help="lines read, sorted and written together (what a resume can lose at most)")
     parser.add_argument("--max_tokens_per_batch", type=positive_int, default=DEFAULT_MAX_TOKENS,
                         help="padded source tokens per batch (batch size × its longest source)")
-    parser.add_argument("--batch_size", type=positive_int, default=None, help="at most this many sentences per batch too")
+    parser.add_argument("--batch_size", type=positive_int, default=None,
+                        help="at most this many sentences per batch too")
     add_decoding_arguments(parser)
     parser.add_argument("--do_sample", action="store_true", default=None, help="sample instead of beam search")
     parser.add_argument("--temperature", type=float, default=None, help="with --do_sample (default: the checkpoint's)")

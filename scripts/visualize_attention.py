@@ -24,7 +24,8 @@ def main(argv=None):
     if args.target and len(args.target) != len(args.source):
         raise ValueError("give one --target per --source, or none")
 
-    model, tokenizer = load_translator(args.model, args.device, attn_implementation="eager")
+    # The translation is greedy (vaswani.visualize), so the precision is chosen for one beam.
+    model, tokenizer = load_translator(args.model, args.device, attn_implementation="eager", num_beams=1)
     for i, source in enumerate(args.source):
         target = args.target[i] if args.target else None
         maps = attention_maps(model, tokenizer, source, target)

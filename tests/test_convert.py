@@ -402,7 +402,8 @@ def test_ctranslate2_export_translates_like_marian(marian_checkpoint, converted,
         return
     export_to_ctranslate2(str(converted), tmp_path / "ct2")
     engine = load_engine(str(tmp_path / "ct2"), num_beams=1, max_new_tokens=11)
-    assert isinstance(engine.translator, ctranslate2.Translator) and type(engine.tokenizer).__name__ == "MarianTokenizer"
+    assert isinstance(engine.translator, ctranslate2.Translator)
+    assert type(engine.tokenizer).__name__ == "MarianTokenizer"
     sentences = SOURCES[:4]
     # Greedy: the pad token, which Marian's generation config bans, must not come out of CTranslate2 either. These
     # random models run to the length limit, where Marian's forced_eos_token_id turns the last token into </s> and

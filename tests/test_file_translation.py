@@ -256,7 +256,8 @@ def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(traine
     """Two lines joined (the same byte size, one line fewer), or a character changed, in lines already translated:
     the old translations would no longer line up, so resuming is refused, naming the input, and nothing changes."""
     model, tokenizer = trained
-    engine, source, output = engine_for_model(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
+    engine, source = engine_for_model(model, tokenizer, **GREEDY), Path(write_input(tmp_path))
+    output = tmp_path / "out.fr"
     state = tmp_path / "out.fr.resume.json"
     run = {"chunk_lines": 7, "max_tokens": 24, "progress": False}
     text = source.read_text(encoding="utf-8")
@@ -284,7 +285,8 @@ def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(traine
 
 def test_an_edit_past_the_translated_chunks_is_translated_on_resume(trained, tmp_path, monkeypatch):
     model, tokenizer = trained
-    engine, source, output = engine_for_model(model, tokenizer, **GREEDY), Path(write_input(tmp_path)), tmp_path / "out.fr"
+    engine, source = engine_for_model(model, tokenizer, **GREEDY), Path(write_input(tmp_path))
+    output = tmp_path / "out.fr"
     run = {"chunk_lines": 7, "max_tokens": 24, "progress": False}
     with monkeypatch.context() as patch:
         interrupted_after(2, patch)

@@ -8,18 +8,20 @@ import torch
 from conftest import script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer, build_tokenizer
 from datasets import Dataset
-from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+from transformers import AutoModelForSeq2SeqLM, GenerationConfig, pipeline
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 
 from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate as translate_model
 from vaswani.file_translation import translate_file
+from vaswani.pipeline_vaswani import register_pipeline
 from vaswani.tokenization import TRUNCATION_TOKENS, tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.loading import engine_for_model
 from vaswani.translation import (DEFAULT_SLOTS, decoding_settings, generation_limits, translate,
                                  write_decoding_defaults)
+from vaswani.visualize import attention_maps
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
 
@@ -140,7 +142,7 @@ def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
 
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(trained, num_beams, monkeypatch):
-    """engine_for_model(slots=...): translate() hands it every sentence at once, longest first (whatever the budget); each
+    """An engine in slots: translate() hands it every sentence at once, longest first (whatever the budget); each
     output is generate()'s for that sentence alone, within the paper's limit for its own source (its length plus 50
     tokens) or the engine's max_new_tokens; in input order. Evaluation goes through it alike."""
     import vaswani.translation as translation
@@ -237,3 +239,30 @@ def test_training_data_is_truncated_at_one_default_length():
     rows = tokenize_translation_dataset(split, tokenizer)
     assert [len(ids) for ids in rows["input_ids"]][0] == len(rows["labels"][0]) == TRUNCATION_TOKENS
     assert rows["input_ids"][0][-1] == tokenizer.eos_token_id and len(rows["input_ids"][1]) < TRUNCATION_TOKENS
+
+
+def test_the_engine_the_pipeline_and_the_heatmaps_stop_an_output_by_one_rule():
+    """An untrained model never ends a sentence, so each output shows its limit: the source's length plus 50
+    tokens, or the generation config's `max_new_tokens`, or the caller's."""
+    tokenizer = build_tokenizer()
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer))).eval()
+    source = "the cat"
+    length = len(tokenizer(source)["input_ids"])
+    register_pipeline()
+    translator = pipeline("translation", model=model, tokenizer=tokenizer, device="cpu", num_beams=1)
+    generated = []
+    generate = model.generate
+    model.generate = lambda *args, **kwargs: generated.append(generate(*args, **kwargs)) or generated[-1]
+
+    def output_lengths(max_new_tokens=None):
+        """Tokens generated (less the decoder start) by the engine, the pipeline and the heatmaps' translation."""
+        generated.clear()
+        translate(engine_for_model(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens, slots=0), [source])
+        translator(source, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}))
+        attention_maps(model, tokenizer, source, max_new_tokens=max_new_tokens)
+        return [output.shape[1] - 1 for output in generated]
+
+    assert output_lengths() == [length + 50] * 3
+    model.generation_config.max_new_tokens = 6
+    assert output_lengths() == [6] * 3
+    assert output_lengths(max_new_tokens=3) == [3] * 3

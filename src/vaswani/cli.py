@@ -52,7 +52,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): auto (the default: lean on a CPU, transformers' elsewhere, "
                         "where it measured faster), lean (vaswani.generation_vaswani: the same outputs, less work per "
-                        "step), graphs (lean with each step a replayed CUDA graph, for GPUs), or transformers (its own)")
+                        "step), graphs (lean with each step a replayed CUDA graph, for GPUs), or transformers (its "
+                        "own)")
     parser.add_argument("--slots", type=int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "
                         "once by the next (vaswani.generation_vaswani.decode_in_slots; each output as generate() "

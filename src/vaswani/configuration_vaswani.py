@@ -26,6 +26,8 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned", "rope")
 SINUSOIDAL_LAYOUTS = ("interleaved", "concatenated")
 FFN_ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "geglu")
+# How many tokens an output may run past its source when no length is given (§6.1: "input length + 50").
+OUTPUT_SLACK = 50
 
 
 class VaswaniConfig(PreTrainedConfig):
@@ -103,7 +105,8 @@ class VaswaniConfig(PreTrainedConfig):
     classifier_dropout: float | None = None
     use_cache: bool = True
     is_encoder_decoder: bool = True
-    # Special tokens: the layout written by `VaswaniTokenizer` (the decoder starts at its <s>: `decoder_start_token_id`).
+    # Special tokens: the layout written by `VaswaniTokenizer` (the decoder starts at its <s>, as
+    # `decoder_start_token_id` rules).
     pad_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     bos_token_id: int | None = 3
@@ -281,6 +284,23 @@ def check_tokenizer_fits(model, tokenizer) -> None:
                                  f"{tokenizer_id}, but the model's {file} has {name}={model_id}; {fix}.")
 
 
+def longest_output(config) -> int | None:
+    """How many tokens a decoder with `config`'s positions can generate: a learned table's size less the decoder
+    start token's position; None for sinusoidal and rotary positions, which have no end (and for models of other
+    types, which the translation pipeline may run)."""
+    if getattr(config, "position_embedding_type", None) != "learned":
+        return None
+    return config.max_position_embeddings - 1
+
+
+def output_limit(source_length: int, max_new_tokens: int | None = None, longest: int | None = None) -> int:
+    """The one output-length rule of every decoder the package runs (its engines, the pipeline, the heatmaps):
+    `max_new_tokens` where one is given, else the source's length plus `OUTPUT_SLACK`; never past `longest`, where
+    the positions end (a learned table's size less the decoder start; None: no end)."""
+    limit = max_new_tokens if max_new_tokens is not None else source_length + OUTPUT_SLACK
+    return limit if longest is None else min(limit, longest)
+
+
 def decoder_start_token_id(tokenizer) -> int | None:
     """The one rule for the token a decoder starts from: the tokenizer's `<s>`, or its pad token where it has no
     `<s>` (Marian's tokenizers, whose converted checkpoints start there). A new model takes it into its config
@@ -304,4 +324,5 @@ def _divisor_near(n: int, k: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
-__all__ = ["VaswaniConfig", "check_tokenizer_fits", "decoder_start_token_id", "tokenizer_fingerprint"]
+__all__ = ["OUTPUT_SLACK", "VaswaniConfig", "check_tokenizer_fits", "decoder_start_token_id", "longest_output",
+           "output_limit", "tokenizer_fingerprint"]

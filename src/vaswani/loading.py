@@ -147,12 +147,12 @@ def engine_for_model(model, tokenizer, *, slots: int | None = None, **decoding_o
 
 
 def load_translator(model_dir: str, device: str | torch.device | None = None, attn_implementation: str | None = None,
-                    int8: bool = False, decoding: str = "auto", dtype: str | torch.dtype = "auto", *,
+                    int8: bool = False, decoding: str = "auto", dtype: str | torch.dtype | None = "auto", *,
                     num_beams: int | None = None):
     """Model (eval mode, on `device`, see `choose_device`) and tokenizer from a directory or Hub id.
 
-    `dtype`: a torch dtype, or a name that `choose_dtype` decides ("auto", "float32", "bfloat16"), "auto" from the
-    model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
+    `dtype`: a torch dtype, or a name that `choose_dtype` decides ("auto" or None, "float32", "bfloat16"), "auto"
+    from the model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
     generation_config). With `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory
     reused). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is the model's default
     (`generation_vaswani`: the lean loop on a CPU, transformers' elsewhere), "lean" the lean loop on any device (the
@@ -164,6 +164,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
 
     if decoding not in DECODING_LOOPS:
         raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
+    dtype = "auto" if dtype is None else dtype
     if isinstance(dtype, str) and dtype != "auto":
         dtype = named_dtype(dtype, int8)  # a wrong choice is refused before any file is read
 
@@ -215,8 +216,8 @@ def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type
     import ctranslate2
 
     if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
-        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one with "
-                                "scripts/export_ctranslate2.py.")
+        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one "
+                                "with scripts/export_ctranslate2.py.")
     device = torch.device(device)
     translator = ctranslate2.Translator(path, device=device.type, device_index=device.index or 0,
                                         compute_type=compute_type, intra_threads=threads)

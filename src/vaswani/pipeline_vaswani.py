@@ -13,10 +13,10 @@ reachable two ways:
 
 from __future__ import annotations
 
-from transformers import AutoModelForSeq2SeqLM, GenerationConfig, Pipeline
+from transformers import AutoModelForSeq2SeqLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY, REMOVED_TASKS
 
-from .configuration_vaswani import check_tokenizer_fits
+from .configuration_vaswani import check_tokenizer_fits, longest_output, output_limit
 
 TASK = "translation"
 
@@ -27,8 +27,10 @@ class VaswaniTranslationPipeline(Pipeline):
     Returns `[{"translation_text": ...}]` for a string (one entry per returned sequence) and a list of those for a
     list of strings, flattened to one dict per input when a single sequence is returned per input, as the
     pipeline of transformers v4 did. Keyword arguments that `generate` understands (`num_beams`,
-    `max_new_tokens`, ...) are passed to it, at construction or per call; `truncation` (default True) truncates
-    inputs to the tokenizer's `model_max_length`.
+    `max_new_tokens`, ...) are passed to it, at construction or per call, on top of the model's generation config;
+    `truncation` (default True) truncates inputs to the tokenizer's `model_max_length`. Where neither gives
+    `max_new_tokens` (or the call a `max_length`), outputs run to the package's one length rule
+    (`configuration_vaswani.output_limit`: the batch's longest source plus 50 tokens, within the positions).
     """
 
     _pipeline_calls_generate = True
@@ -37,9 +39,6 @@ class VaswaniTranslationPipeline(Pipeline):
     _load_image_processor = False
     _load_video_processor = False
     _load_feature_extractor = False
-    # Only applies when neither the call nor the model's generation config sets a length; 20 tokens, generate()'s
-    # own default, would cut most sentences short.
-    _default_generation_config = GenerationConfig(max_new_tokens=256)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -61,7 +60,13 @@ class VaswaniTranslationPipeline(Pipeline):
 
     def _forward(self, model_inputs: dict, **generate_kwargs) -> dict:
         batch_size = model_inputs["input_ids"].shape[0]
-        output_ids = self.model.generate(**model_inputs, **self._generate_options(generate_kwargs))
+        options = self._generate_options(generate_kwargs)
+        configs = (self.model.generation_config, options.get("generation_config"))
+        if not {"max_new_tokens", "max_length"} & options.keys() and \
+                all(config is None or config.max_new_tokens is None for config in configs):
+            source_length = model_inputs["input_ids"].shape[1]
+            options["max_new_tokens"] = output_limit(source_length, None, longest_output(self.model.config))
+        output_ids = self.model.generate(**model_inputs, **options)
         # (batch * num_return_sequences, length) -> (batch, num_return_sequences, length), so that the pipeline's
         # un-batching hands each input all of its sequences.
         return {"output_ids": output_ids.reshape(batch_size, -1, output_ids.shape[-1])}

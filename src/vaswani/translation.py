@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
+from transformers import GenerationConfig
 
 from .batching import token_budget_batches
+# OUTPUT_SLACK: the length rule's slack, under this module's name too.
+from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401
 from .generation_vaswani import decode_in_slots, slots_cover
 
-# Output-length limit when none is given (neither by the caller nor the generation config): the source length plus
-# 50 tokens (§6.1).
-OUTPUT_SLACK = 50
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
 # decodes in batches.
 DEFAULT_SLOTS: dict[str, int] = {}
@@ -85,11 +85,10 @@ def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty
 def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
     """(max_source_length, max_new_tokens) that a model with learned positions can take: sources are truncated to
     its `max_position_embeddings` and the output stops there. Sinusoidal and rotary positions have no limit."""
-    config = model.config
-    if config.position_embedding_type != "learned":
+    longest = longest_output(model.config)
+    if longest is None:
         return None, max_new_tokens
-    limit = config.max_position_embeddings - 1  # the decoder's start token takes position 0
-    return config.max_position_embeddings, limit if max_new_tokens is None else min(max_new_tokens, limit)
+    return model.config.max_position_embeddings, longest if max_new_tokens is None else min(max_new_tokens, longest)
 
 
 class TorchEngine:
@@ -136,9 +135,7 @@ class TorchEngine:
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]:
         if self.continuous:
-            limits = [self.max_new_tokens if self.max_new_tokens is not None else len(ids) + OUTPUT_SLACK
-                      for ids in batch]
-            limits = [min(limit, self.longest_output or limit) for limit in limits]
+            limits = [output_limit(len(ids), self.max_new_tokens, self.longest_output) for ids in batch]
             with torch.inference_mode():
                 outputs = decode_in_slots(self.model, batch, limits, slots=self.slots, **self.options)
             eos = self.options.get("eos_token_id", self.model.generation_config.eos_token_id)
@@ -146,8 +143,7 @@ class TorchEngine:
             return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
         padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
-        limit = self.max_new_tokens if self.max_new_tokens is not None else input_ids.shape[1] + OUTPUT_SLACK
-        limit = min(limit, self.longest_output or limit)
+        limit = output_limit(input_ids.shape[1], self.max_new_tokens, self.longest_output)
         generated = generate_token_ids(self.model, input_ids, padded["attention_mask"].to(self.model.device),
                                        max_new_tokens=limit, **self.options)
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
@@ -187,12 +183,14 @@ class CTranslate2Engine:
     continuous = False
     SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "min_decoding_length")  # what it can be given
 
-    def __init__(self, translator, tokenizer, generation_config, *, num_beams: int | None = None,
+    def __init__(self, translator, tokenizer, generation_config=None, *, num_beams: int | None = None,
                  max_new_tokens: int | None = None, max_source_length: int | None = None,
                  min_decoding_length: int | None = None):
         """`min_decoding_length`: CTranslate2 masks the end of sentence until each output has that many tokens (with
-        `max_new_tokens` the same, every output is exactly that long)."""
-        settings = decoding_settings(generation_config, num_beams=num_beams, max_new_tokens=max_new_tokens)
+        `max_new_tokens` the same, every output is exactly that long). `generation_config` None: generate()'s
+        defaults (one beam, the length rule)."""
+        settings = decoding_settings(generation_config or GenerationConfig(), num_beams=num_beams,
+                                     max_new_tokens=max_new_tokens)
         self.translator, self.tokenizer, self.num_beams = translator, tokenizer, settings["num_beams"]
         self.max_new_tokens, self.min_decoding_length = settings.get("max_new_tokens"), min_decoding_length or 0
         self.max_source_length = max_source_length or tokenizer.model_max_length
@@ -212,8 +210,8 @@ class CTranslate2Engine:
         """Each sentence's generated token ids (CTranslate2 leaves out the decoder start token and the end of
         sentence), as `generate_token_ids` gives them for a transformers model."""
         sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
-        limit = self.max_new_tokens if self.max_new_tokens is not None else max(map(len, sources)) + OUTPUT_SLACK
-        limit = min(limit, self.tokenizer.model_max_length)  # the decoder start token takes position 0
+        limit = output_limit(max(map(len, sources)), self.max_new_tokens,
+                             self.tokenizer.model_max_length)  # the decoder start token takes position 0
         results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
                                                   min_decoding_length=self.min_decoding_length,
                                                   max_batch_size=len(batch))

@@ -13,18 +13,25 @@ matplotlib.use("Agg")  # files only: no display needed on servers or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from .configuration_vaswani import longest_output, output_limit  # noqa: E402
+from .translation import decoding_settings  # noqa: E402
+
 
 @torch.no_grad()
-def attention_maps(model, tokenizer, source: str, target: str | None = None, max_new_tokens: int = 64) -> dict:
-    """Run one source (and its translation, generated greedily unless given) through the model with
-    `output_attentions=True`. Returns tokens and per-layer weights of shape (heads, query, key)."""
+def attention_maps(model, tokenizer, source: str, target: str | None = None,
+                   max_new_tokens: int | None = None) -> dict:
+    """Run one source (and its translation, generated greedily unless given, as long as the package's one length
+    rule allows: `max_new_tokens`, else the generation config's, else the source's length plus 50 tokens) through the
+    model with `output_attentions=True`. Returns tokens and per-layer weights of shape (heads, query, key)."""
     model.eval()
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
         inputs = tokenizer([source], return_tensors="pt").to(model.device)
         if target is None:
-            generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=max_new_tokens)
+            limit = decoding_settings(model.generation_config, max_new_tokens=max_new_tokens).get("max_new_tokens")
+            limit = output_limit(inputs["input_ids"].shape[1], limit, longest_output(model.config))
+            generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=limit)
             decoder_input_ids = generated[:, :-1] if generated[0, -1] == model.config.eos_token_id else generated
         else:
             labels = tokenizer(text_target=[target], return_tensors="pt")["input_ids"].to(model.device)
