@@ -1,25 +1,14 @@
 #!/usr/bin/env python
-"""The data path at WMT's scale: time to the first training step and peak memory of `train_translation.py`, on
-stand-in corpora of a given number of pairs, on a first run (empty cache) and a second run (the cache filled by
-the first), with one process and with two (torchrun, gloo).
+"""The data path at WMT's scale: time to the first training step and peak memory of `train_translation.py`
+(`--preset small --vocab_size 8000`, the main job's 1,000-token batches, `--preprocessing_num_workers` 2) on stand-in
+corpora (each line joins 2-4 random fra-eng pairs, about 25 tokens a side, seeded), first run (empty cache) and
+cached rerun, one process or two (torchrun, gloo). The script runs as a user runs it; its log is read as it comes
+and the run stopped at the first logged step. Memory: proportional set sizes of the whole process tree, sampled
+every 0.2 s (`anon`: owned by the processes; `file`: mapped files the kernel can drop). Times: wall seconds from the
+start. (results/data-encoder-cpu.md came from this script's `--encoder_shares` at commit e4633a9, removed since.)
 
     python benchmarks/bench_data.py --build 1000000 --corpus_dir /tmp/corpora       # stand-in corpora first
     python benchmarks/bench_data.py --corpora /tmp/corpora/standin-1000000.tsv.gz --processes 1 2
-
-A stand-in corpus line joins 2-4 random fra-eng pairs (about 25 tokens a side, WMT's sentence length), drawn with
-a fixed seed. Each measurement runs the training script as a user would (`--preset small --vocab_size 8000`, the
-main job's 1,000-token batches, `--preprocessing_num_workers` 2), reads its log as it comes, and stops it at the
-first logged training step. Memory is sampled every 0.2 s from /proc for the whole process tree (launcher,
-training processes, tokenizing workers) as proportional set sizes, so pages shared between processes count once:
-`anon` is memory the processes own; `file` is pages of mapped files (the memory-mapped Arrow files, the libraries),
-which the kernel can drop and read again. Times are wall-clock seconds from the command's start.
-
-`--encoder_shares` measures tokenization alone, in this process on one core: `WordCachedEncoder` (what
-`tokenize_translation_dataset` uses for a Vaswani tokenizer) against the tokenizer's own call, on the first
-`--encoder_sentences` sentences of the first corpus with a given share of their words made new (3 random letters
-appended), since a corpus with more distinct words than a stand-in drawn from Tatoeba finds fewer in the cache:
-
-    python benchmarks/bench_data.py --corpora /tmp/corpora/standin-1000000.tsv.gz --encoder_shares 0 0.05 0.1 0.2 1
 """
 
 import argparse
@@ -37,11 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device, write_report  # noqa: E402
+from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name  # noqa: E402
 
-from vaswani.corpus import ReadSummary, iter_parallel_tsv, read_parallel_tsv, resolve_corpus_path  # noqa: E402
-from vaswani.tokenization import WordCachedEncoder  # noqa: E402
-from vaswani.tokenization_vaswani import train_tokenizer  # noqa: E402
+from vaswani.corpus import read_parallel_tsv, resolve_corpus_path  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"
 # The main job's batches; max_steps only bounds a run that is not stopped.
@@ -150,39 +137,6 @@ def measure(command: list[str], env: dict, timeout: float) -> dict:
             "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2), "load_before": round(load, 1)}
 
 
-def measure_encoder(corpus: Path, shares: list[float], sentences: int, vocab_size: int, repeats: int = 3) -> list[dict]:
-    """CPU seconds of the tokenizer's own call and of `WordCachedEncoder` (1,000 sentences a batch, as
-    `tokenize_translation_dataset` gives them) on the same sentences, the fastest of `repeats` each, per share of new
-    words; both must give the same ids."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core each
-    pairs = iter_parallel_tsv(corpus, ReadSummary(path=str(corpus)))
-    texts = [text for _, pair in zip(range(sentences // 2), pairs) for text in pair]
-    tokenizer = train_tokenizer(texts, vocab_size)
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyzéèàç"
-    rows = []
-    for share in shares:
-        changed = [" ".join(word + "".join(rng.choices(letters, k=3)) if rng.random() < share else word
-                            for word in text.split()) for text in texts]
-        call = cached = float("inf")
-        for _ in range(repeats):
-            start = time.process_time()
-            expected = tokenizer(changed, truncation=True, max_length=128)["input_ids"]
-            call = min(call, time.process_time() - start)
-            encoder = WordCachedEncoder.for_tokenizer(tokenizer, 128)
-            start = time.process_time()
-            encoded = [ids for first in range(0, len(changed), 1000) for ids in encoder(changed[first:first + 1000])]
-            cached = min(cached, time.process_time() - start)
-            if encoded != expected:
-                raise AssertionError(f"WordCachedEncoder's ids differ from the tokenizer's at a share of {share}.")
-        rows.append({"new_word_share": share, "sentences": len(changed),
-                     "distinct_words": len({word for text in changed for word in text.split()}),
-                     "tokenizer_call_cpu_s": round(call, 2), "word_cache_cpu_s": round(cached, 2),
-                     "speedup": round(call / cached, 2)})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
 def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, args) -> list[str]:
     arguments = [str(SCRIPT), "--corpus", str(corpus), "--output_dir", str(output_dir), "--overwrite_output_dir",
                  "--data_cache_dir", str(cache_dir), "--preprocessing_num_workers", str(args.workers),
@@ -238,9 +192,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--append", action="store_true", help="add to the rows of an existing report")
     parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
-    parser.add_argument("--encoder_shares", type=float, nargs="*", default=[],
-                        help="measure tokenization alone at these shares of new words, instead of training runs")
-    parser.add_argument("--encoder_sentences", type=int, default=40_000)
     add_result_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -249,23 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         print(build_stand_in_corpus(args.corpus_dir / f"standin-{pairs}.tsv.gz", pairs, source=args.source))
     if not args.corpora:
         return
-    if args.encoder_shares:
-        rows = measure_encoder(args.corpora[0], args.encoder_shares, args.encoder_sentences, args.vocab_size)
-        columns = [Column("new_word_share", "share of words made new"), Column("sentences", "sentences"),
-                   Column("distinct_words", "distinct words", "{:,}"),
-                   Column("tokenizer_call_cpu_s", "tokenizer call (CPU s)"),
-                   Column("word_cache_cpu_s", "WordCachedEncoder (CPU s)"), Column("speedup", "speedup")]
-        notes = ["One core (TOKENIZERS_PARALLELISM=false); the fastest of 3 runs each. The tokenizer (vocabulary "
-                 f"{args.vocab_size}) learned from the same sentences before any were changed. Both give the same ids "
-                 "(checked on every run). A batch more than `MOSTLY_NEW` new words is encoded a sentence at a time."]
-        if args.notes:
-            notes.append(args.notes)
-        write_report(args.output_name or "data-encoder-cpu",
-                     "Tokenization: the word cache against the tokenizer's call", command_line(__file__, argv),
-                     pick_device("cpu"), {"vocab_size": args.vocab_size}, rows, columns, notes, args.results_dir)
-        return
-    name = args.output_name or "data-cpu"
-    previous = args.results_dir / f"{name}.json"
+    previous = args.results_dir / f"{result_name(args, 'data', pick_device('cpu'))}.json"
     rows = json.loads(previous.read_text())["results"] if args.append and previous.is_file() else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for corpus in args.corpora:
@@ -280,11 +215,11 @@ def main(argv: list[str] | None = None) -> None:
                        "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
                 print(json.dumps(row), flush=True)
                 rows = [r for r in rows if (r["pairs"], r["processes"], r["run"]) != (pairs, processes, run)] + [row]
-                report(name, rows, args, argv)  # after every row: a long series stopped early keeps what it measured
+                data_report(rows, args, argv)  # after every row: a long series stopped early keeps what it measured
         shutil.rmtree(args.work_dir, ignore_errors=True)
 
 
-def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
+def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
     rows = sorted(rows, key=lambda row: (row["pairs"], row["processes"], row["run"] != "first"))
     columns = [Column("pairs", "pairs", "{:,}"), Column("processes", "processes"), Column("run", "run"),
                Column("read_s", "corpus read (s)"), Column("tokenizer_s", "tokenizer ready (s)"),
@@ -306,13 +241,9 @@ def report(name: str, rows: list[dict], args: argparse.Namespace, argv: list[str
         "processes own; 'mapped files' is pages of memory-mapped files (Arrow, libraries) the kernel can drop.",
         *slope_notes(rows),
     ]
-    if args.notes:
-        notes.append(args.notes)
-    write_report(name, "Data path at scale: time to the first training step and peak memory",
-                 command_line(__file__, argv), pick_device("cpu"),
-                 {"training_arguments": TRAINING_ARGUMENTS, "preprocessing_num_workers": args.workers,
-                  "preset": args.preset, "vocab_size": args.vocab_size}, rows, columns,
-                 notes, args.results_dir)
+    report(__file__, argv, args, pick_device("cpu"), "data",
+           "Data path at scale: time to the first training step and peak memory", rows, columns, notes,
+           {"training_arguments": TRAINING_ARGUMENTS})
 
 
 if __name__ == "__main__":

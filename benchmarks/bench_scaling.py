@@ -21,25 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column,
-    PeakMemory,
-    add_common_arguments,
-    command_line,
-    corpus_and_tokenizer,
-    count_parameters,
-    csv_of,
-    pick_device,
-    result_name,
-    resident_mib,
-    sample_sentences,
-    timed,
-    vaswani_config,
-    sdpa_backend,
-    settings_of,
-    write_report,
+    Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, count_parameters, csv_of, pick_device, report,
+    resident_mib, sample_sentences, timed, sdpa_backend,
 )
 
-from vaswani import VaswaniForCausalLM  # noqa: E402
+from vaswani import VaswaniConfig, VaswaniForCausalLM  # noqa: E402
 from vaswani.modeling_vaswani import CACHE_NAME  # noqa: E402  (the cache's name in this transformers release)
 
 def attention_name(config) -> str:
@@ -87,7 +73,8 @@ def run(args: argparse.Namespace, argv) -> Path:
 
     rows = []
     for kv_heads in args.kv_heads:
-        config = vaswani_config(args.preset, len(tokenizer), num_key_value_heads=kv_heads, dropout=0.0)
+        config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=kv_heads,
+                                           dropout=0.0)
         for mode in args.modes:
             for length in args.lengths:
                 with sdpa_backend(args.sdpa_backend):
@@ -99,21 +86,15 @@ def run(args: argparse.Namespace, argv) -> Path:
                 rows.append(row)
                 print(_progress(row), flush=True)
 
-    cache_rows = [kv_cache_row(vaswani_config(args.preset, len(tokenizer), num_key_value_heads=k, dropout=0.0), device)
-                  for k in args.cache_kv_heads]
+    cache_rows = [kv_cache_row(VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=k,
+                                                         dropout=0.0), device) for k in args.cache_kv_heads]
     base = next((r["bytes_per_token"] for r in cache_rows if r["kv_heads"] == cache_rows[0]["num_heads"]), None)
     for r in cache_rows:
         r["vs_mha"] = r["bytes_per_token"] / base if base else None
 
-    settings = settings_of(
-        args,
-        batch_tokens=batch_tokens,
-        sequences_per_batch=batch_of,
-        peak_tflops=peak_tflops,
-        corpus=str(corpus),
-        vocab_size_actual=len(tokenizer),
-    )
-    config = vaswani_config(args.preset, len(tokenizer))
+    settings = dict(batch_tokens=batch_tokens, sequences_per_batch=batch_of, peak_tflops=peak_tflops,
+                    corpus=str(corpus), vocab_size_actual=len(tokenizer))
+    config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer))
     notes = [
         f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
         f"{config.num_attention_heads} query heads, {config.position_embedding_type} positions, "
@@ -130,33 +111,17 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.is_cuda else 'fp32'}; "
         "attention implementation: the transformers default (sdpa).",
     ]
-    if args.notes:
-        notes.append(args.notes)
     columns = [
-        Column("mode", "mode"),
-        Column("attention", "attention"),
-        Column("length", "length"),
-        Column("batch", "batch"),
-        Column("tokens_per_s", "tokens/s", "{:.0f}"),
-        Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
-        Column("mfu", "MFU", "{:.1%}"),
-        Column("peak_mib", "peak MiB", "{:.0f}"),
-        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"),
-        Column("load_average", "load avg", "{:.1f}"),
+        Column("mode", "mode"), Column("attention", "attention"), Column("length", "length"), Column("batch", "batch"),
+        Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
+        Column("mfu", "MFU", "{:.1%}"), Column("peak_mib", "peak MiB", "{:.0f}"),
+        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"), Column("load_average", "load avg", "{:.1f}"),
     ]
-    cache_columns = [
-        Column("attention", "attention"),
-        Column("kv_heads", "kv heads"),
-        Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
-        Column("kib_per_token", "KiB/token", "{:.1f}"),
-        Column("vs_mha", "× MHA", "{:.3f}"),
-    ]
-    name = result_name(args, "scaling", device)
-    json_path, _ = write_report(
-        name, "Sequence-length scaling (decoder-only)", command_line(__file__, argv), device, settings, rows,
-        columns, notes, args.results_dir, extra_tables=[("KV cache per token", cache_rows, cache_columns)],
-    )
-    return json_path
+    cache_columns = [Column("attention", "attention"), Column("kv_heads", "kv heads"),
+                     Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
+                     Column("kib_per_token", "KiB/token", "{:.1f}"), Column("vs_mha", "× MHA", "{:.3f}")]
+    return report(__file__, argv, args, device, "scaling", "Sequence-length scaling (decoder-only)", rows, columns,
+                  notes, settings, extra_tables=[("KV cache per token", cache_rows, cache_columns)])
 
 
 def measure(mode, config, length, batch, stream, args, device) -> dict:
@@ -208,17 +173,10 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
             if step:  # the first is the warm-up
                 seconds += elapsed
     new_tokens = batch * (args.decode_tokens if mode == "decode" else length) * args.steps
-    row = {
-        "batch": batch,
-        "parameters": count_parameters(model),
-        "steps": args.steps,
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds,
-        "peak_mib": peak.added_mib,
-        "kv_cache_mib": kv_mib,
-        "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
-        "load_average": os.getloadavg()[0],
-    }
+    row = {"batch": batch, "parameters": count_parameters(model), "steps": args.steps, "seconds": seconds,
+           "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib, "kv_cache_mib": kv_mib,
+           "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
+           "load_average": os.getloadavg()[0]}
     del model, optimizer
     return row
 
@@ -233,13 +191,8 @@ def kv_cache_row(config, device) -> dict:
     expected = 2 * config.decoder_layers * config.num_key_value_heads * config.head_dim * device.dtype.itemsize
     if measured != expected:
         raise RuntimeError(f"KV cache holds {measured} bytes per token, expected {expected}.")
-    return {
-        "attention": attention_name(config),
-        "kv_heads": config.num_key_value_heads,
-        "num_heads": config.num_attention_heads,
-        "bytes_per_token": measured,
-        "kib_per_token": measured / 1024,
-    }
+    return {"attention": attention_name(config), "kv_heads": config.num_key_value_heads,
+            "num_heads": config.num_attention_heads, "bytes_per_token": measured, "kib_per_token": measured / 1024}
 
 
 def _progress(row: dict) -> str:

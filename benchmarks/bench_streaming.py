@@ -1,18 +1,14 @@
 """File translation at scale: `scripts/translate.py --input_file --output_file` (streamed in chunks by
 `vaswani.file_translation`) on 100k and 1M lines, and the streamed path against the whole-file sort it replaced.
 
-Two stages:
-
-* `scale`: the held-out test sentences of `--model`'s corpus split, repeated to each of `--lines` lines, translated
-  by `scripts/translate.py` run as a user runs it (a process of its own); wall time (loading included), lines/s and
-  the process's peak RSS (from `wait4`), and a check that the output has one line per input line. With
-  `--stand_in tiny`, a random-weight `VaswaniConfig.tiny` model with `--model`'s tokenizer runs instead (every
-  sentence then decodes `--max_new_tokens` tokens): the file handling and memory at a million lines in minutes on
-  2 cores, where the trained model would take hours.
-* `whole_file`: on `--model` itself, the first `--compare_sentences` test sentences translated in this process by
-  `vaswani.evaluation.translate` (the whole file sorted by length, batches of 64: what translate.py did before it
-  streamed) and by `vaswani.file_translation.translate_file` with translate.py's defaults, interleaved, the fastest
-  of `--repeats` for each; lines/s and how many lines are identical.
+* `scale`: `--model`'s held-out test sentences repeated to each of `--lines` lines, translated by translate.py in a
+  process of its own: wall time (loading included), lines/s, peak RSS (`wait4`), one output line per input line.
+  `--stand_in tiny`: a random-weight `VaswaniConfig.tiny` with `--model`'s tokenizer instead (every sentence decodes
+  `--max_new_tokens` tokens): a million lines in minutes on 2 cores, where the trained model would take hours.
+* `whole_file`: the first `--compare_sentences` test sentences, in this process, through one engine of
+  `vaswani.loading.load_engine`: `vaswani.translation.translate` over the whole file sorted by length in batches of
+  64 (translate.py before it streamed) against `translate_file` with translate.py's defaults, interleaved, the
+  fastest of `--repeats`; lines/s and identical lines.
 
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stand_in tiny --threads 2
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stages whole_file --threads 2
@@ -30,30 +26,20 @@ import torch
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.data import load_translation_dataset
-from vaswani.evaluation import translate
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, translate_file
-from vaswani.loading import load_translator
+from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
-from vaswani.translation import TorchEngine
+from vaswani.translation import translate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column,
-    add_common_arguments,
-    command_line,
-    csv_of,
-    pick_device,
-    resolve_corpus,
-    result_name,
-    settings_of,
-    write_report,
+    Column, add_common_arguments, csv_of, pick_device, report, resolve_corpus,
 )
 
 STAGES = ("scale", "whole_file")
 TRANSLATE = Path(__file__).resolve().parent.parent / "scripts" / "translate.py"
 # What scripts/translate.py did before it streamed: the whole input sorted by length, batches of 64 sentences.
 WHOLE_FILE_BATCH = 64
-TRANSLATE_MAX_NEW_TOKENS = 128  # translate.py's default --max_new_tokens
 
 
 def repeat_to(sentences: list[str], lines: int, path: Path) -> None:
@@ -111,19 +97,17 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
 
 
 def whole_file_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
-    model, tokenizer = load_translator(args.model, "cpu", dtype=torch.float32)
     input_path, output_path = workdir / "compare.en", workdir / "compare.fr"
     repeat_to(sentences, len(sentences), input_path)
     rows = []
     for beams in args.beams:
-        options = {"num_beams": beams, "max_new_tokens": TRANSLATE_MAX_NEW_TOKENS}  # limits as translate.py's
+        engine = load_engine(args.model, device="cpu", dtype="float32", num_beams=beams)
 
         def whole_file():
-            return translate(model, tokenizer, sentences, batch_size=WHOLE_FILE_BATCH, **options)
+            return translate(engine, sentences, max_sentences=WHOLE_FILE_BATCH).texts
 
         def streamed():
-            translate_file(TorchEngine(model, tokenizer, **options), str(input_path), str(output_path),
-                           progress=False)
+            translate_file(engine, str(input_path), str(output_path), progress=False)
             return output_path.read_text(encoding="utf-8").split("\n")[:-1]
 
         best, outputs = {}, {}
@@ -154,7 +138,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--scale_beams", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=16,
                         help="scale stage's limit (a random-weight stand-in always reaches it); the whole_file stage "
-                        f"uses translate.py's default, {TRANSLATE_MAX_NEW_TOKENS}")
+                        "decodes as translate.py does by default, with the checkpoint's limit")
     parser.add_argument("--beams", type=csv_of(int), default=[1, 4], help="whole_file stage")
     parser.add_argument("--compare_sentences", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=2)
@@ -185,8 +169,9 @@ def main(argv=None) -> Path:
     if compared:
         notes.append(
             f"whole_file: {Path(args.model).name} in fp32 in this process, the first {args.compare_sentences} test "
-            "sentences; whole-file sort = vaswani.evaluation.translate with batch 64 (translate.py before it "
-            "streamed); streamed = vaswani.file_translation.translate_file with translate.py's defaults, writing a "
+            "sentences, one engine from vaswani.loading.load_engine (the checkpoint's decoding settings but the "
+            "beams); whole-file sort = vaswani.translation.translate in batches of 64 sentences (translate.py before "
+            "it streamed); streamed = vaswani.file_translation.translate_file with translate.py's defaults, writing a "
             f"file; interleaved, fastest of {args.repeats}; identical = lines equal to the whole-file sort's.")
     columns = [Column("model", "model"), Column("lines", "lines"), Column("beams", "beams"),
                Column("seconds", "wall s", "{:.1f}"), Column("lines_per_s", "lines/s", "{:.0f}"),
@@ -196,10 +181,8 @@ def main(argv=None) -> Path:
                        Column("vs_whole_file", "× whole-file", "{:.2f}"), Column("identical", "identical")]
     main_rows, main_columns = (rows, columns) if rows else (compared, compare_columns)
     extra = [("Streamed against the whole-file sort", compared, compare_columns)] if rows and compared else []
-    json_path, _ = write_report(result_name(args, "streaming", device), "File translation at scale",
-                                command_line(__file__, argv), device, settings_of(args, corpus=str(corpus)),
-                                main_rows, main_columns, notes, args.results_dir, extra_tables=extra)
-    return json_path
+    return report(__file__, argv, args, device, "streaming", "File translation at scale", main_rows, main_columns,
+                  notes, {"corpus": str(corpus)}, extra_tables=extra)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What the benchmarks share: the device and its timing/memory probes, the real corpus and its tokenizer, the
-Vaswani / Marian twins at one size, and the JSON + Markdown report with the environment and the exact command.
+Vaswani / Marian twins at one size, and the one report runner (`report`: JSON + Markdown with the environment and
+the exact command).
 
 Every benchmark compares engines on *identical work*: the same token ids, the same batches, the same precision
 (bf16 on CUDA, fp32 on CPU) and, for generation, the same number of decoding steps. Nothing here changes a model;
@@ -26,12 +27,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import MarianConfig, MarianMTModel
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.convert import to_marian
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
-from vaswani.loading import choose_device
+from vaswani.files import write_atomically
+from vaswani.loading import choose_device, named_dtype
 from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
@@ -46,16 +48,8 @@ DEFAULT_VOCAB_SIZE = 32000
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from the vendor data sheets, matched against
 # torch.cuda.get_device_name() in this order (so "H100 PCIe" wins over "H100", "L40S" over "L4").
-BF16_PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989.0),
-    ("GH200", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-)
+BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "GH200": 989.0,  # H100: SXM
+                    "A100": 312.0, "L40S": 362.0, "L4": 121.0}
 
 
 # Device, timing, memory -------------------------------------------------------------------------------------------
@@ -63,7 +57,8 @@ BF16_PEAK_TFLOPS = (
 
 @dataclass
 class Device:
-    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU."""
+    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (where bf16 is an engine's option,
+    measured beside fp32, whatever `vaswani.loading.choose_dtype` would pick for the CPU)."""
 
     device: torch.device
 
@@ -72,8 +67,12 @@ class Device:
         return self.device.type == "cuda"
 
     @property
+    def dtype_name(self) -> str:
+        return "bfloat16" if self.is_cuda else "float32"
+
+    @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.is_cuda else torch.float32
+        return named_dtype(self.dtype_name)
 
     @property
     def tag(self) -> str:
@@ -89,12 +88,10 @@ class Device:
             torch.cuda.synchronize(self.device)
 
     def bf16_peak_tflops(self, override: float | None = None) -> float | None:
-        if override:
+        if override or not self.is_cuda:
             return override
-        if not self.is_cuda:
-            return None
         name = torch.cuda.get_device_name(self.device)
-        return next((peak for key, peak in BF16_PEAK_TFLOPS if key in name), None)
+        return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
 def pick_device(name: str = "auto", threads: int | None = None) -> Device:
@@ -119,14 +116,9 @@ def timed(device: Device, fn: Callable[[], object]) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def _cpu_peak_rss_bytes() -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-
-
-def _cpu_rss_bytes() -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+def _cpu_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status: VmRSS (resident now) or VmHWM (its peak)."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
 def _release_memory(device: Device) -> None:
@@ -149,27 +141,20 @@ def resident_mib(device: Device, settle: bool = False) -> float | None:
     if device.is_cuda:
         return torch.cuda.memory_allocated(device.device) / 2**20
     try:
-        return _cpu_rss_bytes() / 2**20
+        return _cpu_mib("VmRSS")
     except (OSError, AttributeError):
         return None
 
 
 class PeakMemory:
-    """How much memory one measurement adds at its peak over what was resident when it started (`added_mib`).
-
-    CUDA: `torch.cuda.max_memory_allocated` (tensors only). CPU: the process' peak resident set size, VmHWM, which
-    Linux lets us reset by writing 5 to /proc/self/clear_refs; it counts everything, tensors and allocator slack
-    alike. Other engines may be resident at the same time, so only the increase is attributed to this one; a
-    model's own footprint is measured separately when it is loaded (`resident_mib` before and after).
-    Elsewhere the CPU figure is None.
-    """
+    """How much memory one measurement adds at its peak (`added_mib`) over what was resident when it started, or over
+    `baseline_mib` (e.g. measured before a model was built). CUDA: `torch.cuda.max_memory_allocated` (tensors only).
+    CPU: the process' peak resident set size, VmHWM, which Linux resets on writing 5 to /proc/self/clear_refs (tensors
+    and allocator slack alike; None elsewhere). Only the increase is this measurement's: other engines may be
+    resident too, and a model's own footprint is measured when it is loaded (`loaded`)."""
 
     def __init__(self, device: Device, baseline_mib: float | None = None):
-        """`baseline_mib`: count from this level (e.g. measured before a model was built) instead of from what is
-        resident on entry."""
-        self.device = device
-        self.added_mib: float | None = None
-        self._baseline: float | None = baseline_mib
+        self.device, self.added_mib, self._baseline = device, None, baseline_mib
 
     def __enter__(self) -> "PeakMemory":
         if self._baseline is None:  # with a given baseline the caller has just settled memory
@@ -189,10 +174,8 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         if self._baseline is None:
             return
-        if self.device.is_cuda:
-            peak = torch.cuda.max_memory_allocated(self.device.device) / 2**20
-        else:
-            peak = _cpu_peak_rss_bytes() / 2**20
+        peak = (torch.cuda.max_memory_allocated(self.device.device) / 2**20 if self.device.is_cuda
+                else _cpu_mib("VmHWM"))
         self.added_mib = max(peak - self._baseline, 0.0)
 
 
@@ -220,59 +203,27 @@ def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) ->
 
 # The twin models ------------------------------------------------------------------------------------------------
 
-ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2-float32": "CT2 fp32", "ct2-int8": "CT2 int8"}
+ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2": "CT2"}
+OPTION_LABELS = {"hfloop": "transformers' loop", "lean": "lean loop", "graphs": "CUDA graphs", "float32": "fp32"}
 
 
-def vaswani_config(size: str, vocab_size: int, **overrides) -> VaswaniConfig:
-    """A preset (tiny, small, base, big, modern) with the tokenizer's vocabulary."""
-    return VaswaniConfig.from_preset(size, vocab_size=vocab_size, **overrides)
-
-
-def marian_twin_config(config: VaswaniConfig, max_positions: int = 1024) -> MarianConfig:
-    """The MarianConfig with the same weight shapes: post-norm, sinusoidal positions, √d_model-scaled shared
-    embeddings tied to the output, the same widths, heads, depth, activation, dropouts and eos id.
-
-    One difference is Marian's own convention (Opus-MT's, which CTranslate2's converter expects): one extra, last
-    vocabulary row for its `<pad>`, from which decoding starts (a zero embedding). That is 1 row in 32,000, so the
-    work is the same. `forced_eos_token_id` is off so that nothing forces an early end.
-    """
-    pad = config.vocab_size
-    return MarianConfig(
-        vocab_size=config.vocab_size + 1,
-        d_model=config.d_model,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        encoder_attention_heads=config.num_attention_heads,
-        decoder_attention_heads=config.num_attention_heads,
-        encoder_ffn_dim=config.d_ff,
-        decoder_ffn_dim=config.d_ff,
-        activation_function=config.ffn_activation,
-        dropout=config.dropout,
-        attention_dropout=config.attention_dropout,
-        activation_dropout=config.activation_dropout,
-        max_position_embeddings=max_positions,
-        scale_embedding=config.scale_embedding,
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,
-        pad_token_id=pad,
-        eos_token_id=config.eos_token_id,
-        bos_token_id=None,
-        decoder_start_token_id=pad,
-        forced_eos_token_id=None,
-    )
+def engine_label(name: str) -> str:
+    """An engine's name as the tables show it: its model, then its options (`vaswani-int8-hfloop` → "Vaswani int8
+    transformers' loop")."""
+    base, *options = name.split("-")
+    return " ".join([ENGINE_LABELS.get(base, base), *(OPTION_LABELS.get(option, option) for option in options)])
 
 
 def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: torch.dtype, seed: int = 0):
-    """A freshly initialised Vaswani or Marian translation model on `device` in `dtype` (random weights: speed
-    does not depend on their values once the number of generated tokens is fixed)."""
-    torch.manual_seed(seed)
-    if engine == "vaswani":
-        model = VaswaniForConditionalGeneration(config)
-    elif engine == "marian":
-        model = MarianMTModel(marian_twin_config(config))
-    else:
+    """A freshly initialised Vaswani translation model on `device` in `dtype` (random weights: speed does not depend
+    on their values once the number of generated tokens is fixed), or its Marian twin: `vaswani.convert.to_marian`
+    of the same weights, a `MarianMTModel` computing the same function (post-norm, sinusoidal positions,
+    √d_model-scaled shared embeddings tied to the output, the same widths, heads, depth, activation and dropouts)."""
+    if engine not in ("vaswani", "marian"):
         raise ValueError(f"Unknown PyTorch engine {engine!r}; choose vaswani or marian.")
-    return model.to(device=device.device, dtype=dtype)
+    torch.manual_seed(seed)
+    model = VaswaniForConditionalGeneration(config)
+    return (to_marian(model) if engine == "marian" else model).to(device=device.device, dtype=dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -294,9 +245,8 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
 
 def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -321,12 +271,8 @@ def environment(device: Device) -> dict:
     env = {
         "device": device.tag,
         "device_name": torch.cuda.get_device_name(device.device) if device.is_cuda else _cpu_name(),
-        "dtype": str(device.dtype).removeprefix("torch."),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "cpu": _cpu_name(),
-        "platform": platform.platform(),
-        "versions": versions,
+        "dtype": device.dtype_name, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
         "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,
@@ -345,9 +291,7 @@ class Column:
 
     def render(self, row: dict) -> str:
         value = row.get(self.key)
-        if value is None:
-            return "–"
-        return self.fmt.format(value) if not isinstance(value, str) else value
+        return "–" if value is None else value if isinstance(value, str) else self.fmt.format(value)
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
@@ -356,74 +300,53 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    name: str,
-    title: str,
-    command: str,
-    device: Device,
-    settings: dict,
-    rows: Sequence[dict],
-    columns: Sequence[Column],
-    notes: Sequence[str],
-    results_dir: Path,
-    extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
-) -> tuple[Path, Path]:
-    """Write `<name>.json` (everything) and `<name>.md` (the tables, the command, the environment, the notes),
-    and print the main table."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    env = environment(device)
-    payload = {
-        "benchmark": title,
-        "command": command,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": env,
-        "settings": settings,
-        "results": list(rows),
-        "notes": list(notes),
-    }
-    for heading, extra_rows, _ in extra_tables:
-        payload[heading] = list(extra_rows)
-    json_path = results_dir / f"{name}.json"
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
+def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, device: Device, benchmark: str,
+           title: str, rows: Sequence[dict], columns: Sequence[Column], notes: Sequence[str],
+           settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
+           ) -> Path:
+    """The one way a benchmark ends: `<name>.json` (everything) and `<name>.md` (the tables, the command, the
+    environment, the notes) in --results_dir, written atomically (`vaswani.files.write_atomically`), and the main
+    table printed. The name is --output_name or `<benchmark>-<device tag>` (`result_name`); the command is the one
+    run (`argv` None: this process' own); settings are the run's arguments and `settings`; --notes follows `notes`.
+    Returns the JSON file's path."""
+    name, command, env = result_name(args, benchmark, device), command_line(script, argv), environment(device)
+    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
+    payload = {"benchmark": title, "command": command, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "environment": env, "settings": settings, "results": list(rows), "notes": notes,
+               **{heading: list(extra_rows) for heading, extra_rows, _ in extra_tables}}
     table = markdown_table(rows, columns)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    md = [
-        f"# {title}",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
-        f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
-        f"Versions: {versions}. Model code: commit {env['git_commit']}"
-        + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
-        + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).",
-        "",
-        table,
-    ]
+    md = [f"# {title}", "", "```bash", command, "```", "",
+          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads)."
+          " "
+          f"Versions: {versions}. Model code: commit {env['git_commit']}"
+          + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
+          + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).", "", table]
     for heading, extra_rows, extra_columns in extra_tables:
         md += ["", f"## {heading}", "", markdown_table(extra_rows, extra_columns)]
     if notes:
         md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
-    md_path = results_dir / f"{name}.md"
-    md_path.write_text("\n".join(md) + "\n")
-    print(table)
-    print(f"\nwrote {json_path} and {md_path}")
-    return json_path, md_path
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = args.results_dir / f"{name}.json", args.results_dir / f"{name}.md"
+    write_atomically(json_path, json.dumps(payload, indent=2, default=str) + "\n")
+    write_atomically(md_path, "\n".join(md) + "\n")
+    print(f"{table}\n\nwrote {json_path} and {md_path}")
+    return json_path
 
 
 # Command line ---------------------------------------------------------------------------------------------------
 
 
 def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where a benchmark writes its report: --results_dir and --output_name (read by `result_name`)."""
+    """Where a benchmark writes its report: --results_dir and --output_name (read by `report`)."""
     parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
                         "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every benchmark of the corpus takes: device, threads, corpus, vocabulary, caches, report, seed."""
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
     parser.add_argument("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
     parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else "
@@ -452,11 +375,6 @@ def sdpa_backend(name: str | None):
     return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
 
-def settings_of(args: argparse.Namespace, **extra) -> dict:
-    """The run's arguments (paths as strings) and whatever else the report should record."""
-    return {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **extra}
-
-
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:
     """An argparse type for comma-separated lists: `--sizes tiny,base`. With `choices`, argparse refuses any other
     item with a usage error."""
@@ -481,6 +399,6 @@ def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str
     return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
 
 
-def result_name(args, benchmark: str, device) -> str:
+def result_name(args: argparse.Namespace, benchmark: str, device: Device) -> str:
     """The result file stem: --output_name with {device} filled in, or <benchmark>-<device tag>."""
     return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)

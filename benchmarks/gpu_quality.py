@@ -28,25 +28,16 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, command_line, pick_device
-from common import result_name, write_report
+from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name
 from vaswani.training import (
-    DataArguments,
-    ModelArguments,
-    VaswaniTrainingArguments,
-    build_model_and_tokenizer,
-    prepare_data,
-    tokenize_splits,
+    DataArguments, ModelArguments, VaswaniTrainingArguments, build_model_and_tokenizer, prepare_data, tokenize_splits,
 )
 
 # Each recipe's own arguments, on top of the shared ones below. The paper's base model regularizes with dropout 0.1
 # (§6.3); 0.3 is the usual choice for corpora of this size (IWSLT'14's 160k pairs) trained for dozens of epochs.
 # Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
 # alone is the default.
-RECIPES = {
-    "dropout-0.1": ["--config_overrides", "dropout=0.1"],
-    "dropout-0.3": ["--config_overrides", "dropout=0.3"],
-}
+RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"]}
 
 
 def shared_arguments(args: argparse.Namespace, output_dir: Path) -> list[str]:
@@ -213,10 +204,8 @@ def main(argv=None):
                Column("test_ter", "test TER", "{:.2f}"), Column("train_steps", "steps"),
                Column("train_epochs", "epochs", "{:.1f}"), Column("steps_per_second", "steps/s", "{:.2f}"),
                Column("train_loss", "train loss", "{:.3f}")]
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    settings["commands"] = {row["recipe"]: row["command"] for row in rows}
-    write_report(name, "Quality: base preset, fixed time budget, multi-reference BLEU on the held-out test split",
-                 command_line(__file__, argv), device, settings, rows, columns, notes, results_dir)
+    report(__file__, argv, args, device, "gpu-quality", "Quality: base preset, fixed time budget, multi-reference "
+           "BLEU on the held-out test split", rows, columns, notes, {"commands": {r["recipe"]: r["command"] for r in rows}})
     return 0 if chosen else 1
 
 

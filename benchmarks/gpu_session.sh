@@ -8,32 +8,20 @@
 #                                                  #   every package, path and argument before GPU time is spent
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order
 #
-# The plan, each stage alone on the GPU (a timed stage shares it with nothing):
-#   1. training     the step-rate probe, bench_training.py: base, bf16, batches of 4,000, 12,000 and 25,000 tokens,
-#                   30 s a setting; Vaswani eager and compiled against Marian on the same batches; compilation done
-#                   in the warm-up steps, before timing; steps/s, tokens/s, MFU
-#      training-graphs  the same probe at 4,000 and 12,000 tokens on the batches of train_translation.py
-#                   --shape_buckets 4: compiled with CUDA graphs (each batch padded up to one of 4 declared shapes, a
-#                   static graph each, compiled and recorded in the warm-up) against compiled and Marian; a stage of
-#                   its own, so that its compilations (one a shape) cannot cost the probe above its results
-#   2. quality      benchmarks/gpu_quality.py: base preset, 300 s of training (torch.compile compiles before the
-#                   budget starts), beam-4 multi-reference BLEU on the test split, whose translations it keeps
-#   3. translation-trained  bench_translation.py on the quality run's model: beam 4, batch 256, 3,000 test
-#                   sentences stopping at their end (no forced-length rows); generate() as users call it
-#                   (transformers' loop on a GPU), the lean loop, CUDA graphs, the slots (continuous batching,
-#                   replayed as CUDA graphs), Marian with the same weights, each engine in its own process
-#   4. tests        the CUDA tests (pytest -m gpu): attention kernels, compiled training and generation, CUDA graphs
-#                   (training's with shape buckets among them)
-# A stage gets the time left, so a call cut short loses only the stages it did not reach; the plan is longer than one
-# call, so a session runs it in three: `bash benchmarks/gpu_session.sh quality-prepare training`, `bash
-# benchmarks/gpu_session.sh training-graphs quality`, then `bash benchmarks/gpu_session.sh translation-trained tests`.
-# Other stages: fsdp (benchmarks/gpu_fsdp_check.py: --fsdp through the Trainer, save, reload, same loss as
-# without), translation, translation-compiled, translation-batch1, scaling, profile, attention (random weights).
+# The plan, each stage alone on the GPU: `training` (bench_training.py's step-rate probe: base, bf16, 4,000, 12,000
+# and 25,000-token batches, 30 s a setting, Vaswani eager and compiled against Marian), `training-graphs` (the same at
+# 4,000 and 12,000 tokens on train_translation.py --shape_buckets 4's batches, compiled with CUDA graphs; a stage of
+# its own so that its compilations cannot cost the probe its results), `quality` (gpu_quality.py: 300 s of base,
+# beam-4 test BLEU), `translation-trained` (bench_translation.py on the quality run's model, beam 4, batch 256,
+# 3,000 test sentences to their end: generate(), the lean loop, CUDA graphs, the slots, Marian) and `tests` (pytest
+# -m gpu). The plan is longer than one call, so a session runs it in three: `quality-prepare training`,
+# `training-graphs quality`, then `translation-trained tests`. Other stages: translation, translation-compiled,
+# translation-batch1, scaling, profile, attention (random weights).
 #
-# Results go to $RESULTS_DIR (default benchmarks/results), logs beside them. With $ARCHIVE set, the results folder
-# is also packed into that .tar.gz after every stage (a device machine returns few files). Wheels in .whl/ are
-# installed into a scratch directory first (benchmarks/gpu_prepare.sh gathers them, and the corpus, beforehand;
-# INSTALL_WHEELS=0 skips them, for a dry run on a machine whose Python is not the device's).
+# Results go to $RESULTS_DIR (default benchmarks/results), logs beside them; with $ARCHIVE set, the results folder is
+# also packed into that .tar.gz after every stage (a device machine returns few files). Wheels in .whl/
+# (benchmarks/gpu_prepare.sh gathers them, and the corpus) are installed into a scratch directory first
+# (INSTALL_WHEELS=0 skips them, for a dry run on a machine whose Python is not the device's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,9 +84,6 @@ stage() {
             local first=$?
             run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_decoding.py \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
-        fsdp)
-            run "$(at_most 300 "$(left)")" "$log" python3 benchmarks/gpu_fsdp_check.py --results_dir "$RESULTS_DIR" \
-                --timeout 120 "${dry[@]}" ;;
         quality-prepare)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --prepare_only "${dry[@]}" ;;
         quality)

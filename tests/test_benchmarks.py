@@ -5,7 +5,6 @@ import argparse
 import gzip
 import importlib.util
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -71,7 +70,7 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
 def test_translation_benchmark(corpus, tmp_path, same_process):
     engines = "vaswani-int8,marian" if same_process else "vaswani,vaswani-hfloop,vaswani-graphs,marian"
     if importlib.util.find_spec("ctranslate2") and not same_process:
-        engines += ",ct2-int8,vaswani-ct2-int8"
+        engines += ",ct2-float32,ct2-int8"
     path = load("bench_translation").main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", engines, "--batch_sizes", "4", "--beams", "1,2", "--num_sentences", "8",
@@ -95,17 +94,14 @@ def test_translation_benchmark_names_a_failing_engine(corpus, tmp_path):
 def test_translation_benchmark_keep_going_drops_a_failing_engine(corpus, tmp_path, monkeypatch):
     """--keep_going: an engine that fails mid-run is left out and named in the notes; the others are measured."""
     module = load("bench_translation")
-    make_engine = module.make_engine
+    timed_translate, calls = module.LocalEngine.timed_translate, iter(range(100))
 
-    def failing_on_second_call(name, **spec):
-        engine = make_engine(name=name, **spec)
-        if name == "vaswani-hfloop":
-            calls = iter(range(100))
-            original = engine.timed_translate
-            engine.timed_translate = lambda *a: original(*a) if next(calls) < 1 else 1 / 0
-        return engine
+    def failing_on_second_call(engine, *args):
+        if engine.name == "vaswani-hfloop" and next(calls) >= 1:
+            raise ZeroDivisionError("division by zero")
+        return timed_translate(engine, *args)
 
-    monkeypatch.setattr(module, "make_engine", failing_on_second_call)
+    monkeypatch.setattr(module.LocalEngine, "timed_translate", failing_on_second_call)
     path = module.main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", "vaswani,vaswani-hfloop,marian", "--batch_sizes", "4", "--beams", "1,2",
@@ -164,8 +160,7 @@ def test_training_benchmark(corpus, tmp_path, monkeypatch):
     path = module.main(
         common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64,96", "--steps", "1", "--warmup_steps",
                                          "0", "--engines", "vaswani,vaswani-compiled,vaswani-compiled-graphs,marian",
-                                         "--keep_freed_memory", "--trainer_overhead", "--overhead_steps", "3",
-                                         "--overhead_batch_tokens", "64"]
+                                         "--keep_freed_memory"]
     )
     report = check_report(path, "bench_training", {"engine", "batch_tokens", "steps_per_s", "tokens_per_s",
                                                    "model_tflops_per_s", "peak_mib", "mfu", "compilations_while_timed"})
@@ -173,9 +168,6 @@ def test_training_benchmark(corpus, tmp_path, monkeypatch):
     assert sorted((row["batch_tokens"], row["engine"]) for row in report["results"]) == [
         (budget, engine) for budget in (64, 96) for engine in ("marian", "vaswani", "vaswani-compiled")]
     assert all(row["vs_marian"] > 0 for row in report["results"] if row["engine"] != "marian")
-    overhead = {row["loop"]: row for row in report["Trainer overhead"]}
-    assert overhead["bare"]["steps"] == overhead["VaswaniSeq2SeqTrainer"]["steps"] == 3
-    assert overhead["bare"]["ms_per_step"] > 0 and overhead["VaswaniSeq2SeqTrainer"]["added_ms"] is not None
     assert all(row["mfu"] is None for row in report["results"])  # no MFU without a GPU peak
     # Without warm-up the compiled engine compiles inside the first timed step, and the report says so.
     assert {row["compilations_while_timed"] for row in report["results"] if row["batch_tokens"] == 64} == {1}
@@ -195,17 +187,21 @@ def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
     assert len(shapes) == 2 and all(rows * length <= 96 for rows, length in shapes)
     assert report["settings"]["warmup_steps"]["96"] == 4
     sources = [[5] * n for n in (3, 4, 9, 10, 10)]
-    batches, buckets = module.shape_bucketed_batches(sources, sources, 20, seed=0, count=2)
+    batches, buckets = module.token_batches(sources, sources, 20, seed=0, shape_buckets=2)
     assert sorted(i for b in batches for i in b) == list(range(5)) and buckets.lengths == (4, 10)
     assert buckets.shapes == [(2, 4), (2, 10)]  # [3, 4] padded to 4 columns; [9, 10] and [10] to 2 × 10
     device = module.pick_device("cpu")
-    as_lists = [([sources[i] for i in b], [sources[i] for i in b]) for b in batches]
-    trainee = module.Trainee("vaswani-compiled-graphs", VaswaniConfig.tiny(vocab_size=64), device, as_lists, seed=0,
+    from transformers import DataCollatorForSeq2Seq
+    from tiny_translation_model import build_tokenizer
+
+    collate = DataCollatorForSeq2Seq(build_tokenizer(), return_tensors="pt")
+    collated = [collate([{"input_ids": sources[i], "labels": sources[i]} for i in b]) for b in batches]
+    trainee = module.Trainee("vaswani-compiled-graphs", VaswaniConfig.tiny(vocab_size=64), device, collated, seed=0,
                              lr=1e-4, shape_buckets=buckets)
     assert {tuple(b[name].shape) for b in trainee.batches for name in b} == set(buckets.shapes)
-    plain = module.Trainee("vaswani-compiled", VaswaniConfig.tiny(vocab_size=64), device, as_lists, seed=0, lr=1e-4,
+    plain = module.Trainee("vaswani-compiled", VaswaniConfig.tiny(vocab_size=64), device, collated, seed=0, lr=1e-4,
                            shape_buckets=buckets)
-    assert [b["input_ids"].shape[1] for b in plain.batches] == [max(map(len, s)) for s, _ in as_lists]
+    assert [b["input_ids"].shape[1] for b in plain.batches] == [max(len(sources[i]) for i in b) for b in batches]
 
 
 def test_scaling_benchmark(corpus, tmp_path):
@@ -230,16 +226,18 @@ def test_model_flops_counts_both_stacks():
     assert training.model_flops(config, [6], [7]) > one and training.model_flops(config, [5], [8]) > one
 
 
-def test_length_buckets_respect_the_token_budget():
+def test_training_batches_are_train_translations_and_respect_the_token_budget():
     training = load("bench_training")
     rng = random.Random(1)
-    sources = [[1] * rng.randint(1, 30) for _ in range(500)]
-    targets = [[1] * rng.randint(1, 30) for _ in range(500)]
-    batches = training.bucket_batches(sources, targets, 100, seed=0)
-    assert sorted(i for b in batches for i in b) == list(range(500))
+    sources = [[1] * rng.randint(1, 30) for _ in range(500)] + [[1] * 101]
+    targets = [[1] * rng.randint(1, 30) for _ in range(500)] + [[1]]
+    batches, buckets = training.token_batches(sources, targets, 100, seed=0)
+    assert buckets is None and sorted(i for b in batches for i in b) == list(range(500))  # the 101-token pair left out
     for batch in batches:
         width = max(max(len(sources[i]), len(targets[i])) for i in batch)
         assert width * len(batch) <= 100
+    assert batches == training.token_batches(sources, targets, 100, seed=0)[0] != training.token_batches(
+        sources, targets, 100, seed=1)[0]
 
 
 def _tiny_checkpoint(tmp_path) -> str:
@@ -249,39 +247,6 @@ def _tiny_checkpoint(tmp_path) -> str:
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     return str(tmp_path / "model")
-
-
-def test_decoding_loops_benchmark(corpus, tmp_path):
-    path = load("bench_decoding_loops").main(
-        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
-         "--repeats", "1", "--results_dir", str(tmp_path / "results")]
-    )
-    report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
-    assert [(row["precision"], row["loop"]) for row in report["results"]] == [
-        ("fp32", "transformers"), ("fp32", "lean"), ("int8", "transformers"), ("int8", "lean")]
-    assert all(row["sentences"] == 8 for row in report["results"])
-    assert report["results"][1]["identical_to_transformers"] == 8  # fp32: the lean loop's outputs are generate()'s
-    equality = report["Token-identical outputs, fp32"]
-    assert len(equality) == 15 and all(row["identical"] == row["sentences"] == 8 for row in equality)
-
-
-def test_decoding_loops_benchmark_with_torchao(corpus, tmp_path):
-    """The int8-torchao rows (torchao is optional: installed by hand to compare with --int8)."""
-    pytest.importorskip("torchao")
-    path = load("bench_decoding_loops").main(
-        ["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1", "--max_samples", "8",
-         "--repeats", "1", "--precisions", "int8-torchao", "--results_dir", str(tmp_path / "results")]
-    )
-    report = check_report(path, "bench_decoding_loops", {"precision", "loop", "seconds", "identical_to_transformers", "bleu"})
-    assert [(row["precision"], row["loop"]) for row in report["results"]] == [
-        ("int8-torchao", "transformers"), ("int8-torchao", "lean")]
-    assert any("torchao" in note for note in report["notes"])
-
-
-def test_decoding_loops_benchmark_refuses_an_unknown_precision(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        load("bench_decoding_loops").main(["--model", str(tmp_path), "--precisions", "fp32,int4"])
-    assert "argument --precisions: unknown int4; choose from fp32, int8, int8-torchao" in capsys.readouterr().err
 
 
 def test_translation_benchmark_refuses_an_unknown_stopping_mode(tmp_path, capsys):
@@ -302,54 +267,14 @@ def test_training_engine_names():
     trainee = module.Trainee("vaswani-bf16-eager", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
     assert trainee.model.config._attn_implementation == "eager"
     assert module.engine_label(trainee.name) == "Vaswani bf16 eager"
+    assert module.engine_label("vaswani-int8-hfloop") == "Vaswani int8 transformers' loop"
     with trainee.autocast:
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert module.engine_label("marian") == "Marian (HF)"
-    assert module.engine_label("marian-compiled") == "Marian compiled"
+    assert module.engine_label("marian-compiled") == "Marian (HF) compiled"
     for name in ("marian-flex", "vaswani-fast", "vaswani-flex-eager", "vaswani-bf16-bf16", "t5-bf16"):
         with pytest.raises(ValueError, match="Unknown engine"):
             module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
-
-
-def _onednn_saturates_here() -> bool | None:
-    """Whether oneDNN's int8 kernels must add byte products in 16 bits here (no VNNI, or capped below it), from the
-    CPU's flags and ONEDNN_MAX_CPU_ISA; None where that cannot be told (no /proc/cpuinfo, another cap)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if cap in ("SSE41", "AVX", "AVX2", "AVX512_CORE"):
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return None if cap else not any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
-def test_int8_kernels_benchmark(tmp_path):
-    """Every kernel computes the layer's function, on a checkpoint's shapes: to within int8 rounding, unless its row
-    says that its 16-bit sums saturate on this CPU; which kernels saturate is what the CPU and oneDNN's cap imply."""
-    path = load("bench_int8_kernels").main(
-        ["--model", _tiny_checkpoint(tmp_path), "--threads", "1", "--rows", "4", "--repeats", "1",
-         "--min_seconds", "0.001", "--results_dir", str(tmp_path / "results")]
-    )
-    report = check_report(path, "bench_int8_kernels", {"layer", "rows", "kernel", "microseconds", "relative_error"})
-    results = report["results"]
-    kernels = {row["kernel"] for row in results}
-    assert {"fp32", "bf16", "Int8Linear", "onednn", "_int_mm", "int8 weights only"} <= kernels
-    assert {row["layer"] for row in results} == {"attention projection", "feed-forward in", "feed-forward out",
-                                                  "output projection"}
-    for row in results:
-        assert row["microseconds"] > 0
-        if row["kernel"] == "fp32":
-            assert row["relative_error"] == 0 and not row["saturates"], row
-        elif not row["saturates"]:
-            assert row["relative_error"] < 0.1, row
-    saturating = {row["kernel"] for row in results if row["saturates"]}
-    assert saturating <= {"torchao", "onednn", "_int_mm"}  # the kernels with int8 activations
-    if (onednn_saturates := _onednn_saturates_here()) is not None:
-        assert ("onednn" in saturating) == onednn_saturates, saturating
-    assert "saturate" in (path.with_suffix(".md")).read_text()
-    config = json.loads((Path(report["settings"]["model"]) / "config.json").read_text())
-    assert next(row for row in results if row["layer"] == "output projection")["out_features"] == config["vocab_size"]
 
 
 def test_translation_benchmark_bf16_engines(corpus, tmp_path):
@@ -375,7 +300,7 @@ def test_streaming_benchmark(corpus, tmp_path):
     assert [row["identical"] for row in compared] == [6, 6]
 
 
-def test_data_benchmark(corpus, tmp_path, monkeypatch):
+def test_data_benchmark(corpus, tmp_path):
     """Stand-in corpora built from a corpus, then a first and a cached run of the training script, measured to its
     first step: the cached run reads nothing again."""
     bench = load("bench_data")
@@ -391,23 +316,16 @@ def test_data_benchmark(corpus, tmp_path, monkeypatch):
     first, cached = report["results"]
     assert (first["run"], cached["run"], first["pairs"]) == ("first", "cached", 300)
     assert 0 < first["read_s"] <= first["first_step_s"] and cached["peak_anon_gib"] > 0
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # what the stage sets, undone after the test
-    bench.main(["--corpora", str(stand_in), "--encoder_shares", "0", "1", "--encoder_sentences", "200",
-                "--vocab_size", "300", "--results_dir", str(tmp_path / "results")])  # raises if the ids differ
-    report = check_report(tmp_path / "results" / "data-encoder-cpu.json", "bench_data",
-                          {"new_word_share", "tokenizer_call_cpu_s", "word_cache_cpu_s", "speedup"})
-    shares = [row["new_word_share"] for row in report["results"]]
-    assert shares == [0, 1] and all(row["sentences"] == 200 for row in report["results"])
 
 
-def test_gpu_scripts_give_train_translation_arguments_it_parses():
-    """The GPU scripts' train_translation.py command lines (built here, run only on a lent GPU) parse: a wrong flag or
+def test_gpu_quality_gives_train_translation_arguments_it_parses():
+    """gpu_quality.py's train_translation.py command lines (built here, run only on a lent GPU) parse: a wrong flag or
     value would otherwise surface only after the device's start-up had been paid for."""
     from transformers import HfArgumentParser
 
     from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments
 
-    quality, fsdp = load("gpu_quality"), load("gpu_fsdp_check")
+    quality = load("gpu_quality")
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
     for dry_run in (False, True):
         args = argparse.Namespace(dry_run=dry_run, preset="base", vocab_size=16000, train_seconds=300, max_tokens=4000,
@@ -415,89 +333,48 @@ def test_gpu_scripts_give_train_translation_arguments_it_parses():
         for recipe in quality.RECIPES.values():
             namespace = parser.parse_args(quality.shared_arguments(args, Path("out")) + recipe)  # exits on an error
             assert namespace.max_train_time == 300 and namespace.bf16 is (not dry_run)
-    sharded = fsdp.training_arguments(Path("out"), 10) + ["--fsdp", "--fsdp_config", '{"reshard_after_forward": true}']
-    namespace = parser.parse_args(sharded)
-    assert namespace.fsdp is True and namespace.max_steps == 10
 
 
-def _old_harness_ids(model, batch, beams, new_tokens, stop_at_eos):
-    """What the benchmark's engine returned before it called the package: generate() on the batch padded with the
-    model's pad id, the decoder start column dropped, and with eos stopping each row cut at its first eos. (It also
-    cut at a pad generated before the eos, which the package's decoding never did: the harness now counts such a
-    token as the package decodes it.)"""
-    pad = model.config.pad_token_id
-    width = max(map(len, batch))
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=ids != pad, num_beams=beams, do_sample=False,
-                             max_new_tokens=new_tokens, **({} if stop_at_eos else {"eos_token_id": None}))
-    rows = out[:, 1:].tolist()
-    if not stop_at_eos:
-        return rows
-    stops = {model.generation_config.eos_token_id}
-    return [next((row[:i] for i, token in enumerate(row) if token in stops), row) for row in rows]
-
-
-@pytest.mark.parametrize("weights", ["random", "trained"])
-@pytest.mark.parametrize("name", ["vaswani", "marian"])
-def test_benchmark_torch_engine_is_the_package_engine(tmp_path, weights, name):
-    """The benchmark's PyTorch engine gives the token ids it gave before it called the package, and the package's
-    `TorchEngine` gives the same translations, greedy and beam, stopping at eos and forced to a length."""
-    from tiny_translation_model import SOURCES, build_tokenizer
-
-    from vaswani import VaswaniConfig
-    from vaswani.translation import TorchEngine as PackageEngine
-
-    bench, common = load("bench_translation"), load("common")
-    tokenizer = build_tokenizer()
-    config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
-    model_dir = _tiny_checkpoint(tmp_path) if weights == "trained" else None
-    engine = bench.TorchEngine(name, config, tokenizer, common.pick_device("cpu", 1), seed=0, model_dir=model_dir)
-    batch = sorted(tokenizer(SOURCES)["input_ids"], key=len)
-    for beams in (1, 3):
-        for stop_at_eos in (True, False):
-            ids = engine.translate(batch, beams, 7, stop_at_eos)
-            assert ids == _old_harness_ids(engine.model, batch, beams, 7, stop_at_eos), (beams, stop_at_eos)
-            if not stop_at_eos:
-                assert {len(row) for row in ids} == {7}
-            elif weights == "trained":  # some sentences end before the limit, so the cut at their end is exercised
-                assert min(map(len, ids)) < 7
-            if name == "vaswani":  # the package engine pads with the tokenizer, whose pad is Vaswani's
-                options = dict(num_beams=beams, max_new_tokens=7, do_sample=False,
-                               **({} if stop_at_eos else {"eos_token_id": None}))
-                translations = PackageEngine(engine.model, tokenizer, **options).translate_batch(batch)
-                assert translations == tokenizer.batch_decode(ids, skip_special_tokens=True)
-                # what the package engine returned before it called generate_token_ids: whole rows, decoded
-                padded = tokenizer.pad({"input_ids": batch}, return_tensors="pt")
-                with torch.inference_mode():
-                    whole = engine.model.generate(**padded, **options)
-                assert translations == tokenizer.batch_decode(whole, skip_special_tokens=True)
-
-
-def test_benchmark_ctranslate2_engine_is_the_package_engine(tmp_path):
-    """The benchmark's CTranslate2 engine calls the package's `CTranslate2Engine`, whose translations it decodes from,
-    and gives the ids of the direct `translate_batch` call it made before, at eos and forced to a length."""
-    pytest.importorskip("ctranslate2")
+@pytest.mark.parametrize("name", ["vaswani", "vaswani-slots", "marian", "ct2-float32"])
+def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
+    """The benchmark times the factory's engine below the text: its token ids, decoded, are the translations that the
+    same engine gives through `vaswani.translation.translate`, greedy and beam, stopping at eos; forced, every row
+    has exactly the asked length."""
+    if name.startswith("ct2-"):
+        pytest.importorskip("ctranslate2")
     from tiny_translation_model import SOURCES
 
-    from vaswani.tokenization_vaswani import VaswaniTokenizer
-    from vaswani.translation import CTranslate2Engine
+    from vaswani.translation import translate
 
-    bench, common = load("bench_translation"), load("common")
-    model_dir = _tiny_checkpoint(tmp_path)
-    tokenizer = VaswaniTokenizer.from_pretrained(model_dir)
-    engine = bench.CT2Engine("ct2-float32", None, tokenizer, common.pick_device("cpu", 1), 0, 1, tmp_path / "work",
-                             checkpoint=model_dir)
-    batch = sorted(tokenizer(SOURCES)["input_ids"], key=len)
+    bench = load("bench_translation")
+    engine = bench.LocalEngine(name, _tiny_checkpoint(tmp_path), "cpu", 1, None, tmp_path / "ct2", False)
+    tokenizer = engine.engine.tokenizer
+    encoded = tokenizer(SOURCES)["input_ids"]
+    batch = [encoded[i] for i in sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)]
+    sources = [SOURCES[encoded.index(ids)] for ids in batch]  # translate()'s order: longest first
     for beams in (1, 3):
-        for stop_at_eos in (True, False):
-            ids = engine.translate(batch, beams, 7, stop_at_eos)
-            direct = engine.translator.translate_batch(
-                [tokenizer.convert_ids_to_tokens(s) for s in batch], beam_size=beams, num_hypotheses=1,
-                min_decoding_length=0 if stop_at_eos else 7, max_decoding_length=7, max_input_length=0)
-            assert ids == [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in direct], (beams, stop_at_eos)
-            if not stop_at_eos:
-                assert {len(row) for row in ids} == {7}
-            package = CTranslate2Engine(engine.translator, tokenizer, num_beams=beams, max_new_tokens=7,
-                                        min_decoding_length=0 if stop_at_eos else 7)
-            assert package.translate_batch(batch) == [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        ids = engine.translate(batch, beams, 7, stop_at_eos=True)
+        if name.startswith("ct2-"):
+            engine.engine.num_beams, engine.engine.max_new_tokens, engine.engine.min_decoding_length = beams, 7, 0
+        else:
+            engine.engine.options["num_beams"], engine.engine.max_new_tokens = beams, 7
+        texts = translate(engine.engine, sources).texts
+        assert [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)] == texts, beams
+        assert min(map(len, ids)) < 7  # a trained model: some sentences end before the limit
+        assert {len(row) for row in engine.translate(batch, beams, 7, stop_at_eos=False)} == {7}
+
+
+def test_benchmark_int8_engine_is_the_scripts_int8_path(tmp_path):
+    """The benchmark's `vaswani-int8` engine is what the scripts' `--int8` loads: every linear layer int8, the output
+    projection included."""
+    from tiny_translation_model import SOURCES
+
+    from vaswani.inference import Int8Linear
+
+    engine = load("bench_translation").LocalEngine("vaswani-int8", _tiny_checkpoint(tmp_path), "cpu", 1, None,
+                                                   tmp_path / "ct2", False)
+    model = engine.engine.model
+    assert [name for name, module in model.named_modules() if type(module) is torch.nn.Linear] == []
+    assert isinstance(model.lm_head, Int8Linear)
+    translations = engine.translate(engine.engine.tokenizer(SOURCES[:2])["input_ids"], 2, 3, stop_at_eos=False)
+    assert list(map(len, translations)) == [3, 3]

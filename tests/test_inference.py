@@ -3,12 +3,11 @@ benchmark's `vaswani-int8` engine, on the tiny trained-ish model of tiny_transla
 
 import copy
 import json
-import sys
 
 import pytest
 import torch
 from torch import nn
-from conftest import SCRIPTS, script_main
+from conftest import script_main
 from tiny_translation_model import SOURCES
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -129,21 +128,3 @@ def test_scripts_refuse_int8_off_the_cpu_in_one_line(checkpoint, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error: ") == 1
     assert err.strip().splitlines()[-1].startswith("error: int8 quantization runs on CPU only")
-
-
-def test_benchmark_int8_engine(trained, tmp_path):
-    """The benchmark's `vaswani-int8` engine is the scripts' `--int8` path."""
-    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
-    from bench_translation import TorchEngine
-
-    from common import pick_device
-
-    _, tokenizer = trained
-    config = VaswaniConfig.tiny(vocab_size=len(tokenizer))
-    threads = torch.get_num_threads()
-    engine = TorchEngine("vaswani-int8", config, tokenizer, pick_device("cpu", 1), seed=0)
-    torch.set_num_threads(threads)
-    assert plain_linears(engine.model) == [] and engine.parameters > 0
-    assert isinstance(engine.model.lm_head, Int8Linear)
-    translations = engine.translate(tokenizer(SOURCES[:2])["input_ids"], beams=2, new_tokens=3, stop_at_eos=False)
-    assert list(map(len, translations)) == [3, 3]

@@ -147,8 +147,8 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
     weights, no `.to("cuda")`).
 
     Why fbgemm through torch's quantized operators: every other int8 kernel torch offers (torchao's eager int8,
-    oneDNN's qlinear, `_int_mm`, `_weight_int8pack_mm`) measured slower than fbgemm on the main job's layer shapes;
-    benchmarks/bench_int8_kernels.py compares them with `Int8Linear`.
+    oneDNN's qlinear, `_int_mm`, `_weight_int8pack_mm`) measured slower than fbgemm on the main job's layer shapes
+    (benchmarks/README.md; the comparison's script is benchmarks/bench_int8_kernels.py of commit e4633a9).
     """
     devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     if devices - {"cpu"}:
