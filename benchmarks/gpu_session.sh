@@ -78,11 +78,10 @@ stage() {
         tests)  # CUDA-only tests; without CUDA they are all skipped (the dry run checks only that they collect)
             # -v: each result is in the log as it happens, should a crash end the run; the compiled CUDA graphs
             # (which segfaulted inductor's launcher on the last GPU) run last, alone.
-            run "$(at_most 300 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_fast_paths.py \
-                tests/test_modeling.py tests/test_decoding.py tests/test_training.py -k "not (cuda_graphs and compiled)" \
+            run "$(at_most 300 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/ -k "not (cuda_graphs and compiled)" \
                 -p no:cacheprovider
             local first=$?
-            run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/test_decoding.py \
+            run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/ \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
         quality-prepare)
             run "$(left)" "$log" python3 benchmarks/gpu_quality.py --prepare_only "${dry[@]}" ;;
@@ -119,7 +118,7 @@ stage() {
         translation|translation-compiled|translation-batch1)  # random weights, forced length (earlier sessions' rows)
             local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
             [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
-            if run "$(at_most 150 "$(left)")" "$log" python3 -m pytest -q -m gpu tests/test_decoding.py \
+            if run "$(at_most 150 "$(left)")" "$log" python3 -m pytest -q -m gpu tests/ \
                    -k "cuda_graphs and $test" -p no:cacheprovider; then
                 engines=$engines,$graphs
             fi

@@ -199,3 +199,21 @@ def test_the_export_never_writes_over_its_model_and_replaces_any_other_directory
     (old / "stale.bin").write_bytes(b"of an earlier export")
     export(["--model", str(model), "--output_dir", str(old), "--force"])
     assert not (old / "stale.bin").exists() and (old / "model.bin").is_file()
+
+
+def test_a_ctranslate2_engine_gets_the_cpu_threads_torch_has(trained, tmp_path, monkeypatch):
+    """CTranslate2's own default is a fixed thread count; an engine from the factory uses the cores torch uses, so
+    both engines of a comparison (and a user's --threads) get the same."""
+    model, tokenizer = trained
+    export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    options, real = [], ctranslate2.Translator
+    monkeypatch.setattr(ctranslate2, "Translator",
+                        lambda *args, **kwargs: options.append(kwargs) or real(*args, **kwargs))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = load_engine(str(tmp_path / "ct2"), device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert [option["intra_threads"] for option in options] == [1]
+    assert translate_with(engine, SOURCES[:2]).texts  # the engine translates

@@ -129,7 +129,9 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         if any(pytorch_only.values()):
             raise ValueError(f"{', '.join(name for name, given in pytorch_only.items() if given)}: the PyTorch "
                              "engine's; a CTranslate2 model takes --compute_type, --num_beams and --max_new_tokens.")
-        translator, tokenizer, generation_config = load_ctranslate2(model_dir, device, compute_type)
+        # CPU threads as torch uses them (its own default is a fixed count), so either engine gets the same cores.
+        threads = torch.get_num_threads() if device.type == "cpu" else 0
+        translator, tokenizer, generation_config = load_ctranslate2(model_dir, device, compute_type, threads)
         settings = {name: value for name, value in decoding_overrides.items() if name in CTranslate2Engine.SETTINGS}
         return CTranslate2Engine(translator, tokenizer, generation_config, **settings)
     if compute_type != "default":
