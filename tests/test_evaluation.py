@@ -116,7 +116,7 @@ def test_translate_batches_by_length_and_restores_input_order(model_and_tokenize
 
     def recording_generate(**kwargs):
         source_widths.append(kwargs["input_ids"].shape[1])
-        limits.append(kwargs["max_new_tokens"])
+        limits.append(kwargs["max_length"] - 1)  # the new tokens and the decoder's start token (length_options)
         return generate(**kwargs)
 
     monkeypatch.setattr(model, "generate", recording_generate)

@@ -5,10 +5,12 @@ import io
 
 import pytest
 import torch
+import transformers
 from conftest import script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer, build_tokenizer
 from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, pipeline
+from transformers.testing_utils import CaptureLogger
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 
@@ -123,7 +125,8 @@ def test_no_output_runs_past_a_learned_position_table_whatever_the_caller_asks(l
     _, longest = generation_limits(model, None)
     asked = []
     generate = model.generate
-    model.generate = lambda *args, **kwargs: (asked.append(kwargs["max_new_tokens"]), generate(*args, **kwargs))[1]
+    # The limit reaches generate() as max_length, which counts the decoder's start token (length_options).
+    model.generate = lambda *args, **kwargs: (asked.append(kwargs["max_length"] - 1), generate(*args, **kwargs))[1]
     try:
         for requested in (None, 10_000, 4):
             translate_model(model, tokenizer, [LONG, "cat"], num_beams=1, max_new_tokens=requested, batch_size=1)
@@ -211,12 +214,14 @@ def test_written_decoding_defaults_rule_our_engine_and_a_stock_generate_after_a_
     asked = []
     generate = reloaded.generate
     reloaded.generate = lambda *args, **kwargs: (asked.append(kwargs), generate(*args, **kwargs))[1]
-    translate(engine, ["the cat"])
+    with CaptureLogger(transformers.utils.logging.get_logger("transformers.generation.utils")) as said:
+        translate(engine, ["the cat"])
     del reloaded.generate
+    assert said.out == ""  # no warning that the generation config sets a length beside the engine's
     stock = reloaded.generate(**source, lean_decoding=False)  # no options: all from generation_config.json
 
     assert asked[0]["num_beams"] == 2 and "length_penalty" not in asked[0]  # generate() reads it from the config
-    assert asked[0]["max_new_tokens"] == expected_length - 1
+    assert asked[0]["max_length"] == expected_length
     assert stock.shape[1] == (expected_length if max_new_tokens else table)
     options = {"max_new_tokens": max_new_tokens} if max_new_tokens else {"max_length": table}
     assert torch.equal(stock, reloaded.generate(**source, lean_decoding=False, num_beams=2, length_penalty=0.5,

@@ -301,6 +301,14 @@ def output_limit(source_length: int, max_new_tokens: int | None = None, longest:
     return limit if longest is None else min(limit, longest)
 
 
+def length_options(limit: int) -> dict:
+    """`generate()`'s length argument for at most `limit` new tokens: `max_length`, which counts the decoder's start
+    token too, with the generation config's own `max_new_tokens` set aside. It stops where `max_new_tokens=limit`
+    stops; `max_new_tokens` would make transformers warn on every call that `max_length` is set as well, which a
+    checkpoint's generation config does for stock `generate()`."""
+    return {"max_length": limit + 1, "max_new_tokens": None}
+
+
 def decoder_start_token_id(tokenizer) -> int | None:
     """The one rule for the token a decoder starts from: the tokenizer's `<s>`, or its pad token where it has no
     `<s>` (Marian's tokenizers, whose converted checkpoints start there). A new model takes it into its config
@@ -325,4 +333,4 @@ def _divisor_near(n: int, k: int) -> int:
 
 
 __all__ = ["OUTPUT_SLACK", "VaswaniConfig", "check_tokenizer_fits", "decoder_start_token_id", "longest_output",
-           "output_limit", "tokenizer_fingerprint"]
+           "length_options", "output_limit", "tokenizer_fingerprint"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from transformers import AutoModelForSeq2SeqLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY, REMOVED_TASKS
 
-from .configuration_vaswani import check_tokenizer_fits, longest_output, output_limit
+from .configuration_vaswani import check_tokenizer_fits, length_options, longest_output, output_limit
 
 TASK = "translation"
 
@@ -65,7 +65,7 @@ class VaswaniTranslationPipeline(Pipeline):
         if not {"max_new_tokens", "max_length"} & options.keys() and \
                 all(config is None or config.max_new_tokens is None for config in configs):
             source_length = model_inputs["input_ids"].shape[1]
-            options["max_new_tokens"] = output_limit(source_length, None, longest_output(self.model.config))
+            options |= length_options(output_limit(source_length, None, longest_output(self.model.config)))
         output_ids = self.model.generate(**model_inputs, **options)
         # (batch * num_return_sequences, length) -> (batch, num_return_sequences, length), so that the pipeline's
         # un-batching hands each input all of its sequences.

@@ -32,7 +32,7 @@ from transformers import GenerationConfig
 
 from .batching import token_budget_batches
 # OUTPUT_SLACK: the length rule's slack, under this module's name too.
-from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401
+from .configuration_vaswani import OUTPUT_SLACK, length_options, longest_output, output_limit  # noqa: F401
 from .generation_vaswani import decode_in_slots, slots_cover
 
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
@@ -155,6 +155,8 @@ def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     decoder start token, and up to its end of sentence (not included; what follows it in the batch's tensor is only
     the filler of a finished row). With `eos_token_id=None` nothing ends a sentence, and all `max_new_tokens` ids of
     every row are returned: the forced length under which the benchmarks compare engines on identical work."""
+    if "max_new_tokens" in generate_kwargs and model.config.is_encoder_decoder:
+        generate_kwargs |= length_options(generate_kwargs.pop("max_new_tokens"))
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
     rows = output[:, 1:].tolist()  # the first column is the decoder start token

@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only: no display needed on servers or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .configuration_vaswani import longest_output, output_limit  # noqa: E402
+from .configuration_vaswani import length_options, longest_output, output_limit  # noqa: E402
 from .translation import decoding_settings  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None,
         if target is None:
             limit = decoding_settings(model.generation_config, max_new_tokens=max_new_tokens).get("max_new_tokens")
             limit = output_limit(inputs["input_ids"].shape[1], limit, longest_output(model.config))
-            generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=limit)
+            generated = model.generate(**inputs, num_beams=1, do_sample=False, **length_options(limit))
             decoder_input_ids = generated[:, :-1] if generated[0, -1] == model.config.eos_token_id else generated
         else:
             labels = tokenizer(text_target=[target], return_tensors="pt")["input_ids"].to(model.device)
