@@ -9,8 +9,8 @@
 #   benchmarks/.cache/ (already ignored) the corpus' splits in Arrow, found again there by the corpus' content, and
 #             the benchmarks' joint BPE tokenizer trained on the train split (its cache key includes the split file's
 #             path and time, datasets' fingerprint, so where the checkout lies elsewhere it is trained again there,
-#             offline, in seconds); in quality-data/, the quality run's splits, tokenizer and tokenized splits
-#             (gpu_quality.py --prepare_only), keyed by the corpus' content, which the GPU call then only loads
+#             offline, in seconds); beside them, the quality run's tokenizer and tokenized splits
+#             (gpu_quality.py --prepare_only, in the same cache: the splits are shared), which the call only loads
 #
 # It prints the device call to make (benchmarks/README.md, "A lent GPU"), carrying .whl, .corpus and
 # benchmarks/.cache, and their size (64 MiB at most with the working tree). Needs a package registry (pip download)
@@ -52,7 +52,7 @@ add_common_arguments(parser)
 corpus_and_tokenizer(parser.parse_args(["--corpus", ".corpus/fra_eng.tsv.gz"]))
 EOF
 VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \
-    python3 benchmarks/gpu_quality.py --prepare_only --data_cache_dir benchmarks/.cache/quality-data
+    python3 benchmarks/gpu_quality.py --prepare_only --data_cache_dir benchmarks/.cache/data
 
 echo "carry: .whl .corpus benchmarks/.cache ($(du -shc .whl .corpus benchmarks/.cache | tail -1 | cut -f1))"
 echo "command: ARCHIVE=\$OUT/results.tar.gz RESULTS_DIR=/tmp/results VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh [second] 2>&1 | tee \$OUT/session.log"

@@ -101,12 +101,13 @@ def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
 
 
 def step_rates(metrics: dict, tokens: dict) -> dict:
-    """ms a step and real and padded tokens/s of a finished run's training after its compilation (the Trainer's
-    `train_runtime` is that time; `train_compile_seconds` the compilation's)."""
+    """Epochs, ms a step and real and padded tokens/s of a finished run's training after its compilation (the
+    Trainer's `train_runtime` is that time; `train_compile_seconds` the compilation's)."""
     steps, seconds = metrics.get("train_steps"), metrics.get("train_runtime")
     if not steps or not seconds:
         return {}
-    return {"ms_per_step": 1000 * seconds / steps, "real_tokens_per_second": tokens["real_per_batch"] * steps / seconds,
+    return {"train_epochs": steps / tokens["batches"], "ms_per_step": 1000 * seconds / steps,
+            "real_tokens_per_second": tokens["real_per_batch"] * steps / seconds,
             "padded_tokens_per_second": tokens["padded_per_batch"] * steps / seconds}
 
 
@@ -211,7 +212,7 @@ def main(argv=None):
                f"test_bleu_first_{TEST_SUBSET}": first,
                "test_bleu": metrics.get("test_bleu"), "test_chrf": metrics.get("test_chrf"),
                "test_ter": metrics.get("test_ter"), "test_sentences": metrics.get("test_sentences"),
-               "train_steps": metrics.get("train_steps"), "train_epochs": metrics.get("train_epoch"),
+               "train_steps": metrics.get("train_steps"),
                "train_seconds": metrics.get("train_wall_seconds"), "train_loss": metrics.get("train_loss"),
                "train_compile_seconds": metrics.get("train_compile_seconds"), **step_rates(metrics, tokens),
                "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}

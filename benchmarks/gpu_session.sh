@@ -5,7 +5,7 @@
 # its results as it ends and the results folder is packed then, so a timeout loses only the stage it cut.
 #
 #   bash benchmarks/gpu_session.sh                 # the first plan (≤ 480 s): setup quality probe-4000
-#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 300 s): setup tests translation
+#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 300 s): setup tests translation-trained
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order (setup always first)
 #   bash benchmarks/gpu_session.sh --dry_run …     # the same at tiny sizes on any machine, a CPU included: checks
 #                                                  #   every package, path and argument before device time is spent
@@ -17,10 +17,10 @@
 # bench_training.py process per setting (PROBE_STAGES): `probe-4000` (base, 4,000-token batches, compiled against
 # MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-graphs` and `probe-25000` (shape
 # buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `tests` (pytest -m
-# gpu); `translation` (bench_translation.py on the quality run's model if this machine made one, else
+# gpu); `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
 # $TRANSLATION_MODEL, else random weights: generate()'s default (transformers' loop on CUDA), slots with CUDA
-# graphs, CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name only, random weights: translation-random, translation-compiled,
-# translation-batch1, scaling, profile, attention.
+# graphs, CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name only, with
+# random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
 #
 # Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
 # folder is packed into that .tar.gz after every stage (a device machine returns few files). benchmarks/gpu_prepare.sh
@@ -39,16 +39,17 @@ declare -A LIMITS=(
     [probe-4000-graphs]=150
     [probe-25000]=150
     [tests]=165          # 15 of the gpu tests took 148 s on the last H200, the compiled CUDA-graph ones last
-    [translation]=110    # 4 engines, each loaded and warmed in its own process, then 1,000 sentences each
-    [translation-random]=420 [translation-compiled]=420 [translation-batch1]=420
+    [translation-trained]=110  # 4 engines, each loaded and warmed in its own process, then 1,000 sentences each
+    [translation]=420 [translation-compiled]=420 [translation-batch1]=420
     [scaling]=150 [profile]=300 [attention]=600
 )
 FIRST_PLAN=(setup quality probe-4000)
-SECOND_PLAN=(setup tests translation)
+SECOND_PLAN=(setup tests translation-trained)
 # The step probe's settings, one bench_training.py run each, most valuable first. The packed-batch setting
 # (bench_training.py --packing) is to join this list, with a LIMITS entry and a case in probe_arguments.
 PROBE_STAGES=(probe-4000 probe-4000-graphs probe-25000)
-PROBE_SECONDS=${PROBE_SECONDS:-20}  # each setting repeats its batches until Marian, the slowest, has trained this long
+PROBE_SECONDS=${PROBE_SECONDS:-20}
+DRY_RUN_LIMIT=240  # each setting repeats its batches until Marian, the slowest, has trained this long
 
 dry_run=0 limits_only=0
 while [ $# -gt 0 ]; do
@@ -75,7 +76,7 @@ fi
 
 RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
 ARCHIVE=${ARCHIVE:-}
-QUALITY_DATA=benchmarks/.cache/quality-data  # gpu_prepare.sh fills it; keyed by the corpus' content
+QUALITY_DATA=benchmarks/.cache/data  # the benchmarks' data cache, which gpu_prepare.sh fills for both
 mkdir -p "$RESULTS_DIR"
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 
@@ -124,8 +125,10 @@ probe_arguments() {  # bench_training.py's arguments for one step-probe setting
         buckets=(--shape_buckets 4) engines=vaswani-compiled-graphs,vaswani-compiled,marian
     fi
     if [ $dry_run = 1 ]; then
+        # Eager engines: a shared CPU takes minutes to compile even the tiny model (and the GPU tests check the
+        # compiled step); the -graphs engines need CUDA.
         echo --sizes tiny --batch_tokens 256 --steps 1 --warmup_steps 1 --seconds_per_setting 1 "${buckets[@]}" \
-            --engines $engines --output_name "training-$1-{device}"
+            --engines vaswani,marian --output_name "training-$1-{device}"
     else
         echo --sizes base --batch_tokens "$budget" --steps 10 --seconds_per_setting "$PROBE_SECONDS" "${buckets[@]}" \
             --engines $engines --output_name "training-$1-{device}"
@@ -134,6 +137,9 @@ probe_arguments() {  # bench_training.py's arguments for one step-probe setting
 
 stage() {
     local stage=$1 limit=${LIMITS[$1]} log="$RESULTS_DIR/gpu-$1.log" started=$SECONDS
+    # A dry run checks paths and arguments, not timing: a shared CPU compiles the tiny models slower than a GPU
+    # machine compiles the real ones, so each stage gets DRY_RUN_LIMIT there.
+    [ $dry_run = 1 ] && limit=$DRY_RUN_LIMIT
     echo "== $stage at ${SECONDS} s, limit $limit s" | tee -a "$log"
     case $stage in
         setup) setup "$limit" "$log" ;;
@@ -151,7 +157,7 @@ stage() {
             local first=$?
             run $((limit - SECONDS + started)) "$log" python3 -m pytest -v -m gpu tests/ \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
-        translation)  # every engine in its own process (--keep_going: a crash costs only its own rows); with a
+        translation-trained)  # every engine in its own process (--keep_going: a crash costs only its own rows); with a
             # model, each row counts the translations identical to `vaswani`'s: generate()'s default, which is
             # transformers' loop on CUDA (the lean loop on a CPU)
             local model=() engines=vaswani,vaswani-slots,vaswani-graphs,marian work=(--num_sentences 1000)
@@ -169,15 +175,14 @@ stage() {
             run "$limit" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
                 "${model[@]}" "${work[@]}" --batch_sizes 256 --beams 4 --stopping $stopping --engines $engines \
                 --keep_going --output_name "translation-trained-{device}" ;;
-        translation-random|translation-compiled|translation-batch1)  # random weights, forced length
-            local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager name=$stage
-            [ "$stage" = translation-random ] && name=translation
+        translation|translation-compiled|translation-batch1)  # random weights, forced length
+            local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
             [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
             if run 150 "$log" python3 -m pytest -q -m gpu tests/ -k "cuda_graphs and $test" -p no:cacheprovider; then
                 engines=$engines,$graphs
             fi
-            local options=(--batch_sizes 256,32 --output_name "$name-{device}")
-            [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$name-{device}")
+            local options=(--batch_sizes 256,32 --output_name "$stage-{device}")
+            [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$stage-{device}")
             run $((limit - SECONDS + started)) "$log" python3 benchmarks/bench_translation.py \
                 --results_dir "$RESULTS_DIR" "${options[@]}" --engines $engines,marian --keep_going ;;
         profile) run "$limit" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
