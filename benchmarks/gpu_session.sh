@@ -25,7 +25,7 @@
 # Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
 # folder is packed into that .tar.gz after every stage (a device machine returns few files). benchmarks/gpu_prepare.sh
 # makes beforehand, on any machine, what a call would otherwise spend its minutes on: the wheels (.whl/), the corpus
-# (.corpus/), the benchmarks' tokenizer and the quality run's tokenized splits (benchmarks/.cache/). INSTALL_WHEELS=0
+# (.corpus/), the benchmarks' tokenizer and the quality run's tokenized splits (benchmarks/.cache/data/). INSTALL_WHEELS=0
 # skips the wheels (the dry run's default: this machine's Python is not the device's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
