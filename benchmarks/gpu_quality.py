@@ -96,7 +96,8 @@ def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
     batches = sampler.batches_by_length()
     real = sum(int(side[batch].sum()) for side in sides for batch in batches)
     multiple = pad_to or 1
-    padded = sum(len(batch) * (-(-int(side[batch].max()) // multiple) * multiple) for side in sides for batch in batches)
+    padded = sum(len(batch) * (-(-int(side[batch].max()) // multiple) * multiple)  # the longest, rounded up
+                 for side in sides for batch in batches)
     return {"batches": len(batches), "real_per_batch": real / len(batches), "padded_per_batch": padded / len(batches)}
 
 

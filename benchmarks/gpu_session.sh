@@ -25,8 +25,8 @@
 # Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
 # folder is packed into that .tar.gz after every stage (a device machine returns few files). benchmarks/gpu_prepare.sh
 # makes beforehand, on any machine, what a call would otherwise spend its minutes on: the wheels (.whl/), the corpus
-# (.corpus/), the benchmarks' tokenizer and the quality run's tokenized splits (benchmarks/.cache/data/). INSTALL_WHEELS=0
-# skips the wheels (the dry run's default: this machine's Python is not the device's).
+# (.corpus/), the benchmarks' tokenizer and the quality run's tokenized splits (benchmarks/.cache/data/).
+# INSTALL_WHEELS=0 skips the wheels (the dry run's default: this machine's Python is not the device's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,13 +43,14 @@ declare -A LIMITS=(
     [translation]=420 [translation-compiled]=420 [translation-batch1]=420
     [scaling]=150 [profile]=300 [attention]=600
 )
-FIRST_PLAN=(setup quality probe-4000)
-SECOND_PLAN=(setup tests translation-trained)
-# The step probe's settings, one bench_training.py run each, most valuable first. The packed-batch setting
-# (bench_training.py --packing) is to join this list, with a LIMITS entry and a case in probe_arguments.
+# The step probe's settings, one bench_training.py run each, most valuable first; the first plan has room for the
+# first. The packed-batch setting (bench_training.py --packing) is to join this list, with a LIMITS entry and a case
+# in probe_arguments.
 PROBE_STAGES=(probe-4000 probe-4000-graphs probe-25000)
-PROBE_SECONDS=${PROBE_SECONDS:-20}
-DRY_RUN_LIMIT=240  # each setting repeats its batches until Marian, the slowest, has trained this long
+PROBE_SECONDS=${PROBE_SECONDS:-20}  # each setting repeats its batches until Marian, the slowest, has trained this long
+FIRST_PLAN=(setup quality "${PROBE_STAGES[0]}")
+SECOND_PLAN=(setup tests translation-trained)
+DRY_RUN_LIMIT=240
 
 dry_run=0 limits_only=0
 while [ $# -gt 0 ]; do
@@ -172,9 +173,9 @@ stage() {
             # Random weights stop anywhere: every engine then decodes the same number of tokens (forced rows).
             local stopping=eos
             [ ${#model[@]} = 0 ] && stopping=forced
-            run "$limit" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
-                "${model[@]}" "${work[@]}" --batch_sizes 256 --beams 4 --stopping $stopping --engines $engines \
-                --keep_going --output_name "translation-trained-{device}" ;;
+            run "$limit" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" \
+                --results_dir "$RESULTS_DIR" "${model[@]}" "${work[@]}" --batch_sizes 256 --beams 4 \
+                --stopping $stopping --engines $engines --keep_going --output_name "translation-trained-{device}" ;;
         translation|translation-compiled|translation-batch1)  # random weights, forced length
             local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
             [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
