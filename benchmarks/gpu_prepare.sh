@@ -6,14 +6,16 @@
 #             checkout's version, datasets (5.x, and in .whl/datasets4/ datasets 4.0 for a pyarrow older than 24, with
 #             the dill, multiprocess and fsspec each pins) and evaluate. gpu_session.sh installs them first.
 #   .corpus/  the fra-eng corpus, which is not in the repository (../shared does not travel)
-#   benchmarks/.cache/ (already ignored) the corpus' splits in Arrow, found again there by the corpus' content, and
-#             the benchmarks' joint BPE tokenizer trained on the train split. The tokenizer's cache key includes the
-#             split file's path and time (datasets' fingerprint), so where the checkout lies elsewhere it is trained
-#             again there, offline, in seconds
+#   benchmarks/.cache/data/ (already ignored) the corpus' splits in Arrow, found again there by the corpus' content, and
+#             the benchmarks' joint BPE tokenizer trained on the train split (its cache key includes the split file's
+#             path and time, datasets' fingerprint, so where the checkout lies elsewhere it is trained again there,
+#             offline, in seconds); beside them, the quality run's tokenizer and tokenized splits
+#             (gpu_quality.py --prepare_only, in the same cache: the splits are shared), which the call only loads
 #
-# It prints the call to make: RESULTS_DIR=$OUT VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh
-# STAGE…, carrying .whl, .corpus and benchmarks/.cache. Needs a package registry (pip download) and the corpus
-# ($VASWANI_FRA_ENG, else the scripts' default: scripts/shared_corpus.py).
+# It prints the device call to make (benchmarks/README.md, "A lent GPU"), carrying .whl, .corpus and
+# benchmarks/.cache/data (not the rest of benchmarks/.cache: converted models), and their size (64 MiB at most with
+# the working tree). Needs a package registry (pip download)
+# and the corpus ($VASWANI_FRA_ENG, else the scripts' default: scripts/shared_corpus.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +52,8 @@ parser = argparse.ArgumentParser()
 add_common_arguments(parser)
 corpus_and_tokenizer(parser.parse_args(["--corpus", ".corpus/fra_eng.tsv.gz"]))
 EOF
+VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \
+    python3 benchmarks/gpu_quality.py --prepare_only --data_cache_dir benchmarks/.cache/data
 
-echo "carry: .whl .corpus benchmarks/.cache ($(du -shc .whl .corpus benchmarks/.cache | tail -1 | cut -f1))"
-echo "command: ARCHIVE=\$OUT/results.tar.gz RESULTS_DIR=/tmp/results VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh 2>&1 | tee \$OUT/session.log"
+echo "carry: .whl .corpus benchmarks/.cache/data ($(du -shc .whl .corpus benchmarks/.cache/data | tail -1 | cut -f1))"
+echo "command: ARCHIVE=\$OUT/results.tar.gz RESULTS_DIR=/tmp/results VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh [second] 2>&1 | tee \$OUT/session.log"

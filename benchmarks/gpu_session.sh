@@ -1,60 +1,86 @@
 #!/usr/bin/env bash
-# Every GPU measurement in one unattended command, most valuable first. Each stage writes its results as it
-# finishes. A stage is given only the time left in the budget (BUDGET_SECONDS, default 540), so a timeout loses only
-# the stage it cut short.
+# The GPU measurements as plans that each fit one call of a lent GPU (at most 10 minutes a call; 15 minutes of device
+# time a session, the machine's start included), most valuable first. Every stage runs under its own time limit
+# (LIMITS, below), the wheels' installation included, so that a plan's limits add up to its length; each stage writes
+# its results as it ends and the results folder is packed then, so a timeout loses only the stage it cut.
 #
-#   bash benchmarks/gpu_session.sh                 # the plan, below
-#   bash benchmarks/gpu_session.sh --dry_run       # the same plan at tiny sizes on any machine (CPU included): checks
-#                                                  #   every package, path and argument before GPU time is spent
-#   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order
+#   bash benchmarks/gpu_session.sh                 # the first plan (≤ 480 s): setup quality probe-4000
+#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 300 s): setup tests translation-trained
+#   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order (setup always first)
+#   bash benchmarks/gpu_session.sh --dry_run …     # the same at tiny sizes on any machine, a CPU included: checks
+#                                                  #   every package, path and argument before device time is spent
+#   bash benchmarks/gpu_session.sh --limits …      # each stage's time limit and their sum; runs nothing
 #
-# The plan, each stage alone on the GPU: `training` (bench_training.py's step-rate probe: base, bf16, 4,000, 12,000
-# and 25,000-token batches, 30 s a setting, Vaswani eager and compiled against Marian), `training-graphs` (the same at
-# 4,000 and 12,000 tokens on train_translation.py --shape_buckets 4's batches, compiled with CUDA graphs; a stage of
-# its own so that its compilations cannot cost the probe its results), `quality` (gpu_quality.py: 300 s of base,
-# beam-4 test BLEU), `translation-trained` (bench_translation.py on the quality run's model, beam 4, batch 256,
-# 3,000 test sentences to their end: generate(), the lean loop, CUDA graphs, the slots, Marian) and `tests` (pytest
-# -m gpu). The plan is longer than one call, so a session runs it in three: `quality-prepare training`,
-# `training-graphs quality`, then `translation-trained tests`. Other stages: translation, translation-compiled,
-# translation-batch1, scaling, profile, attention (random weights).
+# Stages: `setup` (carried wheels installed, versions printed); `quality` (gpu_quality.py: 300 s of base training with
+# the package's GPU defaults, bf16, TF32, torch.compile before the clock; test BLEU on the whole split and its first
+# 1,000 sentences, steps, ms a step, real and padded tokens/s, train_compile_seconds); the step probe, one
+# bench_training.py process per setting (PROBE_STAGES): `probe-4000` (base, 4,000-token batches, compiled against
+# MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-graphs` and `probe-25000` (shape
+# buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `tests` (pytest -m
+# gpu); `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
+# $TRANSLATION_MODEL, else random weights: generate()'s default (transformers' loop on CUDA), slots with CUDA
+# graphs, CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name only, with
+# random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
 #
-# Results go to $RESULTS_DIR (default benchmarks/results), logs beside them; with $ARCHIVE set, the results folder is
-# also packed into that .tar.gz after every stage (a device machine returns few files). Wheels in .whl/
-# (benchmarks/gpu_prepare.sh gathers them, and the corpus) are installed into a scratch directory first
-# (INSTALL_WHEELS=0 skips them, for a dry run on a machine whose Python is not the device's).
+# Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
+# folder is packed into that .tar.gz after every stage (a device machine returns few files). benchmarks/gpu_prepare.sh
+# makes beforehand, on any machine, what a call would otherwise spend its minutes on: the wheels (.whl/), the corpus
+# (.corpus/), the benchmarks' tokenizer and the quality run's tokenized splits (benchmarks/.cache/data/).
+# INSTALL_WHEELS=0 skips the wheels (the dry run's default: this machine's Python is not the device's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-dry_run=0
-if [ "${1:-}" = --dry_run ]; then dry_run=1; shift; fi
-stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(plan)
-RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
-BUDGET_SECONDS=${BUDGET_SECONDS:-540}
-ARCHIVE=${ARCHIVE:-}
-mkdir -p "$RESULTS_DIR"
+# Each stage's time limit in seconds: on an H100 or H200, what it needs with a margin (benchmarks/README.md, "A lent
+# GPU"); the plans' sums are what a call's timeout must cover.
+declare -A LIMITS=(
+    [setup]=25           # the wheels' install (12-19 s on the last GPUs) and the versions
+    [quality]=375        # 300 s of training, the compilation before it, the whole test split decoded, start-up
+    [probe-4000]=80      # start-up and the batches (~12 s), two compilations, 20 s of Marian's steps, the rest
+    [probe-4000-graphs]=150
+    [probe-25000]=150
+    [tests]=170          # 15 of the 18 gpu tests took 148 s on the last H200; the compiled CUDA graphs get 50 s
+    [translation-trained]=105  # 4 engines, each loaded and warmed in its own process, then 1,000 sentences each
+    [translation]=420 [translation-compiled]=420 [translation-batch1]=420
+    [scaling]=150 [profile]=300 [attention]=600
+)
+# The step probe's settings, one bench_training.py run each, most valuable first; the first plan has room for the
+# first. The packed-batch setting (bench_training.py --packing) is to join this list, with a LIMITS entry and a case
+# in probe_arguments.
+PROBE_STAGES=(probe-4000 probe-4000-graphs probe-25000)
+PROBE_SECONDS=${PROBE_SECONDS:-20}  # each setting repeats its batches until Marian, the slowest, has trained this long
+FIRST_PLAN=(setup quality "${PROBE_STAGES[0]}")
+SECOND_PLAN=(setup tests translation-trained)
+DRY_RUN_LIMIT=240
 
-if [ "${INSTALL_WHEELS:-1}" = 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
-    # datasets 5 needs pyarrow ≥ 24; where the machine's pyarrow is older, datasets 4.0 (our floor) and its pins.
-    wheels=(.whl/*.whl)
-    if compgen -G ".whl/datasets4/*.whl" > /dev/null &&
-        ! python3 -c "import sys, pyarrow; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
-        wheels=($(ls .whl/*.whl | grep -v -E '/(datasets|dill|multiprocess|fsspec)-') .whl/datasets4/*.whl)
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "${wheels[@]}" || exit 1
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+dry_run=0 limits_only=0
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry_run) dry_run=1; shift ;;
+        --limits) limits_only=1; shift ;;
+        *) break ;;
+    esac
+done
+case "${1:-first}" in
+    first) stages=("${FIRST_PLAN[@]}") ;;
+    second) stages=("${SECOND_PLAN[@]}") ;;
+    *) stages=(setup); for name in "$@"; do [ "$name" = setup ] || stages+=("$name"); done ;;
+esac
+for name in "${stages[@]}"; do
+    [ -n "${LIMITS[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMITS[*]})" >&2; exit 2; }
+done
+if [ $limits_only = 1 ]; then
+    total=0
+    for name in "${stages[@]}"; do echo "$name ${LIMITS[$name]}"; total=$((total + LIMITS[$name])); done
+    echo "total $total"
+    exit 0
 fi
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
-python3 - <<'EOF' || exit 1
-import importlib
-import torch
-for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "pyarrow", "safetensors"):
-    print(name, importlib.import_module(name).__version__)
-print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-EOF
 
-left() { echo $((BUDGET_SECONDS - SECONDS)); }
+RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
+ARCHIVE=${ARCHIVE:-}
+QUALITY_DATA=benchmarks/.cache/data  # the benchmarks' data cache, which gpu_prepare.sh fills for both
+mkdir -p "$RESULTS_DIR"
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+
 publish() {  # pack the results folder into $ARCHIVE (atomically: a kill mid-way leaves the last complete pack)
     [ -n "$ARCHIVE" ] || return 0
     tar -czf "$ARCHIVE.$BASHPID" -C "$RESULTS_DIR" . && mv -f "$ARCHIVE.$BASHPID" "$ARCHIVE"
@@ -64,99 +90,132 @@ run() {  # run a command under a time limit (seconds), logging its output; retur
     shift 2
     if [ "$limit" -le 5 ]; then echo "skipped, no time left: $*" | tee -a "$log"; return 1; fi
     echo "\$ $* (limit ${limit} s)" >> "$log"
-    timeout --kill-after 10 "$limit" "$@" 2>&1 | tee -a "$log"
+    timeout --kill-after 5 "$limit" "$@" 2>&1 | tee -a "$log"
     return "${PIPESTATUS[0]}"
 }
-at_most() { local a=$1 b=$2; echo $((a < b ? a : b)); }
 device_args=() dry=()  # what a dry run adds to the benchmarks' and the GPU scripts' arguments
 [ $dry_run = 1 ] && device_args=(--device cpu --threads 2) dry=(--dry_run)
 
+setup() {  # the carried wheels, into a scratch folder on the import path, then the versions the stages run with
+    local limit=$1 log=$2
+    if [ "${INSTALL_WHEELS:-$((1 - dry_run))}" = 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
+        # datasets 5 needs pyarrow ≥ 24; where the machine's pyarrow is older, datasets 4.0 (our floor) and its pins.
+        local wheels=(.whl/*.whl) site
+        if compgen -G ".whl/datasets4/*.whl" > /dev/null &&
+            ! python3 -c "import sys, pyarrow; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
+            wheels=($(ls .whl/*.whl | grep -v -E '/(datasets|dill|multiprocess|fsspec)-') .whl/datasets4/*.whl)
+        fi
+        site=$(mktemp -d)
+        run "$limit" "$log" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" "${wheels[@]}" || return 1
+        export PYTHONPATH=$PYTHONPATH:$site  # after src/ and benchmarks/, before the machine's packages
+    fi
+    run $((limit - SECONDS + started)) "$log" python3 - <<'EOF'
+import importlib
+import torch
+for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "pyarrow", "safetensors"):
+    print(name, importlib.import_module(name).__version__)
+print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+EOF
+}
+
+probe_arguments() {  # bench_training.py's arguments for one step-probe setting
+    local budget=${1#probe-} buckets=() engines=vaswani-compiled,marian name=training-probe
+    budget=${budget%-graphs}
+    if [ "$1" != probe-4000 ]; then  # every engine on the bucketed batches; only -graphs pads them to their shapes
+        buckets=(--shape_buckets 4) engines=vaswani-compiled-graphs,vaswani-compiled,marian name=training-graphs
+    fi
+    if [ $dry_run = 1 ]; then
+        # Eager engines: a shared CPU takes minutes to compile even the tiny model (and the GPU tests check the
+        # compiled step); the -graphs engines need CUDA.
+        echo --sizes tiny --batch_tokens 256 --steps 1 --warmup_steps 1 --seconds_per_setting 1 "${buckets[@]}" \
+            --engines vaswani,marian --output_name "$name-{device}-$budget"
+    else
+        echo --sizes base --batch_tokens "$budget" --steps 10 --seconds_per_setting "$PROBE_SECONDS" "${buckets[@]}" \
+            --engines $engines --output_name "$name-{device}-$budget"
+    fi
+}
+
 stage() {
-    local stage=$1 log="$RESULTS_DIR/gpu-$1.log"
-    echo "== $stage at ${SECONDS} s, $(left) s left" | tee -a "$log"
+    local stage=$1 limit=${LIMITS[$1]} log="$RESULTS_DIR/gpu-$1.log" started=$SECONDS
+    # A dry run checks paths and arguments, not timing: a shared CPU compiles the tiny models slower than a GPU
+    # machine compiles the real ones, so each stage gets DRY_RUN_LIMIT there.
+    [ $dry_run = 1 ] && limit=$DRY_RUN_LIMIT
+    echo "== $stage at ${SECONDS} s, limit $limit s" | tee -a "$log"
     case $stage in
+        setup) setup "$limit" "$log" ;;
+        quality)
+            run "$limit" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" \
+                --data_cache_dir "$QUALITY_DATA" "${dry[@]}" ;;
+        probe-*)
+            run "$limit" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
+                $(probe_arguments "$stage") ;;
         tests)  # CUDA-only tests; without CUDA they are all skipped (the dry run checks only that they collect)
             # -v: each result is in the log as it happens, should a crash end the run; the compiled CUDA graphs
-            # (which segfaulted inductor's launcher on the last GPU) run last, alone.
-            run "$(at_most 300 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/ -k "not (cuda_graphs and compiled)" \
+            # (which segfaulted inductor's launcher on a GPU once) run last, in a process of their own.
+            run $((limit - 50)) "$log" python3 -m pytest -v -m gpu tests/ -k "not (cuda_graphs and compiled)" \
                 -p no:cacheprovider
             local first=$?
-            run "$(at_most 120 "$(left)")" "$log" python3 -m pytest -v -m gpu tests/ \
+            run $((limit - SECONDS + started)) "$log" python3 -m pytest -v -m gpu tests/ \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
-        quality-prepare)
-            run "$(left)" "$log" python3 benchmarks/gpu_quality.py --prepare_only "${dry[@]}" ;;
-        quality)
-            run "$(left)" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" "${dry[@]}" ;;
-        training)
-            local size=(--sizes base --batch_tokens 4000,12000,25000 --steps 10 --seconds_per_setting 30
-                        --engines vaswani-compiled,vaswani,marian)
-            [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 256,512 --steps 1 --warmup_steps 1
-                                      --seconds_per_setting 1 --engines vaswani-compiled,vaswani,marian)
-            # About 5 minutes: at each budget the three engines take turns until Marian, the slowest, has had 30 s.
-            run "$(at_most 480 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
-                --results_dir "$RESULTS_DIR" "${size[@]}" ;;
-        training-graphs)  # without CUDA (the dry run) the -graphs engine is skipped; the bucketed batches are not
-            local size=(--sizes base --batch_tokens 4000,12000 --steps 10 --seconds_per_setting 30)
-            [ $dry_run = 1 ] && size=(--sizes tiny --batch_tokens 256,512 --steps 1 --seconds_per_setting 1)
-            # About 7 minutes: 4 static compilations per budget in the warm-up, then 30 s of Marian per budget. 4 is
-            # where bucketing stops adding padding on this corpus; the report's settings give each padding fraction.
-            run "$(at_most 480 "$(left)")" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
-                --results_dir "$RESULTS_DIR" "${size[@]}" --shape_buckets 4 \
-                --engines vaswani-compiled-graphs,vaswani-compiled,marian --output_name "training-graphs-{device}" ;;
-        translation-trained)  # the quality run's model, as users translate; random weights if it has none
-            # Every engine runs in its own process (--keep_going), so one that crashes costs only its own rows; each
-            # row counts the translations identical to the lean loop's.
-            local model=() engines=vaswani,vaswani-lean,vaswani-graphs,vaswani-slots,marian
-            local work=(--num_sentences 3000 --batch_sizes 256)
-            [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ] && model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
-            # The dry run: tiny (64 positions), and no CUDA graphs on a CPU.
-            [ $dry_run = 1 ] && engines=vaswani,vaswani-lean,vaswani-slots,marian \
-                work=(--num_sentences 32 --batch_sizes 8 --max_new_tokens 40)
-            run "$(left)" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
-                "${model[@]}" "${work[@]}" --beams 4 --stopping eos --engines $engines --keep_going \
-                --output_name "translation-trained-{device}" ;;
-        translation|translation-compiled|translation-batch1)  # random weights, forced length (earlier sessions' rows)
+        translation-trained)  # every engine in its own process (--keep_going: a crash costs only its own rows); with a
+            # model, each row counts the translations identical to `vaswani`'s: generate()'s default, which is
+            # transformers' loop on CUDA (the lean loop on a CPU)
+            local model=() engines=vaswani,vaswani-slots,vaswani-graphs,marian work=(--num_sentences 1000)
+            if [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ]; then
+                model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
+            elif [ -n "${TRANSLATION_MODEL:-}" ]; then
+                model=(--model "$TRANSLATION_MODEL")
+            fi
+            # The dry run: tiny, and no CUDA graphs on a CPU (the slots run step by step there).
+            [ $dry_run = 1 ] && engines=vaswani,vaswani-slots,marian \
+                work=(--sizes tiny --num_sentences 32 --max_new_tokens 40)
+            # Random weights stop anywhere: every engine then decodes the same number of tokens (forced rows).
+            local stopping=eos
+            [ ${#model[@]} = 0 ] && stopping=forced
+            run "$limit" "$log" python3 benchmarks/bench_translation.py "${device_args[@]}" \
+                --results_dir "$RESULTS_DIR" "${model[@]}" "${work[@]}" --batch_sizes 256 --beams 4 \
+                --stopping $stopping --engines $engines --keep_going --output_name "translation-trained-{device}" ;;
+        translation|translation-compiled|translation-batch1)  # random weights, forced length
             local engines=vaswani,vaswani-hfloop graphs=vaswani-graphs test=eager
             [ "$stage" = translation-compiled ] && engines=vaswani-compiled graphs=vaswani-graphs-compiled test=compiled
-            if run "$(at_most 150 "$(left)")" "$log" python3 -m pytest -q -m gpu tests/ \
-                   -k "cuda_graphs and $test" -p no:cacheprovider; then
+            if run 150 "$log" python3 -m pytest -q -m gpu tests/ -k "cuda_graphs and $test" -p no:cacheprovider; then
                 engines=$engines,$graphs
             fi
             local options=(--batch_sizes 256,32 --output_name "$stage-{device}")
             [ "$stage" = translation-batch1 ] && options=(--batch_sizes 1 --batch1_sentences 100 --output_name "$stage-{device}")
-            run "$(at_most 420 "$(left)")" "$log" python3 benchmarks/bench_translation.py --results_dir "$RESULTS_DIR" \
-                "${options[@]}" --engines $engines,marian --keep_going ;;
-        profile) run "$(left)" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
+            run $((limit - SECONDS + started)) "$log" python3 benchmarks/bench_translation.py \
+                --results_dir "$RESULTS_DIR" "${options[@]}" --engines $engines,marian --keep_going ;;
+        profile) run "$limit" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
                      --output_name training-profile --sizes tiny,base --steps 3 --profile ;;
         attention)  # the base training step under each SDPA kernel (the last profile's largest item), then flex
             local kernel
             for kernel in efficient cudnn math; do
-                run "$(at_most 150 "$(left)")" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
+                run 150 "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
                     --sizes base --steps 10 --sdpa_backend $kernel --output_name training-sdpa-$kernel || false
             done
-            run "$(at_most 150 "$(left)")" "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
+            run $((limit - SECONDS + started)) "$log" python3 benchmarks/bench_training.py --results_dir "$RESULTS_DIR" \
                 --sizes base --steps 10 --engines vaswani-compiled,vaswani-compiled-flex,marian \
                 --output_name training-flex-{device} || false ;;
-        scaling) run "$(at_most 150 "$(left)")" "$log" python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
+        scaling) run "$limit" "$log" python3 benchmarks/bench_scaling.py --results_dir "$RESULTS_DIR" \
                      --lengths 64,256,1024,4096 --steps 3 ;;
-        *) echo "unknown stage $stage" | tee -a "$log"; false ;;
     esac
     local status=$?
-    echo "== $stage: exit $status at ${SECONDS} s" | tee -a "$log"
+    echo "== $stage: exit $status after $((SECONDS - started)) s (limit $limit s)" | tee -a "$log"
     publish
     return $status
 }
 
-status=0
-for name in "${stages[@]}"; do
-    if [ "$name" = plan ]; then
-        for planned in quality-prepare training training-graphs quality translation-trained tests; do
-            stage $planned || status=1
-        done
-    else
+main() {
+    local status=0 name
+    for name in "${stages[@]}"; do
         stage "$name" || status=1
-    fi
-done
-publish
-echo "== done at ${SECONDS} s, exit $status"
-exit $status
+        [ "$name" = setup ] && [ $status = 1 ] && break  # nothing runs without its packages
+    done
+    publish
+    echo "== done at ${SECONDS} s, exit $status"
+    return $status
+}
+# One line: bash has read the whole script before the stages start, so a file changed meanwhile (a checkout during
+# a dry run) cannot change what runs.
+main; exit

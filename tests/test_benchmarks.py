@@ -327,12 +327,15 @@ def test_gpu_quality_gives_train_translation_arguments_it_parses():
 
     quality = load("gpu_quality")
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
-    for dry_run in (False, True):
+    for dry_run, prepare_only in ((False, False), (True, False), (False, True)):
         args = argparse.Namespace(dry_run=dry_run, preset="base", vocab_size=16000, train_seconds=300, max_tokens=4000,
-                                  lr=7e-4, warmup=400, eval_batch_size=256)
+                                  lr=7e-4, warmup=400, eval_batch_size=256, prepare_only=prepare_only,
+                                  data_cache_dir=Path("cache"))
         for recipe in quality.RECIPES.values():
             namespace = parser.parse_args(quality.shared_arguments(args, Path("out")) + recipe)  # exits on an error
-            assert namespace.max_train_time == 300 and namespace.bf16 is (not dry_run)
+            assert namespace.max_train_time == 300 and namespace.data_cache_dir == "cache"
+            # The GPU's flags only where a GPU runs it: --prepare_only runs beforehand on any machine.
+            assert namespace.bf16 is namespace.torch_compile is (not dry_run and not prepare_only)
 
 
 @pytest.mark.parametrize("name", ["vaswani", "vaswani-slots", "marian", "ct2-float32"])
