@@ -54,7 +54,7 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     from vaswani.training_arguments import VaswaniTrainingArguments
 
     now, reductions = [100.0], []
-    monkeypatch.setattr(callbacks.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
 
     def slowest_rank(seconds, args):
         reductions.append(seconds)
@@ -65,6 +65,7 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
     args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
     state.max_steps = 100
+    clock.start(state)  # the trainer's StartTheClockCallback, before every callback that reads the clock
     for callback in (budget, interval):
         callback.on_train_begin(args, state, TrainerControl())
     saved, stopped = [], None
