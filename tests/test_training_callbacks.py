@@ -125,3 +125,56 @@ def test_a_timed_run_with_decay_and_averaging_ends_near_a_zero_rate(tmp_path):
     after_peak = rates[rates.index(peak):]
     assert all(b <= a for a, b in zip(after_peak, after_peak[1:])) and after_peak[-1] < 0.1 * peak, rates
     assert (output_dir / "model.safetensors").is_file()
+
+
+def test_a_resumed_run_trains_for_what_is_left_of_its_budget_on_a_clock_that_leaves_compilation_out(
+        tmp_path, monkeypatch):
+    """The run's one clock, on a controllable time source: the compilation before training takes 100 s and every
+    step 1 s. A run of 4 steps reports 4 s of runtime and rates over those 4 s (not 104), and its checkpoint records
+    them; `--resume` with `--max_train_time 10` then trains the 6 s left (steps 5 to 10) and reports the whole run's
+    10 s, as `--max_steps` counts the whole run's steps."""
+    import json
+
+    import vaswani.inference
+    import vaswani.training
+    from vaswani.training_callbacks import CLOCK_FILE, TrainingClock
+
+    from conftest import script_main
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    now, trainers = [0.0], []
+    monkeypatch.setattr(TrainingClock, "now", staticmethod(lambda: now[0]))
+
+    class Trainer(vaswani.training.VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+        def compile_before_the_clock(self):
+            now[0] += 100.0
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            now[0] += 1.0
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    corpus, output_dir = synthetic_corpus(tmp_path / "corpus.tsv", pairs=200), tmp_path / "out"
+    common = ("--max_test_samples", "2", "--generation_num_beams", "1", "--use_cpu", "--save_strategy", "steps",
+              "--save_steps", "4", "--include_num_input_tokens_seen", "true")
+    script_main("train_translation")(train_args(corpus, output_dir, *common, "--max_steps", "4"))
+    first = json.loads((output_dir / "metrics.json").read_text())
+    assert first["train_steps"] == 4 and first["train_runtime"] == first["train_wall_seconds"] == 4.0
+    assert first["train_steps_per_second"] == 1.0
+    tokens = trainers[-1].state.num_input_tokens_seen
+    assert first["train_source_tokens_per_second"] == pytest.approx(tokens / 4, abs=1e-3)
+    assert json.loads((output_dir / "checkpoint-4" / CLOCK_FILE).read_text()) == {"seconds": 4.0}
+
+    script_main("train_translation")(train_args(corpus, output_dir, *common, "--resume", "--max_steps", "100000",
+                                                "--max_train_time", "10"))
+    resumed = json.loads((output_dir / "metrics.json").read_text())
+    assert resumed["train_steps"] == 10  # 6 more steps: the 6 s left of the budget
+    assert resumed["train_runtime"] == 6.0 and resumed["train_wall_seconds"] == 10.0
+    assert resumed["train_steps_per_second"] == 1.0
+    more = trainers[-1].state.num_input_tokens_seen - tokens
+    assert resumed["train_source_tokens_per_second"] == pytest.approx(more / 6, abs=1e-3)
+    assert [entry["elapsed_seconds"] for entry in trainers[-1].state.log_history if "loss" in entry] == [10.0]

@@ -255,7 +255,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         """The Trainer's final training metrics with the runtime and every rate read from the run's clock: the
         training of this call after the step's compilation (the Trainer times its call from before it). Training
         has ended when the Trainer makes them, so the clock stops there. `train_source_tokens_per_second` counts the
-        source tokens of this call (with --include_num_input_tokens_seen non_padding); `train_wall_seconds` is the
+        source tokens of this call (with --include_num_input_tokens_seen); `train_wall_seconds` is the
         whole run's time on the clock, a resumed run's earlier parts included: what `--max_train_time` bounds."""
         self.clock.stop()
         runtime, metrics = self.clock.this_call(), dict(metrics)

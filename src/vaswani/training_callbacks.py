@@ -36,17 +36,17 @@ class TrainingClock:
         self.carried = 0.0
         self._start = self._stop = None
         self._step, self._seconds = None, 0.0
-        self.start_step = self.start_tokens = 0
+        self.start_tokens = 0
 
     def resume(self, seconds: float) -> None:
         """Count the run's `seconds` before this call of `train()` (0 for a run that starts from scratch)."""
         self.carried = seconds
 
     def start(self, state) -> None:
-        """Start counting now, from the step and input-token count of `state` (the Trainer's, at the start)."""
+        """Start counting now; `state`'s input-token count (the Trainer's, at the start) is where this call's begins."""
         self._start, self._stop = self.now(), None
         self._step, self._seconds = None, self.carried
-        self.start_step, self.start_tokens = state.global_step, state.num_input_tokens_seen
+        self.start_tokens = state.num_input_tokens_seen
 
     def stop(self) -> None:
         """Stop counting (training has ended): the evaluation and save that follow are not training time."""
