@@ -214,9 +214,11 @@ SLOT_SEARCHES = [
 
 
 def _alone(model, tokenizer, sentences, max_new_tokens, **search) -> list[list[int]]:
-    """Each sentence's output from generate() on that sentence alone."""
+    """Each sentence's output from transformers' own loop on that sentence alone (not the lean loop, whose beam
+    bookkeeping the slots share)."""
     with torch.no_grad():
-        return [model.generate(**tokenizer([sentence], return_tensors="pt"), max_new_tokens=limit, **search)[0].tolist()
+        return [model.generate(**tokenizer([sentence], return_tensors="pt"), max_new_tokens=limit, lean_decoding=False,
+                               **search)[0].tolist()
                 for sentence, limit in zip(sentences, max_new_tokens)]
 
 
