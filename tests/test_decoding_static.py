@@ -20,6 +20,7 @@ from decoding_helpers import (  # noqa: F401 (the `trained` fixture)
     generate_both,
     trained,
 )
+from host_reads import PythonReads
 from tiny_translation_model import build_model_and_tokenizer
 
 
@@ -74,13 +75,14 @@ def replayed_steps(monkeypatch):
     def run(graphs, position, step):
         recorded = graphs.__dict__.setdefault("recorded", {})
         check = _StepCheck() if counts["check"] else contextlib.nullcontext(_StepCheck())
-        with check as seen:
+        python = PythonReads() if counts["check"] else contextlib.nullcontext(PythonReads())
+        with check as seen, python as read:
             (recorded[position][0] if position in recorded else step)()
         if position in recorded:
             counts["replayed"] += 1
             assert seen.external == recorded[position][1], f"step {position} reads other memory than when recorded"
         else:
-            host_reads.extend(seen.found)
+            host_reads.extend(seen.found + list(read.reads))
             recorded[position] = (step, seen.external)
             counts["recorded"] += 1
 
@@ -275,9 +277,9 @@ def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
 
     def counted_step(self):
         counts["steps"] += 1
-        with _StepCheck() as seen:
+        with _StepCheck() as seen, PythonReads() as read:
             step(self)
-        counts["step_reads"] += seen.found
+        counts["step_reads"] += seen.found + list(read.reads)
 
     def counted_read_back(tensor):
         counts["read_backs"] += 1

@@ -17,6 +17,7 @@ import vaswani.inference
 import vaswani.trainer
 import vaswani.training
 from conftest import script_main
+from host_reads import PythonReads
 from training_script import NOUNS, synthetic_corpus, train_args
 
 VaswaniSeq2SeqTrainer = vaswani.training.VaswaniSeq2SeqTrainer  # as imported, whatever a test patches
@@ -123,11 +124,12 @@ class HostReads(TorchDispatchMode):
 
 
 class SteadyStepReads(TrainerCallback):
-    """Counts `HostReads` over the steps after `first` up to `last` (their data loading, forward, backward,
-    optimiser step and every callback); `in_step` covers the steps proper, without the loader's collation."""
+    """Counts `HostReads`, and the reads Python makes (`host_reads.PythonReads`, which on a CPU dispatch nothing),
+    over the steps after `first` up to `last` (their data loading, forward, backward, optimiser step and every
+    callback); `in_step` covers the steps proper, without the loader's collation."""
 
     def __init__(self, first: int, last: int):
-        self.first, self.last, self.mode = first, last, None
+        self.first, self.last, self.mode, self.python = first, last, None, PythonReads()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.mode is not None:
@@ -137,7 +139,9 @@ class SteadyStepReads(TrainerCallback):
         if state.global_step == self.first:
             self.mode = HostReads()
             self.mode.__enter__()
+            self.python.__enter__()
         elif state.global_step == self.last:
+            self.python.__exit__(None, None, None)
             self.mode.__exit__(None, None, None)
         if self.mode is not None:
             self.mode.in_step = False
@@ -170,7 +174,7 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
         # Before 5.21, transformers' eager attention mask (masking_utils.eager_mask) makes its zero from a host
         # scalar, once per mask; 5.21 makes it on the device. Upstream's copy, not the package's: only that one.
         lifted = {where: count for where, count in lifted.items() if "masking_utils.py" not in where}
-    assert dict(counter.mode.reads) == {} and lifted == {}
+    assert dict(counter.mode.reads) == {} and lifted == {} and dict(counter.python.reads) == {}
     assert not trainers[0].args.logging_nan_inf_filter
     # The batches are copied without waiting where they come from pinned memory (on CUDA).
     arguments = vaswani.training.VaswaniTrainingArguments
