@@ -64,7 +64,7 @@ def _address(tensor: torch.Tensor) -> int:
 def replayed_steps(monkeypatch):
     """On the CPU, make the static path behave as recorded graphs do: each step position runs the step function of
     the first batch that reached it (its Python objects, not the current call's). The first run is checked for host
-    reads, and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
+    reads (by the ops dispatched and the Tensor methods Python calls), and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
     buffer replaced between batches would go unseen). The model's token-id check is left out: `check_ids` skips
     it while a CUDA graph is being recorded, and only on the CPU is it a host read."""
     import vaswani.modeling_vaswani as modeling
@@ -268,8 +268,9 @@ def test_slots_across_variants(variant):
 
 
 def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
-    """No decoding step reads a device value on the host (a dispatch mode counts the reading ops); the loop reads
-    once every `sync_every` steps, which finished slots to refill, through `_read_back`."""
+    """No decoding step reads a device value on the host (a dispatch mode counts the reading ops, a function mode
+    the Tensor methods that hand a value to Python); the loop reads once every `sync_every` steps, which finished
+    slots to refill, through `_read_back`."""
     model, tokenizer = trained
     sources = tokenizer(SLOT_SENTENCES)["input_ids"]
     counts = {"steps": 0, "step_reads": [], "read_backs": 0}

@@ -149,7 +149,8 @@ class SteadyStepReads(TrainerCallback):
 
 def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
     """Through the training script, with a time budget, interval checkpoints and a weight average (every
-    per-step callback on), a steady step between logging steps reads no value back to the host and copies no host
+    per-step callback on), a steady step between logging steps reads no value back to the host (no reading op, and
+    no `.tolist()`, `.cpu()`, `.item()`... called from Python, which on a CPU dispatch no op) and copies no host
     value to the device: nothing makes the host wait for the device, which can then run ahead of it. The counts
     hold on any device, so this CPU run stands for the GPU's."""
     monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
