@@ -84,6 +84,40 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     assert saved == [2, 4, 5] and budget.fraction == 1.0  # 4 s, 8 s, then the budget's last step (10 s)
 
 
+def test_a_resumed_clock_carries_the_budget_spent_and_the_last_checkpoint(monkeypatch):
+    """Resumed at 6 s of a 10 s budget: the schedule starts at 60% of the budget, the next interval checkpoint (every
+    3 s) counts from the checkpoint resumed from, and the budget stops training 4 s later."""
+    from transformers import TrainerControl, TrainerState
+
+    import vaswani.training_callbacks as callbacks
+    from vaswani.training_arguments import VaswaniTrainingArguments
+
+    now = [50.0]
+    monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
+    clock = callbacks.TrainingClock()
+    budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
+    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
+    state.max_steps, state.global_step = 100, 6
+    clock.resume(6.0)
+    clock.start(state)
+    for callback in (budget, interval):
+        callback.on_train_begin(args, state, TrainerControl())
+    assert budget.fraction == pytest.approx(0.6) and interval.last == 6.0
+    saved, stopped = [], None
+    for step in range(7, 12):
+        now[0] += 1.0
+        state.global_step, control = step, TrainerControl()
+        for callback in (budget, interval):
+            control = callback.on_step_end(args, state, control)
+        if control.should_save:
+            saved.append(step)
+            interval.on_save(args, state, control)
+        if control.should_training_stop:
+            stopped = step
+            break
+    assert stopped == 10 and saved == [9, 10] and clock.this_call() == 4.0
+
+
 def test_the_weight_average_becomes_the_final_model():
     """--ema_decay: every step moves the average towards the weights by 1 − min(decay, (1 + n) / (10 + n)); at the
     end of training the model holds the average."""
