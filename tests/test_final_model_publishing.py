@@ -57,10 +57,16 @@ def test_the_final_model_replaces_the_run_directory_whole_with_its_other_entries
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no staging directory left
 
 
-def failing(name):
-    def fail(*args, **kwargs):
-        raise RuntimeError(f"failure injected in {name}")
-    return fail
+def failing(name, original=None, after: int = 0):
+    """A stand-in for the function `name` that runs `original` `after` times, then fails (as a kill would stop it)."""
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(args)
+        if len(calls) > after:
+            raise RuntimeError(f"failure injected in {name}")
+        return original(*args, **kwargs)
+    return call
 
 
 @pytest.mark.parametrize("where", ["writing", "linking", "copying a directory", "syncing", "moving a file in",
@@ -71,15 +77,11 @@ def test_a_failure_anywhere_in_publishing_leaves_the_old_final_model_whole(tmp_p
     if where == "writing":
         monkeypatch.setitem(NEW, "model.safetensors", None)  # write_text(None): a TypeError in the writer's block
     elif where == "linking":
-        link, calls = os.link, []
-        monkeypatch.setattr(files.os, "link", lambda *a, **k: (calls.append(a), link(*a, **k) if len(calls) < 3
-                                                               else failing("link")()))
+        monkeypatch.setattr(files.os, "link", failing("link", os.link, after=2))
     elif where == "copying a directory":
         monkeypatch.setattr(files.shutil, "copytree", failing("copytree"))
     elif where == "moving a file in":  # where the files were moved in one by one, a mix of old and new followed
-        replace, calls = os.replace, []
-        monkeypatch.setattr(files.os, "replace", lambda *a: (calls.append(a), replace(*a) if len(calls) < 2
-                                                             else failing("replace")()))
+        monkeypatch.setattr(files.os, "replace", failing("replace", os.replace, after=1))
     elif where == "syncing":
         monkeypatch.setattr(files, "sync_tree", failing("sync_tree"))
     else:
