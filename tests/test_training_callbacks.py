@@ -45,13 +45,37 @@ def test_the_learning_rate_decays_over_the_time_budget(tmp_path):
         assert scheduler.get_last_lr()[0] == 0.0
 
 
+def timed_run(clock, budget, interval, now: list, seconds_per_step: float, steps: range):
+    """The budget and interval callbacks over `steps`, each taking `seconds_per_step` on `now`, the clock's time
+    source: (the budget's spent share and the interval's start when training begins, the steps that saved, the step
+    that stopped training)."""
+    from transformers import TrainerControl, TrainerState
+
+    from vaswani.training_arguments import VaswaniTrainingArguments
+
+    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
+    state.max_steps, state.global_step = 100, steps.start - 1
+    clock.start(state)  # the trainer's StartTheClockCallback, before every callback that reads the clock
+    for callback in (budget, interval):
+        callback.on_train_begin(args, state, TrainerControl())
+    begun, saved = (budget.fraction, interval.last), []
+    for step in steps:
+        now[0] += seconds_per_step
+        state.global_step, control = step, TrainerControl()
+        for callback in (budget, interval):
+            control = callback.on_step_end(args, state, control)
+        if control.should_save:
+            saved.append(step)
+            interval.on_save(args, state, control)
+        if control.should_training_stop:
+            return begun, saved, step
+    return begun, saved, None
+
+
 def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     """The time budget and the interval checkpoints decide on the same all-reduced clock (one all-reduce per step
     under DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
-    from transformers import TrainerControl, TrainerState
-
     import vaswani.training_callbacks as callbacks
-    from vaswani.training_arguments import VaswaniTrainingArguments
 
     now, reductions = [100.0], []
     monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
@@ -63,23 +87,7 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     monkeypatch.setattr(callbacks, "slowest_rank", slowest_rank)
     clock = callbacks.TrainingClock()
     budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
-    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
-    state.max_steps = 100
-    clock.start(state)  # the trainer's StartTheClockCallback, before every callback that reads the clock
-    for callback in (budget, interval):
-        callback.on_train_begin(args, state, TrainerControl())
-    saved, stopped = [], None
-    for step in range(1, 8):
-        now[0] += 2.0
-        state.global_step, control = step, TrainerControl()
-        for callback in (budget, interval):
-            control = callback.on_step_end(args, state, control)
-        if control.should_save:
-            saved.append(step)
-            interval.on_save(args, state, control)
-        if control.should_training_stop:
-            stopped = step
-            break
+    _, saved, stopped = timed_run(clock, budget, interval, now, 2.0, range(1, 8))
     assert len(reductions) == stopped == 5  # one reading per step, shared by both callbacks
     assert saved == [2, 4, 5] and budget.fraction == 1.0  # 4 s, 8 s, then the budget's last step (10 s)
 
@@ -87,34 +95,15 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
 def test_a_resumed_clock_carries_the_budget_spent_and_the_last_checkpoint(monkeypatch):
     """Resumed at 6 s of a 10 s budget: the schedule starts at 60% of the budget, the next interval checkpoint (every
     3 s) counts from the checkpoint resumed from, and the budget stops training 4 s later."""
-    from transformers import TrainerControl, TrainerState
-
     import vaswani.training_callbacks as callbacks
-    from vaswani.training_arguments import VaswaniTrainingArguments
 
     now = [50.0]
     monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
     clock = callbacks.TrainingClock()
     budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
-    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
-    state.max_steps, state.global_step = 100, 6
     clock.resume(6.0)
-    clock.start(state)
-    for callback in (budget, interval):
-        callback.on_train_begin(args, state, TrainerControl())
-    assert budget.fraction == pytest.approx(0.6) and interval.last == 6.0
-    saved, stopped = [], None
-    for step in range(7, 12):
-        now[0] += 1.0
-        state.global_step, control = step, TrainerControl()
-        for callback in (budget, interval):
-            control = callback.on_step_end(args, state, control)
-        if control.should_save:
-            saved.append(step)
-            interval.on_save(args, state, control)
-        if control.should_training_stop:
-            stopped = step
-            break
+    (fraction, interval_start), saved, stopped = timed_run(clock, budget, interval, now, 1.0, range(7, 12))
+    assert fraction == pytest.approx(0.6) and interval_start == 6.0
     assert stopped == 10 and saved == [9, 10] and clock.this_call() == 4.0
 
 
