@@ -20,6 +20,7 @@ from decoding_helpers import (  # noqa: F401 (the `trained` fixture)
     generate_both,
     trained,
 )
+from host_reads import PythonReads
 from tiny_translation_model import build_model_and_tokenizer
 
 
@@ -63,7 +64,7 @@ def _address(tensor: torch.Tensor) -> int:
 def replayed_steps(monkeypatch):
     """On the CPU, make the static path behave as recorded graphs do: each step position runs the step function of
     the first batch that reached it (its Python objects, not the current call's). The first run is checked for host
-    reads, and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
+    reads (by the ops dispatched and the Tensor methods Python calls), and every later run must read the same memory as the first (a graph reads the recorded addresses, so a
     buffer replaced between batches would go unseen). The model's token-id check is left out: `check_ids` skips
     it while a CUDA graph is being recorded, and only on the CPU is it a host read."""
     import vaswani.modeling_vaswani as modeling
@@ -74,13 +75,14 @@ def replayed_steps(monkeypatch):
     def run(graphs, position, step):
         recorded = graphs.__dict__.setdefault("recorded", {})
         check = _StepCheck() if counts["check"] else contextlib.nullcontext(_StepCheck())
-        with check as seen:
+        python = PythonReads() if counts["check"] else contextlib.nullcontext(PythonReads())
+        with check as seen, python as read:
             (recorded[position][0] if position in recorded else step)()
         if position in recorded:
             counts["replayed"] += 1
             assert seen.external == recorded[position][1], f"step {position} reads other memory than when recorded"
         else:
-            host_reads.extend(seen.found)
+            host_reads.extend(seen.found + list(read.reads))
             recorded[position] = (step, seen.external)
             counts["recorded"] += 1
 
@@ -214,9 +216,11 @@ SLOT_SEARCHES = [
 
 
 def _alone(model, tokenizer, sentences, max_new_tokens, **search) -> list[list[int]]:
-    """Each sentence's output from generate() on that sentence alone."""
+    """Each sentence's output from transformers' own loop on that sentence alone (not the lean loop, whose beam
+    bookkeeping the slots share)."""
     with torch.no_grad():
-        return [model.generate(**tokenizer([sentence], return_tensors="pt"), max_new_tokens=limit, **search)[0].tolist()
+        return [model.generate(**tokenizer([sentence], return_tensors="pt"), max_new_tokens=limit, lean_decoding=False,
+                               **search)[0].tolist()
                 for sentence, limit in zip(sentences, max_new_tokens)]
 
 
@@ -264,8 +268,9 @@ def test_slots_across_variants(variant):
 
 
 def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
-    """No decoding step reads a device value on the host (a dispatch mode counts the reading ops); the loop reads
-    once every `sync_every` steps, which finished slots to refill, through `_read_back`."""
+    """No decoding step reads a device value on the host (a dispatch mode counts the reading ops, a function mode
+    the Tensor methods that hand a value to Python); the loop reads once every `sync_every` steps, which finished
+    slots to refill, through `_read_back`."""
     model, tokenizer = trained
     sources = tokenizer(SLOT_SENTENCES)["input_ids"]
     counts = {"steps": 0, "step_reads": [], "read_backs": 0}
@@ -273,9 +278,9 @@ def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
 
     def counted_step(self):
         counts["steps"] += 1
-        with _StepCheck() as seen:
+        with _StepCheck() as seen, PythonReads() as read:
             step(self)
-        counts["step_reads"] += seen.found
+        counts["step_reads"] += seen.found + list(read.reads)
 
     def counted_read_back(tensor):
         counts["read_backs"] += 1

@@ -58,12 +58,12 @@ def test_an_error_while_staging_keeps_the_old_directory(tmp_path):
 
 
 def test_a_staged_set_of_files_joins_a_directory_that_keeps_its_other_entries(tmp_path):
-    """With `last`, the staged files are moved into the target, `last` last, beside what it already holds."""
+    """With `last`, the staged files join what the target already holds (tests/test_final_model_publishing.py)."""
     target = tmp_path / "run"
     (target / "checkpoint-2").mkdir(parents=True)
     (target / "config.json").write_text("old")
     with staged_directory(target, last="config.json") as staging:
-        assert staging.parent == target and staging.name.startswith(STAGING_PREFIX)
+        assert staging.parent == target.parent and staging.name.startswith(STAGING_PREFIX)
         (staging / "config.json").write_text("new")
         (staging / "model.safetensors").write_text("weights")
         assert (target / "config.json").read_text() == "old"

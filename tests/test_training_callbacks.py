@@ -45,16 +45,40 @@ def test_the_learning_rate_decays_over_the_time_budget(tmp_path):
         assert scheduler.get_last_lr()[0] == 0.0
 
 
+def timed_run(clock, budget, interval, now: list, seconds_per_step: float, steps: range):
+    """The budget and interval callbacks over `steps`, each taking `seconds_per_step` on `now`, the clock's time
+    source: (the budget's spent share and the interval's start when training begins, the steps that saved, the step
+    that stopped training)."""
+    from transformers import TrainerControl, TrainerState
+
+    from vaswani.training_arguments import VaswaniTrainingArguments
+
+    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
+    state.max_steps, state.global_step = 100, steps.start - 1
+    clock.start(state)  # the trainer's StartTheClockCallback, before every callback that reads the clock
+    for callback in (budget, interval):
+        callback.on_train_begin(args, state, TrainerControl())
+    begun, saved = (budget.fraction, interval.last), []
+    for step in steps:
+        now[0] += seconds_per_step
+        state.global_step, control = step, TrainerControl()
+        for callback in (budget, interval):
+            control = callback.on_step_end(args, state, control)
+        if control.should_save:
+            saved.append(step)
+            interval.on_save(args, state, control)
+        if control.should_training_stop:
+            return begun, saved, step
+    return begun, saved, None
+
+
 def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     """The time budget and the interval checkpoints decide on the same all-reduced clock (one all-reduce per step
     under DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
-    from transformers import TrainerControl, TrainerState
-
     import vaswani.training_callbacks as callbacks
-    from vaswani.training_arguments import VaswaniTrainingArguments
 
     now, reductions = [100.0], []
-    monkeypatch.setattr(callbacks.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
 
     def slowest_rank(seconds, args):
         reductions.append(seconds)
@@ -63,24 +87,24 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     monkeypatch.setattr(callbacks, "slowest_rank", slowest_rank)
     clock = callbacks.TrainingClock()
     budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
-    args, state = VaswaniTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), TrainerState()
-    state.max_steps = 100
-    for callback in (budget, interval):
-        callback.on_train_begin(args, state, TrainerControl())
-    saved, stopped = [], None
-    for step in range(1, 8):
-        now[0] += 2.0
-        state.global_step, control = step, TrainerControl()
-        for callback in (budget, interval):
-            control = callback.on_step_end(args, state, control)
-        if control.should_save:
-            saved.append(step)
-            interval.on_save(args, state, control)
-        if control.should_training_stop:
-            stopped = step
-            break
+    _, saved, stopped = timed_run(clock, budget, interval, now, 2.0, range(1, 8))
     assert len(reductions) == stopped == 5  # one reading per step, shared by both callbacks
     assert saved == [2, 4, 5] and budget.fraction == 1.0  # 4 s, 8 s, then the budget's last step (10 s)
+
+
+def test_a_resumed_clock_carries_the_budget_spent_and_the_last_checkpoint(monkeypatch):
+    """Resumed at 6 s of a 10 s budget: the schedule starts at 60% of the budget, the next interval checkpoint (every
+    3 s) counts from the checkpoint resumed from, and the budget stops training 4 s later."""
+    import vaswani.training_callbacks as callbacks
+
+    now = [50.0]
+    monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
+    clock = callbacks.TrainingClock()
+    budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
+    clock.resume(6.0)
+    (fraction, interval_start), saved, stopped = timed_run(clock, budget, interval, now, 1.0, range(7, 12))
+    assert fraction == pytest.approx(0.6) and interval_start == 6.0
+    assert stopped == 10 and saved == [9, 10] and clock.this_call() == 4.0
 
 
 def test_the_weight_average_becomes_the_final_model():
@@ -124,3 +148,56 @@ def test_a_timed_run_with_decay_and_averaging_ends_near_a_zero_rate(tmp_path):
     after_peak = rates[rates.index(peak):]
     assert all(b <= a for a, b in zip(after_peak, after_peak[1:])) and after_peak[-1] < 0.1 * peak, rates
     assert (output_dir / "model.safetensors").is_file()
+
+
+def test_a_resumed_run_trains_for_what_is_left_of_its_budget_on_a_clock_that_leaves_compilation_out(
+        tmp_path, monkeypatch):
+    """The run's one clock, on a controllable time source: the compilation before training takes 100 s and every
+    step 1 s. A run of 4 steps reports 4 s of runtime and rates over those 4 s (not 104), and its checkpoint records
+    them; `--resume` with `--max_train_time 10` then trains the 6 s left (steps 5 to 10) and reports the whole run's
+    10 s, as `--max_steps` counts the whole run's steps."""
+    import json
+
+    import vaswani.inference
+    import vaswani.training
+    from vaswani.training_callbacks import CLOCK_FILE, TrainingClock
+
+    from conftest import script_main
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    now, trainers = [0.0], []
+    monkeypatch.setattr(TrainingClock, "now", staticmethod(lambda: now[0]))
+
+    class Trainer(vaswani.training.VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+        def compile_before_the_clock(self):
+            now[0] += 100.0
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            now[0] += 1.0
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    corpus, output_dir = synthetic_corpus(tmp_path / "corpus.tsv", pairs=200), tmp_path / "out"
+    common = ("--max_test_samples", "2", "--generation_num_beams", "1", "--use_cpu", "--save_strategy", "steps",
+              "--save_steps", "4", "--include_num_input_tokens_seen", "true")
+    script_main("train_translation")(train_args(corpus, output_dir, *common, "--max_steps", "4"))
+    first = json.loads((output_dir / "metrics.json").read_text())
+    assert first["train_steps"] == 4 and first["train_runtime"] == first["train_wall_seconds"] == 4.0
+    assert first["train_steps_per_second"] == 1.0
+    tokens = trainers[-1].state.num_input_tokens_seen
+    assert first["train_source_tokens_per_second"] == pytest.approx(tokens / 4, abs=1e-3)
+    assert json.loads((output_dir / "checkpoint-4" / CLOCK_FILE).read_text()) == {"seconds": 4.0}
+
+    script_main("train_translation")(train_args(corpus, output_dir, *common, "--resume", "--max_steps", "100000",
+                                                "--max_train_time", "10"))
+    resumed = json.loads((output_dir / "metrics.json").read_text())
+    assert resumed["train_steps"] == 10  # 6 more steps: the 6 s left of the budget
+    assert resumed["train_runtime"] == 6.0 and resumed["train_wall_seconds"] == 10.0
+    assert resumed["train_steps_per_second"] == 1.0
+    more = trainers[-1].state.num_input_tokens_seen - tokens
+    assert resumed["train_source_tokens_per_second"] == pytest.approx(more / 6, abs=1e-3)
+    assert [entry["elapsed_seconds"] for entry in trainers[-1].state.log_history if "loss" in entry] == [10.0]

@@ -121,8 +121,10 @@ def sync_tree(path: str | os.PathLike) -> None:
 
 
 def sync_files(directory: str | os.PathLike, names: Iterable[str]) -> None:
-    """fsync the files `names` of `directory`."""
+    """fsync the files `names` of `directory` (a symbolic link's target is no part of it)."""
     for name in names:
+        if os.path.islink(os.path.join(directory, name)):
+            continue
         with open(os.path.join(directory, name), "rb") as f:
             os.fsync(f.fileno())
 
@@ -213,20 +215,29 @@ def staged_directory(target: str | os.PathLike, tag: str = "", *, last: str | No
     otherwise remove it. The one way the package publishes a directory:
 
     * by default the staging directory is beside `target` and replaces it whole (`replace_directory`);
-    * with `last`, `target` holds other entries that stay (a run directory's checkpoints and logs): the staging
-      directory is inside it, and its files are moved in with `publish_files`, `last` (the file whose presence says
-      the set is complete) last;
+    * with `last`, `target` holds other entries that stay (a run directory's checkpoints and logs): the staged
+      directory gets every entry of `target` that it does not hold itself, as hard links (no data is copied), and
+      then replaces `target` whole, so a reader (or a crash) finds the old set of files or the new one, never a mix.
+      Where `target` cannot be replaced whole (`replaceable`: a mount point, a symbolic link, the working
+      directory, a parent that cannot be written) or its filesystem makes no hard links, the staged files are moved
+      in one by one with `publish_files`, `last` (the file whose presence says the set is complete) last;
     * with `nested`, the writer names its output itself (the Trainer writes `checkpoint-N` into the directory it is
       given): the block writes into the staging directory, and `<staging>/<target's name>` is published;
     * with `remove_on_error` False, a failed block leaves the staging directory for the next writer (or a resumed
       run) to remove, as a crash would: other processes may still be writing into it."""
-    target = Path(target)
-    staging = staging_path(target / "staged" if last else target, tag)
+    target = Path(os.path.abspath(target))  # "." and ".." have no name to stage beside
+    whole = last is None or replaceable(target)
+    staging = staging_path(target if whole else target / "staged", tag)
     shutil.rmtree(staging, ignore_errors=True)  # the remains of a crash
     staging.mkdir(parents=True)
     try:
         yield staging
-        if last:
+        if last is not None and whole and not carry_over(target, staging):
+            inside = staging_path(target / "staged", tag)
+            shutil.rmtree(inside, ignore_errors=True)
+            os.rename(staging, inside)
+            staging, whole = inside, False
+        if not whole:
             publish_files(staging, target, last)
         else:
             replace_directory(staging / target.name if nested else staging, target)
@@ -235,6 +246,50 @@ def staged_directory(target: str | os.PathLike, tag: str = "", *, last: str | No
         if remove_on_error:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def replaceable(directory: Path) -> bool:
+    """Whether `directory` can be replaced whole by a directory beside it: not a mount point or a symbolic link
+    (a rename would not reach what it points to), nor the working directory or one that holds it (this process
+    would be left in the deleted old one), and in a parent that this process may write, on the same filesystem."""
+    if not directory.exists():
+        return os.access(directory.parent, os.W_OK)
+    if directory.is_symlink() or os.path.ismount(directory):
+        return False
+    resolved, working = directory.resolve(), Path.cwd().resolve()
+    if resolved == working or resolved in working.parents:
+        return False
+    return os.access(resolved.parent, os.W_OK) and os.stat(resolved.parent).st_dev == os.stat(resolved).st_dev
+
+
+def carry_over(target: Path, staging: Path) -> bool:
+    """Give `staging` every entry of `target` that it does not hold, as hard links (directories as directories of
+    hard links, symbolic links as such), and `target`'s permissions; staging remains (`STAGING_PREFIX`) are left
+    behind. False, with nothing carried over, where the filesystem refuses a hard link."""
+    if not target.exists():
+        return True
+    carried = []
+    try:
+        for entry in sorted(target.iterdir()):
+            destination = staging / entry.name
+            if entry.name.startswith(STAGING_PREFIX) or os.path.lexists(destination):
+                continue
+            carried.append(destination)
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry), destination)
+            elif entry.is_dir():
+                shutil.copytree(entry, destination, symlinks=True, copy_function=os.link)
+            else:
+                os.link(entry, destination)
+        shutil.copymode(target, staging)
+    except OSError:
+        for destination in carried:
+            if destination.is_dir() and not destination.is_symlink():
+                shutil.rmtree(destination, ignore_errors=True)
+            elif os.path.lexists(destination):
+                destination.unlink()
+        return False
+    return True
 
 
 def publish_files(staging: str | os.PathLike, directory: str | os.PathLike, last: str) -> None:

@@ -22,9 +22,12 @@ logger = logging.getLogger(__name__)
 
 def save_final(trainer, tokenizer, output_dir: str, metrics: dict, test_translations: Sequence[str] = (),
                averaged_checkpoints: list[str] = (), command: Sequence[str] = ()) -> None:
-    """Write the final model through a staging directory whose files are moved into `output_dir` (which keeps its
-    checkpoints and logs) with `config.json`, without which nothing loads, last (`files.staged_directory`): a crash
-    never leaves a truncated file, nor the weights of one model beside the config of another. `test_translations`,
+    """Write the final model into a staging directory that then replaces `output_dir` whole, with the checkpoints,
+    logs and other files `output_dir` holds carried over as hard links (`files.staged_directory` with `last`, as
+    checkpoints are published whole): a crash or a failure at any point leaves the old final model whole or the new
+    one, never a truncated file, nor the weights of one model beside the config of another. Where `output_dir`
+    cannot be replaced whole (a mount point, a symbolic link...), the files move in one by one with `config.json`,
+    without which nothing loads, last. `test_translations`,
     the test split's hypotheses in its order, go to `test_translations.txt` (one a line), so that the reported
     scores can be recomputed against the split's references. `command`, the command line that trained the model
     (program name first) as its script received it, goes into the model card."""
@@ -68,7 +71,7 @@ TRAINING_LENGTH = ("max_steps", "num_train_epochs", "max_train_time")
 
 def finished_run(output_dir: str, args: VaswaniTrainingArguments | None = None) -> dict | None:
     """The final metrics of the run that ended in `output_dir` (empty where it has no `metrics.json`), or None where
-    none did: a final model is complete once its `config.json` is there (`save_final` moves it in last), and it is
+    none did: a final model is complete once its `config.json` is there (`save_final` publishes it whole), and it is
     this run's end only if no complete checkpoint was written after it (an `--overwrite_output_dir` run that
     stopped leaves the old model beside its newer checkpoints). With `args`, also None where the finished run was
     of another length (`TRAINING_LENGTH`, read from its `training_args.json`): a longer run continues from the last

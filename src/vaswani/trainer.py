@@ -11,13 +11,21 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
 from .evaluation import evaluate_model
 from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 from .training_arguments import scheduler_name
-from .training_callbacks import StartTheClockCallback, TimeBudgetCallback, time_budget_schedule
+from .training_callbacks import (
+    StartTheClockCallback,
+    TimeBudgetCallback,
+    TrainingClock,
+    read_clock,
+    time_budget_schedule,
+    write_clock,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +54,10 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
     * checkpoints that are never visible half-written (`trainer_internals.StagedCheckpoints`), resumable and rotated
       as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`;
-    * under `--torch_compile`, the training step compiled before any clock starts (`compile_before_the_clock`),
-      its seconds kept in `compile_seconds`; every logged line carries the seconds of training so far
-      (`elapsed_seconds`);
+    * the run's one clock (`clock`, a `TrainingClock`), started once the training step is compiled (under
+      `--torch_compile`, `compile_before_the_clock`, its seconds kept in `compile_seconds`), recorded in every
+      checkpoint and carried on by a run that resumes from one; every logged line carries the seconds of training
+      so far (`elapsed_seconds`);
     * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
       `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
       test evaluation does, beside the Trainer's own evaluation loss (`evaluation_loop`).
@@ -70,13 +79,21 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self._non_embedding_parameters = None
         self._train_features = None
         self.compile_seconds = 0.0
-        self.training_started = None
+        self.clock = TrainingClock()
         # First, so that the compilation ends before any other callback starts a clock.
         self.callback_handler.callbacks.insert(0, StartTheClockCallback(self))
         # The Trainer's own NaN/inf filter reads every step's loss back to the host (`isnan(loss) or isinf(loss)`),
         # which makes the host wait for the device once a step. The device-side check below replaces it, and stops
         # the run where the filter would have trained on.
         self.args.logging_nan_inf_filter = False
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """The Trainer's `train`, with the run's clock carried on from the checkpoint it resumes from."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        self.clock.resume(read_clock(checkpoint) if checkpoint else 0.0)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:
         if not self.max_tokens_per_batch:
@@ -228,9 +245,31 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         self.raise_on_nonfinite_loss()
-        if self.training_started is not None:
-            logs = {**logs, "elapsed_seconds": round(time.monotonic() - self.training_started, 2)}
+        if "train_runtime" in logs:
+            logs = self.clocked_metrics(logs)
+        if self.clock.started:
+            logs = {**logs, "elapsed_seconds": round(self.clock.elapsed(), 2)}
         super().log(logs, *args, **kwargs)
+
+    def clocked_metrics(self, metrics: dict) -> dict:
+        """The Trainer's final training metrics with the runtime and every rate read from the run's clock: the
+        training of this call after the step's compilation (the Trainer times its call from before it). Training
+        has ended when the Trainer makes them, so the clock stops there. `train_source_tokens_per_second` counts the
+        source tokens of this call (with --include_num_input_tokens_seen); `train_wall_seconds` is the
+        whole run's time on the clock, a resumed run's earlier parts included: what `--max_train_time` bounds."""
+        self.clock.stop()
+        runtime, metrics = self.clock.this_call(), dict(metrics)
+        if runtime > 0:
+            for name in ("train_samples_per_second", "train_steps_per_second"):
+                if name in metrics:
+                    metrics[name] = round(metrics[name] * metrics["train_runtime"] / runtime, 3)
+            tokens = self.state.num_input_tokens_seen - self.clock.start_tokens
+            if tokens:
+                metrics["train_source_tokens_per_second"] = round(tokens / runtime, 3)
+        metrics["train_runtime"] = round(runtime, 4)
+        metrics["train_compile_seconds"] = round(self.compile_seconds, 2)
+        metrics["train_wall_seconds"] = round(self.clock.elapsed(), 4)
+        return metrics
 
     def raise_on_nonfinite_loss(self) -> None:
         if self._first_bad_step is not None and int(self._first_bad_step) >= 0:
@@ -244,6 +283,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
 
     def finish_checkpoint(self, directory: str) -> None:
         replace_pickled_arguments(directory, self.args)
+        write_clock(directory, self.clock)
 
 
 def score_split(model, tokenizer, split: Dataset, batch_size: int) -> dict:

@@ -14,7 +14,6 @@ users, scripts and tests import from `vaswani.training` stay importable from her
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -272,34 +271,22 @@ def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_featur
         time_budget=time_budget,
     )
     if args.max_train_time and trainer.pop_callback(ProgressCallback) is not None:  # None: no bar (--disable_tqdm)
-        trainer.add_callback(TimeBudgetProgressCallback(args.max_train_time))
+        trainer.add_callback(TimeBudgetProgressCallback(args.max_train_time, trainer.clock))
     return trainer
 
 
 def train(trainer: VaswaniSeq2SeqTrainer, last_checkpoint: str | None) -> dict:
-    """Train (from `last_checkpoint`, if any) and return the Trainer's metrics, all named `train_*`, with its
-    runtime and rates those of the training after the step's compilation, which `train_compile_seconds` reports."""
-    start = time.monotonic()
+    """Train (from `last_checkpoint`, if any) and return the Trainer's metrics, all named `train_*`, their runtime
+    and rates read from the run's clock (`VaswaniSeq2SeqTrainer.clocked_metrics`)."""
     try:
         train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
     except BaseException:
         TimeBudgetProgressCallback.close_bars(trainer)
         raise
-    train_seconds = time.monotonic() - start
-    metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in train_result.metrics.items()}
-    if trainer.compile_seconds:
-        # The Trainer's runtime counts from before the compilation; the rates are of the training after it.
-        runtime = metrics["train_runtime"] - trainer.compile_seconds
-        for name in ("train_samples_per_second", "train_steps_per_second"):
-            if name in metrics:
-                metrics[name] = round(metrics[name] * metrics["train_runtime"] / runtime, 3)
-        metrics["train_runtime"] = round(runtime, 4)
-    metrics["train_compile_seconds"] = round(trainer.compile_seconds, 2)
-    metrics["train_wall_seconds"] = train_seconds
+    metrics = trainer.clocked_metrics(train_result.metrics)
+    metrics = {f"train_{k}" if not k.startswith("train") else k: v for k, v in metrics.items()}
     metrics["train_steps"] = trainer.state.global_step
     metrics["train_world_size"] = trainer.args.world_size
-    if trainer.state.num_input_tokens_seen:  # with --include_num_input_tokens_seen non_padding
-        metrics["train_source_tokens_per_second"] = trainer.state.num_input_tokens_seen / train_seconds
     return metrics
 
 

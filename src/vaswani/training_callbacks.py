@@ -1,9 +1,11 @@
-"""The Trainer callbacks of a training run: the clock that every decision on elapsed time reads (the same on every
-DDP rank), the time budget, checkpoints at a time interval, the learning-rate schedule over a time budget, the
-weight average (EMA), the start of the clock once the training step is compiled, and the progress bar under a time
-budget. Each reaches the Trainer through `TrainerCallback`'s public hooks only."""
+"""The Trainer callbacks of a training run: the run's one clock, which every time budget, rate and elapsed time
+reads (the same on every DDP rank, carried over a resume), the time budget, checkpoints at a time interval, the
+learning-rate schedule over a time budget, the weight average (EMA), the start of the clock once the training step
+is compiled, and the progress bar under a time budget. Each reaches the Trainer through `TrainerCallback`'s public hooks only."""
 
+import json
 import logging
+import os
 import time
 
 import torch
@@ -17,25 +19,82 @@ logger = logging.getLogger(__name__)
 
 
 class TrainingClock:
-    """Seconds of training so far, the same on every rank: under DDP each decision taken on elapsed time (stop at the
-    budget, write an interval checkpoint) must agree on every rank, so the time is the slowest rank's, all-reduced.
-    One clock serves every callback that reads it, so a step costs one all-reduce however many read it."""
+    """The run's one clock: seconds of training, counted from the end of the training step's compilation
+    (`StartTheClockCallback` starts it) to the end of training, plus the seconds of the run's earlier parts where a
+    run resumes from a checkpoint (`carried`, read from the checkpoint's `CLOCK_FILE`). The time budget, the interval
+    checkpoints, the schedule over the budget, the progress bar, the logged `elapsed_seconds` and the final metrics'
+    runtimes and rates all read it, so a resumed run trains for what is left of `--max_train_time`, as `--max_steps`
+    counts the steps of the whole run.
+
+    Decisions (stop at the budget, write an interval checkpoint) read `seconds`, the slowest DDP rank's, all-reduced
+    once per step however many callbacks read it, so that every rank decides alike; reports read `elapsed`, this
+    process' own, which costs no communication."""
+
+    now = staticmethod(time.monotonic)  # the time source (a test may put a controllable one here)
 
     def __init__(self):
-        self._start = None
+        self.carried = 0.0
+        self._start = self._stop = None
         self._step, self._seconds = None, 0.0
+        self.start_tokens = 0
 
-    def restart(self) -> None:
-        """Count from now (each callback that reads the clock calls this in `on_train_begin`)."""
-        self._start = time.monotonic()
-        self._step, self._seconds = None, 0.0
+    def resume(self, seconds: float) -> None:
+        """Count the run's `seconds` before this call of `train()` (0 for a run that starts from scratch)."""
+        self.carried = seconds
+
+    def start(self, state) -> None:
+        """Start counting now; `state`'s input-token count (the Trainer's, at the start) is where this call's begins."""
+        self._start, self._stop = self.now(), None
+        self._step, self._seconds = None, self.carried
+        self.start_tokens = state.num_input_tokens_seen
+
+    def stop(self) -> None:
+        """Stop counting (training has ended): the evaluation and save that follow are not training time."""
+        if self._start is not None and self._stop is None:
+            self._stop = self.now()
+
+    @property
+    def started(self) -> bool:
+        return self._start is not None
+
+    def elapsed(self) -> float:
+        """This process' seconds of the whole run, the earlier parts of a resumed run included."""
+        if self._start is None:
+            return self.carried
+        return self.carried + ((self._stop if self._stop is not None else self.now()) - self._start)
+
+    def this_call(self) -> float:
+        """The seconds of training in this call of `train()`."""
+        return self.elapsed() - self.carried
 
     def seconds(self, args, state) -> float:
-        """The slowest rank's seconds since `restart`, measured once per global step."""
+        """The slowest rank's `elapsed`, measured once per global step."""
         if state.global_step != self._step:
-            self._seconds = slowest_rank(time.monotonic() - self._start, args)
+            self._seconds = slowest_rank(self.elapsed(), args)
             self._step = state.global_step
         return self._seconds
+
+
+# The clock's seconds at a checkpoint, inside the checkpoint, read back by a run that resumes from it.
+CLOCK_FILE = "run_clock.json"
+
+
+def write_clock(directory: str, clock: TrainingClock) -> None:
+    """Record `clock`'s seconds in the checkpoint being written in `directory` (a staged one: it is published
+    whole, so this file is never seen without the rest)."""
+    with open(os.path.join(directory, CLOCK_FILE), "w") as f:
+        json.dump({"seconds": clock.elapsed()}, f)
+
+
+def read_clock(checkpoint: str) -> float:
+    """The run's seconds when `checkpoint` was written; 0 for a checkpoint that records none (written before the
+    clock was recorded), whose run then gets its whole budget again."""
+    path = os.path.join(checkpoint, CLOCK_FILE)
+    if not os.path.isfile(path):
+        logger.warning("%s records no training time; the resumed run counts its time budget from zero.", checkpoint)
+        return 0.0
+    with open(path, encoding="utf-8") as f:
+        return float(json.load(f)["seconds"])
 
 
 def slowest_rank(seconds: float, args) -> float:
@@ -48,15 +107,12 @@ def slowest_rank(seconds: float, args) -> float:
 
 
 class ClockCallback(TrainerCallback):
-    """A callback that decides on `TrainingClock` time, `seconds` at a time; the clock (shared by every such
-    callback of a run) restarts with each (resumed) run."""
+    """A callback that decides on `TrainingClock` time, `seconds` at a time. A `VaswaniSeq2SeqTrainer` hands it
+    its own clock when training begins (`StartTheClockCallback`), so every such callback of a run reads one clock."""
 
     def __init__(self, seconds: float, clock: TrainingClock | None = None):
         self.seconds = seconds
         self.clock = clock or TrainingClock()
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.clock.restart()
 
 
 class TimeBudgetCallback(ClockCallback):
@@ -67,8 +123,7 @@ class TimeBudgetCallback(ClockCallback):
     fraction = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        self.fraction = 0.0
+        self.fraction = min(self.clock.carried / self.seconds, 1.0)  # a resumed run has spent part of it
 
     def on_step_end(self, args, state, control, **kwargs):
         elapsed = self.clock.seconds(args, state)
@@ -85,13 +140,13 @@ class IntervalCheckpointCallback(ClockCallback):
     """Asks the Trainer for a checkpoint every `seconds` of training and at the last step (§6.1 writes
     checkpoints at 10-minute intervals and averages the last ones). The checkpoints are the Trainer's own, written by
     `VaswaniSeq2SeqTrainer` as every other: complete before they appear, resumable, rotated by --save_total_limit.
-    An interval counts from the step of the last checkpoint, on the clock every rank agrees on."""
+    An interval counts from the step of the last checkpoint (for a resumed run, the one it resumed from), on the
+    clock every rank agrees on."""
 
     last = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        self.last = 0.0
+        self.last = self.clock.carried
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.clock.seconds(args, state) - self.last >= self.seconds or state.global_step >= state.max_steps:
@@ -147,16 +202,23 @@ class WeightAverageCallback(TrainerCallback):
 
 
 class StartTheClockCallback(TrainerCallback):
-    """The first callback of a `VaswaniSeq2SeqTrainer`: at the start of training it compiles the training step
-    (`VaswaniSeq2SeqTrainer.compile_before_the_clock`) and then marks the start of training, before every callback
-    that reads a clock starts it. Compilation is then not part of a time budget, nor of the elapsed seconds logged."""
+    """The first callback of a `VaswaniSeq2SeqTrainer`, the owner of its clock (`trainer.clock`): at the start of
+    training it compiles the training step (`VaswaniSeq2SeqTrainer.compile_before_the_clock`), hands the clock to
+    every callback that reads one, and starts it, before any of them runs; at the end of training it stops it.
+    Compilation is then part of no time budget, rate or elapsed time."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.compile_before_the_clock()
-        self.trainer.training_started = time.monotonic()
+        for callback in self.trainer.callback_handler.callbacks:
+            if isinstance(callback, (ClockCallback, TimeBudgetProgressCallback)):
+                callback.clock = self.trainer.clock
+        self.trainer.clock.start(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.clock.stop()
 
 
 class TimeBudgetProgressCallback(ProgressCallback):
@@ -164,21 +226,20 @@ class TimeBudgetProgressCallback(ProgressCallback):
     The stock bar counts `max_steps`, which under a budget is only the epochs' step count (with an ETA far beyond
     the budget), not where training will stop."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, clock: TrainingClock | None = None):
         super().__init__()
         self.seconds = seconds
-        self.start = None
+        self.clock = clock or TrainingClock()
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             self.training_bar = tqdm(total=round(self.seconds), bar_format="{l_bar}{bar}| {n}/{total} s [{elapsed}{postfix}]",
                                      dynamic_ncols=True)
         self.current_step = 0
-        self.start = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
-            elapsed = min(round(time.monotonic() - self.start), self.training_bar.total)
+            elapsed = min(round(self.clock.elapsed()), self.training_bar.total)
             self.training_bar.set_postfix_str(f"step {state.global_step}", refresh=False)
             self.training_bar.update(elapsed - self.training_bar.n)
 
@@ -192,13 +253,13 @@ class TimeBudgetProgressCallback(ProgressCallback):
 
 
 def callbacks_for(args) -> tuple[list[TrainerCallback], TimeBudgetCallback | None]:
-    """The callbacks that a run's `VaswaniTrainingArguments` ask for, every clock-reading one on one shared clock,
-    and the time budget's (None without `max_train_time`), which a schedule over the budget reads."""
-    clock = TrainingClock()
-    time_budget = TimeBudgetCallback(args.max_train_time, clock) if args.max_train_time else None
+    """The callbacks that a run's `VaswaniTrainingArguments` ask for (the clock-reading ones get the trainer's clock
+    when training begins), and the time budget's (None without `max_train_time`), which a schedule over the budget
+    reads."""
+    time_budget = TimeBudgetCallback(args.max_train_time) if args.max_train_time else None
     callbacks = [time_budget] if time_budget else []
     if args.ema_decay is not None:
         callbacks.append(WeightAverageCallback(args.ema_decay))
     if args.save_interval_seconds:
-        callbacks.append(IntervalCheckpointCallback(args.save_interval_seconds, clock))
+        callbacks.append(IntervalCheckpointCallback(args.save_interval_seconds))
     return callbacks, time_budget
