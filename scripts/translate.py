@@ -27,10 +27,19 @@ The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does.
 
 import argparse
 import io
+from contextlib import nullcontext
 
-from vaswani.cli import add_decoding_arguments, engine_from_args, positive_int, user_errors_exit
+from vaswani.cli import (
+    add_decoding_arguments,
+    engine_from_args,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    user_errors_exit,
+)
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
-from vaswani.files import check_output_file
+from vaswani.files import check_output_file, exclusive
 
 
 @user_errors_exit
@@ -53,9 +62,11 @@ def main(argv=None):
                         help="at most this many sentences per batch too")
     add_decoding_arguments(parser)
     parser.add_argument("--do_sample", action="store_true", default=None, help="sample instead of beam search")
-    parser.add_argument("--temperature", type=float, default=None, help="with --do_sample (default: the checkpoint's)")
-    parser.add_argument("--top_k", type=int, default=None, help="with --do_sample (default: the checkpoint's)")
-    parser.add_argument("--top_p", type=float, default=None, help="with --do_sample (default: the checkpoint's)")
+    parser.add_argument("--temperature", type=positive_float, default=None,
+                        help="with --do_sample (default: the checkpoint's)")
+    parser.add_argument("--top_k", type=non_negative_int, default=None,
+                        help="with --do_sample; 0: no limit (default: the checkpoint's)")
+    parser.add_argument("--top_p", type=probability, default=None, help="with --do_sample (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=0, help="with --do_sample, chunk i samples with seed + i")
     args = parser.parse_args(argv)
     if args.sentences and (args.input_file or args.resume):
@@ -64,15 +75,18 @@ def main(argv=None):
     if args.output_file:
         check_output_file(args.output_file, [args.input_file])  # refused before the model loads
     processes = Processes.from_environment()
-    sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    engine = engine_from_args(args, processes.device(args.device), **sampling)
-    settings = {key: getattr(args, key) for key in ("model", "int8", "decoding", "slots", "ctranslate2",
-                                                    "compute_type", *sampling)} | engine.settings
-    stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
-    translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,
-                   max_tokens=args.max_tokens_per_batch, max_sentences=args.batch_size, resume=args.resume,
-                   progress=True if args.progress else None, seed=args.seed if args.do_sample else None,
-                   settings=settings, processes=processes, stdin=stdin)
+    # Another run writing the same output is refused before the model loads too (process 0 holds the lock).
+    with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():
+        sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p}
+        engine = engine_from_args(args, processes.device(args.device), **sampling)
+        settings = {key: getattr(args, key) for key in ("model", "int8", "decoding", "slots", "ctranslate2",
+                                                        "compute_type", *sampling)} | engine.settings
+        stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
+        translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,
+                       max_tokens=args.max_tokens_per_batch, max_sentences=args.batch_size, resume=args.resume,
+                       progress=True if args.progress else None, seed=args.seed if args.do_sample else None,
+                       settings=settings, processes=processes, stdin=stdin)
 
 
 if __name__ == "__main__":
