@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def exclusive(target: str | os.PathLike, *, wait: bool = False):
         del _held[os.fspath(path)]
         # Removed while still held: a process that opened it meanwhile finds, once it gets the lock, that the name
         # points elsewhere (`_acquire` compares inodes) and locks the new file instead, never a forgotten one.
-        with suppress_missing():
+        with suppress(FileNotFoundError):
             os.unlink(path)
         os.close(descriptor)
 
@@ -176,17 +176,9 @@ def _acquire(path: Path, target, wait: bool) -> int:
 
 
 def lock_holder(descriptor: int) -> str:
-    """" (process N)" for the process id a lock file holds, or "" where it has not written it yet."""
+    """The process id a lock file holds, as " (process N)"; empty where its holder has not written it yet."""
     text = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()
     return f" (process {text})" if text.isdigit() else ""
-
-
-@contextmanager
-def suppress_missing():
-    try:
-        yield
-    except FileNotFoundError:
-        pass
 
 
 # A full disk -------------------------------------------------------------------------------------------------------
@@ -302,8 +294,8 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     """Write `data` (text as UTF-8, or bytes) to `path`: the file is the complete new one or the old one (or
     absent), whenever the process or the machine stops."""
     temporary = staging_path(path, f"-{os.getpid()}")
-    kept = f"{path} is left as it was" if os.path.exists(path) else "nothing was written"
-    with reporting_full_disk(path, kept):
+    with reporting_full_disk(path, lambda: f"{path} is left as it was" if os.path.exists(path) else
+                             "nothing was written"):
         _write_atomically(path, temporary, data)
 
 
@@ -403,7 +395,8 @@ def staged_directory(target: str | os.PathLike, tag: str = "", *, last: str | No
     target = Path(target)
     staging = staging_path(target / "staged" if last else target, tag)
     if kept is None:
-        kept = f"{target} is left as it was" if target.exists() else f"{target} was not created"
+        def kept():
+            return f"{target} is left as it was" if target.exists() else f"{target} was not created"
     shutil.rmtree(staging, ignore_errors=True)  # the remains of a crash
     try:
         with reporting_full_disk(target, kept):
