@@ -14,8 +14,10 @@ The input is read --chunk_lines lines at a time; each chunk is sorted by length 
 --max_tokens_per_batch padded source tokens, and its translations are written in input order as soon as it is
 done (vaswani.file_translation). With --output_file, a run killed at any point continues with --resume from its
 last complete chunk, and gives the same file as an uninterrupted run (an input edited since is refused). An
---output_file that is the --input_file, by any name, is refused. A progress bar goes to stderr when it is a
-terminal (--progress: always).
+--output_file that is the --input_file, by any name, is refused, and so is a second run on an --output_file another
+run is writing. SIGTERM or SIGINT stops the run at a chunk boundary (status 143 or 130) and --resume goes on from
+there; on a full disk it says how many lines are complete. A progress bar goes to stderr when it is a terminal
+(--progress: always).
 
 One output line per input line: an empty input line gives an empty output line. Sources longer than the model's
 positions are truncated (a warning on stderr counts them). --dtype auto translates in bf16 where the hardware

@@ -316,6 +316,32 @@ def test_a_signalled_translation_stops_at_a_chunk_boundary_and_resumes_to_the_sa
     assert output.read_bytes() == expected
 
 
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the_same_bytes(checkpoint, expected,
+                                                                                           tmp_path):
+    from conftest import free_port
+
+    output = tmp_path / "out.fr"
+    wrapper = tmp_path / "slow.py"
+    wrapper.write_text(SLOW)
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
+    process = start([*launch, str(wrapper), "0.5", *argv])
+    wait_for_chunks(process, output, 2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode != 0
+    state = recorded(output)
+    assert output.stat().st_size == state["bytes"] and not state.get("complete")
+    assert "Translation stopped by SIGTERM in process 1." in err, err[-3000:]
+    assert (f"Translation stopped by SIGTERM; {output} holds its first {state['lines']} lines" in err), err[-3000:]
+    launch[-1] = str(free_port())
+    resumed = start([*launch, *argv])
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-3000:]
+    assert output.read_bytes() == expected
+
+
 # Counts checked when the arguments are parsed ------------------------------------------------------------------------
 
 
