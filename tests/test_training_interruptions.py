@@ -2,6 +2,7 @@
 SIGTERM or SIGINT (one process, and two under torchrun), a full disk while a checkpoint is written (a real one, on a
 small tmpfs), and a mistyped corpus with --overwrite_output_dir. docs/reliability.md is their table."""
 
+import errno
 import json
 import os
 import signal
@@ -181,3 +182,29 @@ def test_overwrite_output_dir_deletes_nothing_when_the_corpus_cannot_be_read(tmp
                         train_args(tmp_path / "misspelled.tsv", output_dir, "--overwrite_output_dir"), capsys,
                         "misspelled.tsv")
     assert snapshot(output_dir) == before
+
+
+def test_a_full_disk_while_the_final_model_is_saved_keeps_the_checkpoints_and_resume_saves_it(
+        corpus, tmp_path, capsys, monkeypatch):
+    import vaswani.inference
+    import vaswani.run_directory
+    import vaswani.training  # (its Trainer binds the checkpoints' own copy of the name patched below)
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    output_dir = tmp_path / "out"
+    argv = train_args(corpus, output_dir, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+                      "--max_test_samples", "2", "--generation_num_beams", "1", "--data_cache_dir",
+                      str(tmp_path / "cache"))
+    with monkeypatch.context() as patch:
+        def full_disk(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        patch.setattr(vaswani.run_directory, "replace_pickled_arguments", full_disk)  # inside the final save only
+        fails_with_one_line(script_main("train_translation"), argv, capsys,
+                            f"error: No space left on the device to write {output_dir}; its complete checkpoints are "
+                            f"kept (the last: {output_dir}/checkpoint-2); free some space, then run the same command "
+                            "with --resume.")
+    assert checkpoint_steps(output_dir) == [2] and not (output_dir / "config.json").exists()
+    assert not any(p.name.startswith(".tmp-") for p in output_dir.iterdir())
+    script_main("train_translation")([*argv, "--resume"])
+    assert (output_dir / "config.json").is_file() and (output_dir / "model.safetensors").is_file()
