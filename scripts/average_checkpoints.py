@@ -13,7 +13,7 @@ that lists what was averaged). Checkpoints of different shapes, configs or token
 import argparse
 
 from vaswani.averaging import average_checkpoints
-from vaswani.cli import user_errors_exit
+from vaswani.cli import positive_int, user_errors_exit
 
 
 @user_errors_exit
@@ -21,7 +21,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inputs", nargs="+", required=True,
                         help="a run directory (its complete checkpoint-N directories) or checkpoint directories")
-    parser.add_argument("--last", type=int, default=None, help="average only the last N of them (default: all)")
+    parser.add_argument("--last", type=positive_int, default=None,
+                        help="average only the last N of them (default: all)")
     parser.add_argument("--output_dir", required=True, help="the averaged checkpoint directory to write")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never an input, "
                         "nor a training run's checkpoint or run directory)")

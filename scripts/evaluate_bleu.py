@@ -14,11 +14,12 @@ checkpoint's, from its generation_config.json, as training evaluated it.
 
 import argparse
 import json
+from contextlib import nullcontext
 
 from vaswani.cli import add_decoding_arguments, engine_from_args, positive_int, user_errors_exit
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus
-from vaswani.files import check_output_file, read_lines, write_atomically
+from vaswani.files import check_output_file, exclusive, read_lines, write_atomically
 from vaswani.translation import translate
 
 from shared_corpus import SHARED_CORPUS, SHARED_CORPUS_RELATIVE  # beside this script
@@ -43,6 +44,11 @@ def main(argv=None):
 
     if args.output_file:  # refused before anything is read: never one of the inputs
         check_output_file(args.output_file, [args.source_file, *(args.reference_file or []), args.corpus])
+    with exclusive(args.output_file) if args.output_file else nullcontext():  # one run writes the report at a time
+        evaluate(args)
+
+
+def evaluate(args: argparse.Namespace) -> None:
     if args.source_file:
         if not args.reference_file:
             raise ValueError("--source_file needs at least one --reference_file")

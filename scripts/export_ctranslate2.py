@@ -17,7 +17,7 @@ tokens, </s> included.
 
 import argparse
 
-from vaswani.cli import user_errors_exit
+from vaswani.cli import positive_int, user_errors_exit
 from vaswani.export import export_to_ctranslate2
 
 
@@ -28,7 +28,7 @@ def main(argv=None):
     parser.add_argument("--output_dir", required=True, help="the CTranslate2 model directory to write")
     parser.add_argument("--quantization", default=None,
                         help="weights on disk: int8, int8_float32, int16, float16, bfloat16 (default: float32)")
-    parser.add_argument("--max_positions", type=int, default=None,
+    parser.add_argument("--max_positions", type=positive_int, default=None,
                         help="longest source or output the exported position table covers (default: the config's "
                              "max_position_embeddings)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never --model "

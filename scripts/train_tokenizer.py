@@ -6,7 +6,7 @@
 import argparse
 import logging
 
-from vaswani.cli import user_errors_exit
+from vaswani.cli import positive_int, user_errors_exit
 from vaswani.tokenization import train_corpus_tokenizer
 
 from shared_corpus import SHARED_CORPUS, SHARED_CORPUS_RELATIVE  # beside this script
@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
                                          f"$VASWANI_FRA_ENG, then {SHARED_CORPUS_RELATIVE}, then a download")
     # 8k suits the 160k-pair Tatoeba corpus (the `small` preset's vocab_size); the paper's 32k-37k were for
     # WMT's millions of pairs and would leave most subwords too rare to learn here.
-    parser.add_argument("--vocab_size", type=int, default=8000)
-    parser.add_argument("--tokenizer_train_pairs", type=int, default=500_000,
+    parser.add_argument("--vocab_size", type=positive_int, default=8000)
+    parser.add_argument("--tokenizer_train_pairs", type=positive_int, default=500_000,
                         help="learn from at most this many train pairs, a random sample drawn with --seed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_dir", required=True)

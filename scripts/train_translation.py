@@ -3,6 +3,9 @@
 
     python scripts/train_translation.py --preset small --output_dir outputs/en-fr --max_train_time 600
     torchrun --nproc_per_node 8 scripts/train_translation.py ...     # DDP; with --fsdp, FSDP2 (GPUs only)
+
+SIGTERM or SIGINT (a preempted job) writes a checkpoint at the next step and exits with status 143 or 130, printing
+the command that resumes the run. A second run on the same --output_dir is refused while this one runs.
 """
 
 import contextlib

@@ -14,8 +14,10 @@ The input is read --chunk_lines lines at a time; each chunk is sorted by length 
 --max_tokens_per_batch padded source tokens, and its translations are written in input order as soon as it is
 done (vaswani.file_translation). With --output_file, a run killed at any point continues with --resume from its
 last complete chunk, and gives the same file as an uninterrupted run (an input edited since is refused). An
---output_file that is the --input_file, by any name, is refused. A progress bar goes to stderr when it is a
-terminal (--progress: always).
+--output_file that is the --input_file, by any name, is refused, and so is a second run on an --output_file another
+run is writing. SIGTERM or SIGINT stops the run at a chunk boundary (status 143 or 130) and --resume goes on from
+there; on a full disk it says how many lines are complete. A progress bar goes to stderr when it is a terminal
+(--progress: always).
 
 One output line per input line: an empty input line gives an empty output line. Sources longer than the model's
 positions are truncated (a warning on stderr counts them). --dtype auto translates in bf16 where the hardware
@@ -27,10 +29,19 @@ The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does.
 
 import argparse
 import io
+from contextlib import nullcontext
 
-from vaswani.cli import add_decoding_arguments, engine_from_args, positive_int, user_errors_exit
+from vaswani.cli import (
+    add_decoding_arguments,
+    engine_from_args,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    user_errors_exit,
+)
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
-from vaswani.files import check_output_file
+from vaswani.files import check_output_file, exclusive
 
 
 @user_errors_exit
@@ -53,9 +64,11 @@ def main(argv=None):
                         help="at most this many sentences per batch too")
     add_decoding_arguments(parser)
     parser.add_argument("--do_sample", action="store_true", default=None, help="sample instead of beam search")
-    parser.add_argument("--temperature", type=float, default=None, help="with --do_sample (default: the checkpoint's)")
-    parser.add_argument("--top_k", type=int, default=None, help="with --do_sample (default: the checkpoint's)")
-    parser.add_argument("--top_p", type=float, default=None, help="with --do_sample (default: the checkpoint's)")
+    parser.add_argument("--temperature", type=positive_float, default=None,
+                        help="with --do_sample (default: the checkpoint's)")
+    parser.add_argument("--top_k", type=non_negative_int, default=None,
+                        help="with --do_sample; 0: no limit (default: the checkpoint's)")
+    parser.add_argument("--top_p", type=probability, default=None, help="with --do_sample (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=0, help="with --do_sample, chunk i samples with seed + i")
     args = parser.parse_args(argv)
     if args.sentences and (args.input_file or args.resume):
@@ -64,15 +77,18 @@ def main(argv=None):
     if args.output_file:
         check_output_file(args.output_file, [args.input_file])  # refused before the model loads
     processes = Processes.from_environment()
-    sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    engine = engine_from_args(args, processes.device(args.device), **sampling)
-    settings = {key: getattr(args, key) for key in ("model", "int8", "decoding", "slots", "ctranslate2",
-                                                    "compute_type", *sampling)} | engine.settings
-    stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
-    translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,
-                   max_tokens=args.max_tokens_per_batch, max_sentences=args.batch_size, resume=args.resume,
-                   progress=True if args.progress else None, seed=args.seed if args.do_sample else None,
-                   settings=settings, processes=processes, stdin=stdin)
+    # Another run writing the same output is refused before the model loads too (process 0 holds the lock).
+    with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():
+        sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p}
+        engine = engine_from_args(args, processes.device(args.device), **sampling)
+        settings = {key: getattr(args, key) for key in ("model", "int8", "decoding", "slots", "ctranslate2",
+                                                        "compute_type", *sampling)} | engine.settings
+        stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
+        translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,
+                       max_tokens=args.max_tokens_per_batch, max_sentences=args.batch_size, resume=args.resume,
+                       progress=True if args.progress else None, seed=args.seed if args.do_sample else None,
+                       settings=settings, processes=processes, stdin=stdin)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from training_script import SCRIPTS, synthetic_corpus, train_args
 import vaswani.tokenization
 import vaswani.training
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani.files import DiskFullError
 from vaswani.training import (
     DataArguments,
     ModelArguments,
@@ -33,6 +34,7 @@ from vaswani.training import (
     prepare_output_dir,
     run_training,
 )
+from vaswani.run_directory import remove_old_checkpoints
 
 
 def parse_training_args(argv):
@@ -223,7 +225,10 @@ def test_overwrite_output_dir_deletes_old_checkpoints_only(tmp_path):
     fake_finished_model(output_dir, 5, 10)
     (output_dir / "notes.txt").write_text("mine")
     args = VaswaniTrainingArguments(output_dir=str(output_dir), overwrite_output_dir=True, report_to="none")
+    before = snapshot(output_dir)
     assert prepare_output_dir(args) is None
+    assert snapshot(output_dir) == before  # nothing deleted until the run has read its corpus and built its model
+    remove_old_checkpoints(args)
     assert sorted(p.name for p in output_dir.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
 
 
@@ -276,7 +281,10 @@ def test_crash_while_writing_a_checkpoint_leaves_only_complete_ones(tmp_path, si
         save_rng_state(directory)
 
     trainer._save_rng_state = fail_on_second_save
-    with pytest.raises(OSError, match="simulated"):
+    # The full disk is said in one line naming the checkpoint and what is kept (docs/reliability.md, A full disk).
+    with pytest.raises(DiskFullError, match=r"No space left on the device to write .*checkpoint-4; its complete "
+                       r"checkpoints are kept \(the last: .*checkpoint-2\); free some space, then run the same "
+                       "command with --resume"):
         trainer.train()
     assert sorted(p.name for p in output_dir.iterdir()) == [".tmp-checkpoint-4", "checkpoint-2"]
     assert (output_dir / "checkpoint-2" / "trainer_state.json").is_file()

@@ -16,10 +16,11 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from . import modeling_vaswani
 from .checkpoints import check_output_dir, check_weights, last_checkpoints, load_average
-from .files import staged_directory
+from .files import locking, staged_directory
 from .hub import attach_translation_pipeline, write_model_card
 
 
+@locking("output_dir")
 def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, last: int | None = None,
                         force: bool = False):
     """Average the last `last` checkpoints of a run directory (or the given checkpoint directories) and write a

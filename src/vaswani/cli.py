@@ -4,23 +4,32 @@ The library never imports this module; what the scripts call lives in the librar
 
 import argparse
 import functools
+import math
 import sys
 
+from .files import DiskFullError
 from .loading import DECODING_LOOPS, DTYPES, load_engine
+from .preemption import Preempted
 
 # Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
-# training loss (FloatingPointError) is here because its message names the step and the fix.
+# training loss (FloatingPointError) is here because its message names the step and the fix; a full disk
+# (DiskFullError) because it names the path and what is kept.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError, KeyError, FloatingPointError)
+               PermissionError, KeyError, FloatingPointError, DiskFullError)
 
 
 def user_errors_exit(main):
-    """Run `main`; a user error prints `error: <message>` on stderr and exits with status 2, not a traceback."""
+    """Run `main`; a user error prints `error: <message>` on stderr and exits with status 2, not a traceback. A run
+    stopped by SIGTERM or SIGINT (`Preempted`) prints how to resume it and exits as the signal would have it
+    (143, 130)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
+        except Preempted as stopped:
+            print(stopped, file=sys.stderr)
+            sys.exit(stopped.exit_status)
         except USER_ERRORS as error:
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
             print(f"error: {message}", file=sys.stderr)
@@ -34,6 +43,38 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse `type` for counts where 0 means none or off: a whole number of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse `type` for a real number (no nan or inf)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse `type` for a real number above 0 (a temperature)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse `type` for a probability mass in (0, 1] (nucleus sampling's top_p)."""
+    value = finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
     return value
 
 
@@ -54,7 +95,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "where it measured faster), lean (vaswani.generation_vaswani: the same outputs, less work per "
                         "step), graphs (lean with each step a replayed CUDA graph, for GPUs), or transformers (its "
                         "own)")
-    parser.add_argument("--slots", type=int, default=None,
+    parser.add_argument("--slots", type=non_negative_int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "
                         "once by the next (vaswani.generation_vaswani.decode_in_slots; each output as generate() "
                         "gives it for that sentence alone, up to its length plus 50 tokens); 0: in batches. Default: "
@@ -69,7 +110,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_new_tokens", type=positive_int, default=None,
                         help="longest output in tokens (default: the checkpoint's generation config's, else each "
                         "source's length plus 50); never past a learned position table")
-    parser.add_argument("--length_penalty", type=float, default=None,
+    parser.add_argument("--length_penalty", type=finite_float, default=None,
                         help="beam search's length penalty (generate()'s: scores divided by length**penalty); "
                         "default: the checkpoint's generation config")
 

@@ -74,7 +74,7 @@ from transformers import (
 
 from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig, tokenizer_fingerprint
-from .files import staged_directory
+from .files import locking, staged_directory
 from .hub import REPO_ID_PLACEHOLDER, attach_translation_pipeline, how_to_load
 from .modeling_vaswani import (
     VaswaniForCausalLM,
@@ -275,6 +275,7 @@ def check_marian_positions(marian: MarianMTModel) -> None:
                              "MarianSinusoidalPositionalEmbedding computes; it cannot be converted exactly.")
 
 
+@locking("output_dir")
 def convert_marian_checkpoint(model_name_or_path: str, output_dir: str | Path, force: bool = False,
                               check: bool = True) -> VaswaniForConditionalGeneration:
     """Load a MarianMTModel and its tokenizer (a Hub id or a local directory), convert the model, and save a
@@ -541,6 +542,7 @@ def check_same_logits(expected_model, model, vocab_size: int, pad_token_id: int 
         raise ValueError("The converted model's greedy continuations differ; not saved.")
 
 
+@locking("output_dir")
 def convert_llama_checkpoint(model_name_or_path: str, output_dir: str | Path, force: bool = False,
                              check: bool = True):
     """Convert a checkpoint either way, by its config.json: a Vaswani decoder-only checkpoint becomes a stock Llama

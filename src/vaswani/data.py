@@ -42,7 +42,7 @@ from .corpus import (
     require_pairs,
     resolve_corpus_path,
 )
-from .files import staged_directory
+from .files import exclusive, staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +231,10 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
     key = cache_key(file_sha256(path), source_lang, target_lang, validation_fraction, test_fraction, CACHE_FORMAT)
     directory = cache_dir / f"corpus-{key}"
     if overwrite_cache or not (directory / "read.json").is_file():
-        _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
-                          validation_fraction, test_fraction, directory)
+        with exclusive(directory, wait=True):  # another run reading the same corpus: wait for it, then reuse its work
+            if overwrite_cache or not (directory / "read.json").is_file():
+                _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
+                                  validation_fraction, test_fraction, directory)
     else:
         summary = ReadSummary(**{**json.loads((directory / "read.json").read_text()), "path": str(path)})
         logger.info("Reusing %s, read earlier into %s.", path, directory)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
-from .files import staged_directory
+from .files import locking, staged_directory
 from .loading import load_translator
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
@@ -39,6 +39,7 @@ FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("S
                    "swiglu": ("SWISH", True), "geglu": ("GELU", True)}
 
 
+@locking("output_dir")
 def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: str | None = None,
                           max_positions: int | None = None, force: bool = False) -> str:
     """Write `model` (a VaswaniForConditionalGeneration, or a path or Hub id to load one from) as a CTranslate2

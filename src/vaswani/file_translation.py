@@ -24,6 +24,12 @@ chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 als
 the output in input order, keeps the resume state and shows the progress bar. A chunk's translation does not depend
 on which process made it, so N processes write the file one process writes.
 
+One writer at a time: process 0 holds the output's lock (`vaswani.files.exclusive`) while it runs, so a second run
+on the same output is refused instead of interleaving its chunks with the first's. A full disk is one
+`DiskFullError` saying how many lines are complete and recorded. SIGTERM or SIGINT drops the chunk in flight (or,
+arriving while a chunk is written out, lets it finish) and raises `vaswani.preemption.Preempted`: the output and its
+record agree, and the same command with `resume=True` goes on from there.
+
 The engine is any of `vaswani.translation`'s (`TorchEngine`: any `generate()` model, int8 or not, whichever decoding
 loop; `CTranslate2Engine`: an exported model), and each chunk goes through `vaswani.translation.translate`, so every
 engine streams the same way and translates a chunk as every other caller would.
@@ -38,6 +44,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -47,6 +54,7 @@ from tqdm.auto import tqdm
 from . import files
 from .files import decode_lines, sync_file, write_atomically
 from .loading import choose_device
+from .preemption import Preempted, catching_stop_signals, signal_name
 from .translation import translate, warn_truncated
 
 DEFAULT_CHUNK_LINES = 4096
@@ -184,26 +192,71 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
                 "max_sentences": max_sentences, "seed": seed}
     state_path = f"{output_path}.resume.json" if output_path else None
     parts_dir = f"{output_path}.parts" if output_path else None
-    group = _start_process_group(processes)
-    try:
-        if processes.rank == 0:
-            state = _prepare_output(output_path, state_path, parts_dir, settings, resume)
-        _barrier(group)
-        if processes.rank != 0:
-            resumed = resume and os.path.exists(state_path)
-            state = _read_state(state_path) if resumed else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
-            if state.get("complete"):  # process 0 checks the input and says so
-                return FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
-                                       resumed_chunks=state["chunks"], settings=settings)
-        return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir, state,
-                                 settings, processes, max_tokens, max_sentences, progress, seed, chunk_lines)
-    finally:
-        if group:
-            torch.distributed.destroy_process_group()
+    stop = _StopRequest(output_path, state_path, processes)
+    lock = files.exclusive(output_path) if output_path and processes.rank == 0 else nullcontext()
+    full_disk = files.reporting_full_disk(output_path, stop.kept) if output_path else nullcontext()
+    with lock, full_disk, catching_stop_signals(stop.request):
+        group = _start_process_group(processes)
+        try:
+            if processes.rank == 0:
+                state = _prepare_output(output_path, state_path, parts_dir, settings, resume)
+            _barrier(group)
+            if processes.rank != 0:
+                resumed = resume and os.path.exists(state_path)
+                state = _read_state(state_path) if resumed else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
+                if state.get("complete"):  # process 0 checks the input and says so
+                    return FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
+                                           resumed_chunks=state["chunks"], settings=settings)
+            return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir,
+                                     state, settings, processes, max_tokens, max_sentences, progress, seed,
+                                     chunk_lines, stop)
+        finally:
+            if group:
+                torch.distributed.destroy_process_group()
+
+
+class _StopRequest:
+    """SIGTERM or SIGINT during a file's translation: raised at once while a chunk is being translated (the chunk
+    is dropped; nothing of it was written), otherwise once the chunk being written out is complete and recorded."""
+
+    def __init__(self, output_path: str | None, state_path: str | None, processes: Processes):
+        self.output_path, self.state_path, self.processes = output_path, state_path, processes
+        self.signum = 0
+        self.interruptible = False
+        self.lines = 0  # written to stdout so far
+
+    def request(self, signum: int) -> None:
+        self.signum = self.signum or signum
+        if self.interruptible:
+            self.interruptible = False
+            raise self.error()
+
+    def check(self) -> None:
+        if self.signum:
+            raise self.error()
+
+    def recorded_lines(self) -> int:
+        if self.state_path and os.path.exists(self.state_path):
+            return _read_state(self.state_path)["lines"]
+        return 0
+
+    def kept(self) -> str:
+        """What a full disk leaves, and how to go on."""
+        return (f"its first {self.recorded_lines()} lines are complete and recorded in {self.state_path}; free some "
+                "space, then run the same command with --resume")
+
+    def error(self) -> Preempted:
+        stopped = f"Translation stopped by {signal_name(self.signum)}"
+        if self.processes.rank != 0:
+            return Preempted(self.signum, f"{stopped} in process {self.processes.rank}.")
+        if self.output_path is None:
+            return Preempted(self.signum, f"{stopped} after {self.lines} lines.")
+        return Preempted(self.signum, f"{stopped}; {self.output_path} holds its first {self.recorded_lines()} lines, "
+                         f"recorded in {self.state_path}. Run the same command with --resume to finish it.")
 
 
 def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir, state, settings,
-                      processes, max_tokens, max_sentences, progress, seed, chunk_lines) -> FileTranslation:
+                      processes, max_tokens, max_sentences, progress, seed, chunk_lines, stop) -> FileTranslation:
     start = time.perf_counter()
     result = FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
                              resumed_chunks=state["chunks"], settings=settings)
@@ -227,7 +280,7 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
             bar = tqdm(total=total, initial=state["lines"], unit=" lines", disable=not show, file=sys.stderr,
                        dynamic_ncols=True, smoothing=0.1)
             sink = open(output_path, "ab") if output_path else stdout
-            merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, engine)
+            merger = _Merger(sink, bar, state, state_path, parts_dir, settings, result, engine, stop)
         index = state["chunks"] - 1
         for index, raw_lines in chunks:
             digest = chunk_digest(raw_lines)
@@ -240,7 +293,11 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
             lines = decode_lines(raw_lines, name, index * chunk_lines + 1)
             if seed is not None:
                 torch.manual_seed(seed + index)
-            translations, truncated = translate_chunk(engine, lines, max_tokens, max_sentences)
+            stop.interruptible = True
+            try:
+                translations, truncated = translate_chunk(engine, lines, max_tokens, max_sentences)
+            finally:
+                stop.interruptible = False
             text = "".join(f"{line}\n" for line in translations).encode("utf-8")
             if processes.world_size == 1:
                 merger.append(index, text, len(lines), truncated, digest)
@@ -252,6 +309,7 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
                 result.lines += len(lines)
                 result.chunks += 1
                 result.truncated += truncated
+            stop.check()
         if merger:
             merger.finish(index + 1)
     finally:
@@ -293,9 +351,10 @@ class _Merger:
     """Process 0's writer: appends chunks in input order, flushes them to disk, then records them in the resume
     state (so a kill between the two leaves bytes past the recorded end, which a resume cuts off)."""
 
-    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, engine):
+    def __init__(self, sink, bar, state, state_path, parts_dir, settings, result, engine, stop):
         self.sink, self.bar, self.state, self.state_path = sink, bar, dict(state), state_path
         self.parts_dir, self.settings, self.result, self.engine = parts_dir, settings, result, engine
+        self.stop = stop
         # The digests of the chunks this process has read and not yet appended: a part is appended only once its
         # chunk is read here and the part was translated from the same lines (not left by a kill before an edit).
         self.digests: dict[int, str] = {}
@@ -315,6 +374,7 @@ class _Merger:
             write_atomically(self.state_path, json.dumps({**self.state, "settings": self.settings}))
         self.result.lines, self.result.chunks = self.state["lines"], self.state["chunks"]
         self.result.truncated = self.state["truncated"]
+        self.stop.lines = self.state["lines"]
         self.bar.update(lines)
 
     def merge_ready(self) -> None:
@@ -334,6 +394,7 @@ class _Merger:
         while self.parts_dir and self.state["chunks"] < chunks:
             self.merge_ready()
             if self.state["chunks"] < chunks:
+                self.stop.check()
                 time.sleep(0.05)
         if self.parts_dir:
             shutil.rmtree(self.parts_dir, ignore_errors=True)

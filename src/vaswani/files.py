@@ -1,14 +1,21 @@
 """Files: UTF-8 lines read with the file and line named on error, the checks that an output can be written without
-destroying an input, and the one way the package writes a file or directory atomically."""
+destroying an input, one writer at a time per output (an OS lock), a full disk said in one line, and the one way the
+package writes a file or directory atomically."""
 
 import ctypes
 import errno
+import fcntl
+import functools
+import inspect
+import logging
 import os
 import shutil
 import sys
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def read_lines(path: str) -> list[str]:
@@ -77,6 +84,162 @@ def _kind(path: str | os.PathLike) -> str:
     return "directory" if os.path.isdir(path) else "file"
 
 
+# One writer at a time ------------------------------------------------------------------------------------------------
+# Every tool that writes a file or directory a user names holds an flock(2) on it while it writes: a second writer
+# (the same command launched twice, a requeue while the first still runs) is refused at once instead of interleaving
+# its output with the first's. The kernel drops the lock when its process dies, however it dies, so nothing stale is
+# ever left to clear by hand. Under torchrun or accelerate only the main process takes it (the others write nothing
+# the main one does not coordinate), so one lock covers the run.
+
+
+class OutputInUseError(FileExistsError):
+    """Another process holds the lock on an output this one would write."""
+
+
+# The locks this process holds, by lock file: asking again for one of them is a no-op (a script that locks its output
+# before loading the model calls library functions that lock the same output).
+_held: dict[str, int] = {}
+
+
+def lock_path(target: str | os.PathLike) -> Path:
+    """The lock file of `target`: `.NAME.lock` beside it, so that the lock survives `target` being replaced whole."""
+    target = Path(os.path.abspath(target))
+    return target.with_name(f".{target.name}.lock")
+
+
+@contextmanager
+def exclusive(target: str | os.PathLike, *, wait: bool = False):
+    """Hold the OS lock on `target` (a file or directory about to be written; it need not exist) for the block.
+    Where another process holds it: `OutputInUseError` naming `target` and that process, or, with `wait`, wait
+    for it to end (a cache entry another run is building, which this one then reuses). The lock file holds the
+    holder's process id and is removed when the block ends."""
+    path = lock_path(target)
+    if os.fspath(path) in _held:
+        yield
+        return
+    descriptor = _acquire(path, target, wait)
+    _held[os.fspath(path)] = descriptor
+    try:
+        yield
+    finally:
+        del _held[os.fspath(path)]
+        # Removed while still held: a process that opened it meanwhile finds, once it gets the lock, that the name
+        # points elsewhere (`_acquire` compares inodes) and locks the new file instead, never a forgotten one.
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(descriptor)
+
+
+def locking(parameter: str):
+    """Decorate a function that writes the file or directory its argument `parameter` names: it runs holding that
+    output's lock (`exclusive`), from its first check of the output to its last write."""
+
+    def decorate(function):
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            with exclusive(signature.bind(*args, **kwargs).arguments[parameter]):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _acquire(path: Path, target, wait: bool) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = lock_holder(descriptor)
+                if not wait:
+                    raise OutputInUseError(f"{target} is being written by another process{holder}; wait for it to "
+                                           "end (or stop it), then run this again.") from None
+                logger.info("Waiting for the process%s writing %s.", holder, target)
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
+            try:
+                same = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(descriptor, 0)
+                os.write(descriptor, f"{os.getpid()}\n".encode())
+                return descriptor
+        except BaseException:
+            os.close(descriptor)
+            raise
+        os.close(descriptor)  # released and removed by its holder meanwhile: lock the file now under that name
+
+
+def lock_holder(descriptor: int) -> str:
+    """The process id a lock file holds, as " (process N)"; empty where its holder has not written it yet."""
+    text = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()
+    return f" (process {text})" if text.isdigit() else ""
+
+
+# A full disk -------------------------------------------------------------------------------------------------------
+# A write that fails for want of space (ENOSPC), of quota (EDQUOT) or past the largest file allowed (EFBIG) is one
+# line naming what was being written and what is kept, never a traceback from deep inside a writer. The writers
+# themselves keep what they had complete: a staged entry never replaces the old one, a translation's record lags its
+# output, a checkpoint stays in its staging directory.
+
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# How writers that do not raise an OSError say the same: Rust's io::Error (safetensors), C++'s strerror.
+FULL_DISK_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "StorageFull",
+                   "QuotaExceeded", "FileTooLarge")
+# torch.save's stream writer on a failed write says only "unexpected pos N vs M": taken for a full disk where the
+# disk has less than this left.
+NEARLY_FULL_BYTES = 64 << 20
+
+
+class DiskFullError(OSError):
+    """A write failed for want of space; the message names the path and what is kept."""
+
+
+def is_full_disk(error: BaseException, path: str | os.PathLike | None = None) -> bool:
+    """Whether `error`, or an error it was raised from, is a write that failed for want of space."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, DiskFullError) or (isinstance(error, OSError) and error.errno in FULL_DISK_ERRNOS):
+            return True
+        text = str(error)
+        if any(words in text for words in FULL_DISK_WORDS):
+            return True
+        if "unexpected pos" in text and path is not None and free_bytes(path) < NEARLY_FULL_BYTES:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """The bytes an unprivileged writer may still use on the filesystem of `path` (or of its nearest ancestor)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+@contextmanager
+def reporting_full_disk(path: str | os.PathLike, kept):
+    """Turn a write that fails for want of space inside the block into `DiskFullError`: "No space left on the
+    device to write PATH; KEPT." `kept` (a string, or a function giving one when it happens) says what is kept and
+    how to go on. Blocks nest: the outermost, which knows most of what the writer keeps, words the message."""
+    try:
+        yield
+    except Exception as error:
+        if not is_full_disk(error, path):
+            raise
+        cause = error.__cause__ if isinstance(error, DiskFullError) else error
+        raise DiskFullError(f"No space left on the device to write {path}; "
+                            f"{kept() if callable(kept) else kept}.") from cause
+
+
 # Atomic writes --------------------------------------------------------------------------------------------------------
 # Every file and directory the package publishes goes through the helpers below, with one set of rules: the new entry
 # is written under a staging name beside its target; its bytes (every file of a staged directory) are fsynced; one
@@ -133,6 +296,12 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     """Write `data` (text as UTF-8, or bytes) to `path`: the file is the complete new one or the old one (or
     absent), whenever the process or the machine stops."""
     temporary = staging_path(path, f"-{os.getpid()}")
+    with reporting_full_disk(path, lambda: f"{path} is left as it was" if os.path.exists(path) else
+                             "nothing was written"):
+        _write_atomically(path, temporary, data)
+
+
+def _write_atomically(path, temporary: Path, data: str | bytes) -> None:
     try:
         try:
             f = open(temporary, "wb")
@@ -210,7 +379,7 @@ def exchange(first: str | os.PathLike, second: str | os.PathLike) -> bool:
 
 @contextmanager
 def staged_directory(target: str | os.PathLike, tag: str = "", *, last: str | None = None, nested: bool = False,
-                     remove_on_error: bool = True):
+                     remove_on_error: bool = True, kept=None):
     """Yield an empty staging directory to write into; when the block ends without an error, publish it as `target`,
     otherwise remove it. The one way the package publishes a directory:
 
@@ -224,24 +393,31 @@ def staged_directory(target: str | os.PathLike, tag: str = "", *, last: str | No
     * with `nested`, the writer names its output itself (the Trainer writes `checkpoint-N` into the directory it is
       given): the block writes into the staging directory, and `<staging>/<target's name>` is published;
     * with `remove_on_error` False, a failed block leaves the staging directory for the next writer (or a resumed
-      run) to remove, as a crash would: other processes may still be writing into it."""
+      run) to remove, as a crash would: other processes may still be writing into it.
+
+    A write that fails for want of space is a `DiskFullError` naming `target` and `kept` (what is kept and how to
+    go on; by default, that `target` is left as it was)."""
     target = Path(os.path.abspath(target))  # "." and ".." have no name to stage beside
     whole = last is None or replaceable(target)
     staging = staging_path(target if whole else target / "staged", tag)
+    if kept is None:
+        def kept():
+            return f"{target} is left as it was" if target.exists() else f"{target} was not created"
     shutil.rmtree(staging, ignore_errors=True)  # the remains of a crash
-    staging.mkdir(parents=True)
     try:
-        yield staging
-        if last is not None and whole and not carry_over(target, staging):
-            inside = staging_path(target / "staged", tag)
-            shutil.rmtree(inside, ignore_errors=True)
-            os.rename(staging, inside)
-            staging, whole = inside, False
-        if not whole:
-            publish_files(staging, target, last)
-        else:
-            replace_directory(staging / target.name if nested else staging, target)
-            shutil.rmtree(staging, ignore_errors=True)  # a nested entry's parent (or, after an exchange, nothing)
+        with reporting_full_disk(target, kept):
+            staging.mkdir(parents=True)
+            yield staging
+            if last is not None and whole and not carry_over(target, staging):
+                inside = staging_path(target / "staged", tag)
+                shutil.rmtree(inside, ignore_errors=True)
+                os.rename(staging, inside)
+                staging, whole = inside, False
+            if not whole:
+                publish_files(staging, target, last)
+            else:
+                replace_directory(staging / target.name if nested else staging, target)
+                shutil.rmtree(staging, ignore_errors=True)  # a nested entry's parent (or, after an exchange, nothing)
     except BaseException:
         if remove_on_error:
             shutil.rmtree(staging, ignore_errors=True)

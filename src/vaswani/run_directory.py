@@ -115,8 +115,9 @@ def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
       (`finished_run`) is not trained again: `run_training` returns before this. Model files without a
       checkpoint, and not a finished run, are refused;
     * `--resume_from_checkpoint PATH` (the Trainer's flag): that checkpoint, which must be complete;
-    * `--overwrite_output_dir`: earlier checkpoints are deleted (they would mix with the new run's in rotation
-      and resumption); the final model files are replaced when the new one is saved.
+    * `--overwrite_output_dir`: train; `remove_old_checkpoints` deletes the earlier checkpoints once the corpus is
+      read and the model built (a mistyped corpus then loses nothing); the final model files are replaced when the
+      new one is saved.
     """
     output_dir = args.output_dir
     if args.resume_from_checkpoint:
@@ -133,9 +134,6 @@ def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
     checkpoints = checkpoints_in(output_dir)
     staging = [os.path.join(output_dir, name) for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX)]
     if args.overwrite_output_dir:
-        if args.should_save:
-            for path in checkpoints + staging:
-                shutil.rmtree(path)
         return None
     if args.resume:
         if args.should_save:
@@ -162,6 +160,27 @@ def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
             "training, --overwrite_output_dir to replace it, or choose another --output_dir."
         )
     return None
+
+
+def kept_after_a_full_disk(output_dir: str) -> str:
+    """What a run that ran out of space while writing into `output_dir` keeps, and how to go on."""
+    complete = [path for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)]
+    if not complete:
+        return "it holds no complete checkpoint yet; free some space, then run the same command again"
+    return (f"its complete checkpoints are kept (the last: {complete[-1]}); free some space, then run the same "
+            "command with --resume")
+
+
+def remove_old_checkpoints(args: VaswaniTrainingArguments) -> None:
+    """`--overwrite_output_dir`: delete the checkpoints (and staging directories) an earlier run left in output_dir,
+    which would mix with this run's in rotation and resumption. Called once the run has read its corpus and built
+    its model, so that a run that cannot start deletes nothing."""
+    output_dir = args.output_dir
+    if not (args.overwrite_output_dir and args.should_save and os.path.isdir(output_dir)):
+        return
+    staging = [os.path.join(output_dir, name) for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX)]
+    for path in checkpoints_in(output_dir) + staging:
+        shutil.rmtree(path)
 
 
 def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:

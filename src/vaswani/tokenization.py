@@ -20,7 +20,7 @@ from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer
 
 from .data import CACHE_FORMAT, cache_key, load_translation_dataset
-from .files import staged_directory
+from .files import exclusive, staged_directory
 from .tokenization_vaswani import WORD_START, VaswaniTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,9 +83,11 @@ def cached_corpus_tokenizer(
                     CACHE_FORMAT)
     directory = Path(train.cache_files[0]["filename"]).parent / f"tokenizer-{key}"
     if overwrite_cache or not (directory / "tokenizer.json").is_file():
-        logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
-        with staged_directory(directory, tag=f"-{os.getpid()}") as staging:
-            train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
+        with exclusive(directory, wait=True):  # another run training the same tokenizer: wait for it, then reuse it
+            if overwrite_cache or not (directory / "tokenizer.json").is_file():
+                logger.info("Training a %d-token tokenizer on %d sentences.", vocab_size, sentences)
+                with staged_directory(directory, tag=f"-{os.getpid()}") as staging:
+                    train_tokenizer(training_texts(sample), vocab_size).save_pretrained(staging)
     else:
         logger.info("Reusing the tokenizer trained earlier on %d sentences, from %s.", sentences, directory)
     return VaswaniTokenizer.from_pretrained(directory), sentences

@@ -28,6 +28,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .files import staged_directory, staging_path
+from .run_directory import kept_after_a_full_disk
 
 # (owner, name) → the parameters it must take; None for a property that must be settable.
 UPSTREAM_CONTRACT = {
@@ -91,7 +92,8 @@ class StagedCheckpoints(Trainer):
         # publishes the checkpoint when the block ends, over one left by an earlier run at this step (see
         # prepare_output_dir). A failure leaves it, as a crash would, for `--resume` to remove: other processes may
         # still be writing into it.
-        staged = staged_directory(final, nested=True, remove_on_error=False) if self.args.should_save else \
+        staged = staged_directory(final, nested=True, remove_on_error=False,
+                                  kept=lambda: kept_after_a_full_disk(run_dir)) if self.args.should_save else \
             nullcontext(staging_path(final))
         with staged as staging_root:
             self.accelerator.wait_for_everyone()

@@ -15,6 +15,7 @@ users, scripts and tests import from `vaswani.training` stay importable from her
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -29,15 +30,19 @@ from transformers import (
 )
 
 from . import data as vdata
+from . import files
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
 from .modeling_vaswani import VaswaniForConditionalGeneration
+from .preemption import PreemptionCallback, catching_stop_signals
 from .run_directory import (
     check_checkpoint_matches,
     check_resumed_weights,
     finished_run,
     holds_final_model,
+    kept_after_a_full_disk,
     prepare_output_dir,
+    remove_old_checkpoints,
     replace_pickled_arguments,
     save_final,
 )
@@ -188,10 +193,15 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
     (weights, tokenizer, generation config, module files, model card) and optionally push it to the Hub.
     `command` is the command line that started the run, program name first, for the model card (the script passes
     it down: the package never reads the process' arguments). Returns the final metrics. A run that fails leaves no
-    output_dir behind unless it got as far as a checkpoint."""
+    output_dir behind unless it got as far as a checkpoint.
+
+    The main process holds `output_dir`'s lock (`files.exclusive`) for the whole run: a second run on it is refused
+    in one line. On SIGTERM or SIGINT the run writes a checkpoint at the next step boundary and raises
+    `vaswani.preemption.Preempted`, which names the command that resumes it."""
     created = not os.path.exists(args.output_dir)
     try:
-        return _run_training(model_args, data_args, args, command)
+        with files.exclusive(args.output_dir) if args.process_index == 0 else nullcontext():
+            return _run_training(model_args, data_args, args, command)
     except BaseException:
         if created and args.should_save and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
             os.rmdir(args.output_dir)  # the Trainer creates it on start
@@ -215,6 +225,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     model, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, last_checkpoint)
     if last_checkpoint:
         check_checkpoint_matches(last_checkpoint, model.config)
+    remove_old_checkpoints(args)
     if args.paper_recipe:
         apply_paper_recipe(args, model.config.d_model)
     # The decoding settings of the evaluations, saved with the model for every later decoding of it.
@@ -227,7 +238,12 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     # an upload at every save) would publish intermediate states.
     push, args.push_to_hub = args.push_to_hub, False
     trainer = build_trainer(model, tokenizer, args, train_features, validation_features, data.validation)
-    metrics = train(trainer, last_checkpoint)
+    preemption = PreemptionCallback()
+    trainer.add_callback(preemption)
+    with catching_stop_signals(preemption.request):
+        metrics = train(trainer, last_checkpoint)
+    if preemption.stopped_by:
+        raise preemption.stopped(args.output_dir, trainer.state.global_step, command)
     if data.tokenizer_sentences is not None:
         metrics["tokenizer_training_sentences"] = data.tokenizer_sentences
     if trainer.is_world_process_zero():
@@ -240,8 +256,9 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         test_metrics = score_split(model, tokenizer, test, args.per_device_eval_batch_size)
         metrics.update({f"test_{k}": v for k, v in test_metrics.items() if k != "hypotheses"})
         metrics["test_sentences"] = len(test)
-        save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"],
-                   [os.path.basename(path) for path in averaged], command=command)
+        with files.reporting_full_disk(args.output_dir, lambda: kept_after_a_full_disk(args.output_dir)):
+            save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"],
+                       [os.path.basename(path) for path in averaged], command=command)
         if push:
             from .hub import push_to_hub
 

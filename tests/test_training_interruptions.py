@@ -1,0 +1,210 @@
+"""What a shared cluster does to a training run, with real processes: a second run on the same output directory,
+SIGTERM or SIGINT (one process, and two under torchrun), a full disk while a checkpoint is written (a real one, on a
+small tmpfs), and a mistyped corpus with --overwrite_output_dir. docs/reliability.md is their table."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import fails_with_one_line, free_port, script_main, snapshot, subprocess_env
+from test_interruptions import last_line, small_tmpfs
+from training_script import SCRIPTS, synthetic_corpus, train_args
+
+# The training script with every step slowed down (so that a signal or a second run lands mid-way), writing a
+# marker file once training has begun.
+SLOW_STEPS = """
+import os, runpy, sys, time
+from pathlib import Path
+from vaswani.trainer import VaswaniSeq2SeqTrainer
+step, delay, marker = VaswaniSeq2SeqTrainer.training_step, float(sys.argv[1]), Path(os.environ["STEP_MARKER"])
+
+def slow_step(self, *args, **kwargs):
+    marker.touch()
+    time.sleep(delay)
+    return step(self, *args, **kwargs)
+
+VaswaniSeq2SeqTrainer.training_step = slow_step
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def start(command, tmp_path, slow: float | None = None, launcher=()):
+    """`python [launcher] SCRIPT ARGS` (`command`: SCRIPT ARGS), each step `slow` seconds longer if given."""
+    if slow is not None:
+        wrapper = tmp_path / "slow_steps.py"
+        wrapper.write_text(SLOW_STEPS)
+        command = [str(wrapper), str(slow), *command]
+    env = {**subprocess_env(), "STEP_MARKER": str(tmp_path / "training-began")}
+    return subprocess.Popen([sys.executable, *launcher, *command], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_training(process, tmp_path) -> None:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "training-began").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def weights(directory: Path) -> dict:
+    return load_file(directory / "model.safetensors")
+
+
+def assert_same_weights(first: Path, second: Path) -> None:
+    a, b = weights(first), weights(second)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
+def checkpoint_steps(output_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+
+
+@pytest.fixture
+def uninterrupted(corpus, tmp_path):
+    """The same run, never interrupted: the final model every interrupted and resumed run must end with."""
+    output_dir = tmp_path / "uninterrupted"
+    process = start([str(SCRIPTS / "train_translation.py"), *train_args(corpus, output_dir, "--max_steps", "20",
+                                                                        "--data_cache_dir", str(tmp_path / "cache"))],
+                    tmp_path)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return output_dir
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_run_is_refused_and_a_signalled_run_checkpoints_and_resumes_to_the_uninterrupted_model(
+        corpus, tmp_path, uninterrupted, signum):
+    output_dir = tmp_path / "out"
+    argv = [str(SCRIPTS / "train_translation.py"),
+            *train_args(corpus, output_dir, "--max_steps", "20", "--data_cache_dir", str(tmp_path / "cache"))]
+    first = start(argv, tmp_path, slow=1.0)
+    wait_for_training(first, tmp_path)
+
+    second = start([*argv, "--resume"], tmp_path)
+    _, err = second.communicate(timeout=300)
+    assert second.returncode == 2, err[-3000:]
+    assert last_line(err) == (f"error: {output_dir} is being written by another process (process {first.pid}); wait "
+                              "for it to end (or stop it), then run this again.")
+    assert first.poll() is None, "the second run must not have disturbed the first"
+
+    first.send_signal(signum)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 128 + signum, err[-3000:]
+    [step] = checkpoint_steps(output_dir)  # --save_strategy no: this checkpoint is the signal's
+    assert 0 < step < 20 and (output_dir / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    assert not (output_dir / "config.json").exists()  # no final model from a stopped run
+    resume = (f"python train_translation.py {' '.join(argv[1:])} --resume")
+    assert last_line(err) == (f"Training stopped by {signal.Signals(signum).name} after step {step}; its checkpoint "
+                              f"is {output_dir}/checkpoint-{step}. Resume it with: {resume}")
+
+    resumed = start([*argv, "--resume"], tmp_path)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert json.loads((output_dir / "checkpoint-" f"{step}" / "trainer_state.json").read_text())["global_step"] == step
+    assert_same_weights(output_dir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_checkpoints_both_processes_at_one_step_and_resumes(corpus, tmp_path):
+    """Two CPU processes over gloo; torchrun passes SIGTERM on to each, which receive it at their own moments."""
+    output_dir = tmp_path / "ddp"
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    argv = [str(SCRIPTS / "train_translation.py"),
+            *train_args(corpus, output_dir, "--max_steps", "20", "--ddp_backend", "gloo", "--data_cache_dir",
+                        str(tmp_path / "cache"))]
+    process = start(argv, tmp_path, slow=1.0, launcher=launch)
+    wait_for_training(process, tmp_path)
+    time.sleep(2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode != 0
+    [step] = checkpoint_steps(output_dir)
+    checkpoint = output_dir / f"checkpoint-{step}"
+    # Both processes stopped after the same step, whichever got the signal first, and wrote one checkpoint.
+    assert err.count("Training stopped by SIGTERM after step") == 2, err[-3000:]
+    assert err.count(f"Training stopped by SIGTERM after step {step};") == 2, err[-3000:]
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == step < 20
+    launch[-1] = str(free_port())
+    resumed = start([*argv, "--resume"], tmp_path, launcher=launch)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert json.loads((output_dir / "metrics.json").read_text())["train_steps"] == 20
+
+
+def test_a_real_full_disk_while_a_checkpoint_is_written_then_resume_after_freeing_space(corpus, tmp_path,
+                                                                                       uninterrupted):
+    """A checkpoint of the tiny model takes about 1 MB: the first fits on the 1.5 MB disk, the second does not."""
+    with small_tmpfs(tmp_path / "disk", "1500k") as disk:
+        output_dir = disk / "out"
+        argv = [str(SCRIPTS / "train_translation.py"),
+                *train_args(corpus, output_dir, "--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10",
+                            "--data_cache_dir", str(tmp_path / "cache"))]
+        process = start(argv, tmp_path)
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 2, err[-3000:]
+        assert last_line(err) == (f"error: No space left on the device to write {output_dir}/checkpoint-20; its "
+                                  f"complete checkpoints are kept (the last: {output_dir}/checkpoint-10); free some "
+                                  "space, then run the same command with --resume.")
+        assert checkpoint_steps(output_dir) == [10]
+        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
+        process = start([*argv, "--resume"], tmp_path)
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        assert_same_weights(output_dir, uninterrupted)
+
+
+def test_overwrite_output_dir_deletes_nothing_when_the_corpus_cannot_be_read(tmp_path, capsys):
+    """A mistyped --corpus with --overwrite_output_dir: before, the old run's checkpoints were gone by then."""
+    output_dir = tmp_path / "out"
+    (output_dir / "checkpoint-10").mkdir(parents=True)
+    (output_dir / "checkpoint-10" / "trainer_state.json").write_text("{}")
+    (output_dir / ".tmp-checkpoint-20").mkdir()
+    before = snapshot(output_dir)
+    fails_with_one_line(script_main("train_translation"),
+                        train_args(tmp_path / "misspelled.tsv", output_dir, "--overwrite_output_dir"), capsys,
+                        "misspelled.tsv")
+    assert snapshot(output_dir) == before
+
+
+def test_a_full_disk_while_the_final_model_is_saved_keeps_the_checkpoints_and_resume_saves_it(
+        corpus, tmp_path, capsys, monkeypatch):
+    import vaswani.inference
+    import vaswani.run_directory
+    import vaswani.training  # (its Trainer binds the checkpoints' own copy of the name patched below)
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    output_dir = tmp_path / "out"
+    argv = train_args(corpus, output_dir, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+                      "--max_test_samples", "2", "--generation_num_beams", "1", "--data_cache_dir",
+                      str(tmp_path / "cache"))
+    with monkeypatch.context() as patch:
+        def full_disk(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        patch.setattr(vaswani.run_directory, "replace_pickled_arguments", full_disk)  # inside the final save only
+        fails_with_one_line(script_main("train_translation"), argv, capsys,
+                            f"error: No space left on the device to write {output_dir}; its complete checkpoints are "
+                            f"kept (the last: {output_dir}/checkpoint-2); free some space, then run the same command "
+                            "with --resume.")
+    assert checkpoint_steps(output_dir) == [2] and not (output_dir / "config.json").exists()
+    assert not any(p.name.startswith(".tmp-") for p in output_dir.iterdir())
+    script_main("train_translation")([*argv, "--resume"])
+    assert (output_dir / "config.json").is_file() and (output_dir / "model.safetensors").is_file()
