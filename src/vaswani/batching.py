@@ -265,11 +265,17 @@ class PackedShape:
         return self.rows * (self.source_length + self.target_length)
 
 
+# Rows hold at least this many pairs of the average length: with room for only a few, the greedy cannot fill them
+# (rows of one long pair waste what a short one would not fill). Fra-eng's longest pair already makes its rows this
+# wide.
+ROW_PAIRS = 8
+
+
 def packed_shape(source_lengths: Sequence[int], target_lengths: Sequence[int], max_tokens: int,
                  pad_to_multiple_of: int | None = None) -> PackedShape:
     """The shape packed batches of at most `max_tokens` positions per side take. Rows as short as the longest
-    example allows, since attention computes a row's every (query, key) pair, those across its pairs' boundaries
-    included; as many rows as the budget holds; the rows then widened to fill the budget. The side with more tokens
+    example and `ROW_PAIRS` average ones allow, since attention computes a row's every (query, key) pair, those
+    across its pairs' boundaries included; as many rows as the budget holds; the rows then widened to fill it. The side with more tokens
     in the corpus gets that width, the other one in proportion to its share of the tokens (at least its longest
     example), so that both sides fill up together: a row is full as soon as either side is. Widths are multiples of
     `pad_to_multiple_of`, where given."""
@@ -278,7 +284,7 @@ def packed_shape(source_lengths: Sequence[int], target_lengths: Sequence[int], m
     if not source.size:
         raise ValueError("No examples to pack.")
     up = lambda n: -(-int(n) // multiple) * multiple  # noqa: E731
-    widest = up(max(source.max(), target.max()))
+    widest = up(max(source.max(), target.max(), ROW_PAIRS * max(source.mean(), target.mean())))
     rows = max_tokens // widest
     if rows < 1:
         raise ValueError(f"An example of {widest} tokens (padded) does not fit max_tokens={max_tokens}; truncate the "
