@@ -143,7 +143,8 @@ class SteadyStepReads(TrainerCallback):
             self.mode.in_step = False
 
 
-def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batches", [(), ("--packing",)], ids=["bucketed", "packed"])
+def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, batches):
     """Through the training script, with a time budget, interval checkpoints and a weight average (every
     per-step callback on), a steady step between logging steps reads no value back to the host and copies no host
     value to the device: nothing makes the host wait for the device, which can then run ahead of it. The counts
@@ -163,7 +164,8 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
     script_main("train_translation")(train_args(
         corpus, tmp_path / "out", "--max_steps", "12", "--max_test_samples", "2", "--generation_num_beams", "1",
         "--use_cpu", "--bf16", "--attn_implementation", "eager", "--max_tokens_per_batch", "200",
-        "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100"))
+        "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100",
+        *batches))
     assert counter.mode is not None and not counter.mode.in_step
     lifted = dict(counter.mode.lifted)
     if version.parse(transformers.__version__) < version.parse("5.21"):
