@@ -284,10 +284,11 @@ def packed_shape(source_lengths: Sequence[int], target_lengths: Sequence[int], m
     if not source.size:
         raise ValueError("No examples to pack.")
     up = lambda n: -(-int(n) // multiple) * multiple  # noqa: E731
-    widest = up(max(source.max(), target.max(), ROW_PAIRS * max(source.mean(), target.mean())))
+    longest = up(max(source.max(), target.max()))
+    widest = max(longest, min(up(ROW_PAIRS * max(source.mean(), target.mean())), max_tokens // multiple * multiple))
     rows = max_tokens // widest
     if rows < 1:
-        raise ValueError(f"An example of {widest} tokens (padded) does not fit max_tokens={max_tokens}; truncate the "
+        raise ValueError(f"An example of {longest} tokens (padded) does not fit max_tokens={max_tokens}; truncate the "
                          "examples or raise max_tokens.")
     width = max_tokens // rows // multiple * multiple  # at least `widest`, a multiple that fits
     longer, shorter = (target, source) if target.sum() >= source.sum() else (source, target)
