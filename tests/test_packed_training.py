@@ -7,14 +7,14 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import DataCollatorForSeq2Seq, TrainerCallback
+from transformers import DataCollatorForSeq2Seq
 
 import vaswani.batching
 import vaswani.inference
 import vaswani.training
 from vaswani.batching import PackedBatchSampler, PackedShape, next_fit_rows, pack_rows, packed_shape
-from conftest import script_main
-from training_script import synthetic_corpus, train_args
+from test_trainer import bucketed_run, logged
+from training_script import synthetic_corpus
 
 
 def random_sides(count: int = 3000, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -76,52 +76,11 @@ def test_packed_shape_rounds_to_the_multiple_and_refuses_what_cannot_fit():
         pack_rows([30], [41], PackedShape(1, 32, 40))
 
 
-class Steps(TrainerCallback):
-    """The shapes of the batches trained on (after any warm-up), and Dynamo's graphs at the start and end."""
-
-    def __init__(self):
-        self.shapes, self.graphs = set(), {}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        from torch._dynamo.utils import counters
-
-        self.graphs["begin"] = counters["stats"]["unique_graphs"]
-
-    def on_train_end(self, args, state, control, **kwargs):
-        from torch._dynamo.utils import counters
-
-        self.graphs["end"] = counters["stats"]["unique_graphs"]
-
-
 def run(monkeypatch, corpus, output_dir, *extra):
-    """train_translation.py with 150-token batches: its trainer, the `Steps` it took, and its metrics.json."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
-    steps, trainers = Steps(), []
-
-    class Trainer(vaswani.training.VaswaniSeq2SeqTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.add_callback(steps)
-            trainers.append(self)
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            if self.training_started is not None:
-                steps.shapes.add((tuple(inputs["input_ids"].shape), tuple(inputs["labels"].shape)))
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
-    torch._dynamo.reset()
-    counters.clear()
-    script_main("train_translation")(train_args(
-        corpus, output_dir, "--max_test_samples", "2", "--generation_num_beams", "1", "--max_tokens_per_batch", "150",
-        "--max_train_time", "600", "--config_overrides", "dropout=0", "--use_cpu", *extra))
-    return trainers[-1], steps, json.loads((output_dir / "metrics.json").read_text())
-
-
-def logged(trainer, name):
-    return [entry[name] for entry in trainer.state.log_history if name in entry]
+    """train_translation.py with 150-token batches (`test_trainer.bucketed_run`, without shape buckets): its
+    trainer, the `ShapesSeen` of its steps, and its metrics.json."""
+    trainer, seen = bucketed_run(monkeypatch, corpus, output_dir, "--use_cpu", *extra, batches=())
+    return trainer, seen, json.loads((output_dir / "metrics.json").read_text())
 
 
 def test_packed_training_is_the_same_pairs_unpacked_step_by_step(tmp_path, monkeypatch):
@@ -170,7 +129,7 @@ def test_packed_batches_compile_one_graph_before_the_clock(tmp_path, monkeypatch
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     trainer, steps, _ = run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "12", "--logging_steps", "6",
                             "--packing", "--torch_compile", "--torch_compile_backend", "eager")
-    assert len(steps.shapes) == 1 and steps.graphs == {"begin": 1, "end": 1}
+    assert len(steps.shapes) == 1 and steps.graphs == {"begin": 1, "end": 1, "breaks": 0}
     assert trainer.compile_seconds > 0
 
 

@@ -254,8 +254,9 @@ class ShapesSeen(TrainerCallback):
             counters["graph_break"].values())
 
 
-def bucketed_run(monkeypatch, corpus, output_dir, *extra):
-    """train_translation.py with shape buckets: the trainer, and the `ShapesSeen` of its training steps."""
+def bucketed_run(monkeypatch, corpus, output_dir, *extra, batches=("--shape_buckets", "3")):
+    """train_translation.py with shape buckets (or other `batches`): the trainer, and the `ShapesSeen` of its
+    training steps."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
@@ -278,7 +279,7 @@ def bucketed_run(monkeypatch, corpus, output_dir, *extra):
     counters.clear()
     script_main("train_translation")(train_args(
         corpus, output_dir, "--max_test_samples", "2", "--generation_num_beams", "1", "--max_tokens_per_batch", "150",
-        "--shape_buckets", "3", "--max_train_time", "600", "--config_overrides", "dropout=0", *extra))
+        *batches, "--max_train_time", "600", "--config_overrides", "dropout=0", *extra))
     return trainers[-1], seen
 
 

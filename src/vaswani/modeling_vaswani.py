@@ -648,7 +648,8 @@ class VaswaniStack(VaswaniPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         seq_length = inputs_embeds.shape[1]
         # Skipped for a static cache, whose past_length is a tensor: reading it would make the host wait for the device
-        # at every step, and be a data-dependent branch under torch.compile or in a CUDA graph.
+        # at every step, and be a data-dependent branch under torch.compile or in a CUDA graph. Positions given by the
+        # caller (packed rows) are checked by the table's lookup, whatever the row's length.
         if (
             self.config.position_embedding_type == "learned"
             and position_ids is None
@@ -774,18 +775,13 @@ class VaswaniDecoder(VaswaniStack):
         self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # Generation feeds one new token per step: its position continues after the cached ones.
         past_length = self_attention_cache.get_seq_length() if self_attention_cache is not None else 0
-        # Only positions given by the caller can describe packed sequences; looking for them in the positions made
-        # here would read a value back from the device at every training step, to find none.
-        packed_positions = position_ids
-        if position_ids is None:
-            tokens = input_ids if input_ids is not None else inputs_embeds
-            position_ids = positions_after(past_length, tokens.shape[1], tokens.device)
         hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids, past_length)
 
+        # Only positions given by the caller can describe packed sequences (the ones `embed` makes never do).
         # transformers' own masks find packed sequences in decoder-only rows too (sdpa, eager), but first decide
         # whether there are any by reading the positions back from the device, at every step; this mask needs no
         # such decision. Other attention functions keep transformers' masks, which they take in their own form.
-        packed = packed_positions is not None and cache is None and (
+        packed = position_ids is not None and cache is None and (
             self.cross_attention or self.config._attn_implementation in PACKED_ATTENTION)
         if packed:
             check_packed_attention(self.config)
@@ -802,7 +798,7 @@ class VaswaniDecoder(VaswaniStack):
                 config=self.config,
                 inputs_embeds=hidden_states,
                 attention_mask=attention_mask,
-                position_ids=packed_positions,
+                position_ids=position_ids,
                 **{CACHE_NAME: self_attention_cache},
             )
             cross_mask = None

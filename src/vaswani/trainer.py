@@ -151,7 +151,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         if "labels" in inputs:
             # Counted on the device (a sum read now would make the host wait for it); the shapes are host numbers.
             source = inputs.get("attention_mask")
-            real = (inputs["labels"] != -100).sum() + (source.sum() if source is not None else inputs["input_ids"].numel())
+            real = (inputs["labels"] != -100).sum() + (
+                source.sum() if source is not None else inputs["input_ids"].numel())
             self._real_positions = real if self._real_positions is None else self._real_positions + real
             self._computed_positions += inputs["input_ids"].numel() + inputs["labels"].numel()
         loss = super().training_step(model, inputs, num_items_in_batch)
