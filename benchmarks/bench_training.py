@@ -1,5 +1,6 @@
 """Training throughput: non-padding tokens/s of full training steps (forward, backward, Adam step), Vaswani vs
-`MarianMTModel` at identical sizes, on identical length-bucketed batches of the real corpus, at identical precision
+`MarianMTModel` at identical sizes, on identical batches of the real corpus (length-bucketed, or as `--batchings`
+cuts them: packed, padded to multiples of 8), at identical precision
 (bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for bf16); peak memory; on CUDA the model-FLOPs
 utilisation.
 
