@@ -76,10 +76,10 @@ def test_packed_shape_rounds_to_the_multiple_and_refuses_what_cannot_fit():
         pack_rows([30], [41], PackedShape(1, 32, 40))
 
 
-def run(monkeypatch, corpus, output_dir, *extra):
-    """train_translation.py with 150-token batches (`test_trainer.bucketed_run`, without shape buckets): its
-    trainer, the `ShapesSeen` of its steps, and its metrics.json."""
-    trainer, seen = bucketed_run(monkeypatch, corpus, output_dir, "--use_cpu", *extra, batches=())
+def run(monkeypatch, corpus, output_dir, *extra, device=("--use_cpu",)):
+    """train_translation.py with 150-token batches (`test_trainer.bucketed_run`, without shape buckets), on the CPU
+    unless `device` says otherwise: its trainer, the `ShapesSeen` of its steps, and its metrics.json."""
+    trainer, seen = bucketed_run(monkeypatch, corpus, output_dir, *device, *extra, batches=())
     return trainer, seen, json.loads((output_dir / "metrics.json").read_text())
 
 
@@ -131,6 +131,25 @@ def test_packed_batches_compile_one_graph_before_the_clock(tmp_path, monkeypatch
                             "--packing", "--torch_compile", "--torch_compile_backend", "eager")
     assert len(steps.shapes) == 1 and steps.graphs == {"begin": 1, "end": 1, "breaks": 0}
     assert trainer.compile_seconds > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_batches_as_cuda_graphs_train_as_eager_does(tmp_path, monkeypatch):
+    """On CUDA, --packing --torch_compile_mode reduce-overhead (the one shape's step recorded as a CUDA
+    graph before the clock, replayed while training) gives the losses of the uncompiled packed step."""
+    from torch._dynamo.utils import counters
+
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    options = ("--packing", "--max_steps", "12", "--logging_steps", "1")
+    cuda = ("--dataloader_pin_memory", "true")
+    trainer, steps, _ = run(monkeypatch, corpus, tmp_path / "graphs", *options, "--torch_compile",
+                            "--torch_compile_mode", "reduce-overhead", device=cuda)
+    assert trainer.args.device.type == "cuda" and steps.graphs["begin"] == steps.graphs["end"] == 1
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    graphed = logged(trainer, "loss")
+    trainer, _, _ = run(monkeypatch, corpus, tmp_path / "eager", *options, device=cuda)
+    torch.testing.assert_close(graphed, logged(trainer, "loss"), rtol=1e-3, atol=1e-4)
 
 
 def test_packing_needs_a_token_budget_and_no_shape_buckets(tmp_path):
