@@ -161,12 +161,16 @@ def test_a_model_trained_packed_generates_as_one_trained_unpacked(single_thread)
     assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.parametrize("positions,attention", [("sinusoidal", "sdpa"), ("learned", "eager"), ("rope", "sdpa"),
-                                                 ("rope", "eager")])
-def test_the_decoder_only_model_trains_on_transformers_flattened_rows(positions, attention, single_thread):
+DECODER_VARIANTS = [("sinusoidal", "sdpa", False, 4), ("learned", "eager", True, 2), ("rope", "sdpa", True, 2),
+                    ("rope", "eager", False, 4), ("learned", "sdpa", False, 1)]
+
+
+@pytest.mark.parametrize("positions,attention,norm_first,kv_heads", DECODER_VARIANTS)
+def test_the_decoder_only_model_trains_on_transformers_flattened_rows(positions, attention, norm_first, kv_heads,
+                                                                      single_thread):
     """`DataCollatorWithFlattening` (one row, position_ids restarting at each sequence, as Llama trains on it):
     the same loss and gradients as the sequences padded one a row."""
-    config = tiny_config(position_embedding_type=positions, norm_first=True, num_key_value_heads=2,
+    config = tiny_config(position_embedding_type=positions, norm_first=norm_first, num_key_value_heads=kv_heads,
                          attn_implementation=attention)
     torch.manual_seed(0)
     model = VaswaniForCausalLM(config).train()
