@@ -1,5 +1,6 @@
 """Training throughput: non-padding tokens/s of full training steps (forward, backward, Adam step), Vaswani vs
-`MarianMTModel` at identical sizes, on identical length-bucketed batches of the real corpus, at identical precision
+`MarianMTModel` at identical sizes, on identical batches of the real corpus (length-bucketed, or as `--batchings`
+cuts them: packed, padded to multiples of 8), at identical precision
 (bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for bf16); peak memory; on CUDA the model-FLOPs
 utilisation.
 
@@ -7,6 +8,8 @@ utilisation.
     python benchmarks/bench_training.py --device cpu --sizes tiny,base --batch_tokens 2048 --steps 4
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
         --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
+    python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
+        --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,bucketed-8,packed --keep_freed_memory  # batchings
 
 Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B):
 6 × (the weights each token is multiplied by) + 12·d_model per layer per attended (query, key) pair, i.e.
@@ -21,13 +24,14 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
-from vaswani.batching import ShapeBuckets, TokenBatchSampler, pad_to_shape
+from vaswani.batching import PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, pad_to_shape
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
 
@@ -48,16 +52,31 @@ ENGINES = ("vaswani", "vaswani-compiled", "marian")
 OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
 
 
-def token_batches(source_ids, target_ids, batch_tokens: int, seed: int,
-                  shape_buckets: int | None = None) -> tuple[list[list[int]], ShapeBuckets | None]:
+# How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
+# cuts them; `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no
+# packed rows); `-8` after either, padded to multiples of 8, as train_translation.py pads on GPUs under bf16/fp16.
+BATCHINGS = ("bucketed", "bucketed-8", "packed", "packed-8")
+
+
+def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_buckets: int | None = None,
+                  pad_to_multiple_of: int | None = None) -> tuple[list[list[int]], ShapeBuckets | None]:
     """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
     `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
-    per side padding included, shuffled (seed); pairs longer than a whole batch are left out. Returns the batches as
-    indices and, with `shape_buckets`, the shapes they pad up to (else None)."""
+    per side padding included (to `pad_to_multiple_of` too), shuffled (seed); pairs longer than a whole batch are left
+    out. Returns the batches as indices and, with `shape_buckets`, the shapes they pad up to (else None)."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sampler = TokenBatchSampler([max(len(source_ids[i]), len(target_ids[i])) for i in keep], batch_tokens, seed=seed,
-                                shape_buckets=shape_buckets)
+                                shape_buckets=shape_buckets, pad_to_multiple_of=pad_to_multiple_of)
     return [[keep[j] for j in batch] for batch in sampler], sampler.shape_buckets
+
+
+def packed_batches(source_ids, target_ids, batch_tokens: int, seed: int, pad_to_multiple_of: int | None = None):
+    """The batches `train_translation.py --packing` trains on (`vaswani.batching.PackedBatchSampler`), as indices,
+    and their one shape; pairs wider than a whole batch are left out."""
+    keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
+    sampler = PackedBatchSampler([len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep], batch_tokens,
+                                 seed=seed, pad_to_multiple_of=pad_to_multiple_of)
+    return [[keep[j] for j in batch] for batch in sampler], sampler.shape
 
 
 def model_flops(config, source_lengths: list[int], target_lengths: list[int]) -> float:
@@ -78,8 +97,9 @@ class Trainee:
     """One engine's model and optimizer, and the batches it steps through: the collated batches every engine shares
     (Marian's twin pads as Vaswani does), padded up to their shape buckets for a -graphs engine."""
 
-    def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None, shape_buckets=None):
-        self.name = name
+    def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None, shape_buckets=None,
+                 batching="bucketed"):
+        self.name, self.batching = name, batching
         base, *options = name.split("-")
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
                 or ("flex" in options and (base != "vaswani" or "eager" in options))
@@ -92,8 +112,9 @@ class Trainee:
         self.parameters = count_parameters(self.model)
         mode = "reduce-overhead" if "graphs" in options else None
         bucketed = shape_buckets is not None and "graphs" in options
-        # Padded up to a few shapes, static ones: a graph each, rather than one with dynamic sizes.
-        self.forward = (torch.compile(self.model, mode=mode, dynamic=False if bucketed else None)
+        # Padded up to a few shapes, or packed into one, static ones: a graph each, not one with dynamic sizes.
+        static = bucketed or batching.startswith("packed")
+        self.forward = (torch.compile(self.model, mode=mode, dynamic=False if static else None)
                         if "compiled" in options else self.model)
         # The paper's Adam (§5.3); the learning-rate schedule does not change the cost of a step.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
@@ -139,97 +160,143 @@ def run(args: argparse.Namespace, argv) -> Path:
     started = time.monotonic()
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
-    collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt")  # labels padded with -100, which the loss skips
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
     rows, batch_sentences, padding, shapes, warmups = [], {}, {}, {}, {}
     for batch_tokens in budgets:
-        order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets)
-        warm = []
-        if buckets is not None:
-            # One batch of each shape, warmed up twice (a shape's CUDA graph is recorded at its second run), on
-            # batches the timing does not use.
-            last = {buckets.shape(max(max(len(source_ids[i]), len(target_ids[i])) for i in b)): b for b in order}
-            warm = [b for b in last.values() for _ in range(2)]
-            order = [b for b in order if not any(b is w for w in last.values())]
-            shapes[batch_tokens] = buckets.shapes
-        warm = (warm + order[1:])[: max(warmup, len(warm))]
-        if len(order) < len(warm) + steps + 1:
-            raise ValueError(f"The corpus gives {len(order)} batches of {batch_tokens} tokens; need "
-                             f"{len(warm) + steps + 1}.")
-        # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches (but a shape's two
-        # warm-ups), the same for every engine.
-        chosen = order[:1] + warm + [b for b in order[1:] if not any(b is w for w in warm)][:steps]
-        batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
-        timed_batches = batches[1 + len(warm) :]
-        warmups[batch_tokens] = len(warm)
-        # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
-        print(f"{len(batches)} batches of {batch_tokens} tokens ready after {time.monotonic() - started:.0f} s",
-              file=sys.stderr, flush=True)
-        collated = [collate([{"input_ids": s, "labels": t} for s, t in zip(*batch)]) for batch in batches]
-        rows += _measure(args, device, engines, batches, collated, batch_tokens, len(warm), len(tokenizer),
-                         peak_tflops, started, buckets)
-        batch_sentences[batch_tokens] = [len(s) for s, _ in timed_batches]
-        padded = sum(max(map(len, s)) * len(s) + max(map(len, t)) * len(t) for s, t in timed_batches)
-        real = sum(len(x) for s, t in timed_batches for x in s + t)
-        padding[batch_tokens] = round(1 - real / padded, 4)
-        if buckets is not None:  # what the -graphs engines compute: both sides padded up to the batch's shape
-            padded = sum(2 * math.prod(buckets.shape(max(map(len, s + t)))) for s, t in timed_batches)
-            padding[f"{batch_tokens} in shape buckets"] = round(1 - real / padded, 4)
+        prepared = {}
+        for batching in args.batchings:
+            # Settings keyed by the budget alone for today's batches, as reports before --batchings were.
+            key = batch_tokens if batching == "bucketed" else f"{batch_tokens} {batching}"
+            prepared[batching] = batches = _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens,
+                                                    steps, warmup)
+            warmups[key] = batches.warmup
+            batch_sentences[key] = [len(s) for s, _ in batches.timed]
+            padding.update({str(key) if suffix == "" else f"{key}{suffix}": fraction
+                            for suffix, fraction in batches.padding.items()})
+            if batches.shapes:
+                shapes[key] = batches.shapes
+            # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
+            print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started)
     _add_ratios(rows)
     return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
                    batch_sentences, padding, shapes)
 
 
-def _measure(args, device, engines, batches, collated, batch_tokens, warmup, vocab_size, peak_tflops, started,
-             shape_buckets=None) -> list[dict]:
-    """Every size × engine on these batches (token ids, and `collated` as the models take them): the rows of one
-    batch budget."""
+@dataclass
+class Batches:
+    """One batching's batches at one budget: token ids per batch (sources, targets), the same collated as the models
+    take them, how many of them warm up (after step 0, which measures memory), and the padding fraction of the timed
+    ones (both sides, of the positions the collated batches compute)."""
+
+    batching: str
+    batches: list
+    collated: list
+    warmup: int
+    padding: dict
+    shapes: list
+    buckets: ShapeBuckets | None
+
+    @property
+    def timed(self) -> list:
+        return self.batches[1 + self.warmup:]
+
+
+def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, steps, warmup) -> Batches:
+    multiple = 8 if batching.endswith("-8") else None
+    warm, buckets, shapes = [], None, []
+    if batching.startswith("packed"):
+        order, shape = packed_batches(source_ids, target_ids, batch_tokens, args.seed, multiple)
+        collate = PackedSeq2SeqCollator(shape, tokenizer.pad_token_id)
+        shapes = [(shape.rows, shape.source_length, shape.target_length)]
+    else:
+        order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, multiple)
+        # Labels padded with -100, which the loss skips.
+        collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
+    if buckets is not None:
+        # One batch of each shape, warmed up twice (a shape's CUDA graph is recorded at its second run), on
+        # batches the timing does not use.
+        last = {buckets.shape(max(max(len(source_ids[i]), len(target_ids[i])) for i in b)): b for b in order}
+        warm = [b for b in last.values() for _ in range(2)]
+        order = [b for b in order if not any(b is w for w in last.values())]
+        shapes = buckets.shapes
+    warm = (warm + order[1:])[: max(warmup, len(warm))]
+    if len(order) < len(warm) + steps + 1:
+        raise ValueError(f"The corpus gives {len(order)} {batching} batches of {batch_tokens} tokens; need "
+                         f"{len(warm) + steps + 1}.")
+    # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches (but a shape's two
+    # warm-ups), the same for every engine.
+    chosen = order[:1] + warm + [b for b in order[1:] if not any(b is w for w in warm)][:steps]
+    batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
+    collated = [collate([{"input_ids": s, "labels": t} for s, t in zip(*batch)]) for batch in batches]
+    real = sum(len(x) for s, t in batches[1 + len(warm):] for x in s + t)
+    computed = sum(c["input_ids"].numel() + c["labels"].numel() for c in collated[1 + len(warm):])
+    padding = {"": round(1 - real / computed, 4)}
+    if buckets is not None:  # what the -graphs engines compute: both sides padded up to the batch's shape
+        padded = sum(2 * math.prod(buckets.shape(max(map(len, s + t)))) for s, t in batches[1 + len(warm):])
+        padding[" in shape buckets"] = round(1 - real / padded, 4)
+    return Batches(batching, batches, collated, len(warm), padding, shapes, buckets)
+
+
+def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
+             started) -> list[dict]:
+    """Every size × batching × engine on its batching's batches: the rows of one batch budget. Packed batches are
+    for the Vaswani engines only (Marian's model takes no packed rows)."""
     rows = []
     for size in args.sizes:
         dropout = {"dropout": args.dropout} if args.dropout is not None else {}
         config = VaswaniConfig.from_preset(size, vocab_size=vocab_size, **dropout)
-        trainees = [Trainee(name, config, device, collated, args.seed, args.lr, args.sdpa_backend, shape_buckets)
-                    for name in engines]
+        trainees = [Trainee(name, config, device, batches.collated, args.seed, args.lr, args.sdpa_backend,
+                            batches.buckets, batching)
+                    for batching, batches in prepared.items() for name in engines
+                    if not (batching.startswith("packed") and name.split("-")[0] != "vaswani")]
         memory = {}
         for trainee in trainees:
             # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
+            warmup = prepared[trainee.batching].warmup
             for i in range(1, 1 + warmup):
                 trainee.step(i)
-            print(f"{size} {engine_label(trainee.name)} at {batch_tokens}: {warmup} warm-up steps done after "
-                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+            print(f"{size} {engine_label(trainee.name)} ({trainee.batching}) at {batch_tokens}: {warmup} warm-up "
+                  f"steps done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
             with PeakMemory(device) as peak:
                 trainee.step(0)
-            memory[trainee.name] = (trainee.state_mib(), peak.added_mib)
-        seconds = {t.name: 0.0 for t in trainees}
+            memory[trainee] = (trainee.state_mib(), peak.added_mib)
+        seconds = {trainee: 0.0 for trainee in trainees}
+        done = {trainee: [] for trainee in trainees}
         compiles_before = _compilations()
         # Each timed batch once; with --seconds_per_setting, round after round over them until the slowest engine
-        # has trained that long (every engine takes the same steps on the same batches).
-        indices, done = list(range(1 + warmup, len(batches))), []
-        while len(done) < len(indices) or (args.seconds_per_setting
-                                            and max(seconds.values()) < args.seconds_per_setting):
-            i = indices[len(done) % len(indices)]
-            rotation = i % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
+        # has trained that long (every engine takes as many steps, each on its batching's batches).
+        indices = {trainee: list(range(1 + prepared[trainee.batching].warmup, len(trainee.batches)))
+                   for trainee in trainees}
+        rounds = 0
+        while rounds < min(map(len, indices.values())) or (args.seconds_per_setting
+                                                         and max(seconds.values()) < args.seconds_per_setting):
+            rotation = rounds % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
+                i = indices[trainee][rounds % len(indices[trainee])]
                 _, elapsed = timed(device, lambda: trainee.step(i))
-                seconds[trainee.name] += elapsed
-            done.append(batches[i])
+                seconds[trainee] += elapsed
+                done[trainee].append(prepared[trainee.batching].batches[i])
+            rounds += 1
         compiles_timed = _compilations() - compiles_before
         if args.profile:
             for trainee in trainees:
-                _profile(trainee, range(1 + warmup, len(batches)), size, device, args.profile_rows)
+                _profile(trainee, indices[trainee], size, device, args.profile_rows)
         load_average = os.getloadavg()[0]
-        source_tokens = sum(len(s) for sources, _ in done for s in sources)
-        target_tokens = sum(len(t) for _, targets in done for t in targets)
-        flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in done)
         for trainee in trainees:
-            state, added = memory[trainee.name]
-            elapsed = seconds[trainee.name]
+            state, added = memory[trainee]
+            elapsed = seconds[trainee]
+            source_tokens = sum(len(s) for sources, _ in done[trainee] for s in sources)
+            target_tokens = sum(len(t) for _, targets in done[trainee] for t in targets)
+            flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in done[trainee])
             rows.append({
-                "size": size, "batch_tokens": batch_tokens, "engine": trainee.name,
+                "size": size, "batch_tokens": batch_tokens, "batching": trainee.batching, "engine": trainee.name,
                 "engine_label": engine_label(trainee.name), "parameters": trainee.parameters,
-                "parameters_m": trainee.parameters / 1e6, "steps": len(done), "sentences": sum(len(s) for s, _ in done),
+                "parameters_m": trainee.parameters / 1e6, "steps": len(done[trainee]),
+                "sentences": sum(len(s) for s, _ in done[trainee]),
                 "source_tokens": source_tokens, "target_tokens": target_tokens, "seconds": elapsed,
-                "steps_per_s": len(done) / elapsed, "tokens_per_s": (source_tokens + target_tokens) / elapsed,
+                "steps_per_s": len(done[trainee]) / elapsed, "tokens_per_s": (source_tokens + target_tokens) / elapsed,
                 "target_tokens_per_s": target_tokens / elapsed, "model_tflops_per_s": flops / elapsed / 1e12,
                 "mfu": flops / elapsed / (peak_tflops * 1e12) if peak_tflops else None, "state_mib": state,
                 "step_added_mib": added, "peak_mib": state + added if added is not None else None,
@@ -251,7 +318,14 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         + (f", shape_buckets={args.shape_buckets}" if args.shape_buckets else "") + f") into batches of at most "
         f"{', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}), collated by "
         f"DataCollatorForSeq2Seq; at each budget the same {steps} timed batches for every engine (settings "
-        "`batch_sizes_sentences`, `padding_fraction`), after the warm-up steps of settings `warmup_steps`.",
+        "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
+        "steps of settings `warmup_steps`.",
+        *(["Batchings (column `batches`): `bucketed` as above; `packed`, several pairs a row as "
+           "train_translation.py --packing packs them (vaswani.batching.PackedBatchSampler, PackedSeq2SeqCollator; "
+           "settings `shapes_rows_length`: rows, source and target widths), Vaswani engines only (× Marian: against "
+           "Marian on the bucketed batches of the same multiple); `-8`: padded to multiples of 8, the budget counting "
+           "that padding. Each batching's batches are its own; × bucketed compares real tokens/s with the same "
+           "engine's on `bucketed` batches."] if args.batchings != ["bucketed"] else []),
         *(["-graphs engines pad each batch up to its (rows, length) shape (settings `shapes_rows_length`), one static "
            "graph per shape recorded in the warm-up (each shape twice); tokens/s counts non-padding tokens."]
           if args.shape_buckets else []),
@@ -269,11 +343,13 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "-flex: FlexAttention)" + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else "."),
     ]
     columns = [
-        Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("engine_label", "engine"),
+        Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
+        Column("engine_label", "engine"),
         Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"),
         Column("seconds", "seconds", "{:.2f}"),
         Column("steps_per_s", "steps/s", "{:.2f}"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
         Column("target_tokens_per_s", "target tokens/s", "{:.0f}"), Column("vs_marian", "× Marian", "{:.2f}"),
+        Column("vs_bucketed", "× bucketed", "{:.3f}"),
         Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
         Column("compilations_while_timed", "recompiles"),
@@ -304,15 +380,21 @@ def _compilations() -> int:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    marian = {(r["size"], r["batch_tokens"]): r["tokens_per_s"] for r in rows if r["engine"] == "marian"}
+    """Each row's real tokens/s over Marian's on the same (or, for packed rows, the same multiple's bucketed)
+    batches, and over the same engine's on today's batches (`bucketed`)."""
+    rate = {(r["size"], r["batch_tokens"], r["batching"], r["engine"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         key = (r["size"], r["batch_tokens"])
-        r["vs_marian"] = r["tokens_per_s"] / marian[key] if r["engine"] != "marian" and key in marian else None
+        marian = rate.get((*key, r["batching"].replace("packed", "bucketed"), "marian"))
+        r["vs_marian"] = r["tokens_per_s"] / marian if r["engine"] != "marian" and marian else None
+        bucketed = rate.get((*key, "bucketed", r["engine"]))
+        r["vs_bucketed"] = r["tokens_per_s"] / bucketed if r["batching"] != "bucketed" and bucketed else None
 
 
 def _progress(row: dict) -> str:
     return (
-        f"{row['size']:>5} {row['batch_tokens']:>6} {row['engine_label']:>12}: {row['tokens_per_s']:9.0f} tokens/s "
+        f"{row['size']:>5} {row['batch_tokens']:>6} {row['batching']:>10} {row['engine_label']:>12}: "
+        f"{row['tokens_per_s']:9.0f} tokens/s "
         f"{row['model_tflops_per_s']:.3f} model TFLOP/s, peak {row['peak_mib'] or 0:.0f} MiB"
     )
 
@@ -329,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
     add("--seconds_per_setting", type=float, default=None, help="repeat the timed batches until the slowest engine "
         "has trained this long at each size and budget (a step-rate probe)")
+    add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
+        f"{', '.join(BATCHINGS)}: length-bucketed or packed (--packing), -8 padded to multiples of 8; every engine "
+        "steps on each, interleaved (packed: Vaswani engines only)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
         f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
     add("--lr", type=float, default=1e-4)
@@ -345,6 +430,8 @@ def main(argv=None) -> Path:
     args = build_parser().parse_args(argv)
     if args.shape_buckets is not None and not 1 <= args.shape_buckets <= MAX_SHAPE_BUCKETS:
         raise SystemExit(f"--shape_buckets must be between 1 and {MAX_SHAPE_BUCKETS}.")
+    if set(args.batchings) - set(BATCHINGS) or len(set(args.batchings)) < len(args.batchings):
+        raise SystemExit(f"--batchings: each of {', '.join(BATCHINGS)} at most once; got {','.join(args.batchings)}.")
     return run(args, argv)
 
 

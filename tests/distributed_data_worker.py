@@ -26,7 +26,8 @@ def main() -> None:
     train_features, _ = training.tokenize_splits(data, tokenizer, data_args, args)
     trainer = training.VaswaniSeq2SeqTrainer(
         model=model, args=args, train_dataset=train_features, processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model), max_tokens_per_batch=args.max_tokens_per_batch)
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model), max_tokens_per_batch=args.max_tokens_per_batch,
+        packing=args.packing)
     loader = trainer.get_train_dataloader()
     epochs = []
     for epoch in range(2):

@@ -198,3 +198,6 @@ def test_example_lengths_come_from_arrow_as_numbers(small_tokenizer, tmp_path):
     lengths = example_lengths(tokenized)
     expected = [max(len(s), len(t)) for s, t in zip(tokenized["input_ids"][:], tokenized["labels"][:])]
     assert lengths.dtype == "int64" and lengths.tolist() == expected
+    sources, targets = example_lengths(tokenized, sides=True)  # what packing needs: each side's own
+    assert sources.tolist() == [len(s) for s in tokenized["input_ids"][:]]
+    assert targets.tolist() == [len(t) for t in tokenized["labels"][:]]

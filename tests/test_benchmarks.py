@@ -204,6 +204,26 @@ def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
     assert [b["input_ids"].shape[1] for b in plain.batches] == [max(len(sources[i]) for i in b) for b in batches]
 
 
+def test_training_benchmark_compares_packed_and_bucketed_batches(corpus, tmp_path):
+    """--batchings: every engine on bucketed batches padded to multiples of 1 and 8, the Vaswani engines on packed
+    ones too (Marian's model takes no packed rows), with each batching's padding and the ratio to today's batches."""
+    module = load("bench_training")
+    path = module.main(common_args(corpus, tmp_path) + [
+        "--sizes", "tiny", "--batch_tokens", "128", "--steps", "1", "--warmup_steps", "0", "--engines", "vaswani,marian",
+        "--batchings", "bucketed,bucketed-8,packed"])
+    report = check_report(path, "bench_training", {"engine", "batching", "tokens_per_s", "vs_bucketed"})
+    assert sorted((row["batching"], row["engine"]) for row in report["results"]) == [
+        ("bucketed", "marian"), ("bucketed", "vaswani"), ("bucketed-8", "marian"), ("bucketed-8", "vaswani"),
+        ("packed", "vaswani")]
+    padding = report["settings"]["padding_fraction"]
+    assert padding["128 packed"] < padding["128"] < padding["128 bucketed-8"]
+    rows, source_width, target_width = report["settings"]["shapes_rows_length"]["128 packed"][0]
+    assert rows * max(source_width, target_width) <= 128
+    assert all((row["vs_bucketed"] is None) == (row["batching"] == "bucketed") for row in report["results"])
+    with pytest.raises(SystemExit, match="--batchings"):
+        module.main(common_args(corpus, tmp_path) + ["--batchings", "packed,sorted"])
+
+
 def test_scaling_benchmark(corpus, tmp_path):
     path = load("bench_scaling").main(
         common_args(corpus, tmp_path)

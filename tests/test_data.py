@@ -206,17 +206,18 @@ def test_a_bad_line_in_a_long_file_is_named_counted_and_skipped(tmp_path, caplog
 
 
 @pytest.mark.slow
-def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_epoch(tmp_path):
+@pytest.mark.parametrize("batches", [(), ("--packing",)], ids=["bucketed", "packed"])
+def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_epoch(tmp_path, batches):
     """Under torchrun with two CPU processes: the corpus is read, the tokenizer trained and the train split tokenized
     by one process only (the other loads the results), both hold byte-identical tokenizer files, and their
-    batches are disjoint and together hold every example once, in each epoch."""
+    batches are disjoint and together hold every example once, in each epoch (packed ones too)."""
     corpus = write_tsv(tmp_path / "pairs.tsv.gz", made_up_pairs(500), compress=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(REPO / "tests" / "distributed_data_worker.py"), str(tmp_path),
                "--corpus", str(corpus), "--preset", "tiny", "--vocab_size", "400", "--tokenizer_train_pairs", "300",
                "--output_dir", str(tmp_path / "out"), "--max_tokens_per_batch", "200", "--ddp_backend", "gloo",
-               "--use_cpu", "--report_to", "none", "--preprocessing_num_workers", "2"]
+               "--use_cpu", "--report_to", "none", "--preprocessing_num_workers", "2", *batches]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]

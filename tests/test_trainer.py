@@ -147,7 +147,8 @@ class SteadyStepReads(TrainerCallback):
             self.mode.in_step = False
 
 
-def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batches", [(), ("--packing",)], ids=["bucketed", "packed"])
+def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, batches):
     """Through the training script, with a time budget, interval checkpoints and a weight average (every
     per-step callback on), a steady step between logging steps reads no value back to the host (no reading op, and
     no `.tolist()`, `.cpu()`, `.item()`... called from Python, which on a CPU dispatch no op) and copies no host
@@ -168,7 +169,8 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
     script_main("train_translation")(train_args(
         corpus, tmp_path / "out", "--max_steps", "12", "--max_test_samples", "2", "--generation_num_beams", "1",
         "--use_cpu", "--bf16", "--attn_implementation", "eager", "--max_tokens_per_batch", "200",
-        "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100"))
+        "--max_train_time", "600", "--save_interval_seconds", "600", "--ema_decay", "0.99", "--logging_steps", "100",
+        *batches))
     assert counter.mode is not None and not counter.mode.in_step
     lifted = dict(counter.mode.lifted)
     if version.parse(transformers.__version__) < version.parse("5.21"):
@@ -259,8 +261,9 @@ class ShapesSeen(TrainerCallback):
             counters["graph_break"].values())
 
 
-def bucketed_run(monkeypatch, corpus, output_dir, *extra):
-    """train_translation.py with shape buckets: the trainer, and the `ShapesSeen` of its training steps."""
+def bucketed_run(monkeypatch, corpus, output_dir, *extra, batches=("--shape_buckets", "3")):
+    """train_translation.py with shape buckets (or other `batches`): the trainer, and the `ShapesSeen` of its
+    training steps."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
@@ -283,7 +286,7 @@ def bucketed_run(monkeypatch, corpus, output_dir, *extra):
     counters.clear()
     script_main("train_translation")(train_args(
         corpus, output_dir, "--max_test_samples", "2", "--generation_num_beams", "1", "--max_tokens_per_batch", "150",
-        "--shape_buckets", "3", "--max_train_time", "600", "--config_overrides", "dropout=0", *extra))
+        *batches, "--max_train_time", "600", "--config_overrides", "dropout=0", *extra))
     return trainers[-1], seen
 
 

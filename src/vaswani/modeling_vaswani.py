@@ -65,13 +65,57 @@ def cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
     return cache if cache is not None else old
 
 
-def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher forcing: the decoder reads <start> y_1 … y_{T-1} and is trained to predict y_1 … y_T (§3, "shifted
-    right"). Ignored label positions (-100) become padding."""
+    right"). Ignored label positions (-100) become padding. With `position_ids` of packed rows (several targets a
+    row, `sequence_starts`), each target is shifted within itself: its first position reads <start>, not the end of
+    the target before it."""
     shifted = labels.new_full(labels.shape, pad_token_id)
     shifted[:, 1:] = labels[:, :-1]
     shifted[:, 0] = decoder_start_token_id
+    if position_ids is not None:
+        shifted = shifted.masked_fill(sequence_starts(position_ids), decoder_start_token_id)
     return shifted.masked_fill_(shifted == -100, pad_token_id)
+
+
+# Packed sequences: several sequences a row, each with positions of its own -----------------------------------------
+
+
+def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where a new sequence starts in rows of packed sequences: wherever a position does not follow the one before
+    it, as transformers finds packed sequences from `position_ids` (`masking_utils.find_packed_sequence_indices`,
+    what `DataCollatorWithFlattening` gives Llama). Computed on the device, with nothing read back to the host."""
+    follows = position_ids[..., 1:] == position_ids[..., :-1] + 1
+    return torch.cat((torch.ones_like(follows[..., :1]), ~follows), dim=-1)
+
+
+def packed_attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                          key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """The boolean (B, 1, q_len, kv_len) mask, True where attention is allowed, of rows of packed sequences: a query
+    sees the keys of its own sequence (the sequences counted along each row, `sequence_starts`, so that the k-th
+    target of a row attends to the k-th source of that row), not padding (`key_padding_mask` 0), and with `causal`
+    none after it. A query that would see nothing (padding, or a target without a source) sees every key instead:
+    an entirely masked row gives NaN under some sdpa kernels, and a NaN reaches the gradients even where no loss
+    counts it (NaN × 0 is NaN); padding's outputs are never read by a real position or the loss."""
+    query_sequences = sequence_starts(query_positions).cumsum(-1)
+    key_sequences = sequence_starts(key_positions).cumsum(-1)
+    allowed = query_sequences[:, :, None] == key_sequences[:, None, :]  # (B, q_len, kv_len)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, :].bool()
+    if causal:
+        allowed = allowed & torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
+    return (allowed | ~allowed.any(-1, keepdim=True))[:, None]
+
+
+# The attention functions that take `packed_attention_mask`'s boolean mask as it is.
+PACKED_ATTENTION = ("sdpa", "eager")
+
+
+def check_packed_attention(config) -> None:
+    if config._attn_implementation not in PACKED_ATTENTION:
+        raise ValueError(f"Packed sequences (position_ids restarting within a row) need sdpa or eager attention; "
+                         f"this model uses {config._attn_implementation}. Load it with attn_implementation='sdpa'.")
 
 
 # Positions ---------------------------------------------------------------------------------------------------------
@@ -604,9 +648,11 @@ class VaswaniStack(VaswaniPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         seq_length = inputs_embeds.shape[1]
         # Skipped for a static cache, whose past_length is a tensor: reading it would make the host wait for the device
-        # at every step, and be a data-dependent branch under torch.compile or in a CUDA graph.
+        # at every step, and be a data-dependent branch under torch.compile or in a CUDA graph. Positions given by the
+        # caller (packed rows) are checked by the table's lookup, whatever the row's length.
         if (
             self.config.position_embedding_type == "learned"
+            and position_ids is None
             and not torch.is_tensor(past_length)
             and past_length + seq_length > self.config.max_position_embeddings
         ):
@@ -653,16 +699,24 @@ class VaswaniEncoder(VaswaniStack):
 
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, **kwargs) -> BaseModelOutput:
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None,
+                **kwargs) -> BaseModelOutput:
+        r"""`position_ids` (B, S): each token's position; where they restart within a row, the row holds several
+        sources (packed), and each token attends only to its own source (`packed_attention_mask`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds to the encoder.")
-        hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids=None)
-        # While training the mask is always built: deciding to leave it out (a batch without padding) reads it back
-        # from the device at every step. Inference keeps that choice, which lets sdpa take its fastest kernel.
-        attention_mask = create_bidirectional_mask(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
-            allow_is_bidirectional_skip=not self.training,
-        )
+        hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids=position_ids)
+        if position_ids is not None:
+            check_packed_attention(self.config)
+            attention_mask = packed_attention_mask(position_ids, position_ids, attention_mask, causal=False)
+        else:
+            # While training the mask is always built: deciding to leave it out (a batch without padding) reads it
+            # back from the device at every step. Inference keeps that choice, which lets sdpa take its fastest
+            # kernel.
+            attention_mask = create_bidirectional_mask(
+                config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+                allow_is_bidirectional_skip=not self.training,
+            )
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, position_embeddings, **kwargs)
         return BaseModelOutput(last_hidden_state=self.finish(hidden_states))
@@ -700,8 +754,13 @@ class VaswaniDecoder(VaswaniStack):
         inputs_embeds=None,
         position_ids=None,
         use_cache: bool | None = None,
+        encoder_position_ids=None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        r"""`position_ids` (B, T) restarting within a row, without a cache (training, scoring): the row holds several
+        targets (packed), each attending causally to itself only and, with cross-attention, to the source of the
+        same rank in its row, whose `encoder_position_ids` (B, S) say where the sources start
+        (`packed_attention_mask`)."""
         cache = cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds to the decoder.")
@@ -716,30 +775,41 @@ class VaswaniDecoder(VaswaniStack):
         self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # Generation feeds one new token per step: its position continues after the cached ones.
         past_length = self_attention_cache.get_seq_length() if self_attention_cache is not None else 0
-        # Only positions given by the caller can describe packed sequences; looking for them in the positions made
-        # here would read a value back from the device at every training step, to find none.
-        packed_positions = position_ids
-        if position_ids is None:
-            tokens = input_ids if input_ids is not None else inputs_embeds
-            position_ids = positions_after(past_length, tokens.shape[1], tokens.device)
         hidden_states, position_embeddings = self.embed(input_ids, inputs_embeds, position_ids, past_length)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=packed_positions,
-            **{CACHE_NAME: self_attention_cache},
-        )
-        cross_mask = None
-        if self.cross_attention:
-            cross_mask = create_bidirectional_mask(
+        # Only positions given by the caller can describe packed sequences (the ones `embed` makes never do).
+        # transformers' own masks find packed sequences in decoder-only rows too (sdpa, eager), but first decide
+        # whether there are any by reading the positions back from the device, at every step; this mask needs no
+        # such decision. Other attention functions keep transformers' masks, which they take in their own form.
+        packed = position_ids is not None and cache is None and (
+            self.cross_attention or self.config._attn_implementation in PACKED_ATTENTION)
+        if packed:
+            check_packed_attention(self.config)
+            if self.cross_attention and encoder_position_ids is None:
+                raise ValueError("Packed targets (decoder position_ids) need the sources' positions too "
+                                 "(encoder_position_ids), to keep each target's cross-attention on its own source.")
+            causal_mask = packed_attention_mask(position_ids, position_ids, attention_mask, causal=True)
+            cross_mask = None
+            if self.cross_attention:
+                cross_mask = packed_attention_mask(position_ids, encoder_position_ids, encoder_attention_mask,
+                                                   causal=False)
+        else:
+            causal_mask = create_causal_mask(
                 config=self.config,
                 inputs_embeds=hidden_states,
-                attention_mask=encoder_attention_mask,
-                encoder_hidden_states=encoder_hidden_states,
-                allow_is_bidirectional_skip=not self.training,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **{CACHE_NAME: self_attention_cache},
             )
+            cross_mask = None
+            if self.cross_attention:
+                cross_mask = create_bidirectional_mask(
+                    config=self.config,
+                    inputs_embeds=hidden_states,
+                    attention_mask=encoder_attention_mask,
+                    encoder_hidden_states=encoder_hidden_states,
+                    allow_is_bidirectional_skip=not self.training,
+                )
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -906,13 +976,20 @@ class VaswaniModel(VaswaniPreTrainedModel):
         inputs_embeds=None,
         decoder_inputs_embeds=None,
         use_cache: bool | None = None,
+        position_ids=None,
+        decoder_position_ids=None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
+        r"""`position_ids` (B, S) and `decoder_position_ids` (B, T), restarting at each pair: rows of several sentence
+        pairs (packed, as `batching.PackedSeq2SeqCollator` makes them), the k-th target of a row translating its
+        k-th source; attention stays within each pair (`packed_attention_mask`). Give both or neither."""
         cache = cache_argument(cache, kwargs)
+        if (position_ids is None) != (decoder_position_ids is None) and cache is None:
+            raise ValueError("Packed pairs need both position_ids (sources) and decoder_position_ids (targets).")
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True,
-                **kwargs,
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                position_ids=position_ids, return_dict=True, **kwargs,
             )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
@@ -924,6 +1001,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
             cache=cache,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
+            position_ids=decoder_position_ids,
+            encoder_position_ids=position_ids,
             return_dict=True,
             **kwargs,
         )
@@ -962,8 +1041,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def get_decoder(self):
         return self.model.decoder
 
-    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor,
+                                              decoder_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id,
+                                  decoder_position_ids)
 
     def generate(self, *args, **kwargs):
         """transformers' `generate()`, decoded by the lean loop of `generation_vaswani` wherever that returns the same
@@ -985,16 +1066,20 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         labels=None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
+        position_ids=None,
+        decoder_position_ids=None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         r"""`labels` (B, T) are the target ids, not shifted: the model shifts them to make `decoder_input_ids` and
-        predicts `labels` position by position. -100 marks positions to ignore."""
+        predicts `labels` position by position. -100 marks positions to ignore. `position_ids` and
+        `decoder_position_ids` restarting at each pair describe packed rows (`VaswaniModel.forward`); each target is
+        then shifted within itself, and the loss counts every label once, as without packing."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         cache = cache_argument(cache, kwargs)
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, decoder_position_ids)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1005,6 +1090,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
+            position_ids=position_ids,
+            decoder_position_ids=decoder_position_ids,
             return_dict=True,
             **kwargs,
         )
@@ -1061,6 +1148,10 @@ class VaswaniForCausalLM(VaswaniPreTrainedModel, GenerationMixin):
         # positions with the wrong tokens, and leave its last one without a target.
         shift_labels = kwargs.pop("shift_labels", None)
         cache = cache_argument(cache, kwargs)
+        if labels is not None or shift_labels is not None:
+            # Training or scoring: a cache would only be filled to be dropped, and without one `position_ids` that
+            # restart describe packed sequences (`DataCollatorWithFlattening`'s rows).
+            use_cache = False
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

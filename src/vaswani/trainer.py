@@ -13,7 +13,14 @@ from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
+from .batching import (
+    PackedBatchSampler,
+    PackedSeq2SeqCollator,
+    ShapeBuckets,
+    TokenBatchSampler,
+    example_lengths,
+    pad_to_shape,
+)
 from .evaluation import evaluate_model
 from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
@@ -48,7 +55,10 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     """Seq2SeqTrainer with these additions:
 
     * token-budget batches (`max_tokens_per_batch`), optionally padded up to a few declared shapes
-      (`shape_buckets`, a count: `TokenBatchSampler`, `ShapePaddedCollator`);
+      (`shape_buckets`, a count: `TokenBatchSampler`, `ShapePaddedCollator`), or with `packing` several pairs a
+      row, every batch of one shape (`PackedBatchSampler`, `PackedSeq2SeqCollator`; the model keeps each pair to
+      itself). Every logged training line carries `padding_fraction`: the share of the positions computed so far, both sides,
+      that were padding, summed on the device and read at logging time only;
     * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
       step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
@@ -64,14 +74,21 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, shape_buckets: int | None = None,
-                 time_budget: TimeBudgetCallback | None = None, eval_texts: Dataset | None = None, **kwargs):
+                 packing: bool = False, time_budget: TimeBudgetCallback | None = None,
+                 eval_texts: Dataset | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.eval_texts = eval_texts
         self._score_translations = False
-        if shape_buckets and not max_tokens_per_batch:
-            raise ValueError("shape_buckets pads token-budget batches; it needs max_tokens_per_batch.")
+        if (shape_buckets or packing) and not max_tokens_per_batch:
+            raise ValueError(f"{'shape_buckets' if shape_buckets else 'packing'} makes token-budget batches; it needs "
+                             "max_tokens_per_batch.")
+        if shape_buckets and packing:
+            raise ValueError("Packed batches all have one shape already; pass shape_buckets or packing, not both.")
         self.max_tokens_per_batch = max_tokens_per_batch
         self.shape_buckets = shape_buckets
+        self.packing = packing
+        self._real_positions = None  # on the device: the non-padding positions trained on so far, both sides
+        self._computed_positions = 0
         self._train_collate = self.data_collator
         self.time_budget = time_budget
         self.time_budget_schedule = None
@@ -101,6 +118,15 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         dataset = self._train_features = self.unused_columns_removed(self.train_dataset, description="training")
         # The budget counts what the device computes: the collator's padding to a multiple included.
         pad_to = getattr(self.data_collator, "pad_to_multiple_of", None)
+        if self.packing:
+            self.batch_sampler = PackedBatchSampler(
+                *example_lengths(dataset, sides=True), self.max_tokens_per_batch, shuffle=True, seed=self.args.seed,
+                num_replicas=self.args.world_size, pad_to_multiple_of=pad_to)
+            tokenizer = getattr(self.data_collator, "tokenizer", None) or self.processing_class
+            self._train_collate = PackedSeq2SeqCollator(self.batch_sampler.shape, tokenizer.pad_token_id)
+            logger.info("Packed batches of %s: %.1f%% of their positions are padding.", self.batch_sampler.shape,
+                        100 * self.batch_sampler.padding_fraction())
+            return self._train_loader(dataset)
         self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch, shuffle=True,
                                                seed=self.args.seed, num_replicas=self.args.world_size,
                                                pad_to_multiple_of=pad_to, shape_buckets=self.shape_buckets)
@@ -110,6 +136,9 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             self._train_collate = ShapePaddedCollator(self.data_collator, self.batch_sampler.shape_buckets, {
                 "input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100,  # the loss ignores -100
                 "decoder_input_ids": self.model.config.pad_token_id, "decoder_attention_mask": 0})
+        return self._train_loader(dataset)
+
+    def _train_loader(self, dataset: Dataset) -> DataLoader:
         loader = DataLoader(
             dataset,
             batch_sampler=self.batch_sampler,
@@ -136,6 +165,13 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         return super().create_scheduler(num_training_steps, optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if "labels" in inputs:
+            # Counted on the device (a sum read now would make the host wait for it); the shapes are host numbers.
+            source = inputs.get("attention_mask")
+            real = (inputs["labels"] != -100).sum() + (
+                source.sum() if source is not None else inputs["input_ids"].numel())
+            self._real_positions = real if self._real_positions is None else self._real_positions + real
+            self._computed_positions += inputs["input_ids"].numel() + inputs["labels"].numel()
         loss = super().training_step(model, inputs, num_items_in_batch)
         # Filled on the device: a tensor made from host data would be a blocking copy to it.
         step = torch.full((), self.state.global_step + 1, dtype=torch.long, device=loss.device)
@@ -151,6 +187,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         shortest, and one of a single row if there is one (a size of 1 is a shape torch.compile specializes for).
         Taken from the token-budget sampler's batches, the same on every process."""
         sampler = getattr(self, "batch_sampler", None)
+        if isinstance(sampler, PackedBatchSampler) and self._train_features is not None:
+            return sampler.batches(epoch=0)[:1]  # every packed batch has the one shape
         if not isinstance(sampler, TokenBatchSampler) or self._train_features is None:
             return []
         batches = sampler.batches_by_length()
@@ -187,7 +225,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             logger.warning("--torch_compile without --max_tokens_per_batch: the step compiles within the first "
                            "timed steps.")
             return
-        bucketed = self.batch_sampler.shape_buckets is not None
+        bucketed = self.packing or self.batch_sampler.shape_buckets is not None  # declared shapes, static graphs
         graphed = bucketed and self.args.device.type == "cuda" and self.args.torch_compile_mode == "reduce-overhead"
         start = time.monotonic()
         model = self.model_wrapped
@@ -208,10 +246,11 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
                     samples, items = self.get_batch_samples(iter([batch]), 1, self.args.device)
                     self.training_step(model, samples[0], items)
                     model.zero_grad()
-        self._first_bad_step = None  # a warm-up step is no training step
+        self._first_bad_step = self._real_positions = None  # a warm-up step is no training step
+        self._computed_positions = 0
         self.compile_seconds = time.monotonic() - start
         logger.info("Compiled the training step on %d batch shapes%s in %.1f s, before training started.",
-                    len(batches), " (shape buckets)" if bucketed else "", self.compile_seconds)
+                    len(batches), " (declared shapes)" if bucketed else "", self.compile_seconds)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs) -> dict:
         # Only the evaluation split whose text the trainer holds is scored by translating it.
@@ -249,6 +288,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             logs = self.clocked_metrics(logs)
         if self.clock.started:
             logs = {**logs, "elapsed_seconds": round(self.clock.elapsed(), 2)}
+        if "loss" in logs and self._computed_positions:
+            logs = {**logs, "padding_fraction": round(self.padding_fraction(), 4)}
         super().log(logs, *args, **kwargs)
 
     def clocked_metrics(self, metrics: dict) -> dict:
@@ -270,6 +311,13 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         metrics["train_compile_seconds"] = round(self.compile_seconds, 2)
         metrics["train_wall_seconds"] = round(self.clock.elapsed(), 4)
         return metrics
+
+    def padding_fraction(self) -> float | None:
+        """The share of the positions trained on so far (both sides) that were padding; None before any step. Reads
+        the device's count of real positions, which the training step never does."""
+        if not self._computed_positions:
+            return None
+        return 1.0 - int(self._real_positions) / self._computed_positions
 
     def raise_on_nonfinite_loss(self) -> None:
         if self._first_bad_step is not None and int(self._first_bad_step) >= 0:
