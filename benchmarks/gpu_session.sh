@@ -15,7 +15,8 @@
 # the package's GPU defaults, bf16, TF32, torch.compile before the clock; test BLEU on the whole split and its first
 # 1,000 sentences, steps, ms a step, real and padded tokens/s, train_compile_seconds); the step probe, one
 # bench_training.py process per setting (PROBE_STAGES): `probe-4000` (base, 4,000-token batches, compiled against
-# MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-graphs` and `probe-25000` (shape
+# MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-packed` (compiled, on packed rows
+# against bucketed batches, each padded to multiples of 1 and 8), `probe-4000-graphs` and `probe-25000` (shape
 # buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `tests` (pytest -m
 # gpu); `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
 # $TRANSLATION_MODEL, else random weights: generate()'s default (transformers' loop on CUDA), slots with CUDA
@@ -36,6 +37,7 @@ declare -A LIMITS=(
     [setup]=25           # the wheels' install (12-19 s on the last GPUs) and the versions
     [quality]=375        # 300 s of training, the compilation before it, the whole test split decoded, start-up
     [probe-4000]=80      # start-up and the batches (~12 s), two compilations, 20 s of Marian's steps, the rest
+    [probe-4000-packed]=150  # four batchings (bucketed and packed, padded to multiples of 1 and 8), each compiled
     [probe-4000-graphs]=150
     [probe-25000]=150
     [tests]=170          # 15 of the 18 gpu tests took 148 s on the last H200; the compiled CUDA graphs get 50 s
@@ -44,9 +46,9 @@ declare -A LIMITS=(
     [scaling]=150 [profile]=300 [attention]=600
 )
 # The step probe's settings, one bench_training.py run each, most valuable first; the first plan has room for the
-# first. The packed-batch setting (bench_training.py --packing) is to join this list, with a LIMITS entry and a case
-# in probe_arguments.
-PROBE_STAGES=(probe-4000 probe-4000-graphs probe-25000)
+# first. `probe-4000-packed` decides the GPU's batching: real tokens/s of packed rows against bucketed batches, each
+# padded to multiples of 1 and 8 (the padding multiple by measurement).
+PROBE_STAGES=(probe-4000 probe-4000-packed probe-4000-graphs probe-25000)
 PROBE_SECONDS=${PROBE_SECONDS:-20}  # each setting repeats its batches until Marian, the slowest, has trained this long
 FIRST_PLAN=(setup quality "${PROBE_STAGES[0]}")
 SECOND_PLAN=(setup tests translation-trained)
@@ -122,7 +124,10 @@ EOF
 probe_arguments() {  # bench_training.py's arguments for one step-probe setting
     local budget=${1#probe-} buckets=() engines=vaswani-compiled,marian name=training-probe
     budget=${budget%-graphs}
-    if [ "$1" != probe-4000 ]; then  # every engine on the bucketed batches; only -graphs pads them to their shapes
+    budget=${budget%-packed}
+    if [ "$1" = probe-4000-packed ]; then  # Marian steps on the bucketed batches only (it takes no packed rows)
+        buckets=(--batchings bucketed,bucketed-8,packed,packed-8) name=training-packing
+    elif [ "$1" != probe-4000 ]; then  # every engine on the bucketed batches; only -graphs pads them to their shapes
         buckets=(--shape_buckets 4) engines=vaswani-compiled-graphs,vaswani-compiled,marian name=training-graphs
     fi
     if [ $dry_run = 1 ]; then
