@@ -84,7 +84,7 @@ def replayed_steps(monkeypatch):
             recorded[position] = (step, seen.external)
             counts["recorded"] += 1
 
-    monkeypatch.setattr(generation_vaswani._StepGraphs, "run", run)
+    monkeypatch.setattr(generation_vaswani.StepGraphs, "run", run)
     monkeypatch.setattr(modeling, "check_ids", lambda ids, invalid, message: None)
     generation_vaswani._static_states.clear()
     yield counts, host_reads
@@ -327,11 +327,11 @@ def test_slots_as_cuda_graphs_return_what_they_return_without(trained, num_beams
     model = copy.deepcopy(model).cuda()
     sources = tokenizer(SLOT_SENTENCES)["input_ids"]
     recorded = []
-    original = generation_vaswani._StepGraphs.run
+    original = generation_vaswani.StepGraphs.run
     with torch.no_grad():
         plain = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams, cuda_graphs=False)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(generation_vaswani._StepGraphs, "run",
+            patch.setattr(generation_vaswani.StepGraphs, "run",
                           lambda self, key, step: original(self, key, step) or recorded.append(sorted(self.graphs)))
             graphed = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams)
     assert graphed == plain

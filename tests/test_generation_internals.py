@@ -1,5 +1,5 @@
 """The private transformers names that `vaswani.generation_vaswani`'s loops rely on, all behind its adapter
-(`_Upstream`), still exist and take what the adapter passes; a transformers release that changes one fails here,
+(`Upstream`), still exist and take what the adapter passes; a transformers release that changes one fails here,
 naming it, instead of deep inside a decoding step."""
 
 import ast
@@ -73,10 +73,10 @@ def test_a_special_token_tensor_that_is_no_longer_set_is_named():
 
 
 def test_the_loops_reach_transformers_private_names_only_through_the_adapter():
-    """Every `x._name` outside `_Upstream` (and the contract's own check) names something of this file's own (a
+    """Every `x._name` outside `Upstream` (and the contract's own check) names something of this file's own (a
     function, class, method or attribute it defines) or of the Vaswani model: none of transformers' private names."""
     tree = ast.parse(inspect.getsource(generation_vaswani))
-    adapter = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "_Upstream")
+    adapter = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Upstream")
     check = next(node for node in tree.body if isinstance(node, ast.FunctionDef)
                  and node.name == "check_upstream_contract")
     inside = {id(node) for part in (adapter, check) for node in ast.walk(part)}
@@ -91,7 +91,7 @@ def test_the_loops_reach_transformers_private_names_only_through_the_adapter():
     reached = {(node.attr, node.lineno) for node in ast.walk(tree)
                if isinstance(node, ast.Attribute) and id(node) not in inside
                and node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in own}
-    assert not reached, f"private names used outside _Upstream: {sorted(reached)}"
+    assert not reached, f"private names used outside Upstream: {sorted(reached)}"
     # The names the contract checks are among those the adapter uses.
     used = {node.attr for node in ast.walk(adapter) if isinstance(node, ast.Attribute)}
     private = {name for owner, name in UPSTREAM_CONTRACT if owner is GenerationMixin}
