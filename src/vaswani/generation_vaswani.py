@@ -132,8 +132,11 @@ UPSTREAM_CONTRACT = {
     (DynamicLayer, "batch_select_indices"): ("indices",),
     (DynamicLayer, "lazy_initialization"): ("key_states", "value_states"),
     (Cache, "__init__"): ("layers",),
+    (Cache, "get_seq_length"): (),
+    (Cache, "reset"): (),
     (DynamicCache, "__init__"): ("config",),
     (StaticCache, "__init__"): ("config", "max_cache_len"),
+    (EncoderDecoderCache, "__init__"): (),  # the self-attention and the cross-attention cache, by position
 }
 
 # The attributes of transformers' caches that the loops read or write themselves (the static steps fill the layers'
@@ -161,7 +164,9 @@ def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict 
     layer that has stored a key and a value) no longer has."""
     overrides = overrides or {}
     problems = []
-    for (owner, name), expected in [*contract.items(), *overrides.items()]:
+    checks = [(key, expected, False) for key, expected in contract.items()]
+    checks += [(key, expected, True) for key, expected in overrides.items()]
+    for (owner, name), expected, overridden in checks:
         where = f"{owner.__module__}.{owner.__name__}.{name}"
         member = inspect.getattr_static(owner, name, None)
         if member is None:
@@ -170,7 +175,7 @@ def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict 
         if not callable(getattr(owner, name)):
             problems.append(f"{where} is no longer a method")
             continue
-        if (owner, name) in overrides:
+        if overridden:
             if _signature_names(getattr(owner, name)) != expected:
                 problems.append(f"{where} now takes {_signature_names(getattr(owner, name))}, not {expected}")
             continue
@@ -218,7 +223,7 @@ def _missing_cache_attributes(cache_attributes: dict) -> list[str]:
             problems.append(f"{owner.__module__}.{owner.__name__} could not be made as the loops make it: {error!r}")
             continue
         problems += [f"{owner.__module__}.{owner.__name__}.{name} no longer exists" for name in names
-                     if not hasattr(instance, name)]
+                     if getattr(instance, name, None) is None]
     return problems
 
 

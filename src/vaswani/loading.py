@@ -28,11 +28,11 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianTokenizer
 
 from .checkpoints import check_weights, damaged_weights
-from .configuration_vaswani import check_tokenizer_fits, longest_output
+from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
-from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, model_decoding
+from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DECODING_LOOPS = ("auto", "lean", "graphs", "transformers")
@@ -146,7 +146,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
     settings = DecodingSettings.resolve(
         read_generation_config(model_dir), positions=config.max_position_embeddings,
-        learned=longest_output(config) is not None, origin=_generation_config_name(model_dir), **decoding_overrides)
+        learned=is_learned(config), origin=_generation_config_name(model_dir), **decoding_overrides)
     model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
                                        num_beams=settings.num_beams)
     return TorchEngine(model, tokenizer, settings, slots=slots)

@@ -95,9 +95,9 @@ class DecodingSettings:
                 **overrides) -> "DecodingSettings":
         """The settings for a model whose `generation_config` (read from `origin`, named in errors) gives the
         defaults, with each of `overrides` that is not None over it. `positions`: the model's position count
-        (`max_position_embeddings`), where sources are cut unless `max_source_length` says otherwise; with `learned`
-        positions no output runs past them either. A value that generate() cannot decode with is refused in one line
-        naming where it came from and the field."""
+        (`max_position_embeddings`), where sources are cut unless `max_source_length` says otherwise (never past
+        `learned` positions), and where outputs stop (`configuration_vaswani.longest_output`). A value that
+        generate() cannot decode with is refused in one line naming where it came from and the field."""
         given = {name: value for name, value in overrides.items() if value is not None}
         stored = {name: getattr(generation_config, name, None)
                   for name in ("num_beams", "do_sample", "length_penalty", "early_stopping", "max_new_tokens",
@@ -122,7 +122,7 @@ class DecodingSettings:
         early_stopping = setting("early_stopping", False)
         max_new_tokens = setting("max_new_tokens", None)
         min_new_tokens = setting("min_new_tokens", 0)
-        longest = positions - 1 if learned and positions else None
+        longest = positions - 1 if positions else None
         if max_source_length is None or (learned and positions and max_source_length > positions):
             max_source_length = positions if max_source_length is None else min(max_source_length, positions)
         return cls(num_beams=num_beams, do_sample=do_sample, length_penalty=float(length_penalty),
@@ -188,10 +188,16 @@ def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty
 
 
 def model_decoding(model, origin: str = "generation_config", **overrides) -> DecodingSettings:
-    """`DecodingSettings.resolve` for a model in memory: its own `generation_config` and position count."""
-    config = model.config
-    return DecodingSettings.resolve(model.generation_config, positions=getattr(config, "max_position_embeddings", None),
-                                    learned=longest_output(config) is not None, origin=origin, **overrides)
+    """`DecodingSettings.resolve` for a model in memory: its own `generation_config` and position count (for a
+    model of another type, which the pipeline may run: none)."""
+    longest = longest_output(model.config)
+    return DecodingSettings.resolve(model.generation_config, positions=None if longest is None else longest + 1,
+                                    learned=is_learned(model.config), origin=origin, **overrides)
+
+
+def is_learned(config) -> bool:
+    """Whether `config`'s positions are a learned table, which ends."""
+    return getattr(config, "position_embedding_type", None) == "learned"
 
 
 class TorchEngine:
@@ -218,7 +224,7 @@ class TorchEngine:
 
     @property
     def positions(self) -> str:
-        return "learned positions" if self.decoding.longest_output is not None else "source positions"
+        return "learned positions" if is_learned(self.model.config) else "source positions"
 
     @property
     def max_source_length(self) -> int | None:
