@@ -26,7 +26,9 @@ from vaswani.translation import translate
 # Few tokens past each source, so that the toy model's outputs reach their own limit in some sentences and end
 # before it in others (the rule, not its number, is what every caller must share).
 SLACK = 2
-SEARCHES = {"greedy": {"num_beams": 1}, "beam": {"num_beams": 4, "length_penalty": 0.6}}
+# A length penalty of 2 favours long hypotheses, so that a sentence's beam search would take a longer one where a
+# neighbour's limit let it grow.
+SEARCHES = {"greedy": {"num_beams": 1}, "beam": {"num_beams": 4, "length_penalty": 2.0}}
 
 
 @pytest.fixture
@@ -128,6 +130,23 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
         expected = translate(pytorch, texts).texts
         assert translate(exported, texts, max_sentences=16).texts == expected, search
         assert translate(exported, texts, max_sentences=1).texts == expected, search
+    # What CTranslate2 is told: transformers' length penalty, counting the end of sentence in the length (which
+    # CTranslate2 counts only when it returns it), its stopping rule, each sentence's own limit, the source limit.
+    calls, translator = [], exported.translator
+
+    class Recording:
+        compute_type = translator.compute_type
+
+        def translate_batch(self, sources, **options):
+            calls.append(([len(source) for source in sources], options))
+            return translator.translate_batch(sources, **options)
+
+    exported.translator = Recording()
+    translate(exported, texts[:12], max_sentences=16)
+    assert all(options["length_penalty"] == 0.0 and options["return_end_token"] and options["patience"] == 1
+               and options["max_input_length"] == model.config.max_position_embeddings for _, options in calls)
+    assert all({exported.decoding.output_limit(length) for length in lengths} == {options["max_decoding_length"]}
+               for lengths, options in calls)
     with pytest.raises(ValueError, match="^early_stopping='never': not something the CTranslate2 engine"):
         loading.load_engine(export, num_beams=4, early_stopping="never")
 
