@@ -151,6 +151,29 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
         loading.load_engine(export, num_beams=4, early_stopping="never")
 
 
+def test_the_export_model_card_states_the_rule_ctranslate2_cannot_follow_with_its_measured_share(trained, tmp_path,
+                                                                                                    monkeypatch):
+    pytest.importorskip("ctranslate2")
+    from vaswani.export import export_to_ctranslate2
+
+    model, tokenizer = trained
+    texts = sentences(120, seed=3)
+    monkeypatch.setattr(model, "generation_config", GenerationConfig(**{**model.generation_config.to_diff_dict(),
+                                                                        "num_beams": 4, "length_penalty": 2.0}))
+    export = export_to_ctranslate2(model, tmp_path / "beam", tokenizer=tokenizer, measure_on=texts)
+    pytorch = translate(loading.engine_for_model(model, tokenizer, slots=0), texts).texts
+    exported = translate(loading.load_engine(export), texts).texts
+    differing = sum(a != b for a, b in zip(pytorch, exported))
+    assert differing > 0  # the stopping rule shows on this model
+    card = (tmp_path / "beam" / "README.md").read_text(encoding="utf-8")
+    assert "`early_stopping=False`" in card and \
+        f"Measured at export, in float32: {differing} of {len(texts)} sentences" in card
+    monkeypatch.setattr(model, "generation_config", GenerationConfig(**{**model.generation_config.to_diff_dict(),
+                                                                        "early_stopping": True}))
+    export_to_ctranslate2(model, tmp_path / "alike", tokenizer=tokenizer)
+    assert "Every setting is one CTranslate2 follows" in (tmp_path / "alike" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("num_beams", 0, "num_beams=0 cannot be decoded with; it must be a whole number of at least 1"),
     ("length_penalty", float("nan"), "length_penalty=nan cannot be decoded with; it must be a finite number"),
