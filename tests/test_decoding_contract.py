@@ -17,7 +17,7 @@ import vaswani.trainer
 import vaswani.training
 from conftest import fails_with_one_line, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer, build_tokenizer
-from training_script import NOUNS, train_args
+from training_script import distinct_corpus, train_args
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, loading
 from vaswani.evaluation import translate as evaluate_translate
 from vaswani.pipeline_vaswani import register_pipeline
@@ -239,9 +239,7 @@ def test_validation_decodes_the_weights_the_test_score_decodes_under_bf16(tmp_pa
             return super().training_step(model, inputs, num_items_in_batch)
 
     monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
-    corpus = tmp_path / "corpus.tsv"  # sentences all different, so that the validation split gets some
-    corpus.write_text("".join(f"I have {n} {noun}s.\tJ'ai {n} {plural}.\n"
-                              for n in range(1000) for noun, _, plural in [NOUNS[n % len(NOUNS)]]), encoding="utf-8")
+    corpus = distinct_corpus(tmp_path / "corpus.tsv")
     script_main("train_translation")(train_args(
         corpus, tmp_path / "out", "--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2",
         "--predict_with_generate", "--max_eval_samples", "4", "--max_test_samples", "4", "--use_cpu", "--bf16",
