@@ -410,7 +410,7 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
                      f"{', '.join(sorted(LINEAR_KERNELS))}: a floor under the engine's seconds (attention's batched "
                      "products not included).")
     if any("slots" in name.split("-") for name in names):
-        notes.append("slots = generation_vaswani.decode_in_slots (the scripts' --slots), as many slots as a batch has "
+        notes.append("slots = vaswani.slots.decode_in_slots (the scripts' --slots), as many slots as a batch has "
                      "sentences: one call per repeat over all sentences in the batches' order; its memory is that of "
                      "the longest batch decoded in slots alone.")
     return notes + [f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"
