@@ -131,10 +131,12 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
             raise ValueError(f"{', '.join(name for name, given in pytorch_only.items() if given)}: the PyTorch "
                              "engine's; a CTranslate2 model takes --compute_type and "
                              f"{', '.join('--' + name for name in CTranslate2Engine.SETTINGS)}.")
+        check_ctranslate2_dir(model_dir)
         path = os.path.join(model_dir, "generation_config.json")
         exported = read_generation_config(model_dir) if os.path.isfile(path) else GenerationConfig()
         settings = DecodingSettings.resolve(exported, positions=exported_positions(model_dir), learned=True,
                                             origin=path, **decoding_overrides)
+        CTranslate2Engine.check(settings)
         # CPU threads as torch uses them (its own default is a fixed count), so either engine gets the same cores.
         threads = torch.get_num_threads() if device.type == "cpu" else 0
         translator, tokenizer = load_ctranslate2(model_dir, device, compute_type, threads)
@@ -242,9 +244,7 @@ def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type
     cores. `load_engine` is the way in for translating; this is its CTranslate2 half."""
     import ctranslate2
 
-    if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
-        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one "
-                                "with scripts/export_ctranslate2.py.")
+    check_ctranslate2_dir(path)
     device = torch.device(device)
     translator = ctranslate2.Translator(path, device=device.type, device_index=device.index or 0,
                                         compute_type=compute_type, intra_threads=threads)
@@ -256,6 +256,13 @@ def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type
     # would otherwise fail ("No position encodings are defined for positions >= …").
     tokenizer.model_max_length = exported_positions(path) or tokenizer.model_max_length
     return translator, tokenizer
+
+
+def check_ctranslate2_dir(path: str) -> None:
+    """`path` must be a directory that `vaswani.export` wrote."""
+    if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
+        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one "
+                                "with scripts/export_ctranslate2.py.")
 
 
 def exported_positions(path: str) -> int | None:

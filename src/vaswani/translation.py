@@ -71,7 +71,7 @@ class DecodingSettings:
       the caller gives a beam count too;
     * each sentence's output limit (`output_limit`): `max_new_tokens` where one is given, else the one length rule
       (`configuration_vaswani.output_limit`: its own source's length plus `OUTPUT_SLACK`), never past
-      `longest_output`, where learned positions end;
+      `longest_output`, where the positions end;
     * `max_source_length`: where sources are truncated (`translate` warns, counting them);
     * `options`: the caller's other `generate()` options (temperature, no_repeat_ngram_size, …), which an engine
       that cannot follow them refuses by name;
@@ -213,8 +213,6 @@ class TorchEngine:
     `slots=None` takes `DEFAULT_SLOTS` for the model's device type, 0 decodes in batches. Built by
     `vaswani.loading` (which checks that the tokenizer fits the model)."""
 
-    continuous_by_default = False
-
     def __init__(self, model, tokenizer, decoding: DecodingSettings, *, slots: int | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.decoding = dataclasses.replace(decoding, precision=str(model.dtype).removeprefix("torch."))
@@ -314,13 +312,18 @@ class CTranslate2Engine:
                 "min_new_tokens")
 
     def __init__(self, translator, tokenizer, decoding: DecodingSettings):
-        if decoding.do_sample or decoding.options or decoding.early_stopping == "never":
-            refused = [name for name, value in decoding.options] + ["do_sample"] * decoding.do_sample
-            refused += ["early_stopping='never'"] * (decoding.early_stopping == "never")
-            raise ValueError(f"{', '.join(refused)}: not something the CTranslate2 engine can decode with; translate "
-                             "with the PyTorch checkpoint instead.")
+        self.check(decoding)
         self.translator, self.tokenizer = translator, tokenizer
         self.decoding = dataclasses.replace(decoding, precision=translator.compute_type)
+
+    @staticmethod
+    def check(decoding: DecodingSettings) -> None:
+        """Refuse, naming them, the settings CTranslate2 cannot decode with (before its model is loaded)."""
+        refused = [name for name, _ in decoding.options] + ["do_sample"] * decoding.do_sample
+        refused += ["early_stopping='never'"] * (decoding.early_stopping == "never")
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not something the CTranslate2 engine can decode with; translate "
+                             "with the PyTorch checkpoint instead.")
 
     @property
     def max_source_length(self) -> int | None:
