@@ -8,10 +8,12 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import StoppingCriteriaList
 
 import vaswani.generation_vaswani as generation_vaswani
 import vaswani.slots as slot_decoding
 from vaswani.decoding import use_lean_decoding
+from vaswani.generation_vaswani import SentenceLimits
 
 from decoding_helpers import (  # noqa: F401 (the `trained` fixture)
     LOGITS_PROCESSORS,
@@ -108,6 +110,22 @@ def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, 
         assert counts["recorded"] == counts["replayed"] == 0
     else:
         assert counts["recorded"] > 0 and counts["replayed"] > 0
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_static_decoding_stops_each_sentence_at_its_own_limit(trained, replayed_steps, num_beams):
+    """Each sentence's own limit (`SentenceLimits`) is followed by the recorded steps too: batches of one shape with
+    other limits replay the first one's steps and stop where transformers' loop stops."""
+    model, tokenizer = trained
+    counts, host_reads = replayed_steps
+    for offset, sentences in enumerate(SAME_SHAPE_BATCHES):
+        batch = tokenizer(sentences, return_tensors="pt", padding=True)
+        lengths = torch.tensor([2 + (offset + i) % 5 for i in range(len(sentences))]) + 1  # and the decoder start
+        limits = StoppingCriteriaList([SentenceLimits(lengths)])
+        reference, static = generate_both(model, batch, cuda_graphs=True, num_beams=num_beams,
+                                          max_length=int(lengths.max()), stopping_criteria=limits)
+        assert torch.equal(reference, static)
+    assert host_reads == [] and counts["replayed"] > 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -55,7 +55,8 @@ multiplications are int8 (benchmarks/README.md):
    batch shape (`_StaticDecoding`), so later batches of the same shape replay the first one's graphs; the search's
    state stays on the device, and the host reads one flag per step, whether to go on. A batch's first step, which
    projects the source for cross-attention, runs as usual. Not with logits processors or stopping criteria other
-   than max_length and eos_token_id (they may read values on the host); those calls decode as 1–5 describe. On
+   than max_length, eos_token_id and each sentence's own limit (`SentenceLimits`, kept in a buffer of the shape);
+   others may read values on the host, and those calls decode as 1–5 describe. On
    other devices the same static steps run without graphs, which is how the CPU tests check them.
    Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
    benchmarks/results/translation-trained-cuda-h200.md).
@@ -719,8 +720,10 @@ _static_states: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weak
 
 def static_covers(logits_processor, stopping_criteria) -> bool:
     """Whether a decoding step can be captured: no logits processors (some read their arguments on the host), and
-    only the stopping criteria generate() makes from max_length and eos_token_id (pure tensor operations)."""
-    return not logits_processor and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+    only the stopping criteria generate() makes from max_length and eos_token_id, and each sentence's own limit
+    (`SentenceLimits`): pure tensor operations."""
+    covered = (MaxLengthCriteria, EosTokenCriteria, SentenceLimits)
+    return not logits_processor and all(type(c) in covered for c in stopping_criteria)
 
 
 def _static_source_length(length: int) -> int:
@@ -781,6 +784,19 @@ class _StaticDecoding:
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.graphs = StepGraphs(device)
         self.search = None
+        self.limits = None  # each sentence's max_length (`SentenceLimits`), where the batch gives them
+
+    def own_limits(self, stopping_criteria) -> StoppingCriteriaList:
+        """`stopping_criteria` with each sentence's limits (`SentenceLimits`) read from this shape's own buffer, into
+        which this batch's are copied: a recorded step reads the addresses it was recorded with."""
+        given = next((c for c in stopping_criteria if isinstance(c, SentenceLimits)), None)
+        if given is None:
+            return stopping_criteria
+        if self.limits is None:
+            self.limits = given.max_lengths.clone()
+        else:
+            self.limits.copy_(given.max_lengths)
+        return StoppingCriteriaList([SentenceLimits(self.limits) if c is given else c for c in stopping_criteria])
 
     def start(self, input_ids, encoder_states, attention_mask) -> torch.Tensor:
         """A batch's first step, eagerly: the decoder prompt goes into the self-attention cache and the source's
@@ -859,6 +875,7 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
     max_length = generation_config.max_length
     static = _static_state(model, ("greedy", prompt_len, *_criteria_key(stopping_criteria, generation_config)),
                            rows, encoder_states, max_length)
+    stopping_criteria = static.own_limits(stopping_criteria)
     pad_token_id = Upstream.special_tokens(generation_config).pad
     stops_at_eos = _stops_at_eos(stopping_criteria)
     if static.search is None:
@@ -887,6 +904,7 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
     rows, prompt_len = input_ids.shape
     static = _static_state(model, ("beam", *settings, *_criteria_key(stopping_criteria, generation_config)),
                            rows, encoder_states, settings.max_length)
+    stopping_criteria = static.own_limits(stopping_criteria)
     if static.search is None:
         static.search = (start, torch.zeros(start.running_scores.shape[0], settings.beams_to_keep, dtype=torch.bool,
                                             device=input_ids.device))
