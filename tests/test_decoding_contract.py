@@ -174,6 +174,15 @@ def test_the_export_model_card_states_the_rule_ctranslate2_cannot_follow_with_it
     assert "Every setting is one CTranslate2 follows" in (tmp_path / "alike" / "README.md").read_text()
 
 
+def test_the_export_script_measures_the_share_on_a_file_of_sources(saved, tmp_path, capsys):
+    pytest.importorskip("ctranslate2")
+    sources = tmp_path / "sources.txt"
+    sources.write_text("\n".join(sentences(30, seed=4)) + "\n\n", encoding="utf-8")  # a blank line is no sentence
+    script_main("export_ctranslate2")(["--model", str(saved["beam"]), "--output_dir", str(tmp_path / "ct2"),
+                                       "--measure_on", str(sources)])
+    assert "of 35 sentences" in (tmp_path / "ct2" / "README.md").read_text(encoding="utf-8")
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("num_beams", 0, "num_beams=0 cannot be decoded with; it must be a whole number of at least 1"),
     ("length_penalty", float("nan"), "length_penalty=nan cannot be decoded with; it must be a finite number"),
