@@ -21,6 +21,7 @@ batch by batch. In one shared process, CTranslate2 and PyTorch slow each other d
 """
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import sys
@@ -35,7 +36,7 @@ from vaswani import VaswaniConfig
 from vaswani.convert import to_marian
 from vaswani.data import load_translation_dataset
 from vaswani.export import export_to_ctranslate2
-from vaswani.generation_vaswani import decode_in_slots
+from vaswani.slots import decode_in_slots
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory
 from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
@@ -111,10 +112,10 @@ class LocalEngine:
         """Each sentence's generated token ids, up to its end of sentence (all `new_tokens` when forced)."""
         engine = self.engine
         if self.ct2:
-            engine.num_beams, engine.max_new_tokens = beams, new_tokens
-            engine.min_decoding_length = 0 if stop_at_eos else new_tokens
+            engine.decoding = dataclasses.replace(engine.decoding, num_beams=beams, max_new_tokens=new_tokens,
+                                                  min_new_tokens=0 if stop_at_eos else new_tokens)
             return engine.generate_ids(batch)
-        options = {**engine.options, "num_beams": beams, "do_sample": False,
+        options = {**engine.decoding.generate_options(), "num_beams": beams, "do_sample": False,
                    **({} if stop_at_eos else {"eos_token_id": None})}
         with sdpa_backend(self.attention_kernel):
             if self.slots:
@@ -409,7 +410,7 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
                      f"{', '.join(sorted(LINEAR_KERNELS))}: a floor under the engine's seconds (attention's batched "
                      "products not included).")
     if any("slots" in name.split("-") for name in names):
-        notes.append("slots = generation_vaswani.decode_in_slots (the scripts' --slots), as many slots as a batch has "
+        notes.append("slots = vaswani.slots.decode_in_slots (the scripts' --slots), as many slots as a batch has "
                      "sentences: one call per repeat over all sentences in the batches' order; its memory is that of "
                      "the longest batch decoded in slots alone.")
     return notes + [f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"

@@ -33,9 +33,17 @@ def main(argv=None):
                              "max_position_embeddings)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --output_dir whole (never --model "
                         "itself, nor a training run's checkpoint or run directory)")
+    parser.add_argument("--measure_on", default=None,
+                        help="a file of source sentences, one a line: the model card states how many of them the "
+                             "export translates otherwise than the checkpoint (a beam-search stopping rule "
+                             "CTranslate2 cannot follow)")
     args = parser.parse_args(argv)
+    sources = None
+    if args.measure_on:
+        with open(args.measure_on, encoding="utf-8") as file:
+            sources = [line.rstrip("\n") for line in file if line.strip()]
     print(export_to_ctranslate2(args.model, args.output_dir, quantization=args.quantization,
-                                max_positions=args.max_positions, force=args.force))
+                                max_positions=args.max_positions, force=args.force, measure_on=sources))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 and write its JSON and Markdown reports with the fields the issue asks for (device, versions, exact command)."""
 
 import argparse
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -377,10 +378,8 @@ def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
     sources = [SOURCES[encoded.index(ids)] for ids in batch]  # translate()'s order: longest first
     for beams in (1, 3):
         ids = engine.translate(batch, beams, 7, stop_at_eos=True)
-        if name.startswith("ct2-"):
-            engine.engine.num_beams, engine.engine.max_new_tokens, engine.engine.min_decoding_length = beams, 7, 0
-        else:
-            engine.engine.options["num_beams"], engine.engine.max_new_tokens = beams, 7
+        engine.engine.decoding = dataclasses.replace(engine.engine.decoding, num_beams=beams, max_new_tokens=7,
+                                                     min_new_tokens=0)
         texts = translate(engine.engine, sources).texts
         assert [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)] == texts, beams
         assert min(map(len, ids)) < 7  # a trained model: some sentences end before the limit

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 import vaswani.generation_vaswani as generation_vaswani
 from vaswani.decoding import decode, use_lean_decoding
-from vaswani.generation_vaswani import _top_k
+from vaswani.generation_vaswani import top_k
 from vaswani.inference import quantize_for_cpu
 
 from decoding_helpers import SEARCHES, SENTENCES, VARIANTS, generate_both, trained  # noqa: F401 (a fixture)
@@ -160,7 +160,7 @@ def test_cross_attention_with_one_source_row_per_sentence_matches_repeated_sourc
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_top_k_is_torch_topk(vocab_size, k):
     scores = torch.randn(16, vocab_size, generator=torch.Generator().manual_seed(k))
-    values, indices = _top_k(scores, k)
+    values, indices = top_k(scores, k)
     expected_values, expected_indices = scores.topk(k, dim=-1)
     assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
 
@@ -169,7 +169,7 @@ def test_top_1_breaks_ties_like_argmax():
     scores = torch.zeros(3, 512)
     scores[0, [7, 300]] = 1.0  # two maxima in different blocks
     scores[1, [130, 131]] = 2.0  # two maxima in one block
-    assert torch.equal(_top_k(scores, 1)[1].squeeze(1), scores.argmax(dim=-1))  # row 2: all equal → index 0
+    assert torch.equal(top_k(scores, 1)[1].squeeze(1), scores.argmax(dim=-1))  # row 2: all equal → index 0
 
 
 def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):

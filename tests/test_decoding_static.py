@@ -8,9 +8,12 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import StoppingCriteriaList
 
 import vaswani.generation_vaswani as generation_vaswani
+import vaswani.slots as slot_decoding
 from vaswani.decoding import use_lean_decoding
+from vaswani.generation_vaswani import SentenceLimits
 
 from decoding_helpers import (  # noqa: F401 (the `trained` fixture)
     LOGITS_PROCESSORS,
@@ -86,7 +89,7 @@ def replayed_steps(monkeypatch):
             recorded[position] = (step, seen.external)
             counts["recorded"] += 1
 
-    monkeypatch.setattr(generation_vaswani._StepGraphs, "run", run)
+    monkeypatch.setattr(generation_vaswani.StepGraphs, "run", run)
     monkeypatch.setattr(modeling, "check_ids", lambda ids, invalid, message: None)
     generation_vaswani._static_states.clear()
     yield counts, host_reads
@@ -109,6 +112,22 @@ def test_static_decoding_returns_what_generate_returns(trained, replayed_steps, 
         assert counts["recorded"] == counts["replayed"] == 0
     else:
         assert counts["recorded"] > 0 and counts["replayed"] > 0
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_static_decoding_stops_each_sentence_at_its_own_limit(trained, replayed_steps, num_beams):
+    """Each sentence's own limit (`SentenceLimits`) is followed by the recorded steps too: batches of one shape with
+    other limits replay the first one's steps and stop where transformers' loop stops."""
+    model, tokenizer = trained
+    counts, host_reads = replayed_steps
+    for offset, sentences in enumerate(SAME_SHAPE_BATCHES):
+        batch = tokenizer(sentences, return_tensors="pt", padding=True)
+        lengths = torch.tensor([2 + (offset + i) % 5 for i in range(len(sentences))]) + 1  # and the decoder start
+        limits = StoppingCriteriaList([SentenceLimits(lengths)])
+        reference, static = generate_both(model, batch, cuda_graphs=True, num_beams=num_beams,
+                                          max_length=int(lengths.max()), stopping_criteria=limits)
+        assert torch.equal(reference, static)
+    assert host_reads == [] and counts["replayed"] > 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -250,7 +269,7 @@ def test_slots_return_what_generate_returns_for_each_sentence(trained, search):
     for slots in (1, 3, 16):
         for order, sync_every in zip(orders, (1, 2, 3)):
             with torch.no_grad():
-                outputs = generation_vaswani.decode_in_slots(model, [sources[i] for i in order],
+                outputs = slot_decoding.decode_in_slots(model, [sources[i] for i in order],
                                                              [limits[i] for i in order], slots=slots,
                                                              sync_every=sync_every, **search)
             assert [outputs[order.index(i)] for i in range(len(sources))] == reference, (slots, order)
@@ -264,7 +283,7 @@ def test_slots_across_variants(variant):
     for search in (dict(num_beams=1), dict(num_beams=4)):
         reference = _alone(model, tokenizer, SLOT_SENTENCES, [12] * len(sources), **search)
         with torch.no_grad():
-            assert generation_vaswani.decode_in_slots(model, sources, 12, slots=4, **search) == reference, search
+            assert slot_decoding.decode_in_slots(model, sources, 12, slots=4, **search) == reference, search
 
 
 def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
@@ -274,7 +293,7 @@ def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
     model, tokenizer = trained
     sources = tokenizer(SLOT_SENTENCES)["input_ids"]
     counts = {"steps": 0, "step_reads": [], "read_backs": 0}
-    step, read_back = generation_vaswani._Slots.step, generation_vaswani._read_back
+    step, read_back = slot_decoding._Slots.step, slot_decoding._read_back
 
     def counted_step(self):
         counts["steps"] += 1
@@ -286,12 +305,12 @@ def test_slots_read_the_device_once_every_k_steps(trained, monkeypatch):
         counts["read_backs"] += 1
         return read_back(tensor)
 
-    monkeypatch.setattr(generation_vaswani._Slots, "step", counted_step)
-    monkeypatch.setattr(generation_vaswani, "_read_back", counted_read_back)
+    monkeypatch.setattr(slot_decoding._Slots, "step", counted_step)
+    monkeypatch.setattr(slot_decoding, "_read_back", counted_read_back)
     for sync_every in (1, 4):
         counts.update(steps=0, read_backs=0)
         with torch.no_grad():  # under inference_mode, host reads escape the dispatch mode
-            generation_vaswani.decode_in_slots(model, sources, 16, slots=3, sync_every=sync_every, num_beams=4)
+            slot_decoding.decode_in_slots(model, sources, 16, slots=3, sync_every=sync_every, num_beams=4)
         assert counts["step_reads"] == []
         assert counts["steps"] == counts["read_backs"] * sync_every and counts["read_backs"] > 1
 
@@ -306,7 +325,7 @@ def test_slot_steps_replay_as_graphs(trained, replayed_steps):
         reference = _alone(model, tokenizer, SLOT_SENTENCES, [16] * len(sources), **search)
         counts.update(recorded=0, replayed=0)
         with torch.no_grad():
-            outputs = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, sync_every=2, cuda_graphs=True,
+            outputs = slot_decoding.decode_in_slots(model, sources, 16, slots=4, sync_every=2, cuda_graphs=True,
                                                          **search)
         assert outputs == reference and host_reads == []
         assert 1 <= counts["recorded"] <= 3 and counts["replayed"] > 5 * counts["recorded"]  # slot counts 4, 2, 1
@@ -314,12 +333,12 @@ def test_slot_steps_replay_as_graphs(trained, replayed_steps):
 
 def test_slots_refuse_what_they_do_not_cover(trained):
     model, tokenizer = trained
-    assert generation_vaswani.slots_cover(model, num_beams=4)
+    assert slot_decoding.slots_cover(model, num_beams=4)
     for search in (dict(num_beams=4, no_repeat_ngram_size=2), dict(num_beams=4, num_return_sequences=2),
                    dict(do_sample=True)):
-        assert not generation_vaswani.slots_cover(model, **search)
+        assert not slot_decoding.slots_cover(model, **search)
         with pytest.raises(ValueError, match="decode_in_slots runs greedy and beam search"):
-            generation_vaswani.decode_in_slots(model, [[5, 6, 1]], 4, **search)
+            slot_decoding.decode_in_slots(model, [[5, 6, 1]], 4, **search)
 
 
 @pytest.mark.gpu
@@ -332,12 +351,12 @@ def test_slots_as_cuda_graphs_return_what_they_return_without(trained, num_beams
     model = copy.deepcopy(model).cuda()
     sources = tokenizer(SLOT_SENTENCES)["input_ids"]
     recorded = []
-    original = generation_vaswani._StepGraphs.run
+    original = generation_vaswani.StepGraphs.run
     with torch.no_grad():
-        plain = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams, cuda_graphs=False)
+        plain = slot_decoding.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams, cuda_graphs=False)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(generation_vaswani._StepGraphs, "run",
+            patch.setattr(generation_vaswani.StepGraphs, "run",
                           lambda self, key, step: original(self, key, step) or recorded.append(sorted(self.graphs)))
-            graphed = generation_vaswani.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams)
+            graphed = slot_decoding.decode_in_slots(model, sources, 16, slots=4, num_beams=num_beams)
     assert graphed == plain
     assert recorded[-1] == sorted(set(recorded[-1])) and len(recorded[-1]) <= 3

@@ -125,7 +125,10 @@ def test_translate_batches_by_length_and_restores_input_order(model_and_tokenize
 
     source_widths.clear(), limits.clear()
     translate(model, tokenizer, SOURCES, batch_size=2, num_beams=1)
-    assert limits == [width + 50 for width in source_widths]  # the paper's "input length + 50" default
+    # The paper's "input length + 50" default, of the batch's longest source (the others stop at their own), within
+    # the positions less the decoder start's.
+    longest = model.config.max_position_embeddings - 1
+    assert limits == [min(width + 50, longest) for width in source_widths]
 
 
 def test_translate_handles_empty_input(model_and_tokenizer):
@@ -173,10 +176,10 @@ def test_evaluate_bleu_script_decodes_with_the_chosen_length_penalty(model_and_t
         assert json.loads(capsys.readouterr().out)["length_penalty"] == penalty
         report = json.loads((tmp_path / "report.json").read_text())
         assert report["hypotheses"] == translate(model, tokenizer, SOURCES, num_beams=3, length_penalty=penalty)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # a CTranslate2 model takes --length_penalty too, not the PyTorch loops
         script_main("evaluate_bleu")(["--model", str(tmp_path / "model"), "--ctranslate2", "--length_penalty", "0.6",
-                                      *files])
-    assert "--length_penalty: the PyTorch engine's" in capsys.readouterr().err
+                                      "--decoding", "lean", *files])
+    assert "--decoding: the PyTorch engine's" in capsys.readouterr().err
 
 
 def test_evaluate_bleu_never_writes_its_report_over_an_input(tmp_path, capsys):

@@ -180,7 +180,7 @@ def test_sources_and_outputs_stay_inside_the_exported_position_table(trained, tm
     got = translate_with(engine, [long_source, SOURCES[0]], warn=False).texts
 
     assert len(got) == 2 and all(got)
-    assert calls == [([24, 7], 24)]
+    assert calls == [([24, 7], 23)]  # the PyTorch engine's limit: the table less the decoder start's position
 
 
 def test_the_export_never_writes_over_its_model_and_replaces_any_other_directory_whole(checkpoint, tmp_path,

@@ -23,7 +23,6 @@ from vaswani.evaluation import translate
 from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
 from vaswani.files import decode_lines
 from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, engine_for_model
-from vaswani.translation import generation_limits
 
 GREEDY = {"num_beams": 1, "max_new_tokens": 8}
 # Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.
@@ -106,7 +105,7 @@ def test_an_undecodable_line_is_reported_with_its_number(checkpoint, tmp_path, c
 
 def test_long_lines_are_truncated_and_counted(tmp_path, capsys):
     model, tokenizer = build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
-    max_source_length, max_new_tokens = generation_limits(model, 4)
+    max_source_length, max_new_tokens = model.config.max_position_embeddings, 4
     engine = engine_for_model(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
                              max_source_length=max_source_length)
     stdout = io.BytesIO()

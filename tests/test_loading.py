@@ -102,12 +102,14 @@ def test_an_engine_is_loaded_with_one_check_and_decodes_with_the_checkpoints_set
     engine = loading.load_engine(str(path), device="cpu", slots=0)
 
     assert len(checks) == 1 and engine.model.device == torch.device("cpu") and not engine.continuous
-    assert (engine.options["num_beams"], engine.max_new_tokens) == (3, 6)
+    assert (engine.decoding.num_beams, engine.decoding.length_penalty, engine.decoding.max_new_tokens) == (3, 0.5, 6)
     assert translate_with(engine, SOURCES).texts == translate(model, tokenizer_of(path), SOURCES, num_beams=3,
                                                               length_penalty=0.5, max_new_tokens=6)
     told = loading.load_engine(str(path), device="cpu", num_beams=1, max_new_tokens=4, length_penalty=None)
-    assert (told.options, told.max_new_tokens) == ({"num_beams": 1}, 4)
-    assert loading.load_engine(str(path), device="cpu", do_sample=True).options == {"do_sample": True, "num_beams": 1}
+    assert told.decoding.generate_options() == {"num_beams": 1, "do_sample": False}
+    assert told.decoding.max_new_tokens == 4
+    sampled = loading.load_engine(str(path), device="cpu", do_sample=True).decoding
+    assert (sampled.do_sample, sampled.num_beams) == (True, 1)
     assert loading.engine_for_model(model, tokenizer_of(path)).settings == engine.settings
 
 
@@ -120,7 +122,7 @@ def test_each_engine_refuses_the_others_settings_before_loading(checkpoint, tmp_
     export.mkdir()
     (export / "model.bin").write_bytes(b"")  # found a CTranslate2 directory by this file alone
     for options, named in [({"int8": True}, "--int8"), ({"dtype": "bfloat16"}, "--dtype"), ({"slots": 2}, "--slots"),
-                           ({"length_penalty": 0.6, "decoding": "lean"}, "--decoding, --length_penalty")]:
+                           ({"no_repeat_ngram_size": 2, "decoding": "lean"}, "--decoding, --no_repeat_ngram_size")]:
         with pytest.raises(ValueError, match=f"^{named}: the PyTorch engine's"):
             loading.load_engine(str(export), **options)
     with pytest.raises(ValueError, match="--compute_type is CTranslate2's"):

@@ -18,7 +18,7 @@ import vaswani.trainer
 import vaswani.training
 from conftest import script_main
 from host_reads import PythonReads
-from training_script import NOUNS, synthetic_corpus, train_args
+from training_script import distinct_corpus, synthetic_corpus, train_args
 
 VaswaniSeq2SeqTrainer = vaswani.training.VaswaniSeq2SeqTrainer  # as imported, whatever a test patches
 
@@ -84,9 +84,7 @@ def test_validation_scores_the_translations_of_the_one_translation_path(tmp_path
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
 
     monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
-    corpus = tmp_path / "corpus.tsv"  # sentences all different, so that the validation split gets some
-    corpus.write_text("".join(f"I have {n} {noun}s.\tJ'ai {n} {plural}.\n"
-                              for n in range(1000) for noun, _, plural in [NOUNS[n % len(NOUNS)]]), encoding="utf-8")
+    corpus = distinct_corpus(tmp_path / "corpus.tsv")
     script_main("train_translation")(train_args(
         corpus, tmp_path / "out", "--max_steps", "10", "--eval_strategy", "steps", "--eval_steps", "5",
         "--predict_with_generate", "--max_eval_samples", "12", "--use_cpu", "--metric_for_best_model", "bleu"))

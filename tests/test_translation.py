@@ -21,8 +21,7 @@ from vaswani.pipeline_vaswani import register_pipeline
 from vaswani.tokenization import TRUNCATION_TOKENS, tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.loading import engine_for_model
-from vaswani.translation import (DEFAULT_SLOTS, decoding_settings, generation_limits, translate,
-                                 write_decoding_defaults)
+from vaswani.translation import DEFAULT_SLOTS, DecodingSettings, model_decoding, translate, write_decoding_defaults
 from vaswani.visualize import attention_maps
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
@@ -62,7 +61,7 @@ def test_batches_of_any_budget_give_each_sentence_its_own_translation_in_input_o
 
 def test_long_sources_are_truncated_by_one_rule_and_reported_by_one_warning(learned, capsys):
     model, tokenizer = learned
-    max_source_length, max_new_tokens = generation_limits(model, 4)
+    max_source_length, max_new_tokens = model.config.max_position_embeddings, 4
     assert len(tokenizer(LONG)["input_ids"]) > max_source_length
     engine = engine_for_model(model, tokenizer, num_beams=1, max_new_tokens=max_new_tokens,
                          max_source_length=max_source_length)
@@ -94,8 +93,9 @@ def test_long_sources_are_truncated_by_one_rule_and_reported_by_one_warning(lear
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
 def test_evaluation_and_the_translate_script_truncate_a_source_alike(request, positions, tmp_path, capsys,
                                                                     single_thread):
-    """`TorchEngine` decides for both: learned positions truncate at their table's size, sinusoidal ones never,
-    whatever the tokenizer's `model_max_length` says (here 16, shorter than `LONG` and than the table)."""
+    """`TorchEngine` decides for both: learned positions truncate at their table's size, sinusoidal ones at the
+    config's `max_position_embeddings` (64 here, longer than `LONG`), whatever the tokenizer's `model_max_length`
+    says (here 16, shorter than `LONG` and than the table)."""
     model, tokenizer = request.getfixturevalue("learned" if positions == "learned" else "trained")
     path = tmp_path / "checkpoint"
     model.save_pretrained(path)
@@ -122,7 +122,7 @@ def test_no_output_runs_past_a_learned_position_table_whatever_the_caller_asks(l
     """The output limit is the engine's too: the default (longest source + 50) and an explicit one alike stop where a
     learned position table ends, so evaluation, evaluate_bleu.py and translate.py decode with one rule."""
     model, tokenizer = learned
-    _, longest = generation_limits(model, None)
+    longest = model_decoding(model).longest_output
     asked = []
     generate = model.generate
     # The limit reaches generate() as max_length, which counts the decoder's start token (length_options).
@@ -147,7 +147,7 @@ def test_a_sentence_budget_alone_cuts_longest_first_batches_of_that_size():
 def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(trained, num_beams, monkeypatch):
     """An engine in slots: translate() hands it every sentence at once, longest first (whatever the budget); each
     output is generate()'s for that sentence alone, within the paper's limit for its own source (its length plus 50
-    tokens) or the engine's max_new_tokens; in input order. Evaluation goes through it alike."""
+    tokens, within the positions) or the engine's max_new_tokens; in input order. Evaluation goes through it alike."""
     import vaswani.translation as translation
 
     model, tokenizer = trained
@@ -165,9 +165,11 @@ def test_an_engine_in_slots_gives_each_sentence_what_generate_gives_it_alone(tra
     ((sources, limits),) = streams
     lengths = [len(ids) for ids in sources]
     assert lengths == sorted(lengths, reverse=True) and len(sources) == len(sentences)
-    assert limits == [length + 50 for length in lengths]
+    longest = model.config.max_position_embeddings - 1  # the decoder start takes the first position
+    assert limits == [min(length + 50, longest) for length in lengths]
     expected = [one_by_one(model, tokenizer, [sentence], num_beams=num_beams,
-                           max_new_tokens=len(tokenizer(sentence)["input_ids"]) + 50)[0] for sentence in sentences]
+                           max_new_tokens=min(len(tokenizer(sentence)["input_ids"]) + 50, longest))[0]
+                for sentence in sentences]
     assert texts == expected and truncated == 0
     short = engine_for_model(model, tokenizer, num_beams=num_beams, max_new_tokens=3, slots=2)
     assert translate(short, sentences).texts == one_by_one(model, tokenizer, sentences, num_beams=num_beams,
@@ -185,12 +187,40 @@ def test_an_engine_decodes_in_batches_where_slots_do_not_cover_the_options(train
 
 def test_settings_left_out_are_the_generation_configs_and_sampling_takes_one_beam():
     config = GenerationConfig(num_beams=5, max_new_tokens=7, length_penalty=0.6)
-    assert decoding_settings(config) == {"num_beams": 5, "max_new_tokens": 7}
-    assert decoding_settings(config, num_beams=2, max_new_tokens=None, length_penalty=None) == \
-        {"num_beams": 2, "max_new_tokens": 7}
-    assert decoding_settings(config, do_sample=True, top_k=None) == {"do_sample": True, "num_beams": 1,
-                                                                     "max_new_tokens": 7}
-    assert decoding_settings(GenerationConfig()) == {"num_beams": 1}  # then each source's length plus 50 tokens
+    resolved = DecodingSettings.resolve(config, positions=64)
+    assert (resolved.num_beams, resolved.max_new_tokens, resolved.length_penalty, resolved.early_stopping) == \
+        (5, 7, 0.6, False)
+    assert (resolved.max_source_length, resolved.longest_output) == (64, 63)  # past the decoder start's position
+    told = DecodingSettings.resolve(config, num_beams=2, max_new_tokens=None, length_penalty=None)
+    assert (told.num_beams, told.max_new_tokens, told.length_penalty) == (2, 7, 0.6)
+    sampled = DecodingSettings.resolve(config, do_sample=True, top_k=None, temperature=0.5)
+    assert (sampled.do_sample, sampled.num_beams, sampled.options) == (True, 1, (("temperature", 0.5),))
+    assert sampled.generate_options() == {"num_beams": 1, "do_sample": True, "temperature": 0.5}
+    assert DecodingSettings.resolve(config, do_sample=True, num_beams=3).num_beams == 3  # a count given is kept
+    plain = DecodingSettings.resolve(GenerationConfig(), positions=64, learned=True)
+    assert (plain.num_beams, plain.length_penalty, plain.max_new_tokens) == (1, 1.0, None)
+    # The one length rule, per source, within a learned table (less the decoder start).
+    assert [plain.output_limit(n) for n in (1, 7, 30)] == [51, 57, 63]
+    assert DecodingSettings.resolve(config).output_limit(30) == 7
+    assert DecodingSettings.resolve(GenerationConfig(), positions=32, learned=True,
+                                    max_source_length=100).max_source_length == 32
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_beams", 0, "must be a whole number of at least 1"),
+    ("length_penalty", float("nan"), "must be a finite number"),
+    ("length_penalty", float("inf"), "must be a finite number"),
+    ("min_new_tokens", -1, "must be a whole number of at least 0"),
+    ("do_sample", "yes", "must be true or false"),
+])
+def test_settings_generate_cannot_honour_are_refused_naming_where_they_came_from(field, value, message):
+    config = GenerationConfig()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=f"^ckpt/generation_config.json: {field}={value!r} cannot be decoded with; "
+                                         f"it {message}.$"):
+        DecodingSettings.resolve(config, origin="ckpt/generation_config.json")
+    with pytest.raises(ValueError, match=f"^the caller's options: {field}={value!r}"):
+        DecodingSettings.resolve(GenerationConfig(), **{field: value})
 
 
 @pytest.mark.parametrize("max_new_tokens", [None, 5])
@@ -220,7 +250,8 @@ def test_written_decoding_defaults_rule_our_engine_and_a_stock_generate_after_a_
     assert said.out == ""  # no warning that the generation config sets a length beside the engine's
     stock = reloaded.generate(**source, lean_decoding=False)  # no options: all from generation_config.json
 
-    assert asked[0]["num_beams"] == 2 and "length_penalty" not in asked[0]  # generate() reads it from the config
+    # The engine passes its resolved settings, the checkpoint's where the caller gave none.
+    assert (asked[0]["num_beams"], asked[0]["length_penalty"], asked[0]["early_stopping"]) == (2, 0.5, False)
     assert asked[0]["max_length"] == expected_length
     assert stock.shape[1] == (expected_length if max_new_tokens else table)
     options = {"max_new_tokens": max_new_tokens} if max_new_tokens else {"max_length": table}

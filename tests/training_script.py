@@ -27,6 +27,13 @@ def synthetic_corpus(path: Path, pairs: int = 600, seed: int = 0) -> Path:
     return path
 
 
+def distinct_corpus(path: Path, pairs: int = 1000) -> Path:
+    """A corpus whose sentences all differ, so that deduplication leaves a validation split."""
+    path.write_text("".join(f"I have {n} {noun}s.\tJ'ai {n} {plural}.\n"
+                            for n in range(pairs) for noun, _, plural in [NOUNS[n % len(NOUNS)]]), encoding="utf-8")
+    return path
+
+
 def train_args(corpus: Path, output_dir: Path, *extra: str) -> list[str]:
     return [
         "--preset", "tiny", "--vocab_size", "300", "--corpus", str(corpus), "--output_dir", str(output_dir),

@@ -97,7 +97,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "own)")
     parser.add_argument("--slots", type=non_negative_int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "
-                        "once by the next (vaswani.generation_vaswani.decode_in_slots; each output as generate() "
+                        "once by the next (vaswani.slots.decode_in_slots; each output as generate() "
                         "gives it for that sentence alone, up to its length plus 50 tokens); 0: in batches. Default: "
                         "the engine's (vaswani.translation.TorchEngine)")
     parser.add_argument("--ctranslate2", action="store_true", default=None,

@@ -285,10 +285,12 @@ def check_tokenizer_fits(model, tokenizer) -> None:
 
 
 def longest_output(config) -> int | None:
-    """How many tokens a decoder with `config`'s positions can generate: a learned table's size less the decoder
-    start token's position; None for sinusoidal and rotary positions, which have no end (and for models of other
-    types, which the translation pipeline may run)."""
-    if getattr(config, "position_embedding_type", None) != "learned":
+    """How many tokens the package lets a decoder with `config`'s positions generate: its `max_position_embeddings`
+    less the decoder start token's position. A learned table ends there; sinusoidal and rotary positions would go
+    on, but outputs stop at the same bound, the one a CTranslate2 export's position table has (`vaswani.export`), so
+    that both engines stop a runaway output alike. None for models of other types, which the translation pipeline
+    may run."""
+    if getattr(config, "model_type", None) != "vaswani":
         return None
     return config.max_position_embeddings - 1
 
@@ -296,7 +298,7 @@ def longest_output(config) -> int | None:
 def output_limit(source_length: int, max_new_tokens: int | None = None, longest: int | None = None) -> int:
     """The one output-length rule of every decoder the package runs (its engines, the pipeline, the heatmaps):
     `max_new_tokens` where one is given, else the source's length plus `OUTPUT_SLACK`; never past `longest`, where
-    the positions end (a learned table's size less the decoder start; None: no end)."""
+    the positions end (`longest_output`; None: no end)."""
     limit = max_new_tokens if max_new_tokens is not None else source_length + OUTPUT_SLACK
     return limit if longest is None else min(limit, longest)
 

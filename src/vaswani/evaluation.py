@@ -105,9 +105,9 @@ def translate(
     """Translate `sentences` with `model.generate`, returning one string per sentence in the input order: the
     package's one translation path (`vaswani.translation.translate`) with the engine `vaswani.loading.engine_for_model`
     builds, in batches of `batch_size` sentences, longest first. `engine_options`: `num_beams`, `max_new_tokens`
-    (default: the model's generation config's; without one there, each batch's longest source plus 50 tokens, the
-    paper's output-length limit), `max_source_length` (default: where the model's positions end, as `TorchEngine`
-    decides for every caller; a truncation is reported on stderr), `slots` and `generate()`'s options (None: the
+    (default: the model's generation config's; without one there, each source's own length plus 50 tokens, the
+    paper's output-length limit, within the positions), `max_source_length` (default: where the model's positions
+    end, as `DecodingSettings` decides for every caller; a truncation is reported on stderr), `slots` and `generate()`'s options (None: the
     generation config's). `device` moves the model there first;
     by default the model's own device is used. The model's training mode is restored afterwards, so that this can
     run in the middle of training.

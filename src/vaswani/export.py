@@ -25,13 +25,16 @@ vocabularies; banned sequences of several tokens.
 
 import math
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
+from .configuration_vaswani import OUTPUT_SLACK
 from .files import locking, staged_directory
-from .loading import load_translator
+from .loading import engine_for_model, load_engine, load_translator
+from .translation import model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
@@ -41,7 +44,8 @@ FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("S
 
 @locking("output_dir")
 def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: str | None = None,
-                          max_positions: int | None = None, force: bool = False) -> str:
+                          max_positions: int | None = None, force: bool = False,
+                          measure_on: Sequence[str] | None = None) -> str:
     """Write `model` (a VaswaniForConditionalGeneration, or a path or Hub id to load one from) as a CTranslate2
     model directory; return its path.
 
@@ -52,6 +56,10 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
     cannot compute them on the fly, so longer inputs must be truncated to it. An `output_dir` that is the model's
     own directory, holds it, or is a training run's is refused, as is any other non-empty one without `force`
     (`checkpoints.check_output_dir`); the directory is replaced whole.
+
+    The directory's README.md (its model card) says how the export decodes and what CTranslate2 cannot follow of
+    the checkpoint's settings (`model_card`); with `measure_on` (source sentences), the share of them that the
+    export, in float32, translates differently from the PyTorch model.
     """
     from ctranslate2.converters import Converter
 
@@ -72,7 +80,54 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
         VaswaniConverter().convert(str(staging), quantization=quantization, force=True)  # (into the empty staging)
         tokenizer.save_pretrained(staging)  # the directory is then all a deployment needs (`loading.load_engine`),
         model.generation_config.save_pretrained(staging)  # with the decoding settings the model was evaluated with
+        differing = None if measure_on is None else count_differences(model, tokenizer, str(staging), measure_on)
+        (staging / "README.md").write_text(model_card(model, differing, len(measure_on or ())), encoding="utf-8")
     return str(output_dir)
+
+
+def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:
+    """How many of `sources` the CTranslate2 model in `export_dir`, computing in float32, translates otherwise than
+    `model` does, each with the checkpoint's own decoding settings."""
+    pytorch = translate(engine_for_model(model, tokenizer, slots=0), sources, warn=False).texts
+    exported = translate(load_engine(export_dir, device="cpu", compute_type="float32"), sources, warn=False).texts
+    return sum(a != b for a, b in zip(pytorch, exported))
+
+
+def model_card(model, differing: int | None, measured: int) -> str:
+    """The export's README.md: how `vaswani.loading.load_engine` decodes with it (the checkpoint's settings, told to
+    CTranslate2 as transformers applies them) and the one rule of those settings CTranslate2 cannot follow, with its
+    measured share (`differing` of `measured` sentences) where one was measured."""
+    decoding = model_decoding(model)
+    lines = ["# A Vaswani translation model for CTranslate2", "",
+             "Exported by `vaswani.export` with the tokenizer and `generation_config.json` of its checkpoint. "
+             "`vaswani.loading.load_engine(this_directory)` translates with it as the PyTorch checkpoint does.", "",
+             "## Decoding", "",
+             f"The checkpoint's settings: {decoding.num_beams} beam(s), length penalty {decoding.length_penalty}, "
+             f"early_stopping={decoding.early_stopping}; each output at most "
+             + (f"{decoding.max_new_tokens} tokens" if decoding.max_new_tokens is not None else
+                f"its source's length plus {OUTPUT_SLACK} tokens")
+             + f", within the {decoding.longest_output + 1} exported positions, which also cut a source.", "",
+             "What `load_engine` tells `Translator.translate_batch`: `length_penalty` with `return_end_token=True` "
+             "(transformers counts the end of sentence in the length it divides by; CTranslate2 only when it returns "
+             "it), `max_decoding_length` per sentence (a beam search decodes the sentences of one limit per call), "
+             "`max_input_length`, `patience=1`, `min_decoding_length` from `min_new_tokens`.", ""]
+    if decoding.num_beams > 1 and decoding.early_stopping is not True:
+        lines += ["## What CTranslate2 cannot follow", "",
+                  "CTranslate2 ends a sentence's beam search once as many hypotheses as beams have finished, which "
+                  "is transformers' `early_stopping=True`. This checkpoint decodes with "
+                  f"`early_stopping={decoding.early_stopping}`, under which transformers goes on while a live beam "
+                  "could still beat a finished one, so some sentences get another translation here.",
+                  ""]
+        if measured:
+            lines.append(f"Measured at export, in float32: {differing} of {measured} sentences "
+                         f"({100 * differing / measured:.1f}%) translate differently.")
+        else:
+            lines.append("Not measured for this export: `export_to_ctranslate2(..., measure_on=sentences)` "
+                         "(`scripts/export_ctranslate2.py --measure_on FILE`) measures it.")
+    else:
+        lines += ["Every setting is one CTranslate2 follows: in float32 its translations are the PyTorch model's, "
+                  "but for the last bit of a kernel's sum (tests/test_decoding_contract.py)."]
+    return "\n".join(lines) + "\n"
 
 
 def model_spec(model: VaswaniForConditionalGeneration, tokenizer, max_positions: int | None = None):

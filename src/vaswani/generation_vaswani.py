@@ -18,7 +18,7 @@ still validates the arguments, runs the encoder, expands the batch for the beams
 logits processors and stopping criteria; `decode` replaces only the loop over decoding steps. The outputs are
 transformers' own: the same tokens for greedy search, and the same hypotheses for beam search, whose bookkeeping
 (finished hypotheses, length penalty, early stopping) is transformers' helper methods, called as they are, through
-`_Upstream`, the one place that reaches transformers' private generation methods (tests/test_decoding.py compares
+`Upstream`, the one place that reaches transformers' private generation methods (tests/test_decoding.py compares
 both with transformers' loop; benchmarks/results/decoding-loops-cpu-main-job-model.md counts identical translations on
 a trained model). One caveat: one source row per sentence and finished sentences
 leaving the batch (4 and 5 below) change the shapes of the matrix products, which may change the last bit of a
@@ -31,9 +31,9 @@ multiplications are int8 (benchmarks/README.md):
 1. Each step calls the model with the source encoding and the cache directly, without generate()'s per-step
    re-preparation of its keyword arguments.
 2. Greedy search takes the argmax of the raw logits (transformers first copies them to a new float32 tensor)
-   with `_top_k`, a two-level search over blocks of the vocabulary that returns the same token as `torch.argmax`.
+   with `top_k`, a two-level search over blocks of the vocabulary that returns the same token as `torch.argmax`.
 3. Beam search ranks tokens within each beam before it ranks beams. The best 2·beams continuations of a sentence
-   are among the best 2·beams tokens of each of its beams, so `_top_k` picks those from each beam's
+   are among the best 2·beams tokens of each of its beams, so `top_k` picks those from each beam's
    log-probabilities, and only beams × 2·beams candidates get the beam's running score added and compete;
    transformers adds the running score to every beam × vocabulary entry and ranks all of them (4 × 32,000 per
    sentence here).
@@ -55,33 +55,20 @@ multiplications are int8 (benchmarks/README.md):
    batch shape (`_StaticDecoding`), so later batches of the same shape replay the first one's graphs; the search's
    state stays on the device, and the host reads one flag per step, whether to go on. A batch's first step, which
    projects the source for cross-attention, runs as usual. Not with logits processors or stopping criteria other
-   than max_length and eos_token_id (they may read values on the host); those calls decode as 1–5 describe. On
+   than max_length, eos_token_id and each sentence's own limit (`SentenceLimits`, kept in a buffer of the shape);
+   others may read values on the host, and those calls decode as 1–5 describe. On
    other devices the same static steps run without graphs, which is how the CPU tests check them.
    Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
    benchmarks/results/translation-trained-cuda-h200.md).
 
-7. `decode_in_slots` (not a generate() call: it takes a list of sources, of any length, and is what
-   `vaswani.translation.TorchEngine(slots=...)` runs) keeps a fixed number of slots, each one sentence × its beams,
-   busy with live rows: when a slot's sentence finishes, the next source takes its slot (the newcomers' encoder runs
-   batched together), instead of the batch waiting for its longest sentence as in 6. The self-attention cache is
-   pre-allocated for max_length positions, and each slot writes and attends at its own position (a per-row mask);
-   the cross-attention keys/values and the source mask are kept per slot. Beam search's bookkeeping is `_advance`'s,
-   with each sentence's own length (`_PerSentence`): transformers' helpers keep the hypotheses, and its length
-   penalty is applied by the same float32 division. Each output is what generate() returns for that sentence alone
-   with its own max_new_tokens (tests/test_decoding_static.py; the caveat of 4 and 5 holds: neighbours change the shapes
-   of the matrix products). Finished slots are found on the device; the host reads which ones once every
-   `SYNC_EVERY` steps, in one transfer with their outputs, and nothing else during the steps. On a GPU the step is
-   replayed as a CUDA graph, recorded once per slot count: once no source is left to start, the slots are halved
-   as their sentences finish, so a few graphs serve the tail. On a CPU the same loop runs without graphs, attending
-   over the positions written so far; there it measured slower than the loop of 1–5 on the main job's model
-   (`benchmarks/bench_translation.py --engines vaswani,vaswani-slots` compares them), which stays the CPU's default.
+Continuous batching (sentences in slots, each finished one replaced by the next source) is not a generate() call and
+lives in the package, not in this file: `vaswani.slots`.
 
 Anything else (sampling, `return_dict_in_generate`, a decoder-only or non-Vaswani model, a pre-filled or static
 cache, an assistant model, a streamer, synced GPUs, the decoding methods that transformers moved to the Hub) goes
 to transformers' own `generate()` unchanged.
 """
 
-import copy
 import functools
 import inspect
 import weakref
@@ -94,7 +81,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderD
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, StoppingCriteria,
+                                                       StoppingCriteriaList)
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
@@ -109,11 +97,12 @@ CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "pa
 #
 # `custom_generate` hands a decoding method what generate() prepared, but beam search's bookkeeping, the preparation of
 # a generation config outside generate(), its special-token tensors and transformers' own loops have no public API. The
-# loops below reach them only through `_Upstream`, which calls each by keyword (a reordered signature cannot swap two
-# arguments unnoticed). UPSTREAM_CONTRACT lists each method called with the parameters passed, UPSTREAM_OVERRIDES the
-# cache-layer methods that `_SlotLayer` overrides with the signature transformers calls them with, and
-# `check_upstream_contract` names any that an installed release has changed (tests/test_generation_internals.py runs
-# it), so that an upgrade fails there, by name, instead of deep inside a decoding step.
+# loops below reach them only through `Upstream`, which calls each by keyword (a reordered signature cannot swap two
+# arguments unnoticed). UPSTREAM_CONTRACT lists each method called with the parameters passed (the caches' own methods
+# too), UPSTREAM_CACHE_ATTRIBUTES the cache attributes read and written directly, and `check_upstream_contract` names
+# any that an installed release has changed (tests/test_generation_internals.py runs it, with the signatures of the
+# cache-layer methods that vaswani.slots overrides), so that an upgrade fails there, by name, instead of deep inside a
+# decoding step.
 
 # (owner, name) → the parameters passed to it (besides self), "**" where other keywords are passed too.
 UPSTREAM_CONTRACT = {
@@ -140,17 +129,21 @@ UPSTREAM_CONTRACT = {
     (GenerationMixin, "_beam_search_has_unfinished_sequences"): (
         "is_early_stop_heuristic_unsatisfied", "is_sent_finished", "next_token_hits_stopping_criteria",
         "early_stopping"),
-    (DynamicLayer, "__init__"): (),  # `_SlotLayer` allocates its own buffers
+    (DynamicLayer, "__init__"): (),  # the slots' cache layer (vaswani.slots) allocates its own buffers
+    (DynamicLayer, "batch_select_indices"): ("indices",),
+    (DynamicLayer, "lazy_initialization"): ("key_states", "value_states"),
+    (Cache, "__init__"): ("layers",),
+    (Cache, "get_seq_length"): (),
+    (Cache, "reset"): (),
+    (DynamicCache, "__init__"): ("config",),
+    (StaticCache, "__init__"): ("config", "max_cache_len"),
+    (EncoderDecoderCache, "__init__"): (),  # the self-attention and the cross-attention cache, by position
 }
 
-# (owner, name) → its parameters, which an override must take ("*args", "**kwargs" for the variable ones).
-UPSTREAM_OVERRIDES = {
-    (DynamicLayer, "update"): ("self", "key_states", "value_states", "*args", "**kwargs"),
-    (DynamicLayer, "get_mask_sizes"): ("self", "query_length"),
-    (DynamicLayer, "get_seq_length"): ("self",),
-    (DynamicLayer, "get_max_length"): ("self",),
-    (DynamicLayer, "lazy_initialization"): ("self", "key_states", "value_states"),
-}
+# The attributes of transformers' caches that the loops read or write themselves (the static steps fill the layers'
+# `keys` and `values`; the slots make their own layers).
+UPSTREAM_CACHE_ATTRIBUTES = {DynamicLayer: ("keys", "values", "is_initialized"), DynamicCache: ("layers",),
+                             EncoderDecoderCache: ("self_attention_cache", "cross_attention_cache")}
 
 # The tensors `_prepare_special_tokens` leaves on a generation config, which the loops read.
 UPSTREAM_SPECIAL_TOKENS = ("_decoder_start_token_tensor", "_eos_token_tensor", "_pad_token_tensor")
@@ -162,13 +155,19 @@ def _signature_names(function) -> tuple[str, ...]:
     return tuple(stars.get(p.kind, "") + name for name, p in inspect.signature(function).parameters.items())
 
 
-def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict = UPSTREAM_OVERRIDES,
-                            special_tokens: tuple = UPSTREAM_SPECIAL_TOKENS) -> list[str]:
+def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict | None = None,
+                            special_tokens: tuple = UPSTREAM_SPECIAL_TOKENS,
+                            cache_attributes: dict = UPSTREAM_CACHE_ATTRIBUTES) -> list[str]:
     """What an installed transformers no longer offers, one line per change (empty where all holds): a method that
     is gone; of `contract`'s, a parameter passed that it no longer takes or one it now requires that is not passed;
-    of `overrides`', another signature; a special-token tensor that `_prepare_special_tokens` no longer sets."""
+    of `overrides`' (a subclass's overrides: (owner, name) → the parameters they take), another signature; a
+    special-token tensor that `_prepare_special_tokens` no longer sets; of `cache_attributes`, one that a cache (a
+    layer that has stored a key and a value) no longer has."""
+    overrides = overrides or {}
     problems = []
-    for (owner, name), expected in [*contract.items(), *overrides.items()]:
+    checks = [(key, expected, False) for key, expected in contract.items()]
+    checks += [(key, expected, True) for key, expected in overrides.items()]
+    for (owner, name), expected, overridden in checks:
         where = f"{owner.__module__}.{owner.__name__}.{name}"
         member = inspect.getattr_static(owner, name, None)
         if member is None:
@@ -177,7 +176,7 @@ def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict 
         if not callable(getattr(owner, name)):
             problems.append(f"{where} is no longer a method")
             continue
-        if (owner, name) in overrides:
+        if overridden:
             if _signature_names(getattr(owner, name)) != expected:
                 problems.append(f"{where} now takes {_signature_names(getattr(owner, name))}, not {expected}")
             continue
@@ -205,6 +204,27 @@ def check_upstream_contract(contract: dict = UPSTREAM_CONTRACT, overrides: dict 
             for name in special_tokens:
                 if not isinstance(getattr(generation_config, name, None), torch.Tensor):
                     problems.append(f"GenerationMixin._prepare_special_tokens no longer sets GenerationConfig.{name}")
+    problems += _missing_cache_attributes(cache_attributes)
+    return problems
+
+
+def _missing_cache_attributes(cache_attributes: dict) -> list[str]:
+    """`check_upstream_contract`'s lines for the attributes of `cache_attributes` that the caches no longer have."""
+    problems = []
+    for owner, names in cache_attributes.items():
+        try:
+            if issubclass(owner, EncoderDecoderCache):
+                instance = owner(DynamicCache(), DynamicCache())
+            else:
+                instance = owner()
+                if isinstance(instance, DynamicLayer):
+                    states = torch.zeros(1, 1, 1, 2)
+                    instance.update(states, states)
+        except Exception as error:  # noqa: BLE001 - reported, with what it was
+            problems.append(f"{owner.__module__}.{owner.__name__} could not be made as the loops make it: {error!r}")
+            continue
+        problems += [f"{owner.__module__}.{owner.__name__}.{name} no longer exists" for name in names
+                     if getattr(instance, name, None) is None]
     return problems
 
 
@@ -216,7 +236,7 @@ class _SpecialTokens(NamedTuple):
     pad: torch.Tensor | None
 
 
-class _Upstream:
+class Upstream:
     """Every call of transformers' private generation methods, and every read of what they leave (see
     UPSTREAM_CONTRACT above). The loops call these, never the private names."""
 
@@ -297,7 +317,7 @@ def _block_size(vocab_size: int, k: int) -> int | None:
     return None
 
 
-def _top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`scores.topk(k, dim=-1)` over rows of vocabulary size, in two levels: the k best entries of a row lie in the
     k blocks with the highest maxima (a block holding one of them has a maximum at least as high as the k-th best,
     and at most k blocks do), so only those k blocks are searched, which on a CPU is faster than `topk` and than
@@ -345,10 +365,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     """A `custom_generate` decoding method for `generate()`: greedy or beam search (see the module docstring).
     `cuda_graphs=True` (a `generate()` argument) decodes with static shapes and replays each step as a CUDA graph
     (6 in the module docstring)."""
-    static = cuda_graphs and _static_covers(logits_processor, stopping_criteria)
+    static = cuda_graphs and static_covers(logits_processor, stopping_criteria)
     mode = _lean_mode(model, generation_config, model_kwargs, static)
     if mode is None:
-        return _Upstream.own_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+        return Upstream.own_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   **model_kwargs)
     cache = model_kwargs[CACHE_NAME]
     encoder_outputs, attention_mask = model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask")
@@ -379,6 +399,26 @@ def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask
     return outputs.logits[:, -1]  # (B, vocab)
 
 
+class SentenceLimits(StoppingCriteria):
+    """Each sentence of a batch stops at its own length: `max_lengths[i]` tokens (the decoder prompt included, as
+    `MaxLengthCriteria` counts them) for the i-th sentence, so that its output does not depend on the sources beside
+    it. Both loops call stopping criteria with the rows of each sentence together (greedy search: one row per
+    sentence; beam search: its C candidates), and the lean loop hands on `keep`'s criterion for the sentences that
+    stay in its batch. A `generate()` argument: `stopping_criteria=StoppingCriteriaList([SentenceLimits(...)])`, with
+    `max_length` the longest of them."""
+
+    def __init__(self, max_lengths: torch.Tensor):
+        self.max_lengths = max_lengths  # (sentences,) on the model's device
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        rows_per_sentence = input_ids.shape[0] // self.max_lengths.shape[0]
+        return (input_ids.shape[-1] >= self.max_lengths).repeat_interleave(rows_per_sentence)
+
+    def keep(self, sentences: torch.Tensor) -> "SentenceLimits":
+        """The limits of `sentences` (indices into this batch's sentences), in that order."""
+        return SentenceLimits(self.max_lengths[sentences])
+
+
 def _stops_at_eos(stopping_criteria) -> bool:
     """Whether a sequence can stop before max_length, so that stopped rows must be padded (transformers' rule)."""
     return any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
@@ -387,7 +427,7 @@ def _stops_at_eos(stopping_criteria) -> bool:
 def _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_sample` without sampling: the argmax token, padding after a sequence has stopped; stopped
     sequences leave the batch (5 in the module docstring)."""
-    pad_token_id = _Upstream.special_tokens(generation_config).pad
+    pad_token_id = Upstream.special_tokens(generation_config).pad
     stops_at_eos = _stops_at_eos(stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     live = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still decoded
@@ -397,7 +437,7 @@ def _greedy(model, input_ids, state, logits_processor, stopping_criteria, genera
         if logits_processor:
             next_tokens = logits_processor(input_ids, logits.float()).argmax(dim=-1)
         else:
-            next_tokens = _top_k(logits, 1)[1].squeeze(1)
+            next_tokens = top_k(logits, 1)[1].squeeze(1)
         if stops_at_eos:  # stopped rows get padding (those that left the batch, and those that just stopped)
             tokens = pad_token_id.expand(input_ids.shape[0]).clone()
             tokens[live] = next_tokens * unfinished[live] + pad_token_id * (1 - unfinished[live])
@@ -415,7 +455,7 @@ def _greedy(model, input_ids, state, logits_processor, stopping_criteria, genera
         new_tokens = input_ids[live, -1:]
 
 
-class _Beams(NamedTuple):
+class Beams(NamedTuple):
     """transformers' beam-search state, per sentence: B sentences × N beams, sequences of up to max_length tokens."""
 
     running_sequences: torch.Tensor  # (B, N, max_length) the live beams
@@ -428,7 +468,7 @@ class _Beams(NamedTuple):
     improvable: torch.Tensor  # (B, 1) whether a later step can still change the finished hypotheses
 
 
-class _BeamSettings(NamedTuple):
+class BeamSettings(NamedTuple):
     num_beams: int
     beams_to_keep: int  # C, the candidates kept per sentence: 2N, more with several EOS tokens
     prompt_len: int
@@ -437,14 +477,14 @@ class _BeamSettings(NamedTuple):
     length_penalty: float
 
 
-def _start_beams(input_ids, generation_config) -> tuple[_Beams, _BeamSettings]:
+def start_beams(input_ids, generation_config) -> tuple[Beams, BeamSettings]:
     """The state before the first step, as transformers' `_beam_search` sets it up."""
-    _, eos_token_id, pad_token_id = _Upstream.special_tokens(generation_config)
+    _, eos_token_id, pad_token_id = Upstream.special_tokens(generation_config)
     max_length, num_beams = generation_config.max_length, generation_config.num_beams
     rows, prompt_len = input_ids.shape
     batch_size, device = rows // num_beams, input_ids.device
     n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
-    settings = _BeamSettings(num_beams, max(2, 1 + n_eos_tokens) * num_beams, prompt_len, max_length,
+    settings = BeamSettings(num_beams, max(2, 1 + n_eos_tokens) * num_beams, prompt_len, max_length,
                              generation_config.early_stopping, generation_config.length_penalty)
     fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1  # transformers' filler, as written there
     running_sequences = torch.full((batch_size, num_beams, max_length), fill, dtype=torch.long, device=device)
@@ -453,7 +493,7 @@ def _start_beams(input_ids, generation_config) -> tuple[_Beams, _BeamSettings]:
     running_scores[:, 1:] = -1e9  # the beams start identical: only the first may expand at the first step
     running_beam_indices = torch.full((batch_size, num_beams, max_length - prompt_len), -1, dtype=torch.int32,
                                       device=device)
-    beams = _Beams(
+    beams = Beams(
         running_sequences, running_scores, running_beam_indices,
         sequences=running_sequences.clone(),
         beam_scores=torch.full((batch_size, num_beams), -1e9, device=device),
@@ -464,128 +504,106 @@ def _start_beams(input_ids, generation_config) -> tuple[_Beams, _BeamSettings]:
     return beams, settings
 
 
-class _PerSentence(NamedTuple):
-    """Where each sentence of a beam search stands when sentences started at different steps (the slots of
-    `decode_in_slots`): `_advance` then takes one of these in place of the batch's one current length."""
+class Candidates(NamedTuple):
+    """A beam-search step's best C continuations of each sentence (B sentences), as transformers'
+    `_get_top_k_continuations` leaves them, the new token not yet written into the sequences."""
 
-    lengths: torch.Tensor  # (B,) the current length of each sentence's sequences (transformers' cur_len)
-    max_lengths: torch.Tensor  # (B,) each sentence's max_length
-    eos_token_id: torch.Tensor | None  # (E,) the end-of-sentence ids, or None: only max_length stops
-    penalties: torch.Tensor  # (max_length + 1,) n ** length_penalty for n generated tokens, in float32
-
-
-def _length_penalties(max_length: int, length_penalty: float, device) -> torch.Tensor:
-    """`n ** length_penalty` for n = 0 … max_length, each computed by Python as transformers computes it (a Python
-    number, which divides a float32 tensor as its float32 rounding), so that dividing by an entry of this float32
-    table gives transformers' scores to the bit."""
-    return torch.tensor([n ** length_penalty if n else 1.0 for n in range(max_length + 1)], dtype=torch.float32,
-                        device=device)
+    log_probs: torch.Tensor  # (B, C) their running scores
+    beams: torch.Tensor  # (B, C) the beam each continues
+    tokens: torch.Tensor  # (B, C) the token each adds
+    sequences: torch.Tensor  # (B, C, max_length) the sequences they continue
+    beam_indices: torch.Tensor  # (B, C, max_length - prompt)
+    rows: torch.Tensor  # (B, C) the batch row of the beam each continues
 
 
-def _advance(model, log_probs, beams: _Beams, cur_len: int | _PerSentence, stopping_criteria,
-             settings: _BeamSettings):
-    """One step of beam search from the (B·N, vocab) log-probabilities of the next token: the new state, which
-    candidates hit a stopping criterion (B, C), and the row each new beam continues (B·N,), for the cache.
-
-    `cur_len` is the batch's current length, or each sentence's (`_PerSentence`, for sentences that started at
-    different steps; `stopping_criteria` is then unused: each sentence stops at an end of sentence or at its own
-    max_length, as transformers' `EosTokenCriteria` and `MaxLengthCriteria` decide). The candidates are ranked as 3 in
-    the module docstring says; the rest is transformers' helper methods."""
-    num_beams, beams_to_keep, prompt_len = settings.num_beams, settings.beams_to_keep, settings.prompt_len
+def rank_candidates(model, log_probs, beams: Beams, settings: BeamSettings) -> Candidates:
+    """The best C (beam, token) pairs of each sentence from the (B·N, vocab) log-probabilities of the next token,
+    ranked as 3 in the module docstring says."""
+    num_beams, beams_to_keep = settings.num_beams, settings.beams_to_keep
     batch_size = beams.running_scores.shape[0]
-    rows, device = batch_size * num_beams, log_probs.device
+    rows = batch_size * num_beams
     # The best C tokens of every beam, then the best C (beam, token) pairs of every sentence.
-    token_scores, tokens = _top_k(log_probs, beams_to_keep)  # (B·N, C)
+    token_scores, tokens = top_k(log_probs, beams_to_keep)  # (B·N, C)
     scores = (token_scores + beams.running_scores.view(rows, 1)).view(batch_size, num_beams * beams_to_keep)
     topk_log_probs, choice = scores.topk(beams_to_keep, dim=-1)  # (B, C)
     topk_beams = choice // beams_to_keep
-    topk_tokens = tokens.view(batch_size, -1).gather(1, choice)
+    batch_offset = torch.arange(batch_size, device=log_probs.device).view(-1, 1) * num_beams
+    return Candidates(topk_log_probs, topk_beams, tokens.view(batch_size, -1).gather(1, choice),
+                      Upstream.gather_beams(model, beams.running_sequences, topk_beams),
+                      Upstream.gather_beams(model, beams.running_beam_indices, topk_beams), topk_beams + batch_offset)
 
-    # What transformers' `_get_top_k_continuations` makes of its top-k over beams × vocabulary.
-    topk_running_sequences = _Upstream.gather_beams(model, beams.running_sequences, topk_beams)
-    topk_running_beam_indices = _Upstream.gather_beams(model, beams.running_beam_indices, topk_beams)
-    batch_offset = torch.arange(batch_size, device=device).view(-1, 1) * num_beams
-    per_sentence = isinstance(cur_len, _PerSentence)
-    if per_sentence:
-        # Each sentence writes at its own length; a sentence whose slot is idle may run past the end of the buffers,
-        # where it writes (harmlessly) at the last column.
-        width = topk_running_sequences.shape[-1]
-        column = cur_len.lengths.clamp(max=width - 1)[:, None, None].expand(batch_size, beams_to_keep, 1)
-        topk_running_sequences.scatter_(2, column, topk_tokens[..., None])
-        topk_running_beam_indices.scatter_(2, (column - prompt_len).clamp(min=0),
-                                           (topk_beams + batch_offset).to(topk_running_beam_indices.dtype)[..., None])
-        hits_stop = (cur_len.lengths + 1 >= cur_len.max_lengths)[:, None].expand(batch_size, beams_to_keep)
-        if cur_len.eos_token_id is not None:
-            hits_stop = hits_stop | torch.isin(topk_tokens, cur_len.eos_token_id)
-        # transformers divides by (generated length) ** length_penalty, a Python number per batch; here each sentence
-        # has its own, so the division happens here (the same float32 division) and transformers' helpers are handed
-        # a length of 1, whose penalty divides by exactly 1.
-        generated = (cur_len.lengths + 1 - prompt_len).clamp(max=cur_len.penalties.shape[0] - 1)
-        finished_log_probs = topk_log_probs / cur_len.penalties[generated][:, None]
-        if settings.early_stopping == "never" and settings.length_penalty > 0.0:
-            generated = (cur_len.max_lengths - prompt_len).clamp(max=cur_len.penalties.shape[0] - 1)
-        hypothetical_penalty = cur_len.penalties[generated][:, None]
-        penalised_len, heuristic_len = prompt_len, prompt_len + 1
-    else:
-        topk_running_sequences[:, :, cur_len] = topk_tokens
-        topk_running_beam_indices[:, :, cur_len - prompt_len] = topk_beams + batch_offset
-        hits_stop = stopping_criteria(topk_running_sequences[:, :, : cur_len + 1].flatten(0, 1), None)
-        hits_stop = hits_stop.view(batch_size, beams_to_keep)
-        finished_log_probs, hypothetical_penalty = topk_log_probs, None
-        penalised_len, heuristic_len = cur_len, cur_len + 1
 
-    running_sequences, running_scores, running_beam_indices = _Upstream.running_beams_for_next_iteration(
+def update_beams(model, beams: Beams, candidates: Candidates, hits_stop, settings: BeamSettings, *,
+                 finished_log_probs, penalised_len: int, heuristic_len: int, max_length: int,
+                 hypothetical_penalty=None) -> Beams:
+    """transformers' bookkeeping of a beam-search step, its helper methods called as `_beam_search` calls them: the
+    next running beams, the finished hypotheses (`finished_log_probs`, divided there by
+    `(penalised_len + 1 - prompt) ** length_penalty`) and whether a later step can still change them
+    (`_check_early_stop_heuristic` at `heuristic_len` and `max_length`, on running scores divided by
+    `hypothetical_penalty` first where one is given)."""
+    num_beams, prompt_len = settings.num_beams, settings.prompt_len
+    running_sequences, running_scores, running_beam_indices = Upstream.running_beams_for_next_iteration(
         model,
-        topk_log_probs=topk_log_probs,
-        topk_running_sequences=topk_running_sequences,
-        topk_running_beam_indices=topk_running_beam_indices,
+        topk_log_probs=candidates.log_probs,
+        topk_running_sequences=candidates.sequences,
+        topk_running_beam_indices=candidates.beam_indices,
         next_token_hits_stopping_criteria=hits_stop,
         num_beams=num_beams,
     )
-    sequences, beam_scores, beam_indices, is_sent_finished = _Upstream.update_finished_beams(
+    sequences, beam_scores, beam_indices, is_sent_finished = Upstream.update_finished_beams(
         model,
         sequences=beams.sequences,
-        topk_running_sequences=topk_running_sequences,
+        topk_running_sequences=candidates.sequences,
         beam_scores=beams.beam_scores,
         topk_log_probs=finished_log_probs,
         beam_indices=beams.beam_indices,
-        topk_running_beam_indices=topk_running_beam_indices,
+        topk_running_beam_indices=candidates.beam_indices,
         is_early_stop_heuristic_unsatisfied=beams.improvable,
         is_sent_finished=beams.is_sent_finished,
         next_token_hits_stopping_criteria=hits_stop,
-        top_num_beam_mask=torch.arange(beams_to_keep, device=device) < num_beams,
+        top_num_beam_mask=torch.arange(settings.beams_to_keep, device=hits_stop.device) < num_beams,
         num_beams=num_beams,
         cur_len=penalised_len,
         decoder_prompt_len=prompt_len,
         length_penalty=settings.length_penalty,
         early_stopping=settings.early_stopping,
     )
-    improvable = _Upstream.check_early_stop_heuristic(
+    improvable = Upstream.check_early_stop_heuristic(
         model,
         is_early_stop_heuristic_unsatisfied=beams.improvable,
         running_beam_scores=running_scores if hypothetical_penalty is None else running_scores / hypothetical_penalty,
         beam_scores=beam_scores,
         is_sent_finished=is_sent_finished,
         cur_len=heuristic_len,
-        max_length=settings.max_length if hypothetical_penalty is None else heuristic_len,
+        max_length=max_length,
         decoder_prompt_len=prompt_len,
         early_stopping=settings.early_stopping,
         length_penalty=settings.length_penalty,
     )
-    beams = _Beams(running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices,
-                   is_sent_finished, improvable)
-    if per_sentence:
-        column = (cur_len.lengths - prompt_len).clamp(min=0, max=running_beam_indices.shape[-1] - 1)
-        parent_rows = running_beam_indices.gather(2, column[:, None, None].expand(batch_size, num_beams, 1))
-        return beams, hits_stop, parent_rows.flatten()
-    return beams, hits_stop, running_beam_indices[..., cur_len - prompt_len].flatten()
+    return Beams(running_sequences, running_scores, running_beam_indices, sequences, beam_scores, beam_indices,
+                 is_sent_finished, improvable)
+
+
+def _advance(model, log_probs, beams: Beams, cur_len: int, stopping_criteria, settings: BeamSettings):
+    """One step of beam search for sentences that all stand at `cur_len`, stopped by `stopping_criteria` (as
+    transformers' `_beam_search` stops them): the new state, which candidates hit a stopping criterion (B, C), and
+    the row each new beam continues (B·N,), for the cache."""
+    prompt_len = settings.prompt_len
+    candidates = rank_candidates(model, log_probs, beams, settings)
+    candidates.sequences[:, :, cur_len] = candidates.tokens
+    candidates.beam_indices[:, :, cur_len - prompt_len] = candidates.rows
+    hits_stop = stopping_criteria(candidates.sequences[:, :, : cur_len + 1].flatten(0, 1), None)
+    hits_stop = hits_stop.view(candidates.tokens.shape)
+    beams = update_beams(model, beams, candidates, hits_stop, settings, finished_log_probs=candidates.log_probs,
+                         penalised_len=cur_len, heuristic_len=cur_len + 1, max_length=settings.max_length)
+    return beams, hits_stop, beams.running_beam_indices[..., cur_len - prompt_len].flatten()
 
 
 def _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config) -> torch.Tensor:
     """transformers' `_beam_search` (deterministic, sequences only), with the candidate ranking of the module
     docstring; its helper methods keep the hypotheses. Sentences whose hypotheses can no longer change leave the
     batch (5 in the module docstring)."""
-    beams, settings = _start_beams(input_ids, generation_config)
+    beams, settings = start_beams(input_ids, generation_config)
     num_beams, cur_len = settings.num_beams, settings.prompt_len
     # The results of sentences that left the batch, and the original index of each sentence still in it.
     final_sequences, final_beam_indices = beams.sequences.clone(), beams.beam_indices.clone()
@@ -600,7 +618,7 @@ def _beam(model, input_ids, state, logits_processor, stopping_criteria, generati
         beams, hits_stop, parent_rows = _advance(model, log_probs, beams, cur_len, stopping_criteria, settings)
         model._reorder_cache(state[2], parent_rows)
         cur_len += 1
-        if not _Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
+        if not Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
                                                   settings.early_stopping):
             break
         done = ~beams.improvable[:, 0]  # no later step can change these sentences' finished hypotheses
@@ -609,8 +627,10 @@ def _beam(model, input_ids, state, logits_processor, stopping_criteria, generati
             keep = (~done).nonzero().squeeze(1)
             keep_rows = (keep[:, None] * num_beams + torch.arange(num_beams, device=keep.device)).flatten()
             live = live[keep]
-            beams = _Beams(*(tensor[keep] for tensor in beams))
+            beams = Beams(*(tensor[keep] for tensor in beams))
             state = _keep_rows(state, keep, keep_rows)
+            stopping_criteria = StoppingCriteriaList([criterion.keep(keep) if isinstance(criterion, SentenceLimits)
+                                                      else criterion for criterion in stopping_criteria])
         new_tokens = beams.running_sequences[:, :, cur_len - 1].reshape(-1, 1)
     final_sequences[live], final_beam_indices[live] = beams.sequences, beams.beam_indices
     return _best_hypotheses(final_sequences, final_beam_indices, settings.prompt_len, generation_config)
@@ -629,9 +649,9 @@ def _keep_rows(state, sources, rows):
     output, its mask and the cross-attention cache, and their decoder rows (`rows`) of the self-attention cache."""
     encoder_outputs, attention_mask, cache = state
     for layer in cache.self_attention_cache.layers:
-        layer.batch_select_indices(rows)
+        layer.batch_select_indices(indices=rows)
     for layer in cache.cross_attention_cache.layers:
-        layer.batch_select_indices(sources)
+        layer.batch_select_indices(indices=sources)
     encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state[sources])
     return encoder_outputs, attention_mask[sources] if attention_mask is not None else None, cache
 
@@ -685,7 +705,7 @@ def _decodes(model, arguments: dict) -> bool:
         return False
     # The generation config that generate() will use (a copy: the call's options over the model's defaults).
     options = {name: value for name, value in arguments.items() if name not in _GENERATE_PARAMETERS}
-    generation_config = _Upstream.generation_config(model, arguments.get("generation_config"), **options)
+    generation_config = Upstream.generation_config(model, arguments.get("generation_config"), **options)
     return generation_config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.BEAM_SEARCH)
 
 
@@ -698,10 +718,12 @@ _STATIC_SHAPES_KEPT = 8  # per model: batch shapes whose buffers and graphs are 
 _static_states: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
 
 
-def _static_covers(logits_processor, stopping_criteria) -> bool:
+def static_covers(logits_processor, stopping_criteria) -> bool:
     """Whether a decoding step can be captured: no logits processors (some read their arguments on the host), and
-    only the stopping criteria generate() makes from max_length and eos_token_id (pure tensor operations)."""
-    return not logits_processor and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+    only the stopping criteria generate() makes from max_length and eos_token_id, and each sentence's own limit
+    (`SentenceLimits`): pure tensor operations."""
+    covered = (MaxLengthCriteria, EosTokenCriteria, SentenceLimits)
+    return not logits_processor and all(type(c) in covered for c in stopping_criteria)
 
 
 def _static_source_length(length: int) -> int:
@@ -710,7 +732,7 @@ def _static_source_length(length: int) -> int:
     return max(32, 1 << (length - 1).bit_length())
 
 
-class _StepGraphs:
+class StepGraphs:
     """The CUDA graph of each decoding step position (the step's Python integers, such as the current length, are
     constants in the recording), replayed by every later batch of the same shape. Elsewhere, steps run as they are."""
 
@@ -760,8 +782,21 @@ class _StaticDecoding:
         device = model.device
         self.source_mask = torch.zeros(sources, 1, 1, source_len, dtype=torch.bool, device=device)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.graphs = _StepGraphs(device)
+        self.graphs = StepGraphs(device)
         self.search = None
+        self.limits = None  # each sentence's max_length (`SentenceLimits`), where the batch gives them
+
+    def own_limits(self, stopping_criteria) -> StoppingCriteriaList:
+        """`stopping_criteria` with each sentence's limits (`SentenceLimits`) read from this shape's own buffer, into
+        which this batch's are copied: a recorded step reads the addresses it was recorded with."""
+        given = next((c for c in stopping_criteria if isinstance(c, SentenceLimits)), None)
+        if given is None:
+            return stopping_criteria
+        if self.limits is None:
+            self.limits = given.max_lengths.clone()
+        else:
+            self.limits.copy_(given.max_lengths)
+        return StoppingCriteriaList([SentenceLimits(self.limits) if c is given else c for c in stopping_criteria])
 
     def start(self, input_ids, encoder_states, attention_mask) -> torch.Tensor:
         """A batch's first step, eagerly: the decoder prompt goes into the self-attention cache and the source's
@@ -829,7 +864,7 @@ def _static_state(model, key: tuple, rows: int, encoder_states: torch.Tensor, ma
 
 def _criteria_key(stopping_criteria, generation_config) -> tuple:
     """What the recorded steps take from the stopping criteria and the generation config, as plain values."""
-    _, eos, pad = _Upstream.special_tokens(generation_config)
+    _, eos, pad = Upstream.special_tokens(generation_config)
     return (tuple(type(c).__name__ for c in stopping_criteria), generation_config.max_length,
             tuple(eos.tolist()) if eos is not None else None, int(pad) if pad is not None else None)
 
@@ -840,7 +875,8 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
     max_length = generation_config.max_length
     static = _static_state(model, ("greedy", prompt_len, *_criteria_key(stopping_criteria, generation_config)),
                            rows, encoder_states, max_length)
-    pad_token_id = _Upstream.special_tokens(generation_config).pad
+    stopping_criteria = static.own_limits(stopping_criteria)
+    pad_token_id = Upstream.special_tokens(generation_config).pad
     stops_at_eos = _stops_at_eos(stopping_criteria)
     if static.search is None:
         static.search = (torch.empty(rows, max_length, dtype=torch.long, device=input_ids.device),
@@ -850,7 +886,7 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
     unfinished.fill_(1)
 
     def advance(logits, cur_len):
-        next_tokens = _top_k(logits, 1)[1].squeeze(1)
+        next_tokens = top_k(logits, 1)[1].squeeze(1)
         if stops_at_eos:  # stopped rows get padding
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         sequences[:, cur_len] = next_tokens
@@ -864,10 +900,11 @@ def _greedy_static(model, input_ids, encoder_states, attention_mask, stopping_cr
 def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_criteria, generation_config):
     """`_beam` with static shapes: every sentence stays in the batch until the whole batch has stopped, as in
     transformers."""
-    start, settings = _start_beams(input_ids, generation_config)
+    start, settings = start_beams(input_ids, generation_config)
     rows, prompt_len = input_ids.shape
     static = _static_state(model, ("beam", *settings, *_criteria_key(stopping_criteria, generation_config)),
                            rows, encoder_states, settings.max_length)
+    stopping_criteria = static.own_limits(stopping_criteria)
     if static.search is None:
         static.search = (start, torch.zeros(start.running_scores.shape[0], settings.beams_to_keep, dtype=torch.bool,
                                             device=input_ids.device))
@@ -889,360 +926,8 @@ def _beam_static(model, input_ids, encoder_states, attention_mask, stopping_crit
         static.tokens.copy_(beams.running_sequences[:, :, cur_len].reshape(rows, 1))
 
     def unfinished():
-        return _Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
+        return Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
                                                   settings.early_stopping)
 
     static.decode(input_ids, encoder_states, attention_mask, advance, unfinished)
     return _best_hypotheses(beams.sequences, beams.beam_indices, prompt_len, generation_config).clone()
-
-
-# Continuous batching: sentences in slots (7 in the module docstring) ------------------------------------------------
-
-class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported transformers release
-    """One decoder layer's self-attention keys/values for every row of the slots, pre-allocated for max_length
-    positions: each row writes its new key/value at its own position (`positions`, set before each step), and the
-    attention reads the first `read_length` positions, masked per row beyond the row's own position.
-
-    With `spare` buffers (where the memory need not stay put, as it must for a CUDA graph), beam search's reordering
-    selects the rows into them and swaps: one pass over the cache instead of a selection and a copy back. Every
-    buffer starts as zeros, never uninitialised: a masked position's value still meets its zero attention weight,
-    and 0 × NaN is NaN."""
-
-    def __init__(self, rows: int, kv_heads: int, max_length: int, head_dim: int, dtype, device, spare: bool):
-        super().__init__()
-        self.keys = torch.zeros(rows, kv_heads, max_length, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.spare = (torch.zeros_like(self.keys), torch.zeros_like(self.keys)) if spare else None
-        self.is_initialized = True
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.read_length = max_length
-
-    def attend(self, length: int, max_length: int) -> None:
-        """Attend over the first `length` positions from now on, growing the buffers (by doubling, up to
-        `max_length`) when they are shorter: without graphs the buffers need only hold the positions written so far,
-        and shorter rows are closer together in memory."""
-        self.read_length = length
-        if length > self.keys.shape[2]:
-            width = min(max_length, max(2 * self.keys.shape[2], length))
-            grow = lambda cache: torch.nn.functional.pad(cache, (0, 0, 0, width - cache.shape[2]))  # noqa: E731
-            self.keys, self.values = grow(self.keys), grow(self.values)
-            if self.spare is not None:
-                self.spare = (torch.zeros_like(self.keys), torch.zeros_like(self.values))
-
-    def reorder(self, parent_rows: torch.Tensor) -> None:
-        """Each row continues the cache of row `parent_rows[row]` (the positions written so far)."""
-        written = slice(0, self.read_length)
-        if self.spare is None:
-            for cache in (self.keys, self.values):
-                cache[:, :, written].copy_(cache[:, :, written].index_select(0, parent_rows))
-            return
-        for cache, spare in zip((self.keys, self.values), self.spare):
-            torch.index_select(cache[:, :, written], 0, parent_rows, out=spare[:, :, written])
-        self.spare, (self.keys, self.values) = (self.keys, self.values), self.spare
-
-    def keep(self, rows: torch.Tensor) -> None:
-        self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
-        if self.spare is not None:
-            self.spare = (torch.zeros_like(self.keys), torch.zeros_like(self.values))
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        raise RuntimeError("slot caches are allocated when made")
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        rows = torch.arange(self.keys.shape[0], device=self.keys.device)
-        self.keys[rows, :, self.positions] = key_states[:, :, 0]  # (rows, heads, head_dim) at each row's position
-        self.values[rows, :, self.positions] = value_states[:, :, 0]
-        return self.keys[:, :, : self.read_length], self.values[:, :, : self.read_length]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.read_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0  # positions differ per row: the caller passes them (position_ids) with a prepared mask
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-def slots_cover(model, **generate_options) -> bool:
-    """Whether `decode_in_slots` decodes what `model.generate(**generate_options)` would: greedy or beam search of a
-    Vaswani encoder-decoder, one output per sentence, with no logits processors and no stopping criteria other than
-    max_length and end of sentence (those may read values on the host, or address rows by batch index)."""
-    config = model.config
-    if config.model_type != "vaswani" or not config.is_encoder_decoder:
-        return False
-    generation_config = _Upstream.generation_config(model, **generate_options)
-    if generation_config.get_generation_mode() not in (GenerationMode.GREEDY_SEARCH, GenerationMode.BEAM_SEARCH):
-        return False
-    if generation_config.num_return_sequences != 1 or generation_config.return_dict_in_generate:
-        return False
-    _Upstream.prepare_special_tokens(model, generation_config, model.device)
-    processors, criteria = _Upstream.processors_and_criteria(model, generation_config, model.device)
-    return not processors and _static_covers(processors, criteria)
-
-
-def _read_back(tensor: torch.Tensor) -> list:
-    """The loop's one way to read values on the host (the only point where the host waits for the device)."""
-    return tensor.cpu().tolist()
-
-
-# How many decoding steps the host lets pass between two looks at which slots finished, on a CPU and on a GPU: a
-# finished slot idles for half of that on average, and on a GPU each look makes the host wait for the device and
-# drains its queue of launched steps. On a CPU nothing waits, and 1, 2 and 4 measured alike.
-SYNC_EVERY = {False: 2, True: 8}
-
-
-class _Slots:
-    """The state of `decode_in_slots`: `slots` sentences × `num_beams` rows, every buffer with the slot (or row) as
-    its first dimension, so that a slot can be refilled, or the slots compacted, by indexing that dimension."""
-
-    def __init__(self, model, generation_config, slots: int, source_len: int, max_length: int, graphs: bool):
-        config, device, dtype = model.config, model.device, model.dtype
-        self.model, self.generation_config, self.max_length = model, generation_config, max_length
-        self.beam = generation_config.get_generation_mode() == GenerationMode.BEAM_SEARCH
-        self.num_beams = generation_config.num_beams if self.beam else 1
-        rows = slots * self.num_beams
-        # With graphs every buffer has its final size from the start; without, the caches grow as needed.
-        self.layers = [_SlotLayer(rows, config.num_key_value_heads, max_length if graphs else min(max_length, 32),
-                                  config.head_dim, dtype, device, spare=self.beam and not graphs)
-                       for _ in range(config.decoder_layers)]
-        cross = DynamicCache(config=config)
-        zeros = torch.zeros(slots, config.num_key_value_heads, source_len, config.head_dim, dtype=dtype, device=device)
-        for layer in cross.layers:
-            layer.lazy_initialization(zeros, zeros)
-            layer.keys, layer.values = zeros.clone(), zeros.clone()
-        self.cross = cross
-        self.source_mask = torch.zeros(slots, 1, 1, source_len, dtype=torch.bool, device=device)
-        # The decoder needs encoder states; with the cross-attention cache filled, it reads only their shape.
-        self.encoder_states = torch.zeros(slots, 1, config.d_model, dtype=dtype, device=device)
-        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.lengths = torch.ones(slots, dtype=torch.long, device=device)
-        self.max_lengths = torch.ones(slots, dtype=torch.long, device=device)
-        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.final = torch.zeros(slots, max_length, dtype=torch.long, device=device)  # each finished output
-        self.final_len = torch.zeros(slots, dtype=torch.long, device=device)
-        tokens = _Upstream.special_tokens(generation_config)
-        self.eos = tokens.eos.to(device) if tokens.eos is not None else None
-        self.decoder_start = tokens.decoder_start
-        if self.beam:
-            start = tokens.decoder_start.view(1, 1).expand(slots * self.num_beams, 1)
-            self.beams, self.settings = _start_beams(start, _with_max_length(generation_config, max_length))
-            self.penalties = _length_penalties(max_length, generation_config.length_penalty, device)
-        else:
-            self.sequences = torch.zeros(slots, max_length, dtype=torch.long, device=device)
-            self.sequences[:, 0] = tokens.decoder_start
-        # A slot's search state before its first step, copied into a slot when it is refilled.
-        self.fresh = [tensor.clone() for tensor in self._state()]
-
-    def _state(self) -> list[torch.Tensor]:
-        """The search's tensors, slot first."""
-        return list(self.beams) if self.beam else [self.sequences]
-
-    @property
-    def slots(self) -> int:
-        return self.lengths.shape[0]
-
-    def fill(self, slots: list[int], encoder_states, attention_mask, max_lengths: list[int]) -> None:
-        """Start new sentences in `slots`: their source's cross-attention keys/values (projected by each decoder
-        layer's own cross-attention, as on a first decoding step) and mask, the decoder start token, a fresh search."""
-        device, length = self.lengths.device, encoder_states.shape[1]
-        index = torch.tensor(slots, dtype=torch.long, device=device)
-        rows = (index[:, None] * self.num_beams + torch.arange(self.num_beams, device=device)).flatten()
-        computed = EncoderDecoderCache(DynamicCache(config=self.model.config), DynamicCache(config=self.model.config))
-        for layer in self.model.get_decoder().layers:
-            layer.encoder_attn(encoder_states[:, :1], key_value_states=encoder_states, cache=computed)
-        padding = self.source_mask.shape[-1] - length  # masked source positions, zero keys/values
-        for layer, new in zip(self.cross.layers, computed.cross_attention_cache.layers):
-            for fixed, projected in ((layer.keys, new.keys), (layer.values, new.values)):
-                fixed.index_copy_(0, index, torch.nn.functional.pad(projected, (0, 0, 0, padding)))
-        mask = torch.nn.functional.pad(attention_mask.bool(), (0, padding))
-        self.source_mask.index_copy_(0, index, mask[:, None, None, :])
-        self.tokens[rows] = self.decoder_start
-        self.lengths[index] = 1
-        self.max_lengths[index] = torch.tensor(max_lengths, dtype=torch.long, device=device)
-        self.active[index] = True
-        for state, fresh in zip(self._state(), self.fresh):  # every slot's fresh state is the same
-            state.index_copy_(0, index, fresh[: len(slots)])
-
-    def keep(self, slots: list[int]) -> None:
-        """Keep only `slots`, in this order (fewer slots once no sentence is left to start)."""
-        device = self.lengths.device
-        index = torch.tensor(slots, dtype=torch.long, device=device)
-        rows = (index[:, None] * self.num_beams + torch.arange(self.num_beams, device=device)).flatten()
-        for layer in self.layers:
-            layer.keep(rows)
-        self.tokens = self.tokens[rows]
-        self.source_mask, self.encoder_states, self.lengths, self.max_lengths, self.active, self.final = (
-            t[index] for t in (self.source_mask, self.encoder_states, self.lengths, self.max_lengths, self.active,
-                               self.final))
-        self.final_len = self.final_len[index]
-        for layer in self.cross.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
-        if self.beam:
-            self.beams = _Beams(*(t[index] for t in self.beams))
-        else:
-            self.sequences = self.sequences[index]
-        self.fresh = [t[index] for t in self.fresh]
-
-    def step(self) -> None:
-        """One decoding step of every slot, on the device only: the model, the search, and which slots finished."""
-        beams = self.num_beams
-        slots = self.slots
-        positions = (self.lengths - 1).clamp(max=self.max_length - 1)  # the position of each slot's last token
-        row_positions = positions[:, None].expand(slots, beams).reshape(-1)  # (rows,)
-        read_length = self.layers[0].read_length
-        mask = torch.arange(read_length, device=positions.device) <= row_positions[:, None]  # (rows, read_length)
-        for layer in self.layers:
-            layer.positions = row_positions
-        # The tokens are the model's own predictions, so the decoder's range check of token ids (a host read on a
-        # CPU) is skipped by passing their embeddings.
-        embeddings = self.model.get_decoder().get_input_embeddings()(self.tokens)
-        logits = self.model(
-            decoder_inputs_embeds=embeddings,
-            decoder_attention_mask=mask[:, None, None, :],
-            position_ids=row_positions[:, None],
-            encoder_outputs=BaseModelOutput(last_hidden_state=self.encoder_states),
-            attention_mask=self.source_mask,
-            cache=EncoderDecoderCache(Cache(layers=self.layers), self.cross),
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]  # (rows, vocab)
-        if self.beam:
-            done = self._beam_step(logits)
-        else:
-            done = self._greedy_step(logits)
-        self.active &= ~done
-        self.lengths += 1
-
-    def _greedy_step(self, logits) -> torch.Tensor:
-        next_tokens = _top_k(logits, 1)[1]  # (slots, 1)
-        column = self.lengths.clamp(max=self.max_length - 1)[:, None]
-        self.sequences.scatter_(1, column, next_tokens)
-        self.tokens.copy_(next_tokens)
-        done = self.lengths + 1 >= self.max_lengths
-        if self.eos is not None:
-            done |= torch.isin(next_tokens[:, 0], self.eos)
-        done &= self.active
-        self.final.copy_(torch.where(done[:, None], self.sequences, self.final))
-        self.final_len.copy_(torch.where(done, self.lengths + 1, self.final_len))
-        return done
-
-    def _beam_step(self, logits) -> torch.Tensor:
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        per_sentence = _PerSentence(self.lengths, self.max_lengths, self.eos, self.penalties)
-        new_beams, hits_stop, parent_rows = _advance(self.model, log_probs, self.beams, per_sentence, None,
-                                                     self.settings)
-        for fixed, new in zip(self.beams, new_beams):
-            fixed.copy_(new)
-        for layer in self.layers:  # each row continues its parent's cache
-            layer.reorder(parent_rows)
-        beams = self.beams
-        rows = beams.running_sequences.shape[0] * self.num_beams
-        column = self.lengths.clamp(max=self.max_length - 1)[:, None, None].expand(-1, self.num_beams, 1)
-        self.tokens.copy_(beams.running_sequences.gather(2, column).reshape(rows, 1))
-        # transformers' test for stopping (`_beam_search_has_unfinished_sequences`), per sentence.
-        done = ~beams.improvable[:, 0] | hits_stop.all(dim=1)
-        if self.settings.early_stopping is True:
-            done |= beams.is_sent_finished.all(dim=1)
-        done &= self.active
-        generated = (beams.beam_indices[:, 0] >= 0).sum(dim=1)  # the best hypothesis's length, as _best_hypotheses
-        self.final.copy_(torch.where(done[:, None], beams.sequences[:, 0], self.final))
-        self.final_len.copy_(torch.where(done, self.settings.prompt_len + generated, self.final_len))
-        return done
-
-
-def _with_max_length(generation_config, max_length: int):
-    """A shallow copy of `generation_config` (its prepared special-token tensors included) with this max_length."""
-    config = copy.copy(generation_config)
-    config.max_length = max_length
-    return config
-
-
-def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_every: int | None = None,
-                    cuda_graphs: bool | None = None, **generate_options) -> list[list[int]]:
-    """Greedy or beam search of every source in `sources` (lists of token ids), each output what
-    `model.generate(input_ids=[source], max_new_tokens=its max_new_tokens, **generate_options)[0]` returns (the
-    decoder start token first), in the order of `sources` (7 in the module docstring).
-
-    `slots` sentences decode side by side; when one finishes, the next source takes its slot. `max_new_tokens` is
-    one number or one per source. The host looks at which slots finished once every `sync_every` steps (default
-    `SYNC_EVERY` for the model's device), the only time it waits for the device; a slot that finished in between idles
-    until then. With `cuda_graphs` (default: on a GPU) each step is replayed as a CUDA graph, recorded once per slot
-    count. Calls that `slots_cover` does not cover are refused."""
-    if not slots_cover(model, **generate_options):
-        raise ValueError("decode_in_slots runs greedy and beam search with one output per sentence, without logits "
-                         "processors or stopping criteria other than max_length and eos_token_id.")
-    device = model.device
-    sync_every = SYNC_EVERY[device.type == "cuda"] if sync_every is None else sync_every
-    # On other devices the fixed-shape steps run as they are (how the CPU tests check them).
-    graphs = _StepGraphs(device) if (device.type == "cuda" if cuda_graphs is None else cuda_graphs) else None
-    if slots < 1 or sync_every < 1:
-        raise ValueError(f"slots and sync_every must be at least 1, got {slots} and {sync_every}.")
-    sources = [list(source) for source in sources]
-    if not sources:
-        return []
-    limits = [max_new_tokens] * len(sources) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != len(sources):
-        raise ValueError(f"{len(limits)} max_new_tokens for {len(sources)} sources.")
-    generation_config = _Upstream.generation_config(model, **generate_options)
-    _Upstream.prepare_special_tokens(model, generation_config, device)
-    prompt_len = 1  # the decoder start token
-    max_length = prompt_len + max(limits)
-    positions = model.config.max_position_embeddings
-    if model.config.position_embedding_type == "learned" and max_length > positions:
-        raise ValueError(f"max_length {max_length} is longer than the {positions} learned positions of this model; "
-                         "lower max_new_tokens.")
-    pad = _Upstream.special_tokens(generation_config).pad
-    pad_id = int(pad) if pad is not None else 0
-    state = _Slots(model, generation_config, min(slots, len(sources)), max(map(len, sources)), max_length,
-                   graphs is not None)
-    outputs: list[list[int] | None] = [None] * len(sources)
-    pending = iter(range(len(sources)))
-    held: list[int | None] = [None] * state.slots  # the source each slot decodes
-    steps_taken = [0] * state.slots  # the host's count of each slot's steps (its length − 1, known without a read)
-    encoder = model.get_encoder()
-
-    def start(free: list[int]) -> None:
-        newcomers = [(slot, index) for slot, index in zip(free, pending)]
-        if not newcomers:
-            return
-        batch = [sources[index] for _, index in newcomers]
-        longest = max(map(len, batch))
-        input_ids = torch.tensor([ids + [pad_id] * (longest - len(ids)) for ids in batch], device=device)
-        attention_mask = torch.tensor([[1] * len(ids) + [0] * (longest - len(ids)) for ids in batch], device=device)
-        encoder_states = encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
-        state.fill([slot for slot, _ in newcomers], encoder_states, attention_mask,
-                   [prompt_len + limits[index] for _, index in newcomers])
-        for slot, index in newcomers:
-            held[slot], steps_taken[slot] = index, 0
-
-    start(list(range(state.slots)))
-    while True:
-        for _ in range(sync_every):
-            if graphs is None:  # attend over the positions that some slot has written so far
-                for layer in state.layers:
-                    layer.attend(min(max_length, 1 + max(steps_taken)), max_length)
-                state.step()
-            else:  # a graph replays fixed shapes: every position, masked per row
-                graphs.run(state.slots, state.step)
-            steps_taken = [taken + 1 for taken in steps_taken]
-        # One read: which slots are still decoding, and every slot's finished output with its length.
-        report = _read_back(torch.cat([state.active[:, None].long(), state.final_len[:, None], state.final], dim=1))
-        for slot, (live, length, *row) in enumerate(report):
-            if not live and held[slot] is not None:
-                outputs[held[slot]], held[slot] = row[:length], None
-        start([slot for slot, index in enumerate(held) if index is None])
-        live = [slot for slot, index in enumerate(held) if index is not None]
-        if not live:
-            return outputs
-        if len(live) <= (state.slots // 2 if graphs is not None else state.slots - 1):
-            # No source left to start: decode only the live slots. With graphs, in halves, so that a few slot counts
-            # (each one recorded graph) serve the whole tail; the idle slots that fill a half just idle.
-            if graphs is not None:
-                size = state.slots // 2
-                while size // 2 >= len(live):
-                    size //= 2
-                live += [slot for slot, index in enumerate(held) if index is None][: size - len(live)]
-            state.keep(live)
-            held = [held[slot] for slot in live]
-            steps_taken = [steps_taken[slot] for slot in live]

@@ -7,9 +7,10 @@ precision, int8, the decoding loop and the decoding settings decided in one plac
     engine = engine_for_model(model, tokenizer)                # a model already in memory (validation BLEU, tests)
     translations = vaswani.translation.translate(engine, sentences).texts
 
-The engines are `vaswani.translation`'s, built here only. A decoding setting left out (or None) is the
-checkpoint's `generation_config` (`vaswani.translation.decoding_settings`); the output length, unless
-`max_new_tokens` is set there or here, is each source's length plus `translation.OUTPUT_SLACK`.
+The engines are `vaswani.translation`'s, built here only, each with the one `DecodingSettings` resolved here: a
+setting left out (or None) is the checkpoint's `generation_config`, read once, before the weights, and refused in one
+line naming the file and the field where generate() could not honour it; the output length, unless `max_new_tokens`
+is set there or here, is each source's length plus `translation.OUTPUT_SLACK`.
 `load_translator` gives the model and tokenizer alone, for tools that run the model another way (heatmaps, export).
 
 Stricter than `from_pretrained`, because a translation from partly random weights is a silent wrong result: only
@@ -31,7 +32,7 @@ from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
-from .translation import CTranslate2Engine, Engine, TorchEngine
+from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DECODING_LOOPS = ("auto", "lean", "graphs", "transformers")
@@ -116,7 +117,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     a CTranslate2 model: `compute_type` (CTranslate2's: int8, int8_float32, float32, …; "default" keeps the format
     on disk), and those five are refused. `decoding_overrides`: `num_beams`, `max_new_tokens`, `max_source_length`,
     and for PyTorch any `generate()` option (`length_penalty`, `do_sample`, `temperature`…); one given as None is
-    the checkpoint's `generation_config` (`vaswani.translation.decoding_settings`).
+    the checkpoint's `generation_config` (`vaswani.translation.DecodingSettings.resolve`).
     """
     device = choose_device(device)
     if ctranslate2 is None:
@@ -128,24 +129,50 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
                          if name not in CTranslate2Engine.SETTINGS}
         if any(pytorch_only.values()):
             raise ValueError(f"{', '.join(name for name, given in pytorch_only.items() if given)}: the PyTorch "
-                             "engine's; a CTranslate2 model takes --compute_type, --num_beams and --max_new_tokens.")
+                             "engine's; a CTranslate2 model takes --compute_type and "
+                             f"{', '.join('--' + name for name in CTranslate2Engine.SETTINGS)}.")
+        check_ctranslate2_dir(model_dir)
+        path = os.path.join(model_dir, "generation_config.json")
+        exported = read_generation_config(model_dir) if os.path.isfile(path) else GenerationConfig()
+        settings = DecodingSettings.resolve(exported, positions=exported_positions(model_dir), learned=True,
+                                            origin=path, **decoding_overrides)
+        CTranslate2Engine.check(settings)
         # CPU threads as torch uses them (its own default is a fixed count), so either engine gets the same cores.
         threads = torch.get_num_threads() if device.type == "cpu" else 0
-        translator, tokenizer, generation_config = load_ctranslate2(model_dir, device, compute_type, threads)
-        settings = {name: value for name, value in decoding_overrides.items() if name in CTranslate2Engine.SETTINGS}
-        return CTranslate2Engine(translator, tokenizer, generation_config, **settings)
+        translator, tokenizer = load_ctranslate2(model_dir, device, compute_type, threads)
+        return CTranslate2Engine(translator, tokenizer, settings)
     if compute_type != "default":
         raise ValueError("--compute_type is CTranslate2's; for a PyTorch checkpoint use --dtype or --int8.")
-    beams = decoding_overrides.get("num_beams") or (1 if decoding_overrides.get("do_sample") else None)
-    model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype, num_beams=beams)
-    return TorchEngine(model, tokenizer, slots=slots, **decoding_overrides)
+    check_checkpoint_dir(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
+    settings = DecodingSettings.resolve(
+        read_generation_config(model_dir), positions=config.max_position_embeddings,
+        learned=is_learned(config), origin=_generation_config_name(model_dir), **decoding_overrides)
+    model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
+                                       num_beams=settings.num_beams)
+    return TorchEngine(model, tokenizer, settings, slots=slots)
 
 
 def engine_for_model(model, tokenizer, *, slots: int | None = None, **decoding_overrides) -> TorchEngine:
     """The engine for a model already in memory, on its own device and in its own precision (training's
     validation and test BLEU, tests): `load_engine`'s settings and checks, without the loading."""
     check_tokenizer_fits(model, tokenizer)
-    return TorchEngine(model, tokenizer, slots=slots, **decoding_overrides)
+    return TorchEngine(model, tokenizer, model_decoding(model, **decoding_overrides), slots=slots)
+
+
+def read_generation_config(model_dir: str) -> GenerationConfig:
+    """The generation config saved in `model_dir` (a directory or Hub id), or a one-line error naming the file and
+    what generate() would refuse in it, before any model is loaded."""
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except ValueError as error:
+        raise ValueError(f"{_generation_config_name(model_dir)}: {str(error).splitlines()[0]}") from error
+
+
+def _generation_config_name(model_dir: str) -> str:
+    return os.path.join(model_dir, "generation_config.json") if os.path.isdir(model_dir) else \
+        f"{model_dir}'s generation_config.json"
 
 
 def load_translator(model_dir: str, device: str | torch.device | None = None, attn_implementation: str | None = None,
@@ -176,7 +203,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
         if dtype == "auto":
             d_model = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).d_model
             if num_beams is None:
-                num_beams = GenerationConfig.from_pretrained(model_dir).num_beams or 1
+                num_beams = read_generation_config(model_dir).num_beams or 1
             dtype = choose_dtype("auto", device, d_model, num_beams=num_beams, int8=int8)
         model, info = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,
@@ -211,15 +238,13 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
 
 
 def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type: str = "default", threads: int = 0):
-    """A `ctranslate2.Translator` over a directory that `vaswani.export` wrote, the tokenizer saved beside it, and
-    the generation config of the model it was exported from (an empty one for an export that has none). `device`:
+    """A `ctranslate2.Translator` over a directory that `vaswani.export` wrote, and the tokenizer saved beside it
+    (its `model_max_length` the exported position table's size). `device`:
     a torch device (cpu, cuda, cuda:1); `compute_type`: as `load_engine` takes it; `threads`: CPU threads, 0 = all
     cores. `load_engine` is the way in for translating; this is its CTranslate2 half."""
     import ctranslate2
 
-    if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
-        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one "
-                                "with scripts/export_ctranslate2.py.")
+    check_ctranslate2_dir(path)
     device = torch.device(device)
     translator = ctranslate2.Translator(path, device=device.type, device_index=device.index or 0,
                                         compute_type=compute_type, intra_threads=threads)
@@ -227,12 +252,23 @@ def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type
         # A model converted from Marian keeps its sentencepiece tokenizer (vaswani.convert).
         marian = json.load(file).get("tokenizer_class") == "MarianTokenizer"
     tokenizer = (MarianTokenizer if marian else VaswaniTokenizer).from_pretrained(path)
+    # The exported position table ends here: sources are truncated to it and outputs stop at it, where CTranslate2
+    # would otherwise fail ("No position encodings are defined for positions >= …").
+    tokenizer.model_max_length = exported_positions(path) or tokenizer.model_max_length
+    return translator, tokenizer
+
+
+def check_ctranslate2_dir(path: str) -> None:
+    """`path` must be a directory that `vaswani.export` wrote."""
+    if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
+        raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one "
+                                "with scripts/export_ctranslate2.py.")
+
+
+def exported_positions(path: str) -> int | None:
+    """The position table's size of the CTranslate2 model in `path`, as `vaswani.export` records it."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
-        # The exported position table ends here: sources are truncated to it and outputs stop at it, where
-        # CTranslate2 would otherwise fail ("No position encodings are defined for positions >= …").
-        tokenizer.model_max_length = json.load(file).get("max_positions", tokenizer.model_max_length)
-    exported = os.path.isfile(os.path.join(path, "generation_config.json"))
-    return translator, tokenizer, GenerationConfig.from_pretrained(path) if exported else GenerationConfig()
+        return json.load(file).get("max_positions")
 
 
 def check_checkpoint_dir(model_dir: str) -> None:

@@ -13,10 +13,12 @@ reachable two ways:
 
 from __future__ import annotations
 
-from transformers import AutoModelForSeq2SeqLM, Pipeline
+import torch
+from transformers import AutoModelForSeq2SeqLM, Pipeline, StoppingCriteriaList
 from transformers.pipelines import PIPELINE_REGISTRY, REMOVED_TASKS
 
 from .configuration_vaswani import check_tokenizer_fits, length_options, longest_output, output_limit
+from .generation_vaswani import SentenceLimits
 
 TASK = "translation"
 
@@ -29,8 +31,9 @@ class VaswaniTranslationPipeline(Pipeline):
     pipeline of transformers v4 did. Keyword arguments that `generate` understands (`num_beams`,
     `max_new_tokens`, ...) are passed to it, at construction or per call, on top of the model's generation config;
     `truncation` (default True) truncates inputs to the tokenizer's `model_max_length`. Where neither gives
-    `max_new_tokens` (or the call a `max_length`), outputs run to the package's one length rule
-    (`configuration_vaswani.output_limit`: the batch's longest source plus 50 tokens, within the positions).
+    `max_new_tokens` (or the call a `max_length`), each output runs to the package's one length rule for its own
+    source (`configuration_vaswani.output_limit`: its length plus 50 tokens, within the positions), whatever else is
+    in its batch (`generation_vaswani.SentenceLimits`).
     """
 
     _pipeline_calls_generate = True
@@ -62,10 +65,14 @@ class VaswaniTranslationPipeline(Pipeline):
         batch_size = model_inputs["input_ids"].shape[0]
         options = self._generate_options(generate_kwargs)
         configs = (self.model.generation_config, options.get("generation_config"))
-        if not {"max_new_tokens", "max_length"} & options.keys() and \
+        if not {"max_new_tokens", "max_length", "stopping_criteria"} & options.keys() and \
                 all(config is None or config.max_new_tokens is None for config in configs):
-            source_length = model_inputs["input_ids"].shape[1]
-            options |= length_options(output_limit(source_length, None, longest_output(self.model.config)))
+            longest = longest_output(self.model.config)
+            limits = [output_limit(length, None, longest) for length in model_inputs["attention_mask"].sum(1).tolist()]
+            options |= length_options(max(limits))
+            if len(set(limits)) > 1:
+                lengths = torch.tensor(limits, device=model_inputs["input_ids"].device) + 1  # and the decoder start
+                options["stopping_criteria"] = StoppingCriteriaList([SentenceLimits(lengths)])
         output_ids = self.model.generate(**model_inputs, **options)
         # (batch * num_return_sequences, length) -> (batch, num_return_sequences, length), so that the pipeline's
         # un-batching hands each input all of its sequences.

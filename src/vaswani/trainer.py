@@ -270,7 +270,11 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                            metric_key_prefix)
         output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
-        scores = score_split(self.model, self.processing_class, self.eval_texts, self.args.per_device_eval_batch_size)
+        model, restore = decoding_model(self)
+        try:
+            scores = score_split(model, self.processing_class, self.eval_texts, self.args.per_device_eval_batch_size)
+        finally:
+            restore()
         output.metrics.update({f"{metric_key_prefix}_{name}": scores[name] for name in ("bleu", "chrf", "ter")})
         return output
 
@@ -332,6 +336,17 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     def finish_checkpoint(self, directory: str) -> None:
         replace_pickled_arguments(directory, self.args)
         write_clock(directory, self.clock)
+
+
+def decoding_model(trainer: Seq2SeqTrainer):
+    """The trained model as its saved weights decode, and a function that undoes what this changed: without the
+    wrappers of distributed training or compilation, and without the autocast that --bf16/--fp16 put around its
+    forward, so that validation (in the middle of training, which then needs the autocast back) and the test score
+    (`training.final_model`) decode the same weights at the same precision."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    wrapped = {name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__}
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+    return model, lambda: model.__dict__.update(wrapped)
 
 
 def score_split(model, tokenizer, split: Dataset, batch_size: int) -> dict:

@@ -47,7 +47,7 @@ from .run_directory import (
     save_final,
 )
 from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
-from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer, score_split
+from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer, decoding_model, score_split
 from .training_arguments import (
     MAX_SHAPE_BUCKETS,
     DataArguments,
@@ -320,7 +320,7 @@ def final_model(trainer: VaswaniSeq2SeqTrainer):
     otherwise none): without the autocast that --bf16/--fp16 wrapped around forward, so that the report is what
     the saved weights give."""
     args = trainer.args
-    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
+    model = decoding_model(trainer)[0].eval()
     averaged = []
     if args.average_last_checkpoints:
         averaged = [path for path in checkpoints_in(args.output_dir) if is_complete_checkpoint(path)]

@@ -9,31 +9,34 @@ benchmarks time the engines' own calls below the decoding to text: `generate_tok
 `CTranslate2Engine.generate_ids`.
 
 Engines are built by `vaswani.loading` (`load_engine`, `engine_for_model`), which decides device, precision and
-loop; each reads the decoding settings it is not given from the model's `generation_config` (`decoding_settings`),
-which training writes (`write_decoding_defaults`). An engine has `max_source_length` (None: no limit), `positions`
-(what that limit counts, for the warning), `continuous`, `encode(sentences, truncate=False)` and
-`translate_batch(batch of token ids) → strings`:
+loop, and resolves the decoding settings once (`DecodingSettings`: the checkpoint's `generation_config`, which
+training writes with `write_decoding_defaults`, under the caller's overrides). An engine has `decoding` (those
+settings), `max_source_length`, `positions` (what that limit counts, for the warning), `continuous`,
+`encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`, in which each sentence is
+decoded within its own output limit, so that its translation does not depend on its batch:
 
 * `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
-  decoding loop), truncating sources where the model's positions end (`generation_limits`); or, with `slots`,
-  `generation_vaswani.decode_in_slots`, an engine that is `continuous`: it takes every sentence in one batch and
-  keeps its own batch full;
+  decoding loop); or, with `slots`, `slots.decode_in_slots`, an engine that is `continuous`: it takes every
+  sentence in one batch and keeps its own batch full;
 * `CTranslate2Engine`: a model exported by `vaswani.export` (`vaswani.loading.load_ctranslate2`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
-from transformers import GenerationConfig
+from transformers import StoppingCriteriaList
 
 from .batching import token_budget_batches
 # OUTPUT_SLACK: the length rule's slack, under this module's name too.
 from .configuration_vaswani import OUTPUT_SLACK, length_options, longest_output, output_limit  # noqa: F401
-from .generation_vaswani import decode_in_slots, slots_cover
+from .generation_vaswani import SentenceLimits
+from .slots import decode_in_slots, slots_cover
 
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
 # decodes in batches.
@@ -41,6 +44,7 @@ DEFAULT_SLOTS: dict[str, int] = {}
 
 
 class Engine(Protocol):
+    decoding: "DecodingSettings"
     max_source_length: int | None
     positions: str
     continuous: bool  # whether `translate_batch` takes every sentence at once and keeps its own batch full
@@ -51,25 +55,126 @@ class Engine(Protocol):
     def translate_batch(self, batch: list[list[int]]) -> list[str]: ...
 
 
-def decoding_settings(generation_config, **overrides) -> dict:
-    """The settings an engine decodes with: each of `overrides` that is not None, and where `num_beams` or
-    `max_new_tokens` is not given, the `generation_config`'s (sampling without a beam count: one beam). A
-    `max_new_tokens` that neither gives is left out: the engines then allow each source's length plus
-    `OUTPUT_SLACK`. Every other `generate()` option not given, `generate()` itself takes from the generation
-    config."""
-    settings = {name: value for name, value in overrides.items() if value is not None}
-    if "num_beams" not in settings:
-        settings["num_beams"] = 1 if settings.get("do_sample") else generation_config.num_beams or 1
-    if "max_new_tokens" not in settings and generation_config.max_new_tokens is not None:
-        settings["max_new_tokens"] = generation_config.max_new_tokens
-    return settings
+GENERATE_DEFAULT_LENGTH_PENALTY = 1.0  # generate()'s, where the generation config says nothing
+EARLY_STOPPING = (False, True, "never")
 
+
+@dataclasses.dataclass(frozen=True)
+class DecodingSettings:
+    """The decoding settings of one translation run, resolved once (`resolve`) from a checkpoint's
+    `generation_config` and the caller's overrides, and read by every engine and caller (`TorchEngine`,
+    `CTranslate2Engine`, the file translator's resume record, validation and the test score), so that a sentence
+    gets one translation whoever decodes it:
+
+    * `num_beams`, `length_penalty`, `early_stopping`: beam search's (`length_penalty` and `early_stopping` are
+      generate()'s defaults where the generation config has none); sampling (`do_sample`) means one beam unless
+      the caller gives a beam count too;
+    * each sentence's output limit (`output_limit`): `max_new_tokens` where one is given, else the one length rule
+      (`configuration_vaswani.output_limit`: its own source's length plus `OUTPUT_SLACK`), never past
+      `longest_output`, where the positions end;
+    * `max_source_length`: where sources are truncated (`translate` warns, counting them);
+    * `options`: the caller's other `generate()` options (temperature, no_repeat_ngram_size, …), which an engine
+      that cannot follow them refuses by name;
+    * `precision`: what the engine's weights compute in (set by the engine that holds them).
+    """
+
+    num_beams: int = 1
+    do_sample: bool = False
+    length_penalty: float = GENERATE_DEFAULT_LENGTH_PENALTY
+    early_stopping: bool | str = False
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    longest_output: int | None = None
+    max_source_length: int | None = None
+    options: tuple[tuple[str, object], ...] = ()
+    precision: str | None = None
+
+    @classmethod
+    def resolve(cls, generation_config, *, positions: int | None = None, learned: bool = False,
+                origin: str = "generation_config", max_source_length: int | None = None,
+                **overrides) -> "DecodingSettings":
+        """The settings for a model whose `generation_config` (read from `origin`, named in errors) gives the
+        defaults, with each of `overrides` that is not None over it. `positions`: the model's position count
+        (`max_position_embeddings`), where sources are cut unless `max_source_length` says otherwise (never past
+        `learned` positions), and where outputs stop (`configuration_vaswani.longest_output`). A value that
+        generate() cannot decode with is refused in one line naming where it came from and the field."""
+        given = {name: value for name, value in overrides.items() if value is not None}
+        stored = {name: getattr(generation_config, name, None)
+                  for name in ("num_beams", "do_sample", "length_penalty", "early_stopping", "max_new_tokens",
+                               "min_new_tokens")}
+        for name, value in stored.items():
+            _check_setting(name, value, origin)
+        for name, value in given.items():
+            _check_setting(name, value, "the caller's options")
+        if max_source_length is not None:
+            _check_setting("max_source_length", max_source_length, "the caller's options")
+        do_sample = bool(given.pop("do_sample", stored["do_sample"]))
+        if "num_beams" in given:
+            num_beams = given.pop("num_beams")
+        else:  # sampling means one beam, unless the caller gives a count
+            num_beams = 1 if do_sample else stored["num_beams"] or 1
+
+        def setting(name, default):
+            value = given.pop(name, stored[name])
+            return default if value is None else value
+
+        length_penalty = setting("length_penalty", GENERATE_DEFAULT_LENGTH_PENALTY)
+        early_stopping = setting("early_stopping", False)
+        max_new_tokens = setting("max_new_tokens", None)
+        min_new_tokens = setting("min_new_tokens", 0)
+        longest = positions - 1 if positions else None
+        if max_source_length is None or (learned and positions and max_source_length > positions):
+            max_source_length = positions if max_source_length is None else min(max_source_length, positions)
+        return cls(num_beams=num_beams, do_sample=do_sample, length_penalty=float(length_penalty),
+                   early_stopping=early_stopping, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                   longest_output=longest, max_source_length=max_source_length,
+                   options=tuple(sorted(given.items())))
+
+    def output_limit(self, source_length: int) -> int:
+        """How many tokens (its end of sentence included) a sentence whose source has `source_length` tokens may be
+        given: the package's one length rule."""
+        return output_limit(source_length, self.max_new_tokens, self.longest_output)
+
+    def generate_options(self) -> dict:
+        """`generate()`'s keyword arguments for these settings, the output length aside (per sentence: see
+        `TorchEngine`). Beam search's own settings go only with beams, where transformers accepts them."""
+        options = {"num_beams": self.num_beams, "do_sample": self.do_sample, **dict(self.options)}
+        if self.num_beams > 1:
+            options |= {"length_penalty": self.length_penalty, "early_stopping": self.early_stopping}
+        if self.min_new_tokens:
+            options["min_new_tokens"] = self.min_new_tokens
+        return options
+
+    def record(self) -> dict:
+        """What decides the outputs, as plain values (a resumed run compares them with its record)."""
+        record = dataclasses.asdict(self)
+        record["options"] = dict(self.options)
+        return record
+
+
+def _check_setting(name: str, value, origin: str) -> None:
+    """Refuse, in one line naming `origin` and the field, a decoding setting generate() cannot honour."""
+    if value is None:
+        return
+    counts = {"num_beams": 1, "max_new_tokens": 1, "max_source_length": 1, "min_new_tokens": 0}
+    problem = None
+    if name in counts and (isinstance(value, bool) or not isinstance(value, int) or value < counts[name]):
+        problem = f"must be a whole number of at least {counts[name]}"
+    elif name == "length_penalty" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                       or not math.isfinite(value)):
+        problem = "must be a finite number"
+    elif name == "early_stopping" and value not in EARLY_STOPPING:
+        problem = "must be true, false or \"never\""
+    elif name == "do_sample" and not isinstance(value, bool):
+        problem = "must be true or false"
+    if problem:
+        raise ValueError(f"{origin}: {name}={value!r} cannot be decoded with; it {problem}.")
 
 def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty: float | None,
                             max_new_tokens: int | None = None, max_length: int | None = None) -> None:
     """Write the decoding settings a model is evaluated with into its `generation_config`, so that every later
-    decoding uses them: our engines (`decoding_settings`), and a stock `generate()` or `pipeline` (remote-code users).
-    `length_penalty` is beam search's (transformers refuses it beside greedy search, so one beam drops it).
+    decoding uses them: our engines (`DecodingSettings.resolve`), and a stock `generate()` or `pipeline` (remote-code
+    users). `length_penalty` is beam search's (transformers refuses it beside greedy search, so one beam drops it).
     `max_new_tokens` None keeps the one length rule of the engines (each source's length plus `OUTPUT_SLACK`), which
     `generate()` cannot express; it then needs `max_length`, the longest output the model allows (its
     `config.max_position_embeddings`), in place of `generate()`'s default of 20 tokens."""
@@ -82,43 +187,46 @@ def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty
     generation_config.max_length = None if max_new_tokens is not None else max_length
 
 
-def generation_limits(model, max_new_tokens: int | None) -> tuple[int | None, int | None]:
-    """(max_source_length, max_new_tokens) that a model with learned positions can take: sources are truncated to
-    its `max_position_embeddings` and the output stops there. Sinusoidal and rotary positions have no limit."""
+def model_decoding(model, origin: str = "generation_config", **overrides) -> DecodingSettings:
+    """`DecodingSettings.resolve` for a model in memory: its own `generation_config` and position count (for a
+    model of another type, which the pipeline may run: none)."""
     longest = longest_output(model.config)
-    if longest is None:
-        return None, max_new_tokens
-    return model.config.max_position_embeddings, longest if max_new_tokens is None else min(max_new_tokens, longest)
+    return DecodingSettings.resolve(model.generation_config, positions=None if longest is None else longest + 1,
+                                    learned=is_learned(model.config), origin=origin, **overrides)
+
+
+def is_learned(config) -> bool:
+    """Whether `config`'s positions are a learned table, which ends."""
+    return getattr(config, "position_embedding_type", None) == "learned"
 
 
 class TorchEngine:
-    """Batches of token ids → translations with `model.generate()`, decoding as `decoding_settings` says (the
-    arguments, else the model's `generation_config`). `max_new_tokens` unset by both allows the batch's
-    longest source plus 50 tokens (the paper's limit; a batch holds sentences of similar length, so that is close
-    to the per-sentence rule); `max_source_length` is where sources are truncated, by default where the model's
-    positions end. Whatever the caller asks, no output runs past a learned position table
-    (`generation_limits`; sinusoidal and rotary positions have no end).
+    """Batches of token ids → translations with `model.generate()`, decoding as its `DecodingSettings` say, each
+    sentence within its own output limit (`DecodingSettings.output_limit`), whatever else is in its batch: where the
+    limits of a batch differ, each row stops at its own (`generation_vaswani.SentenceLimits`, which transformers'
+    loop and the lean loop both follow). Sources are truncated at `max_source_length` (`translate`).
 
-    With `slots=S` the engine decodes continuously (`generation_vaswani.decode_in_slots`): S sentences side by
-    side, each finished one replaced at once by the next, so `translate` hands it all sentences as one stream
-    (`continuous`) and each output gets the paper's limit for its own source (its length plus 50 tokens). Each
-    output is then what `generate()` gives that sentence alone. For the options that the slots do not cover
+    With `slots=S` the engine decodes continuously (`slots.decode_in_slots`): S sentences side by side, each
+    finished one replaced at once by the next, so `translate` hands it all sentences as one stream (`continuous`).
+    Each output is then what `generate()` gives that sentence alone. For the options that the slots do not cover
     (`slots_cover`: logits processors, several outputs per sentence…) the engine decodes batches as without slots.
     `slots=None` takes `DEFAULT_SLOTS` for the model's device type, 0 decodes in batches. Built by
     `vaswani.loading` (which checks that the tokenizer fits the model)."""
 
-    positions = "learned positions"
-
-    def __init__(self, model, tokenizer, *, max_source_length: int | None = None, slots: int | None = None,
-                 **decoding_overrides):
+    def __init__(self, model, tokenizer, decoding: DecodingSettings, *, slots: int | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
-        table, self.longest_output = generation_limits(model, None)
-        self.max_source_length = table if max_source_length is None else max_source_length
-        self.options = decoding_settings(model.generation_config, **decoding_overrides)
-        self.max_new_tokens = self.options.pop("max_new_tokens", None)
+        self.decoding = dataclasses.replace(decoding, precision=str(model.dtype).removeprefix("torch."))
         if slots is None:
             slots = DEFAULT_SLOTS.get(model.device.type)
-        self.slots = slots if slots and slots_cover(model, **self.options) else None
+        self.slots = slots if slots and slots_cover(model, **self.decoding.generate_options()) else None
+
+    @property
+    def positions(self) -> str:
+        return "learned positions" if is_learned(self.model.config) else "source positions"
+
+    @property
+    def max_source_length(self) -> int | None:
+        return self.decoding.max_source_length
 
     @property
     def continuous(self) -> bool:
@@ -127,41 +235,48 @@ class TorchEngine:
 
     @property
     def settings(self) -> dict:
-        return {"engine": "pytorch", "length_penalty": self.model.generation_config.length_penalty, **self.options,
-                "max_new_tokens": self.max_new_tokens, "precision": str(self.model.dtype).removeprefix("torch.")}
+        return {"engine": "pytorch", **self.decoding.record()}
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]:
+        limits = [self.decoding.output_limit(len(ids)) for ids in batch]
+        options = self.decoding.generate_options()
         if self.continuous:
-            limits = [output_limit(len(ids), self.max_new_tokens, self.longest_output) for ids in batch]
             with torch.inference_mode():
-                outputs = decode_in_slots(self.model, batch, limits, slots=self.slots, **self.options)
-            eos = self.options.get("eos_token_id", self.model.generation_config.eos_token_id)
+                outputs = decode_in_slots(self.model, batch, limits, slots=self.slots, **options)
+            eos = options.get("eos_token_id", self.model.generation_config.eos_token_id)
             generated = [output_ids(output[1:], eos) for output in outputs]
             return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
         padded = self.tokenizer.pad({"input_ids": batch}, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.model.device)  # (batch, longest source in batch)
-        limit = output_limit(input_ids.shape[1], self.max_new_tokens, self.longest_output)
         generated = generate_token_ids(self.model, input_ids, padded["attention_mask"].to(self.model.device),
-                                       max_new_tokens=limit, **self.options)
+                                       max_new_tokens=limits, **options)
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
 
 
-def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       **generate_kwargs) -> list[list[int]]:
+def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                       max_new_tokens: int | list[int], **generate_kwargs) -> list[list[int]]:
     """`model.generate()` on a padded batch of sources, returning each sentence's generated token ids: without the
     decoder start token, and up to its end of sentence (not included; what follows it in the batch's tensor is only
-    the filler of a finished row). With `eos_token_id=None` nothing ends a sentence, and all `max_new_tokens` ids of
-    every row are returned: the forced length under which the benchmarks compare engines on identical work."""
-    if "max_new_tokens" in generate_kwargs and model.config.is_encoder_decoder:
-        generate_kwargs |= length_options(generate_kwargs.pop("max_new_tokens"))
+    the filler of a finished row). `max_new_tokens`: one limit for every row, or each row's own (where they differ,
+    `generation_vaswani.SentenceLimits` stops each row at its own, so that its output does not depend on its
+    neighbours'). With `eos_token_id=None` nothing ends a sentence, and all `max_new_tokens` ids of every row are
+    returned: the forced length under which the benchmarks compare engines on identical work."""
+    limits = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if model.config.is_encoder_decoder:
+        generate_kwargs |= length_options(max(limits))
+        if len(set(limits)) > 1:  # one more stopping rule only where the rows' limits differ
+            lengths = torch.tensor(limits, device=input_ids.device) + 1  # and the decoder start token
+            generate_kwargs["stopping_criteria"] = StoppingCriteriaList([SentenceLimits(lengths)])
+    else:
+        generate_kwargs["max_new_tokens"] = max(limits)
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
     rows = output[:, 1:].tolist()  # the first column is the decoder start token
     eos = generate_kwargs.get("eos_token_id", model.generation_config.eos_token_id)
-    return [output_ids(row, eos) for row in rows]
+    return [output_ids(row[:limit], eos) for row, limit in zip(rows, limits)]
 
 
 def output_ids(row: list[int], eos: int | list[int] | None) -> list[int]:
@@ -174,33 +289,49 @@ def output_ids(row: list[int], eos: int | list[int] | None) -> list[int]:
 
 class CTranslate2Engine:
     """The same for a model exported by `vaswani.export` (`load_ctranslate2`), through
-    `ctranslate2.Translator.translate_batch`. Sources are truncated to `max_source_length` (default: the exported
-    position table, the tokenizer's `model_max_length` as `load_ctranslate2` sets it), and no output is longer
-    than that table. Greedy outputs equal `TorchEngine`'s. Beam search ends by CTranslate2's rule, once
-    `num_beams` hypotheses have finished, which can stop before transformers' default (early_stopping=False)
-    would, so some beam outputs differ (benchmarks/results/export-ctranslate2-cpu.md). `num_beams` and
-    `max_new_tokens` not given are the exported model's `generation_config`'s (`decoding_settings`)."""
+    `ctranslate2.Translator.translate_batch`, with the same `DecodingSettings`. Sources are truncated to
+    `max_source_length` (at most the exported position table, the tokenizer's `model_max_length` as
+    `load_ctranslate2` sets it), and no output is longer than that table.
+
+    What CTranslate2 is told, so that its outputs are `TorchEngine`'s: the length penalty, applied as transformers
+    applies it (score / length ** penalty, with the end of sentence counted in the length: `return_end_token`,
+    removed here afterwards); each sentence's own output limit (`max_decoding_length` counts the end of sentence as
+    `max_new_tokens` does; it is one number per call, so a beam search decodes the sentences of each limit in one
+    call, and greedy search, whose output up to a length does not depend on the limit, decodes the batch once and
+    cuts each output at its own); the source limit (`max_input_length`); `min_new_tokens` (`min_decoding_length`).
+    One rule it cannot follow: CTranslate2's beam search ends a sentence once `num_beams` hypotheses have finished,
+    which is transformers' `early_stopping=True`; under transformers' default (`early_stopping=False`) a sentence
+    goes on while a live beam could still beat a finished one, so a few beam outputs differ (the export's model card,
+    `vaswani.export`, states the measured share). What it cannot do at all (sampling, `early_stopping="never"`,
+    other `generate()` options) is refused by name."""
 
     positions = "exported positions"
     continuous = False
-    SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "min_decoding_length")  # what it can be given
+    # What a CTranslate2 model takes besides the engine's own settings (`load_engine` refuses the rest by name).
+    SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "length_penalty", "early_stopping",
+                "min_new_tokens")
 
-    def __init__(self, translator, tokenizer, generation_config=None, *, num_beams: int | None = None,
-                 max_new_tokens: int | None = None, max_source_length: int | None = None,
-                 min_decoding_length: int | None = None):
-        """`min_decoding_length`: CTranslate2 masks the end of sentence until each output has that many tokens (with
-        `max_new_tokens` the same, every output is exactly that long). `generation_config` None: generate()'s
-        defaults (one beam, the length rule)."""
-        settings = decoding_settings(generation_config or GenerationConfig(), num_beams=num_beams,
-                                     max_new_tokens=max_new_tokens)
-        self.translator, self.tokenizer, self.num_beams = translator, tokenizer, settings["num_beams"]
-        self.max_new_tokens, self.min_decoding_length = settings.get("max_new_tokens"), min_decoding_length or 0
-        self.max_source_length = max_source_length or tokenizer.model_max_length
+    def __init__(self, translator, tokenizer, decoding: DecodingSettings):
+        self.check(decoding)
+        self.translator, self.tokenizer = translator, tokenizer
+        self.decoding = dataclasses.replace(decoding, precision=translator.compute_type)
+
+    @staticmethod
+    def check(decoding: DecodingSettings) -> None:
+        """Refuse, naming them, the settings CTranslate2 cannot decode with (before its model is loaded)."""
+        refused = [name for name, _ in decoding.options] + ["do_sample"] * decoding.do_sample
+        refused += ["early_stopping='never'"] * (decoding.early_stopping == "never")
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not something the CTranslate2 engine can decode with; translate "
+                             "with the PyTorch checkpoint instead.")
+
+    @property
+    def max_source_length(self) -> int | None:
+        return self.decoding.max_source_length
 
     @property
     def settings(self) -> dict:
-        return {"engine": "ctranslate2", "num_beams": self.num_beams, "max_new_tokens": self.max_new_tokens,
-                "precision": self.translator.compute_type}
+        return {"engine": "ctranslate2", **self.decoding.record()}
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
@@ -209,16 +340,26 @@ class CTranslate2Engine:
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in self.generate_ids(batch)]
 
     def generate_ids(self, batch: list[list[int]]) -> list[list[int]]:
-        """Each sentence's generated token ids (CTranslate2 leaves out the decoder start token and the end of
-        sentence), as `generate_token_ids` gives them for a transformers model."""
-        sources = [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
-        limit = output_limit(max(map(len, sources)), self.max_new_tokens,
-                             self.tokenizer.model_max_length)  # the decoder start token takes position 0
-        results = self.translator.translate_batch(sources, beam_size=self.num_beams, max_decoding_length=limit,
-                                                  min_decoding_length=self.min_decoding_length,
-                                                  max_batch_size=len(batch))
-        return [self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]) for result in results]
-
+        """Each sentence's generated token ids (CTranslate2 leaves out the decoder start token; the end of sentence
+        is taken off here), as `generate_token_ids` gives them for a transformers model."""
+        decoding = self.decoding
+        limits = [decoding.output_limit(len(ids)) for ids in batch]
+        groups = {max(limits): range(len(batch))} if decoding.num_beams == 1 else {}
+        for i, limit in enumerate(limits):
+            if decoding.num_beams > 1:
+                groups.setdefault(limit, []).append(i)
+        eos = self.tokenizer.eos_token_id
+        outputs: list[list[int]] = [[]] * len(batch)
+        for limit, members in groups.items():
+            sources = [self.tokenizer.convert_ids_to_tokens(batch[i]) for i in members]
+            results = self.translator.translate_batch(
+                sources, beam_size=decoding.num_beams, length_penalty=decoding.length_penalty, patience=1,
+                max_decoding_length=limit, min_decoding_length=decoding.min_new_tokens, return_end_token=True,
+                max_input_length=decoding.max_source_length or 0, max_batch_size=len(members))
+            for i, result in zip(members, results):
+                ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
+                outputs[i] = output_ids(ids[:limits[i]], eos)
+        return outputs
 
 def encode(tokenizer, sentences: Sequence[str], max_length: int | None = None) -> list[list[int]]:
     """Token ids of `sentences`, truncated to `max_length` by the tokenizer's own truncation (which keeps the end

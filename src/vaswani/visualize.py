@@ -13,8 +13,8 @@ matplotlib.use("Agg")  # files only: no display needed on servers or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .configuration_vaswani import length_options, longest_output, output_limit  # noqa: E402
-from .translation import decoding_settings  # noqa: E402
+from .configuration_vaswani import length_options  # noqa: E402
+from .translation import model_decoding  # noqa: E402
 
 
 @torch.no_grad()
@@ -29,8 +29,7 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None,
     try:
         inputs = tokenizer([source], return_tensors="pt").to(model.device)
         if target is None:
-            limit = decoding_settings(model.generation_config, max_new_tokens=max_new_tokens).get("max_new_tokens")
-            limit = output_limit(inputs["input_ids"].shape[1], limit, longest_output(model.config))
+            limit = model_decoding(model, max_new_tokens=max_new_tokens).output_limit(inputs["input_ids"].shape[1])
             generated = model.generate(**inputs, num_beams=1, do_sample=False, **length_options(limit))
             decoder_input_ids = generated[:, :-1] if generated[0, -1] == model.config.eos_token_id else generated
         else:
