@@ -3,7 +3,6 @@ engine, batch or caller decodes it, within its own output limit; the exported CT
 settings; settings that generate() cannot honour are refused before anything is loaded; sources are bounded for
 every kind of positions; validation decodes the weights the test score decodes."""
 
-import functools
 import json
 import random
 import shutil
@@ -16,7 +15,7 @@ import vaswani.configuration_vaswani as configuration_vaswani
 import vaswani.trainer
 import vaswani.training
 from conftest import fails_with_one_line, script_main
-from tiny_translation_model import SOURCES, build_model_and_tokenizer, build_tokenizer
+from tiny_translation_model import SOURCES, build_tokenizer
 from training_script import distinct_corpus, train_args
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, loading
 from vaswani.evaluation import translate as evaluate_translate

@@ -5,7 +5,7 @@ the slots share its beam bookkeeping, so a bug in a shared piece would give both
 import pytest
 import torch
 
-from vaswani.configuration_vaswani import OUTPUT_SLACK
+from vaswani.configuration_vaswani import longest_output, output_limit
 from vaswani.loading import engine_for_model
 from vaswani.translation import translate
 
@@ -36,11 +36,12 @@ SEARCHES = [
 
 
 def transformers_alone(model, tokenizer, sentence: str, **search) -> str:
-    """`sentence`'s translation by transformers' own loop on it alone, with the engines' length rule (the
-    source's length plus `OUTPUT_SLACK` new tokens unless `max_new_tokens` says), up to its end of sentence."""
+    """`sentence`'s translation by transformers' own loop on it alone, with the engines' length rule
+    (`output_limit`: the source's length plus the slack unless `max_new_tokens` says, within the positions), up to
+    its end of sentence."""
     batch = tokenizer([sentence], return_tensors="pt")
     search = dict(search)
-    limit = search.pop("max_new_tokens", None) or batch["input_ids"].shape[1] + OUTPUT_SLACK
+    limit = output_limit(batch["input_ids"].shape[1], search.pop("max_new_tokens", None), longest_output(model.config))
     with torch.no_grad():
         output = model.generate(**batch, max_new_tokens=limit, lean_decoding=False, **search)[0, 1:].tolist()
     eos = search.get("eos_token_id", model.generation_config.eos_token_id)

@@ -293,7 +293,7 @@ class _Slots:
         logits = self.model(
             decoder_inputs_embeds=embeddings,
             decoder_attention_mask=mask[:, None, None, :],
-            position_ids=row_positions[:, None],
+            decoder_position_ids=row_positions[:, None],
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoder_states),
             attention_mask=self.source_mask,
             cache=EncoderDecoderCache(Cache(layers=self.layers), self.cross),
