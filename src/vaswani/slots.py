@@ -151,7 +151,7 @@ class _SlotLayer(DynamicLayer):  # a concrete layer class in every supported tra
         return self.read_length, 0
 
     def get_seq_length(self) -> int:
-        return 0  # positions differ per row: the caller passes them (position_ids) with a prepared mask
+        return 0  # positions differ per row: the caller passes them (decoder_position_ids) with a prepared mask
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
