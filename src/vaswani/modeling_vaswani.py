@@ -71,11 +71,12 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     right"). Ignored label positions (-100) become padding. With `position_ids` of packed rows (several targets a
     row, `sequence_starts`), each target is shifted within itself: its first position reads <start>, not the end of
     the target before it."""
-    shifted = labels.new_full(labels.shape, pad_token_id)
-    shifted[:, 1:] = labels[:, :-1]
-    shifted[:, 0] = decoder_start_token_id
+    # Built without assigning a Python number into a tensor, which older torch lifts to a tensor of its own (a copy
+    # from the host at every step where the model shifts the labels itself, as it does for packed rows).
+    start = labels.new_full((labels.shape[0], 1), decoder_start_token_id)
+    shifted = torch.cat((start, labels[:, :-1]), dim=1)
     if position_ids is not None:
-        shifted = shifted.masked_fill(sequence_starts(position_ids), decoder_start_token_id)
+        shifted = torch.where(sequence_starts(position_ids), start, shifted)
     return shifted.masked_fill_(shifted == -100, pad_token_id)
 
 
