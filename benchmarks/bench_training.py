@@ -54,7 +54,7 @@ OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
 
 # How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
 # cuts them; `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no
-# packed rows); `-8` after either, padded to multiples of 8, as train_translation.py pads on GPUs under bf16/fp16.
+# packed rows); `-8` after either, padded to multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
 BATCHINGS = ("bucketed", "bucketed-8", "packed", "packed-8")
 
 

@@ -46,8 +46,6 @@ from vaswani.training import (
 RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"]}
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).
 TEST_SUBSET = 1000
-# What the collator pads each side to under bf16 on a GPU (training.build_trainer), for the padded tokens a step.
-GPU_PAD_MULTIPLE = 8
 
 
 def shared_arguments(args: argparse.Namespace, output_dir: Path) -> list[str]:
@@ -82,8 +80,7 @@ def prepare_caches(argv: list[str]) -> tuple[dict, list]:
     train, _ = tokenize_splits(data, tokenizer, data_args, training_args)
     test = data.splits["test"]
     references = test["references"] if "references" in test.column_names else [[t] for t in test["target"]]
-    pad_to = GPU_PAD_MULTIPLE if training_args.bf16 and training_args.device.type == "cuda" else None
-    return epoch_tokens(train, training_args.max_tokens_per_batch, pad_to), references
+    return epoch_tokens(train, training_args.max_tokens_per_batch, training_args.pad_to_multiple_of), references
 
 
 def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:

@@ -31,15 +31,16 @@ def limits(*args: str) -> dict[str, int]:
 
 def test_each_plan_fits_one_call_with_its_stage_limits_adding_up():
     first, second = limits(), limits("second")
-    assert list(first) == ["setup", "quality", "probe-4000", "total"]
-    assert list(second) == ["setup", "tests", "translation-trained", "total"]
+    assert list(first) == ["setup", "quality", "total"]
+    assert list(second) == ["setup", "probe-4000", "translation-trained", "total"]
     for plan, most in ((first, FIRST_PLAN_SECONDS), (second, SECOND_PLAN_SECONDS)):
         total = plan.pop("total")
         assert total == sum(plan.values()) <= most
         assert all(seconds > 0 for seconds in plan.values())
     assert limits("first") == {**first, "total": sum(first.values())}
-    # 300 s of training are the quality stage's core; the rest of its limit covers compilation and the test split.
-    assert first["quality"] > 300
+    # 300 s of training are the quality stage's core; the rest of its limit covers the compilation (about 115 s with
+    # the start-up on the 2026-11-27 H200) and the test split.
+    assert first["quality"] >= 300 + 115 + 25
 
 
 def test_named_stages_run_after_setup_and_an_unknown_one_is_refused():
@@ -72,8 +73,9 @@ def fake_python(tmp_path) -> Path:
 
 def test_a_failing_stage_costs_only_its_own_results(fake_python, tmp_path):
     results, archive = tmp_path / "results", tmp_path / "results.tar.gz"
-    run = session(env={"PATH": f"{fake_python}:{os.environ['PATH']}", "RESULTS_DIR": str(results),
-                       "ARCHIVE": str(archive), "INSTALL_WHEELS": "0"})
+    run = session("quality", "probe-4000", env={"PATH": f"{fake_python}:{os.environ['PATH']}",
+                                                "RESULTS_DIR": str(results), "ARCHIVE": str(archive),
+                                                "INSTALL_WHEELS": "0"})
     assert run.returncode == 1, run.stdout + run.stderr
     assert "== quality: exit 3" in run.stdout and "== probe-4000: exit 0" in run.stdout
     with tarfile.open(archive) as packed:  # the last pack holds every stage's files and logs

@@ -170,6 +170,37 @@ def test_bf16_on_a_cpu_trains_under_autocast_and_reports_the_float32_model(tmp_p
     assert saved["dtype"] == "float32" and "attn_implementation" not in json.dumps(saved)
 
 
+def test_pad_to_multiple_of_pads_the_batches_and_the_token_budget_counts_it(tmp_path, monkeypatch):
+    """--pad_to_multiple_of 8 reaches the collator, and the token-budget sampler counts each side rounded up to it, so
+    that a batch's padded shape stays within --max_tokens_per_batch; without the flag nothing is rounded, on every
+    device (on fra-eng the multiple of 8 cost 26% of a 4,000-token batch's real tokens)."""
+    trainers = []
+    real_build = vaswani.training.build_trainer
+
+    def build(*args, **kwargs):
+        trainers.append(real_build(*args, **kwargs))
+        return trainers[-1]
+
+    monkeypatch.setattr(vaswani.training, "build_trainer", build)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=100)
+    for name, extra in (("plain", []), ("eight", ["--pad_to_multiple_of", "8"])):
+        script_main("train_translation")(train_args(
+            corpus, tmp_path / name, "--max_steps", "2", "--max_test_samples", "2", "--generation_num_beams", "1",
+            "--max_tokens_per_batch", "64", *extra))
+    plain, eight = trainers
+    assert plain.data_collator.pad_to_multiple_of is None and eight.data_collator.pad_to_multiple_of == 8
+    for trainer, multiple in ((plain, 1), (eight, 8)):
+        sampler = trainer.batch_sampler
+        batches = sampler.batches_by_length()
+        assert all(len(batch) * -(-int(sampler.lengths[batch].max()) // multiple) * multiple <= 64
+                   for batch in batches)
+        collated = trainer._train_collate([trainer._train_features[i] for i in batches[-1]])
+        assert collated["input_ids"].shape[1] % multiple == 0 and collated["labels"].shape[1] % multiple == 0
+    assert len(eight.batch_sampler.batches_by_length()) > len(plain.batch_sampler.batches_by_length())
+    with pytest.raises(SystemExit):
+        script_main("train_translation")(train_args(corpus, tmp_path / "zero", "--pad_to_multiple_of", "0"))
+
+
 def test_time_budget_stops_training_then_evaluates_and_saves(tmp_path):
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     output_dir = tmp_path / "budget"

@@ -267,25 +267,17 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     return metrics
 
 
-# The multiple that batches are padded to under bf16/fp16, per device kind: the one that trains more real tokens a
-# second there, as bench_training.py --batchings bucketed,bucketed-8 measures it (real tokens/s of both). On a CPU,
-# none: it has no tile for the padding to fill, and on fra-eng a multiple of 8 makes 31% of the positions padding
-# instead of 8%. Elsewhere 8, the tile of GPUs' tensor cores in 16-bit precision.
-PAD_TO_MULTIPLE_OF = {"cpu": None}
-
-
 def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_features: Dataset,
                   validation_features: Dataset, validation: Dataset) -> VaswaniSeq2SeqTrainer:
     """The run's trainer, with the callbacks its arguments ask for and, under a time budget, a progress bar that
     counts the budget's seconds."""
     callbacks, time_budget = callbacks_for(args)
-    pad_to = PAD_TO_MULTIPLE_OF.get(args.device.type, 8) if args.bf16 or args.fp16 else None
     trainer = VaswaniSeq2SeqTrainer(
         model=model,
         args=args,
         train_dataset=train_features,
         eval_dataset=validation_features if args.eval_strategy != "no" else None,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=pad_to),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=args.pad_to_multiple_of),
         processing_class=tokenizer,
         eval_texts=validation,
         callbacks=callbacks,

@@ -127,6 +127,15 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "benchmarks/results/training-graphs-cuda-*.md, says whether it pays). At most "
                           f"{MAX_SHAPE_BUCKETS}."},
     )
+    pad_to_multiple_of: int | None = field(
+        default=None,
+        metadata={"help": "Pad each side of a training batch to a multiple of this many positions (8 is the habit "
+                          "for GPUs' tensor cores in 16-bit precision); --max_tokens_per_batch counts that padding. "
+                          "None by default on every device: on fra-eng a multiple of 8 makes 31% of the positions "
+                          "padding instead of 7%, so that 4,000-token batches hold 26% fewer real tokens "
+                          "(benchmarks/results/gpu-notes.md, 2026-11-27); `bench_training.py --batchings "
+                          "bucketed,bucketed-8` measures what it does to real tokens/s."},
+    )
     packing: bool = field(
         default=False,
         metadata={"help": "With --max_tokens_per_batch: several sentence pairs per row, one after another on both "
@@ -205,8 +214,9 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError("--fsdp: transformers' Trainer shards with FSDP only on GPUs (and other accelerators); "
                              "on CPUs it would train with DDP instead. Drop --fsdp to train with DDP over gloo "
                              "(torchrun ... --ddp_backend gloo), or run on GPUs.")
-        for name in ("max_train_time", "max_tokens_per_batch", "shape_buckets", "save_interval_seconds",
-                     "average_last_checkpoints", "generation_num_beams", "generation_max_length"):
+        for name in ("max_train_time", "max_tokens_per_batch", "shape_buckets", "pad_to_multiple_of",
+                     "save_interval_seconds", "average_last_checkpoints", "generation_num_beams",
+                     "generation_max_length"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}.")
