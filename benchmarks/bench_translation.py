@@ -115,8 +115,9 @@ class LocalEngine:
             engine.decoding = dataclasses.replace(engine.decoding, num_beams=beams, max_new_tokens=new_tokens,
                                                   min_new_tokens=0 if stop_at_eos else new_tokens)
             return engine.generate_ids(batch)
-        options = {**engine.decoding.generate_options(), "num_beams": beams, "do_sample": False,
-                   **({} if stop_at_eos else {"eos_token_id": None})}
+        # The engine's settings at this row's beam count: beam search's own settings go along only with beams.
+        decoding = dataclasses.replace(engine.decoding, num_beams=beams, do_sample=False)
+        options = {**decoding.generate_options(), **({} if stop_at_eos else {"eos_token_id": None})}
         with sdpa_backend(self.attention_kernel):
             if self.slots:
                 eos = engine.model.generation_config.eos_token_id if stop_at_eos else None
