@@ -24,8 +24,8 @@ VaswaniSeq2SeqTrainer = vaswani.training.VaswaniSeq2SeqTrainer  # as imported, w
 
 
 def test_no_training_batch_exceeds_the_token_budget_once_padded(tmp_path):
-    """The Trainer's batches, as its collator pads them (to multiples of 8, as --pad_to_multiple_of 8 asks), hold at most
-    --max_tokens_per_batch tokens on each side: the budget counts what the device computes."""
+    """The Trainer's batches, as its collator pads them (to multiples of 8, as --pad_to_multiple_of 8 asks), hold at
+    most --max_tokens_per_batch tokens on each side: the budget counts what the device computes."""
     from transformers import DataCollatorForSeq2Seq, HfArgumentParser
 
     from vaswani import training
