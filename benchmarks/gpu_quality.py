@@ -83,6 +83,16 @@ def prepare_caches(argv: list[str]) -> tuple[dict, list]:
     return epoch_tokens(train, training_args.max_tokens_per_batch, training_args.pad_to_multiple_of), references
 
 
+def failure_line(log: Path) -> str | None:
+    """Why a recipe's training failed, from its log: the last line the script's error handler printed
+    (`error: ...`), else the log's last line, else None (no log)."""
+    if not log.exists():
+        return None
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("error:", "Traceback")) or "Error:" in line]
+    return (errors or lines or [None])[-1]
+
+
 def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
     """Mean real and padded tokens (source + target) of a batch over one epoch of the token-budget batches the
     Trainer cuts (every epoch has the same batches in another order), each side padded to its longest example
@@ -250,6 +260,10 @@ def main(argv=None):
         target,
         "Data: Tatoeba via manythings.org (fra-eng), CC-BY 2.0.",
     ]
+    for row in rows:
+        if row["returncode"] != 0:  # the reason in the report itself: a device's logs may not all come back
+            why = failure_line(results_dir / f"{name}-{row['recipe']}.log")
+            notes.insert(0, f"{row['recipe']} failed (exit {row['returncode']})" + (f": {why}" if why else "."))
     if chosen:
         validation = "" if chosen["validation_bleu"] is None else f" (validation {chosen['validation_bleu']:.2f})"
         first = chosen[f"test_bleu_first_{TEST_SUBSET}"]

@@ -140,3 +140,15 @@ def test_quality_run_scores_the_test_splits_first_sentences(tmp_path):
     assert quality.subset_bleu(translations, references, 3) < 100
     assert quality.subset_bleu(translations, references, 1000) == score_corpus(hypotheses, references)["bleu"]
     assert quality.subset_bleu(tmp_path / "missing.txt", references, 2) is None
+
+
+def test_quality_report_says_why_a_recipe_failed(tmp_path):
+    """A recipe that stopped (as the 2026-11-27 H200 run's NaN loss did) is named with the error its log ends on."""
+    quality = load_quality()
+    log = tmp_path / "recipe.log"
+    log.write_text("$ python3 scripts/train_translation.py ...\n{'loss': '3.685'}\n"
+                   "error: Training loss became NaN/inf at step 1869. Lower the learning rate.\n\n")
+    assert quality.failure_line(log) == "error: Training loss became NaN/inf at step 1869. Lower the learning rate."
+    log.write_text("starting\nKilled\n")
+    assert quality.failure_line(log) == "Killed"
+    assert quality.failure_line(tmp_path / "missing.log") is None
