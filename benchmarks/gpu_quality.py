@@ -33,7 +33,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name
-from vaswani.batching import TokenBatchSampler, example_lengths
+from vaswani.batching import TokenBatchSampler, example_lengths, padded_lengths
 from vaswani.evaluation import score_corpus
 from vaswani.training import (
     DataArguments, ModelArguments, VaswaniTrainingArguments, build_model_and_tokenizer, prepare_data, tokenize_splits,
@@ -102,8 +102,7 @@ def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
     sides = [columns[name].combine_chunks().value_lengths().to_numpy() for name in ("input_ids", "labels")]
     batches = sampler.batches_by_length()
     real = sum(int(side[batch].sum()) for side in sides for batch in batches)
-    multiple = pad_to or 1
-    padded = sum(len(batch) * (-(-int(side[batch].max()) // multiple) * multiple)  # the longest, rounded up
+    padded = sum(len(batch) * int(padded_lengths(side[batch], pad_to).max())  # the longest, as the collator pads it
                  for side in sides for batch in batches)
     return {"batches": len(batches), "real_per_batch": real / len(batches), "padded_per_batch": padded / len(batches)}
 
