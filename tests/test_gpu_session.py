@@ -147,7 +147,8 @@ def test_quality_report_says_why_a_recipe_failed(tmp_path):
     quality = load_quality()
     log = tmp_path / "recipe.log"
     log.write_text("$ python3 scripts/train_translation.py ...\n{'loss': '3.685'}\n"
-                   "error: Training loss became NaN/inf at step 1869. Lower the learning rate.\n\n")
+                   "error: Training loss became NaN/inf at step 1869. Lower the learning rate.\n\n"
+                   "[W] a data loader worker's warning, printed after the error\n")
     assert quality.failure_line(log) == "error: Training loss became NaN/inf at step 1869. Lower the learning rate."
     log.write_text("starting\nKilled\n")
     assert quality.failure_line(log) == "Killed"
