@@ -9,7 +9,8 @@ utilisation.
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
         --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
-        --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,bucketed-8,packed --keep_freed_memory  # batchings
+        --dropout 0 --engines vaswani-bf16-eager --batchings longest,bucketed,bucketed-8,packed --keep_freed_memory \
+        --steps 100  # batchings
 
 Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B):
 6 × (the weights each token is multiplied by) + 12·d_model per layer per attended (query, key) pair, i.e.
@@ -27,11 +28,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
-from vaswani.batching import PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, pad_to_shape
+from vaswani.batching import (
+    PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, pad_to_shape, padded_lengths,
+)
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
 
@@ -53,19 +57,24 @@ OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
 
 
 # How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
-# cuts them; `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no
-# packed rows); `-8` after either, padded to multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
-BATCHINGS = ("bucketed", "bucketed-8", "packed", "packed-8")
+# cuts them (by the longer side, ordered by both sides: `vaswani.batching.side_order`); `longest`, the same cut in
+# the order of the longer side alone (ties at random), as it trained before; `packed`, several pairs a row as
+# --packing packs them (Vaswani engines only: Marian's model takes no packed rows); `-8` after any, padded to
+# multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
+BATCHINGS = ("bucketed", "bucketed-8", "longest", "longest-8", "packed", "packed-8")
 
 
 def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_buckets: int | None = None,
-                  pad_to_multiple_of: int | None = None) -> tuple[list[list[int]], ShapeBuckets | None]:
+                  pad_to_multiple_of: int | None = None,
+                  by_longest: bool = False) -> tuple[list[list[int]], ShapeBuckets | None]:
     """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
     `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
     per side padding included (to `pad_to_multiple_of` too), shuffled (seed); pairs longer than a whole batch are left
-    out. Returns the batches as indices and, with `shape_buckets`, the shapes they pad up to (else None)."""
+    out. `by_longest`: ordered by the longer side alone, not by both sides. Returns the batches as indices and, with
+    `shape_buckets`, the shapes they pad up to (else None)."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
-    sampler = TokenBatchSampler([max(len(source_ids[i]), len(target_ids[i])) for i in keep], batch_tokens, seed=seed,
+    sides = np.array([[len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]], dtype=np.int64)
+    sampler = TokenBatchSampler(sides.max(axis=0) if by_longest else sides, batch_tokens, seed=seed,
                                 shape_buckets=shape_buckets, pad_to_multiple_of=pad_to_multiple_of)
     return [[keep[j] for j in batch] for batch in sampler], sampler.shape_buckets
 
@@ -180,8 +189,30 @@ def run(args: argparse.Namespace, argv) -> Path:
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started)
     _add_ratios(rows)
+    epoch = [epoch_padding(source_ids, target_ids, batching, budget, args.seed)
+             for budget in args.epoch_padding for batching in args.batchings]
     return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
-                   batch_sentences, padding, shapes)
+                   batch_sentences, padding, shapes, epoch)
+
+
+def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed: int) -> dict:
+    """The padding of a whole epoch of one batching's batches at one budget, each side padded as the collators pad
+    it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the positions
+    computed: both sides together and each side alone."""
+    multiple = 8 if batching.endswith("-8") else None
+    if batching.startswith("packed"):
+        order, shape = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
+        widths = [(shape.rows * shape.source_length, shape.rows * shape.target_length)] * len(order)
+    else:
+        order, _ = token_batches(source_ids, target_ids, batch_tokens, seed, None, multiple,
+                                 by_longest=batching.startswith("longest"))
+        widths = [tuple(len(batch) * int(padded_lengths([len(side[i]) for i in batch], multiple).max())
+                        for side in (source_ids, target_ids)) for batch in order]
+    real = [sum(len(side[i]) for batch in order for i in batch) for side in (source_ids, target_ids)]
+    computed = [sum(w[k] for w in widths) for k in (0, 1)]
+    return {"batch_tokens": batch_tokens, "batching": batching, "batches": len(order),
+            "padding": 1 - sum(real) / sum(computed), "source_padding": 1 - real[0] / computed[0],
+            "target_padding": 1 - real[1] / computed[1]}
 
 
 @dataclass
@@ -211,7 +242,8 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
         collate = PackedSeq2SeqCollator(shape, tokenizer.pad_token_id)
         shapes = [(shape.rows, shape.source_length, shape.target_length)]
     else:
-        order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, multiple)
+        order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, multiple,
+                                       by_longest=batching.startswith("longest"))
         # Labels padded with -100, which the loss skips.
         collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
     if buckets is not None:
@@ -308,7 +340,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
 
 
 def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
-            batch_sentences, padding, shapes) -> Path:
+            batch_sentences, padding, shapes, epoch) -> Path:
     settings = dict(batch_tokens=budgets, steps=steps, warmup_steps=warmups, peak_tflops=peak_tflops,
                     corpus=str(corpus), vocab_size_actual=len(tokenizer), batch_sizes_sentences=batch_sentences,
                     padding_fraction=padding, **({"shapes_rows_length": shapes} if shapes else {}))
@@ -320,7 +352,9 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         f"DataCollatorForSeq2Seq; at each budget the same {steps} timed batches for every engine (settings "
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
-        *(["Batchings (column `batches`): `bucketed` as above; `packed`, several pairs a row as "
+        *(["Batchings (column `batches`): `bucketed` as above, the pairs of one longer length ordered by both sides "
+           "(vaswani.batching.side_order); `longest`, the same cut ordered by the longer side alone, ties at random "
+           "(as train_translation.py ordered them before side_order); `packed`, several pairs a row as "
            "train_translation.py --packing packs them (vaswani.batching.PackedBatchSampler, PackedSeq2SeqCollator; "
            "settings `shapes_rows_length`: rows, source and target widths), Vaswani engines only (× Marian: against "
            "Marian on the bucketed batches of the same multiple); `-8`: padded to multiples of 8, the budget counting "
@@ -354,7 +388,11 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
         Column("compilations_while_timed", "recompiles"),
     ]
-    return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings)
+    padding_columns = [Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
+                       Column("batches", "batches an epoch"), Column("padding", "padding", "{:.2%}"),
+                       Column("source_padding", "source", "{:.2%}"), Column("target_padding", "target", "{:.2%}")]
+    return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings,
+                  [("Padding of a whole epoch", epoch, padding_columns)] if epoch else ())
 
 
 def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
@@ -412,8 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seconds_per_setting", type=float, default=None, help="repeat the timed batches until the slowest engine "
         "has trained this long at each size and budget (a step-rate probe)")
     add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
-        f"{', '.join(BATCHINGS)}: length-bucketed or packed (--packing), -8 padded to multiples of 8; every engine "
+        f"{', '.join(BATCHINGS)}: length-bucketed (longest: ordered by the longer side alone) or packed (--packing), "
+        "-8 padded to multiples of 8; every engine "
         "steps on each, interleaved (packed: Vaswani engines only)")
+    add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
+        "whole epoch of each batching's batches (a table of its own)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
         f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
     add("--lr", type=float, default=1e-4)

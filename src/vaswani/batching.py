@@ -139,6 +139,13 @@ class TokenBatchSampler(Sampler[list[int]]):
     the collator's `pad_to_multiple_of`, if it pads so, and the bound holds after that padding too
     (`padded_lengths`).
 
+    `lengths` is each example's longer side, or both sides as a (2, examples) array of source and target lengths
+    (`example_lengths(..., sides=True)`). The batches are cut by the longer side either way; with both sides, the
+    examples of one longer length are ordered by their difference (`side_order`), so that a batch's shorter side is
+    as even as its longer one: ordered by the longer side alone, a batch of 20-token targets mixes 5- and 19-token
+    sources and pads every source to 19 (benchmarks/results/training-cpu-batch-order.md has the padding and the
+    speed of both orders).
+
     Examples are sorted by length, ties broken at random, cut greedily into batches, and the batches are
     shuffled. The order depends only on `seed` and the epoch given to `set_epoch`, so every process of a
     distributed run and every resumed run sees the same batches. Use as `DataLoader(dataset,
@@ -156,7 +163,12 @@ class TokenBatchSampler(Sampler[list[int]]):
 
     def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
                  num_replicas: int = 1, pad_to_multiple_of: int | None = None, shape_buckets: int | None = None):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim == 2 and len(lengths) != 2 or lengths.ndim > 2:
+            raise ValueError(f"lengths of shape {lengths.shape}: give each example's longer side, or a (2, examples) "
+                             "array of source and target lengths.")
+        self.lengths = lengths.max(axis=0) if lengths.ndim == 2 else lengths
+        self._within = side_order(*lengths) if lengths.ndim == 2 else np.zeros_like(lengths)
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
@@ -193,7 +205,7 @@ class TokenBatchSampler(Sampler[list[int]]):
     def batches_by_length(self) -> list[list[int]]:
         """Every batch of an epoch, shortest examples first: the batches without the shuffling (whose sizes and
         lengths, so the shapes they pad to, are those of every epoch)."""
-        return [batch.tolist() for batch in self._cut(np.argsort(self.lengths, kind="stable"))]
+        return [batch.tolist() for batch in self._cut(np.lexsort((self._within, self.lengths)))]
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self.shuffle:
@@ -201,13 +213,25 @@ class TokenBatchSampler(Sampler[list[int]]):
             return
         rng = np.random.default_rng((self.seed, self.epoch))
         permutation = rng.permutation(len(self.lengths))
-        order = permutation[np.argsort(self.lengths[permutation], kind="stable")]
+        # lexsort is stable: examples of equal lengths stay in the permutation's random order.
+        order = permutation[np.lexsort((self._within[permutation], self.lengths[permutation]))]
         batches = self._cut(order)
         for position in rng.permutation(len(batches)).tolist():
             yield batches[position].tolist()
 
     def __len__(self) -> int:
         return len(self._starts)
+
+
+def side_order(source_lengths: Sequence[int], target_lengths: Sequence[int]) -> np.ndarray:
+    """The order of sentence pairs within one longer length L, as a key to sort by: along the pairs' (source,
+    target) lengths from (1, L) through (L, L) to (L, 1), so that neighbours differ by a token on one side (the
+    difference s - t, ascending), and back again at the next length (descending for odd L), so that where one
+    length's pairs end the next length's begin alike, with the same short side. Batches cut from this order then
+    pad little on either side (fairseq orders by source, then target, length; this order keeps `TokenBatchSampler`'s
+    cut by the longer side)."""
+    source, target = np.asarray(source_lengths, dtype=np.int64), np.asarray(target_lengths, dtype=np.int64)
+    return (source - target) * np.where(np.maximum(source, target) % 2, -1, 1)
 
 
 def _greedy_starts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:

@@ -127,8 +127,9 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             logger.info("Packed batches of %s: %.1f%% of their positions are padding.", self.batch_sampler.shape,
                         100 * self.batch_sampler.padding_fraction())
             return self._train_loader(dataset)
-        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch, shuffle=True,
-                                               seed=self.args.seed, num_replicas=self.args.world_size,
+        # Both sides' lengths: batches even on the shorter side too (`batching.side_order`).
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset, sides=True), self.max_tokens_per_batch,
+                                               shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size,
                                                pad_to_multiple_of=pad_to, shape_buckets=self.shape_buckets)
         self._train_collate = self.data_collator
         if self.batch_sampler.shape_buckets is not None:
