@@ -12,7 +12,9 @@ from transformers import DataCollatorForSeq2Seq
 import vaswani.batching
 import vaswani.inference
 import vaswani.training
-from vaswani.batching import PackedBatchSampler, PackedShape, next_fit_rows, pack_rows, packed_shape
+from vaswani.batching import (
+    PackedBatchSampler, PackedShape, TokenBatchSampler, next_fit_rows, pack_rows, packed_shape,
+)
 from test_trainer import bucketed_run, logged
 from training_script import synthetic_corpus
 
@@ -122,6 +124,19 @@ def test_the_padding_fraction_counts_both_sides_of_the_batches_trained_on(tmp_pa
     _, _, metrics = run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "6")
     assert metrics["train_padding_fraction"] == pytest.approx(1 - counted["real"] / counted["computed"], abs=1e-9)
     assert metrics["train_padding_fraction"] > 0
+
+
+def test_bucketed_batches_come_in_the_order_of_both_sides(tmp_path, monkeypatch):
+    """Without packing, the trainer's batches are `TokenBatchSampler`'s given both sides' lengths, so that the pairs
+    of one longer length come in `batching.side_order` (not the longer side's order alone, which pads the shorter
+    side more)."""
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    trainer, _, _ = run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "1")
+    sides = vaswani.batching.example_lengths(trainer.train_dataset, sides=True)
+    budget = trainer.max_tokens_per_batch
+    ordered = trainer.batch_sampler.batches_by_length()
+    assert ordered == TokenBatchSampler(sides, budget, shuffle=False).batches_by_length()
+    assert ordered != TokenBatchSampler(sides.max(axis=0), budget, shuffle=False).batches_by_length()
 
 
 def test_packed_batches_compile_one_graph_before_the_clock(tmp_path, monkeypatch):
