@@ -172,6 +172,9 @@ def run(args: argparse.Namespace, argv) -> Path:
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
+    if args.sample_pairs:  # a seeded sample, whose whole epoch every batching then trains on
+        sample = np.sort(np.random.default_rng(args.seed).choice(len(source_ids), args.sample_pairs, replace=False))
+        source_ids, target_ids = [source_ids[i] for i in sample], [target_ids[i] for i in sample]
     rows, batch_sentences, padding, shapes, warmups = [], {}, {}, {}, {}
     for batch_tokens in budgets:
         prepared = {}
@@ -256,12 +259,13 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
         order = [b for b in order if not any(b is w for w in last.values())]
         shapes = buckets.shapes
     warm = (warm + order[1:])[: max(warmup, len(warm))]
-    if len(order) < len(warm) + steps + 1:
+    if not args.sample_pairs and len(order) < len(warm) + steps + 1:
         raise ValueError(f"The corpus gives {len(order)} {batching} batches of {batch_tokens} tokens; need "
                          f"{len(warm) + steps + 1}.")
     # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches (but a shape's two
-    # warm-ups), the same for every engine.
-    chosen = order[:1] + warm + [b for b in order[1:] if not any(b is w for w in warm)][:steps]
+    # warm-ups), the same for every engine; with --sample_pairs, the timed steps are every batch of the sample.
+    timed = order if args.sample_pairs else [b for b in order[1:] if not any(b is w for w in warm)][:steps]
+    chosen = order[:1] + warm + timed
     batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
     collated = [collate([{"input_ids": s, "labels": t} for s, t in zip(*batch)]) for batch in batches]
     real = sum(len(x) for s, t in batches[1 + len(warm):] for x in s + t)
@@ -304,10 +308,13 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
         indices = {trainee: list(range(1 + prepared[trainee.batching].warmup, len(trainee.batches)))
                    for trainee in trainees}
         rounds = 0
-        while rounds < min(map(len, indices.values())) or (args.seconds_per_setting
-                                                         and max(seconds.values()) < args.seconds_per_setting):
+        # A sample's whole epoch: each engine every batch of its batching, however many that batching cuts.
+        epoch = max(map(len, indices.values())) if args.sample_pairs else min(map(len, indices.values()))
+        while rounds < epoch or (args.seconds_per_setting and max(seconds.values()) < args.seconds_per_setting):
             rotation = rounds % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
+                if args.sample_pairs and rounds >= len(indices[trainee]):
+                    continue
                 i = indices[trainee][rounds % len(indices[trainee])]
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee] += elapsed
@@ -347,11 +354,14 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
                     corpus=str(corpus), vocab_size_actual=len(tokenizer), batch_sizes_sentences=batch_sentences,
                     padding_fraction=padding, **({"shapes_rows_length": shapes} if shapes else {}))
     notes = [
-        f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
-        "tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler"
+        (f"Batches: a seeded sample of {args.sample_pairs} of the {len(pairs)} pairs" if args.sample_pairs
+         else f"Batches: all {len(pairs)} pairs") + f" of {corpus.name} tokenized by the project's joint BPE "
+        f"({len(tokenizer)} tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler"
         + (f", shape_buckets={args.shape_buckets}" if args.shape_buckets else "") + f") into batches of at most "
         f"{', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}), collated by "
-        f"DataCollatorForSeq2Seq; at each budget the same {steps} timed batches for every engine (settings "
+        "DataCollatorForSeq2Seq; at each budget " + ("every batch of the sample's epoch, timed once, for every engine "
+        "(the warm-up steps repeat some of them; settings " if args.sample_pairs else f"the same {steps} timed batches "
+        "for every engine (settings ") +
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
         *(["Batchings (column `batches`): `bucketed` as above, the pairs of one longer length ordered by both sides "
@@ -455,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(BATCHINGS)}: length-bucketed (longest: ordered by the longer side alone) or packed (--packing), "
         "-8 padded to multiples of 8; every engine "
         "steps on each, interleaved (packed: Vaswani engines only)")
+    add("--sample_pairs", type=int, default=None, help="time a whole epoch of a seeded sample of this many pairs "
+        "(instead of --steps batches of the whole corpus), so that every batching trains on the same pairs: batches "
+        "cut otherwise differ in their sentences' lengths, and with them in their cost a token")
     add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
         "whole epoch of each batching's batches (a table of its own)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
