@@ -168,7 +168,7 @@ class TokenBatchSampler(Sampler[list[int]]):
             raise ValueError(f"lengths of shape {lengths.shape}: give each example's longer side, or a (2, examples) "
                              "array of source and target lengths.")
         self.lengths = lengths.max(axis=0) if lengths.ndim == 2 else lengths
-        self._within = side_order(*lengths) if lengths.ndim == 2 else np.zeros_like(lengths)
+        self._within = side_order(*lengths).astype(np.int32) if lengths.ndim == 2 else None
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
@@ -199,13 +199,19 @@ class TokenBatchSampler(Sampler[list[int]]):
         `.sampler.set_epoch`, not to the sampler itself: this way the epoch reaches the batches there too."""
         return self
 
+    def _sorted(self, indices: np.ndarray) -> np.ndarray:
+        """`indices` sorted by length, then (given both sides) by `side_order`; stable, so that examples alike in both
+        keep the order they come in (a random one, when training)."""
+        keys = [self.lengths[indices]] if self._within is None else [self._within[indices], self.lengths[indices]]
+        return indices[np.lexsort(keys)]
+
     def _cut(self, order: np.ndarray) -> list[np.ndarray]:
         return np.split(order, self._starts[1:])
 
     def batches_by_length(self) -> list[list[int]]:
         """Every batch of an epoch, shortest examples first: the batches without the shuffling (whose sizes and
         lengths, so the shapes they pad to, are those of every epoch)."""
-        return [batch.tolist() for batch in self._cut(np.lexsort((self._within, self.lengths)))]
+        return [batch.tolist() for batch in self._cut(self._sorted(np.arange(len(self.lengths))))]
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self.shuffle:
@@ -213,9 +219,7 @@ class TokenBatchSampler(Sampler[list[int]]):
             return
         rng = np.random.default_rng((self.seed, self.epoch))
         permutation = rng.permutation(len(self.lengths))
-        # lexsort is stable: examples of equal lengths stay in the permutation's random order.
-        order = permutation[np.lexsort((self._within[permutation], self.lengths[permutation]))]
-        batches = self._cut(order)
+        batches = self._cut(self._sorted(permutation))
         for position in rng.permutation(len(batches)).tolist():
             yield batches[position].tolist()
 
