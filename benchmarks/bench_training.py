@@ -9,8 +9,8 @@ utilisation.
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
         --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
-        --dropout 0 --engines vaswani-bf16-eager --batchings longest,bucketed,bucketed-8,packed --keep_freed_memory \
-        --steps 100  # batchings
+        --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,sides,packed --keep_freed_memory \
+        --sample_pairs 30000  # batchings
 
 Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B):
 6 × (the weights each token is multiplied by) + 12·d_model per layer per attended (query, key) pair, i.e.
@@ -57,24 +57,24 @@ OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
 
 
 # How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
-# cuts them (by the longer side, ordered by both sides: `vaswani.batching.side_order`); `longest`, the same cut in
-# the order of the longer side alone (ties at random), as it trained before; `packed`, several pairs a row as
-# --packing packs them (Vaswani engines only: Marian's model takes no packed rows); `-8` after any, padded to
+# cuts them (by the longer side, ties at random); `sides`, the same cut with the pairs of one longer length ordered
+# by both sides, as --order_by_both_sides orders them (`vaswani.batching.side_order`); `packed`, several pairs a row
+# as --packing packs them (Vaswani engines only: Marian's model takes no packed rows); `-8` after any, padded to
 # multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
-BATCHINGS = ("bucketed", "bucketed-8", "longest", "longest-8", "packed", "packed-8")
+BATCHINGS = ("bucketed", "bucketed-8", "sides", "sides-8", "packed", "packed-8")
 
 
 def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_buckets: int | None = None,
                   pad_to_multiple_of: int | None = None,
-                  by_longest: bool = False) -> tuple[list[list[int]], ShapeBuckets | None]:
+                  by_sides: bool = False) -> tuple[list[list[int]], ShapeBuckets | None]:
     """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
     `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
     per side padding included (to `pad_to_multiple_of` too), shuffled (seed); pairs longer than a whole batch are left
-    out. `by_longest`: ordered by the longer side alone, not by both sides. Returns the batches as indices and, with
+    out. `by_sides`: ordered by both sides, as --order_by_both_sides orders them. Returns the batches as indices and, with
     `shape_buckets`, the shapes they pad up to (else None)."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sides = np.array([[len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]], dtype=np.int64)
-    sampler = TokenBatchSampler(sides.max(axis=0) if by_longest else sides, batch_tokens, seed=seed,
+    sampler = TokenBatchSampler(sides if by_sides else sides.max(axis=0), batch_tokens, seed=seed,
                                 shape_buckets=shape_buckets, pad_to_multiple_of=pad_to_multiple_of)
     return [[keep[j] for j in batch] for batch in sampler], sampler.shape_buckets
 
@@ -210,7 +210,7 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
         widths = [(shape.rows * shape.source_length, shape.rows * shape.target_length)] * len(order)
     else:
         order, _ = token_batches(source_ids, target_ids, batch_tokens, seed, None, multiple,
-                                 by_longest=batching.startswith("longest"))
+                                 by_sides=batching.startswith("sides"))
         widths = [tuple(len(batch) * int(padded_lengths([len(side[i]) for i in batch], multiple).max())
                         for side in (source_ids, target_ids)) for batch in order]
     real = [sum(len(side[i]) for batch in order for i in batch) for side in (source_ids, target_ids)]
@@ -248,7 +248,7 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
         shapes = [(shape.rows, shape.source_length, shape.target_length)]
     else:
         order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, multiple,
-                                       by_longest=batching.startswith("longest"))
+                                       by_sides=batching.startswith("sides"))
         # Labels padded with -100, which the loss skips.
         collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
     if buckets is not None:
@@ -364,9 +364,9 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "for every engine (settings ") +
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
-        *(["Batchings (column `batches`): `bucketed` as above, the pairs of one longer length ordered by both sides "
-           "(vaswani.batching.side_order); `longest`, the same cut ordered by the longer side alone, ties at random "
-           "(as train_translation.py ordered them before side_order); `packed`, several pairs a row as "
+        *(["Batchings (column `batches`): `bucketed` as above; `sides`, the same cut with the pairs of one longer "
+           "length ordered by both sides, as train_translation.py --order_by_both_sides orders them "
+           "(vaswani.batching.side_order); `packed`, several pairs a row as "
            "train_translation.py --packing packs them (vaswani.batching.PackedBatchSampler, PackedSeq2SeqCollator; "
            "settings `shapes_rows_length`: rows, source and target widths), Vaswani engines only (× Marian: against "
            "Marian on the bucketed batches of the same multiple); `-8`: padded to multiples of 8, the budget counting "
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seconds_per_setting", type=float, default=None, help="repeat the timed batches until the slowest engine "
         "has trained this long at each size and budget (a step-rate probe)")
     add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
-        f"{', '.join(BATCHINGS)}: length-bucketed (longest: ordered by the longer side alone) or packed (--packing), "
+        f"{', '.join(BATCHINGS)}: length-bucketed (sides: --order_by_both_sides) or packed (--packing), "
         "-8 padded to multiples of 8; every engine "
         "steps on each, interleaved (packed: Vaswani engines only)")
     add("--sample_pairs", type=int, default=None, help="time a whole epoch of a seeded sample of this many pairs "

@@ -97,8 +97,7 @@ def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
     """Mean real and padded tokens (source + target) of a batch over one epoch of the token-budget batches the
     Trainer cuts (every epoch has the same batches in another order), each side padded to its longest example
     rounded up to `pad_to`: times steps/s, the run's tokens/s, with no count read back during training."""
-    sampler = TokenBatchSampler(example_lengths(train, sides=True), max_tokens, shuffle=False,
-                                pad_to_multiple_of=pad_to)
+    sampler = TokenBatchSampler(example_lengths(train), max_tokens, shuffle=False, pad_to_multiple_of=pad_to)
     columns = train.select_columns(["input_ids", "labels"]).with_format("arrow")[:]
     sides = [columns[name].combine_chunks().value_lengths().to_numpy() for name in ("input_ids", "labels")]
     batches = sampler.batches_by_length()

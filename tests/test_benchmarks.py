@@ -209,25 +209,25 @@ def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
 
 
 def test_training_benchmark_compares_packed_and_bucketed_batches(corpus, tmp_path):
-    """--batchings: every engine on bucketed batches padded to multiples of 1 and 8 and on batches ordered by the
-    longer side alone, the Vaswani engines on packed ones too (Marian's model takes no packed rows), with each
+    """--batchings: every engine on bucketed batches padded to multiples of 1 and 8 and on batches ordered by both
+    sides, the Vaswani engines on packed ones too (Marian's model takes no packed rows), with each
     batching's padding (over the timed batches, and over a whole epoch with --epoch_padding) and the ratio to
     today's batches."""
     module = load("bench_training")
     path = module.main(common_args(corpus, tmp_path) + [
         "--sizes", "tiny", "--batch_tokens", "128", "--steps", "1", "--warmup_steps", "0", "--engines", "vaswani,marian",
-        "--batchings", "longest,bucketed,bucketed-8,packed", "--epoch_padding", "128,512"])
+        "--batchings", "sides,bucketed,bucketed-8,packed", "--epoch_padding", "128,512"])
     report = check_report(path, "bench_training", {"engine", "batching", "tokens_per_s", "vs_bucketed"})
     assert sorted((row["batching"], row["engine"]) for row in report["results"]) == [
         ("bucketed", "marian"), ("bucketed", "vaswani"), ("bucketed-8", "marian"), ("bucketed-8", "vaswani"),
-        ("longest", "marian"), ("longest", "vaswani"), ("packed", "vaswani")]
+        ("packed", "vaswani"), ("sides", "marian"), ("sides", "vaswani")]
     epoch = {(row["batch_tokens"], row["batching"]): row for row in report["Padding of a whole epoch"]}
     assert len(epoch) == 8
     for budget in (128, 512):
-        padding = {name: epoch[budget, name]["padding"] for name in ("longest", "bucketed", "bucketed-8", "packed")}
-        assert padding["bucketed"] < padding["longest"] < padding["bucketed-8"] and padding["packed"] < padding["longest"]
-        assert epoch[budget, "longest"]["batches"] == epoch[budget, "bucketed"]["batches"]  # the same cut
-    assert report["settings"]["padding_fraction"]["128 packed"] < report["settings"]["padding_fraction"]["128 longest"]
+        padding = {name: epoch[budget, name]["padding"] for name in ("sides", "bucketed", "bucketed-8", "packed")}
+        assert padding["sides"] < padding["bucketed"] < padding["bucketed-8"] and padding["packed"] < padding["bucketed"]
+        assert epoch[budget, "sides"]["batches"] == epoch[budget, "bucketed"]["batches"]  # the same cut
+    assert report["settings"]["padding_fraction"]["128 packed"] < report["settings"]["padding_fraction"]["128"]
     rows, source_width, target_width = report["settings"]["shapes_rows_length"]["128 packed"][0]
     assert rows * max(source_width, target_width) <= 128
     assert all((row["vs_bucketed"] is None) == (row["batching"] == "bucketed") for row in report["results"])

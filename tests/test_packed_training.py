@@ -126,17 +126,21 @@ def test_the_padding_fraction_counts_both_sides_of_the_batches_trained_on(tmp_pa
     assert metrics["train_padding_fraction"] > 0
 
 
-def test_bucketed_batches_come_in_the_order_of_both_sides(tmp_path, monkeypatch):
-    """Without packing, the trainer's batches are `TokenBatchSampler`'s given both sides' lengths, so that the pairs
-    of one longer length come in `batching.side_order` (not the longer side's order alone, which pads the shorter
-    side more)."""
+def test_order_by_both_sides_orders_the_bucketed_batches_by_both_sides(tmp_path, monkeypatch, capsys):
+    """--order_by_both_sides: the trainer's batches are `TokenBatchSampler`'s given both sides' lengths, the pairs of
+    one longer length in `batching.side_order`; by default, the longer side's order alone (ties at random). With
+    --packing, or without a token budget, it is refused."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
-    trainer, _, _ = run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "1")
-    sides = vaswani.batching.example_lengths(trainer.train_dataset, sides=True)
-    budget = trainer.max_tokens_per_batch
-    ordered = trainer.batch_sampler.batches_by_length()
-    assert ordered == TokenBatchSampler(sides, budget, shuffle=False).batches_by_length()
-    assert ordered != TokenBatchSampler(sides.max(axis=0), budget, shuffle=False).batches_by_length()
+    for options, both in [((), False), (("--order_by_both_sides",), True)]:
+        trainer, _, _ = run(monkeypatch, corpus, tmp_path / f"out-{both}", "--max_steps", "1", *options)
+        sides = vaswani.batching.example_lengths(trainer.train_dataset, sides=True)
+        budget = trainer.max_tokens_per_batch
+        ordered = trainer.batch_sampler.batches_by_length()
+        assert (ordered == TokenBatchSampler(sides, budget, shuffle=False).batches_by_length()) == both
+        assert (ordered == TokenBatchSampler(sides.max(axis=0), budget, shuffle=False).batches_by_length()) != both
+    with pytest.raises(SystemExit):
+        run(monkeypatch, corpus, tmp_path / "packed", "--max_steps", "1", "--order_by_both_sides", "--packing")
+    assert "--order_by_both_sides orders token-budget batches" in capsys.readouterr().err
 
 
 def test_packed_batches_compile_one_graph_before_the_clock(tmp_path, monkeypatch):
