@@ -149,9 +149,10 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
         metadata={"help": "With --max_tokens_per_batch: within the pairs of one longer length, order them by both "
                           "sides' lengths (vaswani.batching.side_order) instead of at random, so that a batch's "
                           "shorter side is even too: the same batches' sizes, with 0.4-4.8% of the positions padding "
-                          "instead of 7.6-9.4% on fra-eng (1,000 to 25,000 tokens). Off by default: in the main job it "
-                          "trained no more tokens in 600 s and scored 1.8 BLEU lower "
-                          "(benchmarks/results/training-cpu-batch-order.md)."},
+                          "instead of 7.6-9.4% on fra-eng (1,000 to 25,000 tokens; "
+                          "benchmarks/results/training-cpu-batch-order.md). Off by default: in the main job it trained "
+                          "no more steps in 600 s and scored 1.8 BLEU lower, its loss higher at every logged step "
+                          "(benchmarks/results/main-job-cpu.md, runs 25 and 26)."},
     )
     paper_recipe: bool = field(
         default=False,
