@@ -172,6 +172,8 @@ def run(args: argparse.Namespace, argv) -> Path:
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
+    epoch = [epoch_padding(source_ids, target_ids, batching, budget, args.seed)  # of the whole corpus
+             for budget in args.epoch_padding for batching in args.batchings]
     if args.sample_pairs:  # a seeded sample, whose whole epoch every batching then trains on
         sample = np.sort(np.random.default_rng(args.seed).choice(len(source_ids), args.sample_pairs, replace=False))
         source_ids, target_ids = [source_ids[i] for i in sample], [target_ids[i] for i in sample]
@@ -194,14 +196,12 @@ def run(args: argparse.Namespace, argv) -> Path:
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started)
     _add_ratios(rows)
-    epoch = [epoch_padding(source_ids, target_ids, batching, budget, args.seed)
-             for budget in args.epoch_padding for batching in args.batchings]
     return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
                    batch_sentences, padding, shapes, epoch)
 
 
 def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed: int) -> dict:
-    """The padding of a whole epoch of one batching's batches at one budget, each side padded as the collators pad
+    """The padding of a whole epoch of one batching's batches of these pairs at one budget, each side padded as the collators pad
     it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the positions
     computed: both sides together and each side alone."""
     multiple = 8 if batching.endswith("-8") else None
@@ -404,7 +404,7 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
                        Column("batches", "batches an epoch"), Column("padding", "padding", "{:.2%}"),
                        Column("source_padding", "source", "{:.2%}"), Column("target_padding", "target", "{:.2%}")]
     return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings,
-                  [("Padding of a whole epoch", epoch, padding_columns)] if epoch else ())
+                  [("Padding of a whole epoch of the corpus", epoch, padding_columns)] if epoch else ())
 
 
 def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
@@ -469,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(instead of --steps batches of the whole corpus), so that every batching trains on the same pairs: batches "
         "cut otherwise differ in their sentences' lengths, and with them in their cost a token")
     add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
-        "whole epoch of each batching's batches (a table of its own)")
+        "whole epoch of each batching's batches of the whole corpus (a table of its own)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
         f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
     add("--lr", type=float, default=1e-4)

@@ -221,7 +221,7 @@ def test_training_benchmark_compares_packed_and_bucketed_batches(corpus, tmp_pat
     assert sorted((row["batching"], row["engine"]) for row in report["results"]) == [
         ("bucketed", "marian"), ("bucketed", "vaswani"), ("bucketed-8", "marian"), ("bucketed-8", "vaswani"),
         ("packed", "vaswani"), ("sides", "marian"), ("sides", "vaswani")]
-    epoch = {(row["batch_tokens"], row["batching"]): row for row in report["Padding of a whole epoch"]}
+    epoch = {(row["batch_tokens"], row["batching"]): row for row in report["Padding of a whole epoch of the corpus"]}
     assert len(epoch) == 8
     for budget in (128, 512):
         padding = {name: epoch[budget, name]["padding"] for name in ("sides", "bucketed", "bucketed-8", "packed")}
