@@ -70,8 +70,8 @@ def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_bu
     """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
     `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
     per side padding included (to `pad_to_multiple_of` too), shuffled (seed); pairs longer than a whole batch are left
-    out. `by_sides`: ordered by both sides, as --order_by_both_sides orders them. Returns the batches as indices and, with
-    `shape_buckets`, the shapes they pad up to (else None)."""
+    out. `by_sides`: ordered by both sides, as --order_by_both_sides orders them. Returns the batches as indices
+    and, with `shape_buckets`, the shapes they pad up to (else None)."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sides = np.array([[len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]], dtype=np.int64)
     sampler = TokenBatchSampler(sides if by_sides else sides.max(axis=0), batch_tokens, seed=seed,
@@ -201,9 +201,9 @@ def run(args: argparse.Namespace, argv) -> Path:
 
 
 def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed: int) -> dict:
-    """The padding of a whole epoch of one batching's batches of these pairs at one budget, each side padded as the collators pad
-    it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the positions
-    computed: both sides together and each side alone."""
+    """The padding of a whole epoch of one batching's batches of these pairs at one budget, each side padded as the
+    collators pad it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the
+    positions computed: both sides together and each side alone."""
     multiple = 8 if batching.endswith("-8") else None
     if batching.startswith("packed"):
         order, shape = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
@@ -376,7 +376,8 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
            "graph per shape recorded in the warm-up (each shape twice); tokens/s counts non-padding tokens."]
           if args.shape_buckets else []),
         "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, backward, "
-        "Adam (β = 0.9, 0.98, ε = 1e-9, §5.3; fused, as the Trainer's default adamw_torch_fused), zero_grad. Vaswani's loss is label-smoothed (0.1, its backward "
+        "Adam (β = 0.9, 0.98, ε = 1e-9, §5.3; fused, as the Trainer's default adamw_torch_fused), zero_grad. "
+        "Vaswani's loss is label-smoothed (0.1, its backward "
         "written out), Marian's plain cross-entropy. Engines interleaved step by step, the order rotating.",
         *(["keep_freed_cpu_memory(None) for the whole process, as train_translation.py on a CPU."]
           if args.keep_freed_memory and not device.is_cuda else []),

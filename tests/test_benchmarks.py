@@ -235,6 +235,20 @@ def test_training_benchmark_compares_packed_and_bucketed_batches(corpus, tmp_pat
         module.main(common_args(corpus, tmp_path) + ["--batchings", "packed,sorted"])
 
 
+def test_training_benchmark_times_a_whole_sample_in_every_batching(corpus, tmp_path):
+    """--sample_pairs N: every batching trains on every pair of the same seeded sample, once, however many batches
+    it cuts them into (packed rows fewer), so that their rates compare the same sentences."""
+    path = load("bench_training").main(common_args(corpus, tmp_path) + [
+        "--sizes", "tiny", "--batch_tokens", "128", "--warmup_steps", "0", "--engines", "vaswani",
+        "--batchings", "bucketed,sides,packed", "--sample_pairs", "120"])
+    report = check_report(path, "bench_training", {"batching", "sentences", "source_tokens", "target_tokens"})
+    trained = {row["batching"]: (row["sentences"], row["source_tokens"], row["target_tokens"])
+               for row in report["results"]}
+    assert set(trained) == {"bucketed", "sides", "packed"} and len(set(trained.values())) == 1
+    assert trained["bucketed"][0] == 120
+    assert report["results"][0]["steps"] != report["results"][2]["steps"]  # packed rows: fewer batches
+
+
 def test_scaling_benchmark(corpus, tmp_path):
     path = load("bench_scaling").main(
         common_args(corpus, tmp_path)

@@ -151,7 +151,7 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "shorter side is even too: the same batches' sizes, with 0.4-4.8% of the positions padding "
                           "instead of 7.6-9.4% on fra-eng (1,000 to 25,000 tokens; "
                           "benchmarks/results/training-cpu-batch-order.md). Off by default: in the main job it trained "
-                          "no more steps in 600 s and scored 1.8 BLEU lower, its loss higher at every logged step "
+                          "no more steps in 600 s, with a higher loss at every logged step and a lower BLEU "
                           "(benchmarks/results/main-job-cpu.md, runs 25 and 26)."},
     )
     paper_recipe: bool = field(
