@@ -201,3 +201,21 @@ def test_a_resumed_run_trains_for_what_is_left_of_its_budget_on_a_clock_that_lea
     more = trainers[-1].state.num_input_tokens_seen - tokens
     assert resumed["train_source_tokens_per_second"] == pytest.approx(more / 6, abs=1e-3)
     assert [entry["elapsed_seconds"] for entry in trainers[-1].state.log_history if "loss" in entry] == [10.0]
+
+
+@pytest.mark.parametrize("trainer_runtime", [3.1, 9.4, 57.3])
+def test_rates_on_the_clock_do_not_inherit_the_trainers_rounding(trainer_runtime):
+    """The Trainer reports 4 steps (and 64 samples) over its own runtime, each rounded; rescaled to the clock's 4 s
+    they are exactly 1 and 16 a second, however far the Trainer's runtime was from the clock's (a loaded machine
+    takes longer outside the clock: 4 / 9.4 rounds to 0.426, and 0.426 × 9.4 / 4 to 1.001)."""
+    from types import SimpleNamespace
+
+    from vaswani.trainer import VaswaniSeq2SeqTrainer
+
+    clock = SimpleNamespace(stop=lambda: None, this_call=lambda: 4.0, elapsed=lambda: 4.0, start_tokens=0)
+    trainer = SimpleNamespace(clock=clock, state=SimpleNamespace(num_input_tokens_seen=0), compile_seconds=0.0)
+    metrics = {"train_runtime": round(trainer_runtime, 4), "train_steps_per_second": round(4 / trainer_runtime, 3),
+               "train_samples_per_second": round(64 / trainer_runtime, 3)}
+    rescaled = VaswaniSeq2SeqTrainer.clocked_metrics(trainer, metrics)
+    assert rescaled["train_steps_per_second"] == 1.0 and rescaled["train_samples_per_second"] == 16.0
+    assert rescaled["train_runtime"] == 4.0
