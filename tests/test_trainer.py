@@ -101,6 +101,45 @@ def test_validation_scores_the_translations_of_the_one_translation_path(tmp_path
         name: scores[name] for name in ("bleu", "chrf", "ter")}
 
 
+@pytest.mark.parametrize("compiled", [(), ("--torch_compile", "--torch_compile_backend", "eager")],
+                         ids=["eager", "compiled"])
+def test_bf16_training_decodes_through_transformers_loop_and_trains_on_under_its_autocast(tmp_path, monkeypatch,
+                                                                                          compiled):
+    """--bf16 wraps the model's forward in Accelerate's autocast. Validation and the test score decode the model
+    without it (`trainer.decoding_model`) through transformers' own loop, generate()'s default on an accelerator,
+    which calls forward with return_dict=True: that must reach transformers' `can_return_tuple`, not the bare forward
+    (on the 2026-11-28 H200 the quality run trained 300 s and then failed so). After each validation the training
+    model has its autocast back."""
+    import vaswani.generation_vaswani
+
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+    monkeypatch.setattr(vaswani.generation_vaswani, "_lean_by_default", lambda model: False)  # as on a GPU
+    trainers, autocast_after_validation = [], []
+
+    class Trainer(VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+        def evaluation_loop(self, *args, **kwargs):
+            output = super().evaluation_loop(*args, **kwargs)
+            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            autocast_after_validation.append(model.forward != type(model).forward.__get__(model))
+            return output
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    corpus = distinct_corpus(tmp_path / "corpus.tsv")
+    script_main("train_translation")(train_args(
+        corpus, tmp_path / "out", "--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2",
+        "--predict_with_generate", "--max_eval_samples", "4", "--max_test_samples", "4", "--use_cpu", "--bf16",
+        *compiled))
+    assert autocast_after_validation == [True, True]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert "test_bleu" in metrics and metrics["train_steps"] == 4
+    # The run's training steps went on under the autocast: its steps' losses are those of bf16.
+    assert trainers[-1].accelerator.mixed_precision == "bf16"
+
+
 # Ops that hand a tensor's value to the host: on an accelerator each makes the host wait for the device.
 READ_BACK_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "item", "equal"}
 

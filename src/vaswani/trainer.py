@@ -354,10 +354,15 @@ def decoding_model(trainer: Seq2SeqTrainer):
     """The trained model as its saved weights decode, and a function that undoes what this changed: without the
     wrappers of distributed training or compilation, and without the autocast that --bf16/--fp16 put around its
     forward, so that validation (in the middle of training, which then needs the autocast back) and the test score
-    (`training.final_model`) decode the same weights at the same precision."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    wrapped = {name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__}
-    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+    (`training.final_model`) decode the same weights at the same precision.
+
+    The autocast is Accelerate's wrapper in the model's own `forward` attribute (the original in `_original_forward`):
+    both are taken out of the instance, which leaves the class's `forward`, decorators included. Accelerate's
+    `unwrap_model(keep_fp32_wrapper=False)` unwraps every `__wrapped__` instead, down through transformers'
+    `can_return_tuple`, and transformers' own decoding loop (`generate()` on an accelerator) then failed with "got
+    multiple values for keyword argument 'return_dict'"."""
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    wrapped = {name: model.__dict__.pop(name) for name in ("forward", "_original_forward") if name in model.__dict__}
     return model, lambda: model.__dict__.update(wrapped)
 
 
