@@ -5,7 +5,7 @@
 # its results as it ends and the results folder is packed then, so a timeout loses only the stage it cut.
 #
 #   bash benchmarks/gpu_session.sh                 # the first plan (≤ 480 s): setup quality
-#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 300 s): setup probe-4000 translation-trained
+#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 220 s): setup translation-trained new-shapes
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order (setup always first)
 #   bash benchmarks/gpu_session.sh --dry_run …     # the same at tiny sizes on any machine, a CPU included: checks
 #                                                  #   every package, path and argument before device time is spent
@@ -17,8 +17,9 @@
 # bench_training.py process per setting (PROBE_STAGES): `probe-4000` (base, 4,000-token batches, compiled against
 # MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-packed` (compiled, on packed rows
 # against bucketed batches, each padded to multiples of 1 and 8), `probe-4000-graphs` and `probe-25000` (shape
-# buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `tests` (pytest -m
-# gpu); `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
+# buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `new-shapes` (the
+# eager base step, each of 20 timed steps on a batch shape the process has not seen, under SDPA's efficient and then
+# its cuDNN kernel: what a first epoch's new shapes cost each); `tests` (pytest -m gpu); `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
 # $TRANSLATION_MODEL, else random weights: generate()'s default (transformers' loop on CUDA), slots with CUDA
 # graphs, CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name only, with
 # random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
@@ -39,9 +40,12 @@ declare -A LIMITS=(
     # compilation (about 115 s there: 203 s from start to a stop after 88 s of training); after it the whole test
     # split decoded and the model saved (about 25 s on the 2026-11-26 H200)
     [quality]=455
-    # the batches (11 s on the 2026-11-27 H200), the compiled step (did not finish in the 69 s left there; about
-    # 115 s in the quality run's process), 20 s of Marian's steps and the compiled engine's on the same batches
-    [probe-4000]=160
+    # the batches (10 s on the 2026-11-28 H200), the compiled step's warm-up (done after 119 s there), Marian's (122 s),
+    # then 20 s of Marian's steps and as many of the compiled engine's: 160 s cut it there during the timed steps
+    [probe-4000]=195
+    # two eager runs of 20 steps, each on a batch shape new to the process (no warm-up): SDPA's efficient kernel,
+    # then its cuDNN kernel; each run prepares its batches first (10 s)
+    [new-shapes]=90
     [probe-4000-packed]=150  # four batchings (bucketed and packed, padded to multiples of 1 and 8), each compiled
     [probe-4000-graphs]=150
     [probe-25000]=150
@@ -50,16 +54,17 @@ declare -A LIMITS=(
     [translation]=420 [translation-compiled]=420 [translation-batch1]=420
     [scaling]=150 [profile]=300 [attention]=600
 )
-# The step probe's settings, one bench_training.py run each, most valuable first; the second plan has room for the
-# first. The quality run fills the first plan alone: the base step's compilation took about 115 s on the 2026-11-27
-# H200, which leaves the probe no room beside 300 s of training (benchmarks/results/gpu-notes.md). `tests` runs by
-# name (`gpu_session.sh tests`), on the next lent GPU after both plans.
+# The step probe's settings, one bench_training.py run each, most valuable first. The quality run fills the first
+# plan alone: the base step's compilation took about 115 s on the 2026-11-27 H200, which leaves the probe no room
+# beside 300 s of training (benchmarks/results/gpu-notes.md). The second plan (at most 5 minutes) has no room for the
+# probe either: its compilation makes `probe-4000` 195 s alone. So the probe and `tests` run by name
+# (`gpu_session.sh probe-4000`), in what a session has left after both plans, or on the next lent GPU.
 # `probe-4000-packed` decides the GPU's batching: real tokens/s of packed rows against bucketed batches, each
 # padded to multiples of 1 and 8 (the padding multiple, none by default, by measurement).
 PROBE_STAGES=(probe-4000 probe-4000-packed probe-4000-graphs probe-25000)
 PROBE_SECONDS=${PROBE_SECONDS:-20}  # each setting repeats its batches until Marian, the slowest, has trained this long
 FIRST_PLAN=(setup quality)
-SECOND_PLAN=(setup "${PROBE_STAGES[0]}" translation-trained)
+SECOND_PLAN=(setup translation-trained new-shapes)
 DRY_RUN_LIMIT=240
 
 dry_run=0 limits_only=0
@@ -149,6 +154,14 @@ probe_arguments() {  # bench_training.py's arguments for one step-probe setting
     fi
 }
 
+new_shapes_arguments() {  # bench_training.py's arguments for the new-shapes stage: every timed step a new shape
+    if [ $dry_run = 1 ]; then
+        echo --sizes tiny --batch_tokens 256 --steps 3 --warmup_steps 0 --engines vaswani
+    else
+        echo --sizes base --batch_tokens 4000 --steps 20 --warmup_steps 0 --engines vaswani
+    fi
+}
+
 stage() {
     local stage=$1 limit=${LIMITS[$1]} log="$RESULTS_DIR/gpu-$1.log" started=$SECONDS
     # A dry run checks paths and arguments, not timing: a shared CPU compiles the tiny models slower than a GPU
@@ -157,9 +170,20 @@ stage() {
     echo "== $stage at ${SECONDS} s, limit $limit s" | tee -a "$log"
     case $stage in
         setup) setup "$limit" "$log" ;;
-        quality)
-            run "$limit" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" \
+        quality)  # TORCH_LOGS: each recompilation's reason in the recipe's log (the 2026-11-28 H200 run spent 122
+            # of its 300 s on its first 200 steps, as two recompilations would; the report counts the graphs)
+            TORCH_LOGS=${TORCH_LOGS:-recompiles} run "$limit" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" \
                 --data_cache_dir "$QUALITY_DATA" "${dry[@]}" ;;
+        new-shapes)  # the first step on each new batch shape: cuDNN builds an attention graph per shape (hundreds
+            # of ms each, by public reports), a cost a token-budget run pays once per shape (27 an epoch in the
+            # quality run) and bench_training.py's warm-up hides
+            local kernel kernels=(efficient cudnn)
+            [ $dry_run = 1 ] && kernels=(math)
+            for kernel in "${kernels[@]}"; do
+                run $((limit - SECONDS + started)) "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
+                    --results_dir "$RESULTS_DIR" $(new_shapes_arguments) --sdpa_backend "$kernel" \
+                    --output_name "training-new-shapes-{device}-$kernel" || return 1
+            done ;;
         probe-*)
             run "$limit" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
                 $(probe_arguments "$stage") ;;

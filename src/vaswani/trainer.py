@@ -29,6 +29,7 @@ from .training_callbacks import (
     StartTheClockCallback,
     TimeBudgetCallback,
     TrainingClock,
+    compiled_graphs,
     read_clock,
     time_budget_schedule,
     write_clock,
@@ -66,7 +67,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     * checkpoints that are never visible half-written (`trainer_internals.StagedCheckpoints`), resumable and rotated
       as the Trainer's own. The pickled `training_args.bin` is replaced by `training_args.json`;
     * the run's one clock (`clock`, a `TrainingClock`), started once the training step is compiled (under
-      `--torch_compile`, `compile_before_the_clock`, its seconds kept in `compile_seconds`), recorded in every
+      `--torch_compile`, `compile_before_the_clock`, its seconds kept in `compile_seconds`, the graphs compiled
+      after it in the final metrics' `train_graphs_compiled_on_the_clock`), recorded in every
       checkpoint and carried on by a run that resumes from one; every logged line carries the seconds of training
       so far (`elapsed_seconds`);
     * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
@@ -102,6 +104,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self._non_embedding_parameters = None
         self._train_features = None
         self.compile_seconds = 0.0
+        self.graphs_before_the_clock = 0  # torch.compile's graphs when the clock started (`StartTheClockCallback`)
         self.clock = TrainingClock()
         # First, so that the compilation ends before any other callback starts a clock.
         self.callback_handler.callbacks.insert(0, StartTheClockCallback(self))
@@ -325,6 +328,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
                 metrics["train_source_tokens_per_second"] = round(tokens / runtime, 3)
         metrics["train_runtime"] = round(runtime, 4)
         metrics["train_compile_seconds"] = round(self.compile_seconds, 2)
+        if self.args.torch_compile:  # 0 where compile_before_the_clock built every graph the steps needed
+            metrics["train_graphs_compiled_on_the_clock"] = compiled_graphs() - self.graphs_before_the_clock
         metrics["train_wall_seconds"] = round(self.clock.elapsed(), 4)
         return metrics
 

@@ -201,6 +201,13 @@ class WeightAverageCallback(TrainerCallback):
         self.average = self.parameters = None
 
 
+def compiled_graphs() -> int:
+    """The graphs torch.compile (Dynamo) has built in this process so far: a count kept on the host."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 class StartTheClockCallback(TrainerCallback):
     """The first callback of a `VaswaniSeq2SeqTrainer`, the owner of its clock (`trainer.clock`): at the start of
     training it compiles the training step (`VaswaniSeq2SeqTrainer.compile_before_the_clock`), hands the clock to
@@ -215,6 +222,7 @@ class StartTheClockCallback(TrainerCallback):
         for callback in self.trainer.callback_handler.callbacks:
             if isinstance(callback, (ClockCallback, TimeBudgetProgressCallback)):
                 callback.clock = self.trainer.clock
+        self.trainer.graphs_before_the_clock = compiled_graphs()
         self.trainer.clock.start(state)
 
     def on_train_end(self, args, state, control, **kwargs):
