@@ -41,8 +41,8 @@ from vaswani.training import MAX_SHAPE_BUCKETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters, engine_label,
-    csv_of, pick_device, report, sdpa_backend, timed,
+    SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters,
+    engine_label, csv_of, pick_device, report, sdpa_backend, timed,
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
@@ -52,8 +52,10 @@ ENGINES = ("vaswani", "vaswani-compiled", "marian")
 # on a GPU (results/gpu-notes.md); `bf16`, bf16 autocast on a CPU too, as `--bf16 --use_cpu` trains (CUDA runs every
 # engine under it); `eager`, the eager attention (results/main-job-recipes.md); `graphs` (with `compiled`, CUDA
 # only), `mode="reduce-overhead"`: CUDA graphs, one a shape, on the batches padded up to their shape buckets
-# (`--shape_buckets`) as train_translation.py pads them.
-OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs")
+# (`--shape_buckets`) as train_translation.py pads them; a kernel's name (`efficient`, `cudnn`, `flash`, `math`),
+# SDPA pinned to that kernel for this engine alone (`--sdpa_backend` pins it for all), so that one process compares
+# kernels step by step on the same batches (`vaswani-efficient,vaswani-cudnn`).
+OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs", *SDPA_BACKENDS)
 
 
 # How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
@@ -110,11 +112,14 @@ class Trainee:
                  batching="bucketed"):
         self.name, self.batching = name, batching
         base, *options = name.split("-")
+        kernels = [option for option in options if option in SDPA_BACKENDS]
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
                 or ("flex" in options and (base != "vaswani" or "eager" in options))
-                or ("graphs" in options and "compiled" not in options)):
+                or ("graphs" in options and "compiled" not in options)
+                or (kernels and ({"flex", "eager"} & set(options) or len(kernels) > 1 or attention_kernel))):
             raise ValueError(f"Unknown engine {name!r}: vaswani or marian, then any of -{', -'.join(OPTIONS)} "
-                             "(-flex for vaswani only, and not with -eager; -graphs with -compiled).")
+                             "(-flex for vaswani only, and not with -eager; -graphs with -compiled; at most one SDPA "
+                             "kernel, not with -flex, -eager or --sdpa_backend).")
         self.model = build_seq2seq(base, config, device, torch.float32, seed).train()
         if "flex" in options or "eager" in options:
             self.model.set_attn_implementation("flex_attention" if "flex" in options else "eager")
@@ -139,7 +144,7 @@ class Trainee:
             torch.autocast(device.device.type, dtype=torch.bfloat16) if device.is_cuda or "bf16" in options
             else contextlib.nullcontext()
         )
-        self.attention_kernel = attention_kernel
+        self.attention_kernel = kernels[0] if kernels else attention_kernel
 
     def step(self, index: int) -> None:
         batch = {k: v.to(self.device.device, non_blocking=True) for k, v in self.batches[index].items()}
@@ -301,6 +306,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                 trainee.step(0)
             memory[trainee] = (trainee.state_mib(), peak.added_mib)
         seconds = {trainee: 0.0 for trainee in trainees}
+        first_round = {}  # each engine's seconds when its first pass over the timed batches ended
         done = {trainee: [] for trainee in trainees}
         compiles_before = _compilations()
         # Each timed batch once; with --seconds_per_setting, round after round over them until the slowest engine
@@ -310,7 +316,9 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
         rounds = 0
         # A sample's whole epoch: each engine every batch of its batching, however many that batching cuts.
         epoch = max(map(len, indices.values())) if args.sample_pairs else min(map(len, indices.values()))
-        while rounds < epoch or (args.seconds_per_setting and max(seconds.values()) < args.seconds_per_setting):
+        passes = 1 if args.sample_pairs else args.passes
+        timing = args.seconds_per_setting
+        while rounds < epoch * passes or (timing and max(seconds.values()) < timing):
             rotation = rounds % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
                 if args.sample_pairs and rounds >= len(indices[trainee]):
@@ -319,6 +327,8 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee] += elapsed
                 done[trainee].append(prepared[trainee.batching].batches[i])
+                if len(done[trainee]) == len(indices[trainee]):
+                    first_round[trainee] = seconds[trainee]
             rounds += 1
         compiles_timed = _compilations() - compiles_before
         if args.profile:
@@ -342,6 +352,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                 "mfu": flops / elapsed / (peak_tflops * 1e12) if peak_tflops else None, "state_mib": state,
                 "step_added_mib": added, "peak_mib": state + added if added is not None else None,
                 "load_average": load_average, "compilations_while_timed": compiles_timed,
+                **_rounds(first_round.get(trainee), elapsed, len(indices[trainee]), len(done[trainee])),
             })
             print(_progress(rows[-1]), flush=True)
         del trainees
@@ -400,6 +411,8 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
         Column("compilations_while_timed", "recompiles"),
+        Column("first_round_ms", "ms a step, first pass", "{:.1f}"),
+        Column("later_rounds_ms", "ms a step, later passes", "{:.1f}"),
     ]
     padding_columns = [Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
                        Column("batches", "batches an epoch"), Column("padding", "padding", "{:.2%}"),
@@ -442,6 +455,15 @@ def _add_ratios(rows: list[dict]) -> None:
         r["vs_bucketed"] = r["tokens_per_s"] / bucketed if r["batching"] != "bucketed" and bucketed else None
 
 
+def _rounds(first: float | None, seconds: float, batches: int, steps: int) -> dict:
+    """ms a step of an engine's first pass over the timed batches, and of its later passes over the same batches
+    (with --seconds_per_setting): with --warmup_steps 0 the first pass meets every batch's shape for the first time,
+    the later ones meet none, so the two tell apart what a new shape costs (a compilation, a kernel's plan)."""
+    if first is None or steps <= batches:
+        return {}
+    return {"first_round_ms": 1000 * first / batches, "later_rounds_ms": 1000 * (seconds - first) / (steps - batches)}
+
+
 def _progress(row: dict) -> str:
     return (
         f"{row['size']:>5} {row['batch_tokens']:>6} {row['batching']:>10} {row['engine_label']:>12}: "
@@ -462,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup_steps", type=int, default=None, help="default 3 CUDA, 1 CPU")
     add("--seconds_per_setting", type=float, default=None, help="repeat the timed batches until the slowest engine "
         "has trained this long at each size and budget (a step-rate probe)")
+    add("--passes", type=int, default=1, help="at least this many passes over the timed batches (with --warmup_steps "
+        "0, the first meets each batch's shape for the first time: columns `ms a step, first pass` and `later passes`)")
     add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
         f"{', '.join(BATCHINGS)}: length-bucketed (sides: --order_by_both_sides) or packed (--packing), "
         "-8 padded to multiples of 8; every engine "

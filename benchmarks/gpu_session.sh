@@ -5,7 +5,7 @@
 # its results as it ends and the results folder is packed then, so a timeout loses only the stage it cut.
 #
 #   bash benchmarks/gpu_session.sh                 # the first plan (≤ 480 s): setup quality
-#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 220 s): setup translation-trained new-shapes
+#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 220 s): setup translation-trained kernels
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order (setup always first)
 #   bash benchmarks/gpu_session.sh --dry_run …     # the same at tiny sizes on any machine, a CPU included: checks
 #                                                  #   every package, path and argument before device time is spent
@@ -17,11 +17,12 @@
 # bench_training.py process per setting (PROBE_STAGES): `probe-4000` (base, 4,000-token batches, compiled against
 # MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-packed` (compiled, on packed rows
 # against bucketed batches, each padded to multiples of 1 and 8), `probe-4000-graphs` and `probe-25000` (shape
-# buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `new-shapes` (the
-# eager base step, each of 20 timed steps on a batch shape the process has not seen, under SDPA's efficient and then
-# its cuDNN kernel: what a first epoch's new shapes cost each); `tests` (pytest -m gpu); `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
-# $TRANSLATION_MODEL, else random weights: generate()'s default (transformers' loop on CUDA), slots with CUDA
-# graphs, CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name only, with
+# buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `kernels` (the
+# eager base step under SDPA's efficient and cuDNN kernels, interleaved on the same 20 batches, no warm-up: a first
+# pass on shapes new to the process, then two more); `tests` (pytest -m gpu); `translation-trained`
+# (bench_translation.py on the quality run's model if this machine made one, else $TRANSLATION_MODEL, else random
+# weights: generate()'s default (transformers' loop on CUDA), slots with CUDA graphs, CUDA graphs, Marian; with a
+# model, each engine's outputs compared with the first's). By name only, with
 # random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
 #
 # Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
@@ -43,9 +44,9 @@ declare -A LIMITS=(
     # the batches (10 s on the 2026-11-28 H200), the compiled step's warm-up (done after 119 s there), Marian's (122 s),
     # then 20 s of Marian's steps and as many of the compiled engine's: 160 s cut it there during the timed steps
     [probe-4000]=195
-    # two eager runs of 20 steps, each on a batch shape new to the process (no warm-up): SDPA's efficient kernel,
-    # then its cuDNN kernel; each run prepares its batches first (10 s)
-    [new-shapes]=90
+    # the batches (10 s), two base models, then 3 passes over 20 batches with each kernel: the first, on shapes new
+    # to the process, up to 40 s if cuDNN builds its graphs at the reported pace
+    [kernels]=90
     [probe-4000-packed]=150  # four batchings (bucketed and packed, padded to multiples of 1 and 8), each compiled
     [probe-4000-graphs]=150
     [probe-25000]=150
@@ -64,7 +65,7 @@ declare -A LIMITS=(
 PROBE_STAGES=(probe-4000 probe-4000-packed probe-4000-graphs probe-25000)
 PROBE_SECONDS=${PROBE_SECONDS:-20}  # each setting repeats its batches until Marian, the slowest, has trained this long
 FIRST_PLAN=(setup quality)
-SECOND_PLAN=(setup translation-trained new-shapes)
+SECOND_PLAN=(setup translation-trained kernels)
 DRY_RUN_LIMIT=240
 
 dry_run=0 limits_only=0
@@ -154,11 +155,11 @@ probe_arguments() {  # bench_training.py's arguments for one step-probe setting
     fi
 }
 
-new_shapes_arguments() {  # bench_training.py's arguments for the new-shapes stage: every timed step a new shape
+kernels_arguments() {  # bench_training.py's arguments for the kernels stage (a CPU has no efficient or cuDNN kernel)
     if [ $dry_run = 1 ]; then
-        echo --sizes tiny --batch_tokens 256 --steps 3 --warmup_steps 0 --engines vaswani
+        echo --sizes tiny --batch_tokens 256 --steps 3 --engines vaswani-math,vaswani-flash
     else
-        echo --sizes base --batch_tokens 4000 --steps 20 --warmup_steps 0 --engines vaswani
+        echo --sizes base --batch_tokens 4000 --steps 20 --engines vaswani-efficient,vaswani-cudnn
     fi
 }
 
@@ -172,18 +173,14 @@ stage() {
         setup) setup "$limit" "$log" ;;
         quality)  # TORCH_LOGS: each recompilation's reason in the recipe's log (the 2026-11-28 H200 run spent 122
             # of its 300 s on its first 200 steps, as two recompilations would; the report counts the graphs)
-            TORCH_LOGS=${TORCH_LOGS:-recompiles} run "$limit" "$log" python3 benchmarks/gpu_quality.py --results_dir "$RESULTS_DIR" \
-                --data_cache_dir "$QUALITY_DATA" "${dry[@]}" ;;
-        new-shapes)  # the first step on each new batch shape: cuDNN builds an attention graph per shape (hundreds
-            # of ms each, by public reports), a cost a token-budget run pays once per shape (27 an epoch in the
-            # quality run) and bench_training.py's warm-up hides
-            local kernel kernels=(efficient cudnn)
-            [ $dry_run = 1 ] && kernels=(math)
-            for kernel in "${kernels[@]}"; do
-                run $((limit - SECONDS + started)) "$log" python3 benchmarks/bench_training.py "${device_args[@]}" \
-                    --results_dir "$RESULTS_DIR" $(new_shapes_arguments) --sdpa_backend "$kernel" \
-                    --output_name "training-new-shapes-{device}-$kernel" || return 1
-            done ;;
+            TORCH_LOGS=${TORCH_LOGS:-recompiles} run "$limit" "$log" python3 benchmarks/gpu_quality.py \
+                --results_dir "$RESULTS_DIR" --data_cache_dir "$QUALITY_DATA" "${dry[@]}" ;;
+        kernels)  # SDPA's efficient and cuDNN kernels interleaved step by step on the same batches, eager; no
+            # warm-up, so the first pass meets each batch's shape for the first time (cuDNN builds an attention graph
+            # per shape, hundreds of ms each by public reports) and the later passes show each kernel's steady step
+            # (cuDNN's attention took 47% of the compiled base step in the 2026-11-23 profile)
+            run "$limit" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
+                $(kernels_arguments) --warmup_steps 0 --passes 3 --output_name "training-kernels-{device}" ;;
         probe-*)
             run "$limit" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
                 $(probe_arguments "$stage") ;;

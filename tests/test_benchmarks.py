@@ -2,6 +2,7 @@
 and write its JSON and Markdown reports with the fields the issue asks for (device, versions, exact command)."""
 
 import argparse
+import collections
 import dataclasses
 import gzip
 import importlib.util
@@ -176,6 +177,30 @@ def test_training_benchmark(corpus, tmp_path, monkeypatch):
     # Without warm-up the compiled engine compiles inside the first timed step, and the report says so.
     assert {row["compilations_while_timed"] for row in report["results"] if row["batch_tokens"] == 64} == {1}
     assert kept == [None] and any("keep_freed_cpu_memory(None)" in note for note in report["notes"])
+
+
+def test_training_benchmark_pins_a_kernel_per_engine_and_times_first_and_later_passes(corpus, tmp_path, monkeypatch):
+    """An SDPA kernel's name after an engine's pins that engine's attention to it, so one process compares kernels on
+    the same batches; with --warmup_steps 0 and --passes, each row times the first pass over the timed batches (their
+    shapes new to the process) apart from the later ones."""
+    from vaswani import VaswaniConfig
+
+    module = load("bench_training")
+    pinned = collections.Counter()
+    real = module.sdpa_backend
+    monkeypatch.setattr(module, "sdpa_backend", lambda name: pinned.update([name]) or real(name))
+    path = module.main(common_args(corpus, tmp_path) + [
+        "--sizes", "tiny", "--batch_tokens", "96", "--steps", "2", "--warmup_steps", "0", "--passes", "2",
+        "--engines", "vaswani-math,vaswani-flash"])
+    report = check_report(path, "bench_training", {"engine", "first_round_ms", "later_rounds_ms"})
+    assert [row["engine"] for row in report["results"]] == ["vaswani-math", "vaswani-flash"]
+    assert all(row["steps"] == 4 and row["first_round_ms"] > 0 and row["later_rounds_ms"] > 0
+               for row in report["results"])
+    assert set(pinned) == {"math", "flash"} and pinned["math"] == pinned["flash"] == 5  # 4 timed steps, 1 for memory
+    config, device = VaswaniConfig.tiny(vocab_size=64), module.pick_device("cpu")
+    for name, kernel in (("vaswani-eager-math", None), ("vaswani-math-flash", None), ("vaswani-math", "flash")):
+        with pytest.raises(ValueError, match="at most one SDPA kernel"):
+            module.Trainee(name, config, device, [], seed=0, lr=1e-4, attention_kernel=kernel)
 
 
 def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):

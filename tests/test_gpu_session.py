@@ -32,7 +32,7 @@ def limits(*args: str) -> dict[str, int]:
 def test_each_plan_fits_one_call_with_its_stage_limits_adding_up():
     first, second = limits(), limits("second")
     assert list(first) == ["setup", "quality", "total"]
-    assert list(second) == ["setup", "translation-trained", "new-shapes", "total"]
+    assert list(second) == ["setup", "translation-trained", "kernels", "total"]
     for plan, most in ((first, FIRST_PLAN_SECONDS), (second, SECOND_PLAN_SECONDS)):
         total = plan.pop("total")
         assert total == sum(plan.values()) <= most
