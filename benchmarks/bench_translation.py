@@ -397,7 +397,8 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         "vaswani.convert.to_marian of its model (the same function and generation config); CT2 runs the checkpoint "
         "exported by vaswani.export.export_to_ctranslate2 (inter_threads 1).",
         f"Precision {device.dtype_name} (bf16: dtype='bfloat16'; int8: int8=True, the scripts' --int8); Vaswani = "
-        "generate() as users call it; lean loop / transformers' loop / CUDA graphs = decoding='lean' / "
+        "the scripts' default (decoding='auto': on a CUDA GPU the lean loop as CUDA graphs, elsewhere generate()'s "
+        "default); lean loop / transformers' loop / CUDA graphs = decoding='lean' / "
         "'transformers' / 'graphs'; compiled = vaswani.inference.compile_for_generation; attention: sdpa.",
         "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
         f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",

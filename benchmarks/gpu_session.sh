@@ -21,9 +21,9 @@
 # eager base step under SDPA's efficient and cuDNN kernels, interleaved on the same 20 batches, no warm-up: a first
 # pass on shapes new to the process, then two more); `tests` (pytest -m gpu); `translation-trained`
 # (bench_translation.py on the quality run's model if this machine made one, else $TRANSLATION_MODEL, else random
-# weights: generate()'s default (transformers' loop on CUDA), slots with CUDA graphs, CUDA graphs, Marian; with a
-# model, each engine's outputs compared with the first's). By name only, with
-# random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
+# weights: transformers' loop (generate()'s default on CUDA), the scripts' default (on CUDA the lean loop as CUDA
+# graphs), slots with CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name
+# only, with random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
 #
 # Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
 # folder is packed into that .tar.gz after every stage (a device machine returns few files). benchmarks/gpu_prepare.sh
@@ -193,9 +193,9 @@ stage() {
             run $((limit - SECONDS + started)) "$log" python3 -m pytest -v -m gpu tests/ \
                 -k "cuda_graphs and compiled" -p no:cacheprovider && [ $first = 0 ] ;;
         translation-trained)  # every engine in its own process (--keep_going: a crash costs only its own rows); with a
-            # model, each row counts the translations identical to `vaswani`'s: generate()'s default, which is
-            # transformers' loop on CUDA (the lean loop on a CPU)
-            local model=() engines=vaswani,vaswani-slots,vaswani-graphs,marian work=(--num_sentences 1000)
+            # model, each row counts the translations identical to the first engine's: transformers' loop, generate()'s
+            # default on CUDA; then the scripts' default (`vaswani`: on CUDA the lean loop as CUDA graphs), slots
+            local model=() engines=vaswani-hfloop,vaswani,vaswani-slots,marian work=(--num_sentences 1000)
             if [ -f "$RESULTS_DIR/gpu-quality-selected.txt" ]; then
                 model=(--model "$(cat "$RESULTS_DIR/gpu-quality-selected.txt")")
             elif [ -n "${TRANSLATION_MODEL:-}" ]; then

@@ -173,7 +173,7 @@ def test_top_1_breaks_ties_like_argmax():
 
 
 def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
-    from vaswani.loading import load_translator
+    from vaswani.loading import decoding_loop, load_translator
 
     model, tokenizer = trained
     model.save_pretrained(tmp_path)
@@ -189,6 +189,12 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     assert graphs.generate.keywords == {"model": graphs, "cuda_graphs": True}
     with pytest.raises(ValueError, match="choose one of auto, lean, graphs, transformers"):
         load_translator(str(tmp_path), device="cpu", decoding="fast")
+    # On a CUDA GPU "auto" is the lean loop replayed as CUDA graphs, which translated fastest there; a loop asked for
+    # is kept on any device.
+    assert [decoding_loop("auto", torch.device(name)) for name in ("cuda", "cuda:1", "cpu")] == ["graphs", "graphs",
+                                                                                                   "auto"]
+    assert [decoding_loop(loop, torch.device("cuda")) for loop in ("lean", "graphs", "transformers")] == [
+        "lean", "graphs", "transformers"]
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     loaded, _ = load_translator(str(tmp_path), device="cpu")
     assert torch.equal(loaded.generate(**batch, num_beams=4, max_new_tokens=20),

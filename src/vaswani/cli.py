@@ -91,8 +91,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
                         "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
-                        help="the loop behind generate(): auto (the default: lean on a CPU, transformers' elsewhere, "
-                        "where it measured faster), lean (vaswani.generation_vaswani: the same outputs, less work per "
+                        help="the loop behind generate(): auto (the default: graphs on a CUDA GPU, lean on a CPU, "
+                        "transformers' elsewhere, each where it measured fastest), lean (vaswani.generation_vaswani: the same outputs, less work per "
                         "step), graphs (lean with each step a replayed CUDA graph, for GPUs), or transformers (its "
                         "own)")
     parser.add_argument("--slots", type=non_negative_int, default=None,
