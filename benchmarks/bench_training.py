@@ -38,6 +38,7 @@ from vaswani.batching import (
 )
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
+from vaswani.training_callbacks import compiled_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -308,7 +309,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
         seconds = {trainee: 0.0 for trainee in trainees}
         first_round = {}  # each engine's seconds when its first pass over the timed batches ended
         done = {trainee: [] for trainee in trainees}
-        compiles_before = _compilations()
+        compiles_before = compiled_graphs()  # any built in the timed steps count
         # Each timed batch once; with --seconds_per_setting, round after round over them until the slowest engine
         # has trained that long (every engine takes as many steps, each on its batching's batches).
         indices = {trainee: list(range(1 + prepared[trainee.batching].warmup, len(trainee.batches)))
@@ -330,7 +331,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                 if len(done[trainee]) == len(indices[trainee]):
                     first_round[trainee] = seconds[trainee]
             rounds += 1
-        compiles_timed = _compilations() - compiles_before
+        compiles_timed = compiled_graphs() - compiles_before
         if args.profile:
             for trainee in trainees:
                 _profile(trainee, indices[trainee], size, device, args.profile_rows)
@@ -434,13 +435,6 @@ def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
     key = "self_cuda_time_total" if device.is_cuda else "self_cpu_time_total"
     print(f"\n## Profile: {size} {engine_label(trainee.name)}, {len(steps)} steps, by {key}")
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
-
-
-def _compilations() -> int:
-    """Graphs torch.compile has built so far in this process (any inside the timed steps would be counted in them)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def _add_ratios(rows: list[dict]) -> None:
