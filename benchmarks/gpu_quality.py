@@ -223,6 +223,8 @@ def main(argv=None):
                "train_seconds": metrics.get("train_wall_seconds"), "train_loss": metrics.get("train_loss"),
                "train_compile_seconds": metrics.get("train_compile_seconds"),
                "train_graphs_compiled_on_the_clock": metrics.get("train_graphs_compiled_on_the_clock"),
+               "train_slow_steps": metrics.get("train_slow_steps"),
+               "train_slow_steps_seconds": metrics.get("train_slow_steps_seconds"),
                **step_rates(metrics, tokens),
                "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
         rows.append(row)
@@ -250,7 +252,10 @@ def main(argv=None):
          "(so each had a share of the GPU, fewer steps than alone); the chosen one has the best validation BLEU."),
         "torch.compile compiles the step before the budget starts (column `compile s`), so the budget is training "
         "alone; `graphs on the clock` counts the graphs it built after that (0 where the warm-up built all a run "
-        "needed; the recipe's log names each recompilation's reason)." if not args.dry_run
+        "needed; the recipe's log names each recompilation's reason). `slow steps` counts the steps whose forward "
+        "and backward took over 10× the median step and at least 1 s, and `slow s` their seconds; the recipe's log "
+        "names each with its batch's shape and the graphs compiled during it (none: a kernel's plan or autotuning "
+        "for a shape new to the process, or the host waiting)." if not args.dry_run
         else "Dry run: no compilation.",
         f"ms/step and tokens/s: the training after the compilation (metrics.json's train_runtime over its steps); "
         f"tokens a step are the mean of one epoch's {tokens['batches']} token-budget batches (the same each epoch): "
@@ -283,6 +288,7 @@ def main(argv=None):
                Column("padded_tokens_per_second", "padded tokens/s", "{:.0f}"),
                Column("train_compile_seconds", "compile s", "{:.1f}"),
                Column("train_graphs_compiled_on_the_clock", "graphs on the clock"),
+               Column("train_slow_steps", "slow steps"), Column("train_slow_steps_seconds", "slow s", "{:.1f}"),
                Column("train_loss", "train loss", "{:.3f}")]
     report(__file__, argv, args, device, "gpu-quality", "Quality: base preset, fixed time budget, multi-reference "
            "BLEU on the held-out test split", rows, columns, notes, {"commands": {r["recipe"]: r["command"] for r in rows}})

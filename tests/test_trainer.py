@@ -2,6 +2,7 @@
 a training step that reads nothing back from the device, and the step compiled before the clock starts."""
 
 import collections
+import functools
 import json
 import traceback
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 import vaswani.inference
 import vaswani.trainer
 import vaswani.training
+from vaswani.training_callbacks import SlowSteps
 from conftest import script_main
 from host_reads import PythonReads
 from training_script import distinct_corpus, synthetic_corpus, train_args
@@ -202,6 +204,9 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
             trainers.append(self)
 
     monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
+    # Every step over 10× the median is reported here, however short: a tiny model's compiling steps take well under
+    # the second a real run's floor asks for.
+    monkeypatch.setattr(vaswani.trainer, "SlowSteps", functools.partial(SlowSteps, floor=0.0))
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     script_main("train_translation")(train_args(
         corpus, tmp_path / "out", "--max_steps", "12", "--max_test_samples", "2", "--generation_num_beams", "1",
@@ -223,7 +228,11 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
                          dataloader_pin_memory=False).accelerator_config.non_blocking
 
 
-def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path, monkeypatch):
+def slow_step_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training step ")]
+
+
+def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path, monkeypatch, caplog):
     """--torch_compile with token-budget batches of many shapes: Dynamo builds one graph of the step, with no
     graph break, before the time budget's clock starts (a warm-up on the extreme shapes, sizes marked dynamic), and
     none while training. metrics.json reports the compilation apart from the runtime, every logged line carries the
@@ -252,6 +261,9 @@ def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path,
             return super().training_step(model, inputs, num_items_in_batch)
 
     monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
+    # Every step over 10× the median is reported here, however short: a tiny model's compiling steps take well under
+    # the second a real run's floor asks for.
+    monkeypatch.setattr(vaswani.trainer, "SlowSteps", functools.partial(SlowSteps, floor=0.0))
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
 
     def train(output_dir):
@@ -274,13 +286,20 @@ def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path,
     assert metrics["train_steps_per_second"] == pytest.approx(20 / metrics["train_runtime"], rel=1e-2)
     assert all("elapsed_seconds" in entry for entry in trainers[-1].state.log_history)
     assert len(losses) == 4
+    # No step compiled on the clock, so none of the steps found slow (a loaded machine makes some) compiled either.
+    assert not [r for r in slow_step_warnings(caplog) if "0 graphs compiled" not in r], slow_step_warnings(caplog)
 
+    caplog.clear()
     monkeypatch.setattr(CountingTrainer, "compile_before_the_clock", lambda self: None)
     unwarmed = train(tmp_path / "cold")
     assert graphs["begin"] == 0 and graphs["end"] == 2
     # The report says so: a run whose graphs were built on the clock (a GPU run's first steps, if its warm-up missed
-    # what a later batch needs, say) counts them.
-    assert json.loads((tmp_path / "cold" / "metrics.json").read_text())["train_graphs_compiled_on_the_clock"] == 2
+    # what a later batch needs, say) counts them, and names the steps that built them with their batches' shapes.
+    cold = json.loads((tmp_path / "cold" / "metrics.json").read_text())
+    assert cold["train_graphs_compiled_on_the_clock"] == 2
+    compiling = [r for r in slow_step_warnings(caplog) if "1 graph compiled" in r]
+    assert len(compiling) == 2 and all("input_ids " in r and ", labels " in r for r in compiling), compiling
+    assert cold["train_slow_steps"] >= 2 and cold["train_slow_steps_seconds"] > 0
     torch.testing.assert_close(losses, unwarmed, rtol=1e-5, atol=1e-6)
 
 

@@ -211,12 +211,35 @@ def test_rates_on_the_clock_do_not_inherit_the_trainers_rounding(trainer_runtime
     from types import SimpleNamespace
 
     from vaswani.trainer import VaswaniSeq2SeqTrainer
+    from vaswani.training_callbacks import SlowSteps
 
     clock = SimpleNamespace(stop=lambda: None, this_call=lambda: 4.0, elapsed=lambda: 4.0, start_tokens=0)
     trainer = SimpleNamespace(clock=clock, state=SimpleNamespace(num_input_tokens_seen=0), compile_seconds=0.0,
-                              args=SimpleNamespace(torch_compile=False))
+                              args=SimpleNamespace(torch_compile=False), slow_steps=SlowSteps())
     metrics = {"train_runtime": round(trainer_runtime, 4), "train_steps_per_second": round(4 / trainer_runtime, 3),
                "train_samples_per_second": round(64 / trainer_runtime, 3)}
     rescaled = VaswaniSeq2SeqTrainer.clocked_metrics(trainer, metrics)
     assert rescaled["train_steps_per_second"] == 1.0 and rescaled["train_samples_per_second"] == 16.0
     assert rescaled["train_runtime"] == 4.0
+
+
+def test_slow_steps_are_judged_against_the_median_step_before_them_and_a_floor(caplog):
+    """A step over 10× the median and over the floor is slow; the first steps, which have none before them, are
+    judged against their own median once five are timed, or when training ends before that."""
+    from vaswani.training_callbacks import SlowSteps
+
+    slow = SlowSteps(floor=0.15)
+    # A compiling first step, four usual ones, one 5× the usual, one 20×, and one 12× that the floor lets pass.
+    for step, seconds in enumerate([0.5, 0.01, 0.01, 0.01, 0.01, 0.05, 0.2, 0.12], start=1):
+        slow.add(step, seconds, "input_ids 8×5, labels 8×6", graphs=int(step == 1))
+    assert (slow.count, round(slow.seconds, 6)) == (2, 0.7)
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training step ")]
+    assert [m.split(" took")[0] for m in named] == ["Training step 1", "Training step 7"]
+    assert "(batch input_ids 8×5, labels 8×6; 1 graph compiled during it)" in named[0]
+
+    short = SlowSteps(floor=0.0)
+    for step, seconds in enumerate([1.0, 0.01, 0.01], start=1):
+        short.add(step, seconds, "input_ids 1×2", graphs=0)
+    assert short.count == 0
+    short.flush()  # training ended after three steps
+    assert (short.count, short.seconds) == (1, 1.0)

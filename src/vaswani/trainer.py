@@ -26,6 +26,7 @@ from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 from .training_arguments import scheduler_name
 from .training_callbacks import (
+    SlowSteps,
     StartTheClockCallback,
     TimeBudgetCallback,
     TrainingClock,
@@ -70,7 +71,9 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       `--torch_compile`, `compile_before_the_clock`, its seconds kept in `compile_seconds`, the graphs compiled
       after it in the final metrics' `train_graphs_compiled_on_the_clock`), recorded in every
       checkpoint and carried on by a run that resumes from one; every logged line carries the seconds of training
-      so far (`elapsed_seconds`);
+      so far (`elapsed_seconds`). A step whose forward and backward took far longer than the median step is logged
+      with its batch's shape and the graphs compiled during it (`training_callbacks.SlowSteps`), and counted in the
+      final metrics' `train_slow_steps` and `train_slow_steps_seconds`;
     * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
       `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
       test evaluation does, beside the Trainer's own evaluation loss (`evaluation_loop`).
@@ -105,6 +108,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self._train_features = None
         self.compile_seconds = 0.0
         self.graphs_before_the_clock = 0  # torch.compile's graphs when the clock started (`StartTheClockCallback`)
+        self.slow_steps = SlowSteps()
         self.clock = TrainingClock()
         # First, so that the compilation ends before any other callback starts a clock.
         self.callback_handler.callbacks.insert(0, StartTheClockCallback(self))
@@ -183,7 +187,13 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
                 source.sum() if source is not None else inputs["input_ids"].numel())
             self._real_positions = real if self._real_positions is None else self._real_positions + real
             self._computed_positions += inputs["input_ids"].numel() + inputs["labels"].numel()
+        graphs, start = compiled_graphs(), time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.clock.started:  # the warm-up's steps, which compile by design, are not judged
+            shape = ", ".join(f"{name} {'×'.join(map(str, inputs[name].shape))}"
+                              for name in ("input_ids", "labels") if name in inputs)
+            self.slow_steps.add(self.state.global_step + 1, time.perf_counter() - start, shape,
+                                compiled_graphs() - graphs)
         # Filled on the device: a tensor made from host data would be a blocking copy to it.
         step = torch.full((), self.state.global_step + 1, dtype=torch.long, device=loss.device)
         bad = ~torch.isfinite(loss)
@@ -331,6 +341,9 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         if self.args.torch_compile:  # 0 where compile_before_the_clock built every graph the steps needed
             metrics["train_graphs_compiled_on_the_clock"] = compiled_graphs() - self.graphs_before_the_clock
         metrics["train_wall_seconds"] = round(self.clock.elapsed(), 4)
+        self.slow_steps.flush()
+        metrics["train_slow_steps"] = self.slow_steps.count
+        metrics["train_slow_steps_seconds"] = round(self.slow_steps.seconds, 2)
         return metrics
 
     def padding_fraction(self) -> float | None:

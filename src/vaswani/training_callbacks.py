@@ -6,7 +6,9 @@ is compiled, and the progress bar under a time budget. Each reaches the Trainer 
 import json
 import logging
 import os
+import statistics
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -206,6 +208,54 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+class SlowSteps:
+    """The training steps whose forward and backward took far longer than the steps before them: on a GPU a step
+    waits on the host while torch.compile builds a graph, a kernel library builds a plan for a shape new to it, or
+    an autotuner times its candidates, each a cost that a step rate averaged over minutes hides. A step is slow when
+    it took over `factor` times the median of up to the `window` steps before it and at least `floor` seconds; the
+    first `first` steps have no steps before them, so they are judged once that many are timed, against their own
+    median. Each slow step is logged as it is found (the first `warnings`), with its batch's shape and the graphs
+    torch.compile built during it, which tell the causes apart; `count` and `seconds` sum them all. Host clocks
+    only: nothing is read back from the device."""
+
+    def __init__(self, factor: float = 10.0, floor: float = 1.0, window: int = 100, first: int = 5,
+                 warnings: int = 20):
+        self.factor, self.floor, self.first, self.warnings = factor, floor, first, warnings
+        self.recent = deque(maxlen=window)
+        self.pending = []
+        self.count, self.seconds = 0, 0.0
+
+    def add(self, step: int, seconds: float, shape: str, graphs: int) -> None:
+        """Times step `step` (1-based): `seconds` on the host, `shape` its batch's, `graphs` built during it."""
+        if len(self.recent) < self.first:
+            self.pending.append((step, seconds, shape, graphs))
+            self.recent.append(seconds)
+            if len(self.recent) == self.first:
+                self.flush()
+            return
+        self._judge(step, seconds, shape, graphs, statistics.median(self.recent))
+        self.recent.append(seconds)
+
+    def flush(self) -> None:
+        """Judges the first steps, against their own median: when `first` are timed, or when training ends first."""
+        if self.pending:
+            usual = statistics.median(seconds for _, seconds, _, _ in self.pending)
+            for entry in self.pending:
+                self._judge(*entry, usual)
+            self.pending = []
+
+    def _judge(self, step: int, seconds: float, shape: str, graphs: int, usual: float) -> None:
+        if seconds < self.floor or seconds <= self.factor * usual:
+            return
+        self.count += 1
+        self.seconds += seconds
+        if self.count <= self.warnings:
+            logger.warning("Training step %d took %.2f s in its forward and backward, %.0f× the median step's %.3f s "
+                           "(batch %s; %d graph%s compiled during it)%s.", step, seconds, seconds / usual, usual,
+                           shape, graphs, "" if graphs == 1 else "s",
+                           "; later slow steps are only counted" if self.count == self.warnings else "")
 
 
 class StartTheClockCallback(TrainerCallback):
