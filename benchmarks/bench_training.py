@@ -34,7 +34,7 @@ from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
 from vaswani.batching import (
-    PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, pad_to_shape, padded_lengths,
+    PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, batch_positions, pad_to_shape,
 )
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
@@ -211,16 +211,15 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
     collators pad it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the
     positions computed: both sides together and each side alone."""
     multiple = 8 if batching.endswith("-8") else None
+    lengths = ([len(s) for s in source_ids], [len(t) for t in target_ids])
     if batching.startswith("packed"):
         order, shape = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
-        widths = [(shape.rows * shape.source_length, shape.rows * shape.target_length)] * len(order)
+        real = np.array([sum(side) for side in lengths])  # every pair once, in batches of the one packed shape
+        computed = len(order) * shape.rows * np.array([shape.source_length, shape.target_length])
     else:
         order, _ = token_batches(source_ids, target_ids, batch_tokens, seed, None, multiple,
                                  by_sides=batching.startswith("sides"))
-        widths = [tuple(len(batch) * int(padded_lengths([len(side[i]) for i in batch], multiple).max())
-                        for side in (source_ids, target_ids)) for batch in order]
-    real = [sum(len(side[i]) for batch in order for i in batch) for side in (source_ids, target_ids)]
-    computed = [sum(w[k] for w in widths) for k in (0, 1)]
+        real, computed = batch_positions(order, *lengths, multiple)
     return {"batch_tokens": batch_tokens, "batching": batching, "batches": len(order),
             "padding": 1 - sum(real) / sum(computed), "source_padding": 1 - real[0] / computed[0],
             "target_padding": 1 - real[1] / computed[1]}

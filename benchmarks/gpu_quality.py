@@ -33,7 +33,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name
-from vaswani.batching import TokenBatchSampler, example_lengths, padded_lengths
+from vaswani.batching import TokenBatchSampler, batch_positions, example_lengths
 from vaswani.evaluation import score_corpus
 from vaswani.training import (
     DataArguments, ModelArguments, VaswaniTrainingArguments, build_model_and_tokenizer, prepare_data, tokenize_splits,
@@ -97,14 +97,11 @@ def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
     """Mean real and padded tokens (source + target) of a batch over one epoch of the token-budget batches the
     Trainer cuts (every epoch has the same batches in another order), each side padded to its longest example
     rounded up to `pad_to`: times steps/s, the run's tokens/s, with no count read back during training."""
-    sampler = TokenBatchSampler(example_lengths(train), max_tokens, shuffle=False, pad_to_multiple_of=pad_to)
-    columns = train.select_columns(["input_ids", "labels"]).with_format("arrow")[:]
-    sides = [columns[name].combine_chunks().value_lengths().to_numpy() for name in ("input_ids", "labels")]
-    batches = sampler.batches_by_length()
-    real = sum(int(side[batch].sum()) for side in sides for batch in batches)
-    padded = sum(len(batch) * int(padded_lengths(side[batch], pad_to).max())  # the longest, as the collator pads it
-                 for side in sides for batch in batches)
-    return {"batches": len(batches), "real_per_batch": real / len(batches), "padded_per_batch": padded / len(batches)}
+    sides = example_lengths(train, sides=True)
+    batches = TokenBatchSampler(sides.max(axis=0), max_tokens, shuffle=False, pad_to_multiple_of=pad_to).batches_by_length()
+    real, padded = batch_positions(batches, *sides, pad_to)
+    return {"batches": len(batches), "real_per_batch": real.sum() / len(batches),
+            "padded_per_batch": padded.sum() / len(batches)}
 
 
 def step_rates(metrics: dict, tokens: dict) -> dict:

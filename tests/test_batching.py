@@ -9,6 +9,7 @@ from datasets import Dataset
 
 from vaswani.batching import (
     TokenBatchSampler,
+    batch_positions,
     bucket_lengths,
     example_lengths,
     pad_to_shape,
@@ -255,3 +256,11 @@ def test_example_lengths_come_from_arrow_as_numbers(small_tokenizer, tmp_path):
     sources, targets = example_lengths(tokenized, sides=True)  # what packing needs: each side's own
     assert sources.tolist() == [len(s) for s in tokenized["input_ids"][:]]
     assert targets.tolist() == [len(t) for t in tokenized["labels"][:]]
+
+
+def test_batch_positions_count_each_side_padded_to_its_longest_in_the_batch():
+    """Two batches, [0, 1] and [2]: each side padded to its longest there (then to a multiple, as the collator)."""
+    batches, sources, targets = [[0, 1], [2]], [3, 5, 2], [4, 1, 7]
+    real, computed = batch_positions(batches, sources, targets)
+    assert real.tolist() == [10, 12] and computed.tolist() == [2 * 5 + 2, 2 * 4 + 7]
+    assert batch_positions(batches, sources, targets, pad_to_multiple_of=4)[1].tolist() == [2 * 8 + 4, 2 * 4 + 8]

@@ -44,6 +44,20 @@ def padded_lengths(lengths: Sequence[int], pad_to_multiple_of: int | None = None
     return lengths
 
 
+def batch_positions(batches: Sequence[Sequence[int]], source_lengths: Sequence[int], target_lengths: Sequence[int],
+                    pad_to_multiple_of: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The positions `batches` (lists of example indices) hold and the positions they compute, per side (source,
+    target): each side of a batch padded to its longest example (`padded_lengths`), as the collator pads it. The
+    padding's share of the work is then 1 - held / computed."""
+    real, computed = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    for side, lengths in enumerate((np.asarray(source_lengths), np.asarray(target_lengths))):
+        for batch in batches:
+            chosen = lengths[np.asarray(batch, dtype=np.int64)]
+            real[side] += chosen.sum()
+            computed[side] += len(chosen) * int(padded_lengths(chosen, pad_to_multiple_of).max(initial=0))
+    return real, computed
+
+
 def bucket_lengths(lengths: Sequence[int], count: int, pad_to_multiple_of: int | None = None) -> np.ndarray:
     """At most `count` lengths, ascending, to pad examples up to (`padded_lengths`), chosen so that an epoch's padded
     tokens are fewest: each example takes the smallest one that holds it, so the longest is the longest example's.
