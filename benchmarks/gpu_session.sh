@@ -5,7 +5,7 @@
 # its results as it ends and the results folder is packed then, so a timeout loses only the stage it cut.
 #
 #   bash benchmarks/gpu_session.sh                 # the first plan (≤ 480 s): setup quality
-#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 220 s): setup translation-trained kernels
+#   bash benchmarks/gpu_session.sh second          # the second plan (≤ 240 s): setup translation-trained kernels
 #   bash benchmarks/gpu_session.sh STAGE …         # chosen stages only, in order (setup always first)
 #   bash benchmarks/gpu_session.sh --dry_run …     # the same at tiny sizes on any machine, a CPU included: checks
 #                                                  #   every package, path and argument before device time is spent
@@ -18,8 +18,8 @@
 # MarianMTModel on the same batches, PROBE_SECONDS of Marian's steps), `probe-4000-packed` (compiled, on packed rows
 # against bucketed batches, each padded to multiples of 1 and 8), `probe-4000-graphs` and `probe-25000` (shape
 # buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `kernels` (the
-# eager base step under SDPA's efficient and cuDNN kernels, interleaved on the same 20 batches, no warm-up: a first
-# pass on shapes new to the process, then two more); `tests` (pytest -m gpu); `translation-trained`
+# eager base step under SDPA's efficient, cuDNN and math kernels and under eager attention, interleaved on the same
+# 20 batches, no warm-up: a first pass on shapes new to the process, then two more); `tests` (pytest -m gpu); `translation-trained`
 # (bench_translation.py on the quality run's model if this machine made one, else $TRANSLATION_MODEL, else random
 # weights: transformers' loop (generate()'s default on CUDA), the scripts' default (on CUDA the lean loop as CUDA
 # graphs), slots with CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name
@@ -44,9 +44,9 @@ declare -A LIMITS=(
     # the batches (10 s on the 2026-11-28 H200), the compiled step's warm-up (done after 119 s there), Marian's (122 s),
     # then 20 s of Marian's steps and as many of the compiled engine's: 160 s cut it there during the timed steps
     [probe-4000]=195
-    # the batches (10 s), two base models, then 3 passes over 20 batches with each kernel: the first, on shapes new
-    # to the process, up to 40 s if cuDNN builds its graphs at the reported pace
-    [kernels]=90
+    # the batches (10 s), four base models, then 3 passes over 20 batches with each attention: the first, on shapes
+    # new to the process, up to 40 s if cuDNN builds its graphs at the reported pace
+    [kernels]=110
     [probe-4000-packed]=150  # four batchings (bucketed and packed, padded to multiples of 1 and 8), each compiled
     [probe-4000-graphs]=150
     [probe-25000]=150
@@ -157,9 +157,9 @@ probe_arguments() {  # bench_training.py's arguments for one step-probe setting
 
 kernels_arguments() {  # bench_training.py's arguments for the kernels stage (a CPU has no efficient or cuDNN kernel)
     if [ $dry_run = 1 ]; then
-        echo --sizes tiny --batch_tokens 256 --steps 3 --engines vaswani-math,vaswani-flash
+        echo --sizes tiny --batch_tokens 256 --steps 3 --engines vaswani-math,vaswani-flash,vaswani-eager
     else
-        echo --sizes base --batch_tokens 4000 --steps 20 --engines vaswani-efficient,vaswani-cudnn
+        echo --sizes base --batch_tokens 4000 --steps 20 --engines vaswani-efficient,vaswani-cudnn,vaswani-math,vaswani-eager
     fi
 }
 
@@ -175,10 +175,12 @@ stage() {
             # of its 300 s on its first 200 steps, as two recompilations would; the report counts the graphs)
             TORCH_LOGS=${TORCH_LOGS:-recompiles} run "$limit" "$log" python3 benchmarks/gpu_quality.py \
                 --results_dir "$RESULTS_DIR" --data_cache_dir "$QUALITY_DATA" "${dry[@]}" ;;
-        kernels)  # SDPA's efficient and cuDNN kernels interleaved step by step on the same batches, eager; no
-            # warm-up, so the first pass meets each batch's shape for the first time (cuDNN builds an attention graph
-            # per shape, hundreds of ms each by public reports) and the later passes show each kernel's steady step
-            # (cuDNN's attention took 47% of the compiled base step in the 2026-11-23 profile)
+        kernels)  # SDPA's efficient, cuDNN and math kernels and eager attention, interleaved step by step on the
+            # same batches, eager; no warm-up, so the first pass meets each batch's shape for the first time (cuDNN
+            # builds an attention graph per shape, hundreds of ms each by public reports) and the later passes show
+            # each one's steady step. cuDNN's attention took 47% of the compiled base step in the 2026-11-23
+            # profile, about 0.6 ms a call whatever the batch, as if each row's few positions filled a whole tile;
+            # math and eager attention compute only the positions there are.
             run "$limit" "$log" python3 benchmarks/bench_training.py "${device_args[@]}" --results_dir "$RESULTS_DIR" \
                 $(kernels_arguments) --warmup_steps 0 --passes 3 --output_name "training-kernels-{device}" ;;
         probe-*)
