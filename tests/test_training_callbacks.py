@@ -231,7 +231,7 @@ def test_slow_steps_are_judged_against_the_median_step_before_them_and_a_floor(c
     slow = SlowSteps(floor=0.15)
     # A compiling first step, four usual ones, one 5× the usual, one 20×, and one 12× that the floor lets pass.
     for step, seconds in enumerate([0.5, 0.01, 0.01, 0.01, 0.01, 0.05, 0.2, 0.12], start=1):
-        slow.add(step, seconds, "input_ids 8×5, labels 8×6", graphs=int(step == 1))
+        slow.add(step, seconds, {"input_ids": (8, 5), "labels": (8, 6)}, graphs=int(step == 1))
     assert (slow.count, round(slow.seconds, 6)) == (2, 0.7)
     named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training step ")]
     assert [m.split(" took")[0] for m in named] == ["Training step 1", "Training step 7"]
@@ -239,7 +239,7 @@ def test_slow_steps_are_judged_against_the_median_step_before_them_and_a_floor(c
 
     short = SlowSteps(floor=0.0)
     for step, seconds in enumerate([1.0, 0.01, 0.01], start=1):
-        short.add(step, seconds, "input_ids 1×2", graphs=0)
+        short.add(step, seconds, {"input_ids": (1, 2)}, graphs=0)
     assert short.count == 0
     short.flush()  # training ended after three steps
     assert (short.count, short.seconds) == (1, 1.0)

@@ -190,9 +190,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         graphs, start = compiled_graphs(), time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.clock.started:  # the warm-up's steps, which compile by design, are not judged
-            shape = ", ".join(f"{name} {'×'.join(map(str, inputs[name].shape))}"
-                              for name in ("input_ids", "labels") if name in inputs)
-            self.slow_steps.add(self.state.global_step + 1, time.perf_counter() - start, shape,
+            shapes = {name: tuple(inputs[name].shape) for name in ("input_ids", "labels") if name in inputs}
+            self.slow_steps.add(self.state.global_step + 1, time.perf_counter() - start, shapes,
                                 compiled_graphs() - graphs)
         # Filled on the device: a tensor made from host data would be a blocking copy to it.
         step = torch.full((), self.state.global_step + 1, dtype=torch.long, device=loss.device)

@@ -227,15 +227,16 @@ class SlowSteps:
         self.pending = []
         self.count, self.seconds = 0, 0.0
 
-    def add(self, step: int, seconds: float, shape: str, graphs: int) -> None:
-        """Times step `step` (1-based): `seconds` on the host, `shape` its batch's, `graphs` built during it."""
+    def add(self, step: int, seconds: float, shapes: dict[str, tuple], graphs: int) -> None:
+        """Times step `step` (1-based): `seconds` on the host, `shapes` its batch's (by input name), `graphs` built
+        during it."""
         if len(self.recent) < self.first:
-            self.pending.append((step, seconds, shape, graphs))
+            self.pending.append((step, seconds, shapes, graphs))
             self.recent.append(seconds)
             if len(self.recent) == self.first:
                 self.flush()
             return
-        self._judge(step, seconds, shape, graphs, statistics.median(self.recent))
+        self._judge(step, seconds, shapes, graphs, statistics.median(self.recent))
         self.recent.append(seconds)
 
     def flush(self) -> None:
@@ -246,7 +247,7 @@ class SlowSteps:
                 self._judge(*entry, usual)
             self.pending = []
 
-    def _judge(self, step: int, seconds: float, shape: str, graphs: int, usual: float) -> None:
+    def _judge(self, step: int, seconds: float, shapes: dict[str, tuple], graphs: int, usual: float) -> None:
         if seconds < self.floor or seconds <= self.factor * usual:
             return
         self.count += 1
@@ -254,7 +255,8 @@ class SlowSteps:
         if self.count <= self.warnings:
             logger.warning("Training step %d took %.2f s in its forward and backward, %.0f× the median step's %.3f s "
                            "(batch %s; %d graph%s compiled during it)%s.", step, seconds, seconds / usual, usual,
-                           shape, graphs, "" if graphs == 1 else "s",
+                           ", ".join(f"{name} {'×'.join(map(str, shape))}" for name, shape in shapes.items()), graphs,
+                           "" if graphs == 1 else "s",
                            "; later slow steps are only counted" if self.count == self.warnings else "")
 
 
