@@ -270,14 +270,17 @@ def small_tmpfs(path: Path, size: str):
 
 
 def test_a_real_full_disk_under_translate_then_resume_after_freeing_space(checkpoint, tmp_path):
-    lines = LINES * 60  # about 1,000 lines
-    with small_tmpfs(tmp_path / "disk", "8k") as disk:
+    # 450 lines, about 7 KB translated; the disk's four 4 KB pages hold the resume state, its atomic rewrite's copy
+    # and about 4 KB of output: the disk fills part-way, with whole chunks kept.
+    lines = LINES * 10
+    with small_tmpfs(tmp_path / "disk", "16k") as disk:
         output = disk / "out.fr"
         argv = translate_argv(checkpoint, write_input(tmp_path, lines), output, "--resume")
         process = start(argv)
         _, err = process.communicate(timeout=300)
         assert process.returncode == 2, err
         kept = recorded(output)["lines"]
+        assert 0 < kept < len(lines) and kept % CHUNK == 0
         assert last_line(err) == (f"error: No space left on the device to write {output}; its first {kept} lines are "
                                   f"complete and recorded in {output}.resume.json; free some space, then run the same "
                                   "command with --resume.")
