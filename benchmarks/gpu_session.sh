@@ -30,6 +30,7 @@
 # makes beforehand, on any machine, what a call would otherwise spend its minutes on: the wheels (.whl/), the corpus
 # (.corpus/), the benchmarks' tokenizer and the quality run's tokenized splits (benchmarks/.cache/data/).
 # INSTALL_WHEELS=0 skips the wheels (the dry run's default: this machine's Python is not the device's).
+# QUALITY_RECIPES picks gpu_quality.py's recipes (default dropout-0.1; dropout-0.1-eager trains with eager attention).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -94,6 +95,7 @@ fi
 RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
 ARCHIVE=${ARCHIVE:-}
 QUALITY_DATA=benchmarks/.cache/data  # the benchmarks' data cache, which gpu_prepare.sh fills for both
+QUALITY_RECIPES=${QUALITY_RECIPES:-dropout-0.1}  # gpu_quality.py's recipes (dropout-0.1-eager: eager attention)
 mkdir -p "$RESULTS_DIR"
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 
@@ -174,7 +176,7 @@ stage() {
         quality)  # TORCH_LOGS: each recompilation's reason in the recipe's log (the 2026-11-28 H200 run spent 122
             # of its 300 s on its first 200 steps, as two recompilations would; the report counts the graphs)
             TORCH_LOGS=${TORCH_LOGS:-recompiles} run "$limit" "$log" python3 benchmarks/gpu_quality.py \
-                --results_dir "$RESULTS_DIR" --data_cache_dir "$QUALITY_DATA" "${dry[@]}" ;;
+                --results_dir "$RESULTS_DIR" --data_cache_dir "$QUALITY_DATA" --recipes "$QUALITY_RECIPES" "${dry[@]}" ;;
         kernels)  # SDPA's efficient, cuDNN and math kernels and eager attention, interleaved step by step on the
             # same batches, eager; no warm-up, so the first pass meets each batch's shape for the first time (cuDNN
             # builds an attention graph per shape, hundreds of ms each by public reports) and the later passes show
