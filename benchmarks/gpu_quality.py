@@ -101,7 +101,8 @@ def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
     Trainer cuts (every epoch has the same batches in another order), each side padded to its longest example
     rounded up to `pad_to`: times steps/s, the run's tokens/s, with no count read back during training."""
     sides = example_lengths(train, sides=True)
-    batches = TokenBatchSampler(sides.max(axis=0), max_tokens, shuffle=False, pad_to_multiple_of=pad_to).batches_by_length()
+    sampler = TokenBatchSampler(sides.max(axis=0), max_tokens, shuffle=False, pad_to_multiple_of=pad_to)
+    batches = sampler.batches_by_length()
     real, padded = batch_positions(batches, *sides, pad_to)
     return {"batches": len(batches), "real_per_batch": real.sum() / len(batches),
             "padded_per_batch": padded.sum() / len(batches)}

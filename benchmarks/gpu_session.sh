@@ -19,8 +19,8 @@
 # against bucketed batches, each padded to multiples of 1 and 8), `probe-4000-graphs` and `probe-25000` (shape
 # buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `kernels` (the
 # eager base step under SDPA's efficient, cuDNN and math kernels and under eager attention, interleaved on the same
-# 20 batches, no warm-up: a first pass on shapes new to the process, then two more); `tests` (pytest -m gpu); `translation-trained`
-# (bench_translation.py on the quality run's model if this machine made one, else $TRANSLATION_MODEL, else random
+# 20 batches, no warm-up: a first pass on shapes new to the process, then two more); `tests` (pytest -m gpu);
+# `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else $TRANSLATION_MODEL, else random
 # weights: transformers' loop (generate()'s default on CUDA), the scripts' default (on CUDA the lean loop as CUDA
 # graphs), slots with CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name
 # only, with random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
@@ -161,7 +161,8 @@ kernels_arguments() {  # bench_training.py's arguments for the kernels stage (a 
     if [ $dry_run = 1 ]; then
         echo --sizes tiny --batch_tokens 256 --steps 3 --engines vaswani-math,vaswani-flash,vaswani-eager
     else
-        echo --sizes base --batch_tokens 4000 --steps 20 --engines vaswani-efficient,vaswani-cudnn,vaswani-math,vaswani-eager
+        echo --sizes base --batch_tokens 4000 --steps 20 \
+            --engines vaswani-efficient,vaswani-cudnn,vaswani-math,vaswani-eager
     fi
 }
 
@@ -176,7 +177,8 @@ stage() {
         quality)  # TORCH_LOGS: each recompilation's reason in the recipe's log (the 2026-11-28 H200 run spent 122
             # of its 300 s on its first 200 steps, as two recompilations would; the report counts the graphs)
             TORCH_LOGS=${TORCH_LOGS:-recompiles} run "$limit" "$log" python3 benchmarks/gpu_quality.py \
-                --results_dir "$RESULTS_DIR" --data_cache_dir "$QUALITY_DATA" --recipes "$QUALITY_RECIPES" "${dry[@]}" ;;
+                --results_dir "$RESULTS_DIR" --data_cache_dir "$QUALITY_DATA" --recipes "$QUALITY_RECIPES" \
+                "${dry[@]}" ;;
         kernels)  # SDPA's efficient, cuDNN and math kernels and eager attention, interleaved step by step on the
             # same batches, eager; no warm-up, so the first pass meets each batch's shape for the first time (cuDNN
             # builds an attention graph per shape, hundreds of ms each by public reports) and the later passes show

@@ -1,7 +1,9 @@
 """The Trainer callbacks of a training run: the run's one clock, which every time budget, rate and elapsed time
 reads (the same on every DDP rank, carried over a resume), the time budget, checkpoints at a time interval, the
 learning-rate schedule over a time budget, the weight average (EMA), the start of the clock once the training step
-is compiled, and the progress bar under a time budget. Each reaches the Trainer through `TrainerCallback`'s public hooks only."""
+is compiled, and the progress bar under a time budget. Each reaches the Trainer through `TrainerCallback`'s public
+hooks only. Beside them, what the trainer's own step reports: the graphs torch.compile has built (`compiled_graphs`)
+and the steps far slower than the rest (`SlowSteps`)."""
 
 import json
 import logging
@@ -250,6 +252,7 @@ class SlowSteps:
     def _judge(self, step: int, seconds: float, shapes: dict[str, tuple], graphs: int, usual: float) -> None:
         if seconds < self.floor or seconds <= self.factor * usual:
             return
+        usual = max(usual, 1e-9)  # a clock too coarse for the usual step
         self.count += 1
         self.seconds += seconds
         if self.count <= self.warnings:
