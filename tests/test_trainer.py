@@ -204,9 +204,6 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
             trainers.append(self)
 
     monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", CountingTrainer)
-    # Every step over 10× the median is reported here, however short: a tiny model's compiling steps take well under
-    # the second a real run's floor asks for.
-    monkeypatch.setattr(vaswani.trainer, "SlowSteps", functools.partial(SlowSteps, floor=0.0))
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     script_main("train_translation")(train_args(
         corpus, tmp_path / "out", "--max_steps", "12", "--max_test_samples", "2", "--generation_num_beams", "1",
