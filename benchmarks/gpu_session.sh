@@ -20,10 +20,11 @@
 # buckets, compiled with and without CUDA graphs against Marian on the same bucketed batches); `kernels` (the
 # eager base step under SDPA's efficient, cuDNN and math kernels and under eager attention, interleaved on the same
 # 20 batches, no warm-up: a first pass on shapes new to the process, then two more); `tests` (pytest -m gpu);
-# `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else $TRANSLATION_MODEL, else random
-# weights: transformers' loop (generate()'s default on CUDA), the scripts' default (on CUDA the lean loop as CUDA
-# graphs), slots with CUDA graphs, Marian; with a model, each engine's outputs compared with the first's). By name
-# only, with random weights: translation, translation-compiled, translation-batch1, scaling, profile, attention.
+# `translation-trained` (bench_translation.py on the quality run's model if this machine made one, else
+# $TRANSLATION_MODEL, else random weights: transformers' loop (generate()'s default on CUDA), the scripts' default
+# (on CUDA the lean loop as CUDA graphs), slots with CUDA graphs, Marian; with a model, each engine's outputs compared
+# with the first's). By name only, with random weights: translation, translation-compiled, translation-batch1,
+# scaling, profile, attention.
 #
 # Results go to $RESULTS_DIR (default benchmarks/results), a log per stage beside them; with $ARCHIVE set, the results
 # folder is packed into that .tar.gz after every stage (a device machine returns few files). benchmarks/gpu_prepare.sh
