@@ -127,12 +127,23 @@ def test_the_packed_mask_keeps_attention_within_each_pair():
     assert cross[3:5].tolist() == [[False, False, True, True, True]] * 2
 
 
-def test_packed_pairs_need_positions_on_both_sides_and_a_mask_they_take():
+def test_packing_is_asked_for_by_both_positions_and_positions_alone_are_the_decoders():
+    """Both position_ids and decoder_position_ids pack; either alone gives the positions of the decoder's tokens, as
+    before packing existed and as transformers' common tests pass them (`test_custom_4d_attention_mask` calls
+    `forward(input_ids, position_ids=...)`): the logits of positions 0…T-1 are those of no positions at all, and
+    shifted positions change them."""
     config = tiny_config()
-    model = VaswaniForConditionalGeneration(config)
+    model = VaswaniForConditionalGeneration(config).eval()
     batch = PackedSeq2SeqCollator(PackedShape(3, 20, 20), config.pad_token_id)(made_up_pairs(3, config.vocab_size))
-    with pytest.raises(ValueError, match="both position_ids"):
-        model(**{k: v for k, v in batch.items() if k != "decoder_position_ids"})
+    source, target = batch["input_ids"], batch["labels"].clamp(min=FIRST_ORDINARY_ID)
+    plain = model(input_ids=source, decoder_input_ids=target).logits
+    counted = torch.arange(target.shape[1]).expand_as(target)
+    for name in ("position_ids", "decoder_position_ids"):
+        assert torch.equal(model(input_ids=source, decoder_input_ids=target, **{name: counted}).logits, plain), name
+        shifted = model(input_ids=source, decoder_input_ids=target, **{name: counted + 2}).logits
+        assert not torch.allclose(shifted, plain), name
+    packed = model(**batch).logits
+    assert not torch.allclose(packed, model(**{k: v for k, v in batch.items() if k != "position_ids"}).logits)
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="need sdpa or eager"):
         model(**batch)

@@ -761,7 +761,7 @@ class VaswaniDecoder(VaswaniStack):
         r"""`position_ids` (B, T) restarting within a row, without a cache (training, scoring): the row holds several
         targets (packed), each attending causally to itself only and, with cross-attention, to the source of the
         same rank in its row, whose `encoder_position_ids` (B, S) say where the sources start
-        (`packed_attention_mask`)."""
+        (`packed_attention_mask`); with cross-attention but without `encoder_position_ids`, rows are not packed."""
         cache = cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds to the decoder.")
@@ -782,13 +782,13 @@ class VaswaniDecoder(VaswaniStack):
         # transformers' own masks find packed sequences in decoder-only rows too (sdpa, eager), but first decide
         # whether there are any by reading the positions back from the device, at every step; this mask needs no
         # such decision. Other attention functions keep transformers' masks, which they take in their own form.
+        # With cross-attention, rows are packed only when the sources' positions come too (each target's
+        # cross-attention must stay on its own source); positions alone are just the targets' positions.
         packed = position_ids is not None and cache is None and (
-            self.cross_attention or self.config._attn_implementation in PACKED_ATTENTION)
+            encoder_position_ids is not None if self.cross_attention
+            else self.config._attn_implementation in PACKED_ATTENTION)
         if packed:
             check_packed_attention(self.config)
-            if self.cross_attention and encoder_position_ids is None:
-                raise ValueError("Packed targets (decoder position_ids) need the sources' positions too "
-                                 "(encoder_position_ids), to keep each target's cross-attention on its own source.")
             causal_mask = packed_attention_mask(position_ids, position_ids, attention_mask, causal=True)
             cross_mask = None
             if self.cross_attention:
@@ -981,12 +981,16 @@ class VaswaniModel(VaswaniPreTrainedModel):
         decoder_position_ids=None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
-        r"""`position_ids` (B, S) and `decoder_position_ids` (B, T), restarting at each pair: rows of several sentence
-        pairs (packed, as `batching.PackedSeq2SeqCollator` makes them), the k-th target of a row translating its
-        k-th source; attention stays within each pair (`packed_attention_mask`). Give both or neither."""
+        r"""Packing is asked for by giving both `position_ids` (B, S) and `decoder_position_ids` (B, T), restarting at
+        each pair: rows of several sentence pairs (as `batching.PackedSeq2SeqCollator` makes them), the k-th target of
+        a row translating its k-th source; attention stays within each pair (`packed_attention_mask`). Given alone,
+        `position_ids` are the positions of the decoder's tokens, whose outputs come out, as for a decoder-only model
+        and as a stock caller (transformers' common tests) means them; `decoder_position_ids` alone are the same."""
         cache = cache_argument(cache, kwargs)
-        if (position_ids is None) != (decoder_position_ids is None) and cache is None:
-            raise ValueError("Packed pairs need both position_ids (sources) and decoder_position_ids (targets).")
+        packed = position_ids is not None and decoder_position_ids is not None
+        if not packed:  # at most one of them is given: the decoder's positions
+            decoder_position_ids = position_ids if decoder_position_ids is None else decoder_position_ids
+            position_ids = None
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
@@ -1080,7 +1084,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, decoder_position_ids)
+                packed = position_ids is not None and decoder_position_ids is not None
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(
+                    labels, decoder_position_ids if packed else None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
