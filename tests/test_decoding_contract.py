@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, pipeline
@@ -20,7 +21,7 @@ from training_script import distinct_corpus, train_args
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, loading
 from vaswani.evaluation import translate as evaluate_translate
 from vaswani.pipeline_vaswani import register_pipeline
-from vaswani.translation import translate
+from vaswani.translation import NO_LENGTH_PENALTY, translate
 
 # Few tokens past each source, so that the toy model's outputs reach their own limit in some sentences and end
 # before it in others (the rule, not its number, is what every caller must share).
@@ -119,18 +120,24 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
 
     model, tokenizer = trained
     export = export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    # At a length penalty of 0, CTranslate2 would end a sentence at its best beam's end, transformers once num_beams
+    # hypotheses have ended: two beams over 300 sentences tell the rules apart (2 of them differ on the CPUs tried).
+    for texts, searches in ((sentences(80, seed=1), ({"num_beams": 1},
+                                                     {"num_beams": 4, "length_penalty": 0.6, "early_stopping": True},
+                                                     {"num_beams": 3, "length_penalty": 2.0, "early_stopping": True},
+                                                     {"num_beams": 4, "length_penalty": 0.0, "early_stopping": True})),
+                            (sentences(300, seed=2), ({"num_beams": 2, "length_penalty": 0.0, "early_stopping": True},))):
+        for search in searches:
+            exported = loading.load_engine(export, **search)
+            pytorch = loading.engine_for_model(model, tokenizer, slots=0, **search)
+            assert exported.decoding.record() | {"precision": None} == pytorch.decoding.record() | {"precision": None}
+            expected = translate(pytorch, texts).texts
+            assert translate(exported, texts, max_sentences=16).texts == expected, search
+            assert translate(exported, texts, max_sentences=1).texts == expected, search
     texts = sentences(80, seed=1)
-    for search in ({"num_beams": 1}, {"num_beams": 4, "length_penalty": 0.6, "early_stopping": True},
-                   {"num_beams": 3, "length_penalty": 2.0, "early_stopping": True},
-                   {"num_beams": 4, "length_penalty": 0.0, "early_stopping": True}):
-        exported = loading.load_engine(export, **search)
-        pytorch = loading.engine_for_model(model, tokenizer, slots=0, **search)
-        assert exported.decoding.record() | {"precision": None} == pytorch.decoding.record() | {"precision": None}
-        expected = translate(pytorch, texts).texts
-        assert translate(exported, texts, max_sentences=16).texts == expected, search
-        assert translate(exported, texts, max_sentences=1).texts == expected, search
     # What CTranslate2 is told: transformers' length penalty, counting the end of sentence in the length (which
-    # CTranslate2 counts only when it returns it), its stopping rule, each sentence's own limit, the source limit.
+    # CTranslate2 counts only when it returns it), and at 0 one that divides no score (length ** 1e-12 is 1.0 in
+    # float32), so that its stopping rule is transformers'; each sentence's own limit, the source limit.
     calls, translator = [], exported.translator
 
     class Recording:
@@ -142,7 +149,8 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
 
     exported.translator = Recording()
     translate(exported, texts[:12], max_sentences=16)
-    assert all(options["length_penalty"] == 0.0 and options["return_end_token"] and options["patience"] == 1
+    assert np.float32(1000) ** np.float32(NO_LENGTH_PENALTY) == 1.0
+    assert all(options["length_penalty"] == NO_LENGTH_PENALTY and options["return_end_token"] and options["patience"] == 1
                and options["max_input_length"] == model.config.max_position_embeddings for _, options in calls)
     assert all({exported.decoding.output_limit(length) for length in lengths} == {options["max_decoding_length"]}
                for lengths, options in calls)

@@ -295,7 +295,7 @@ class CTranslate2Engine:
 
     What CTranslate2 is told, so that its outputs are `TorchEngine`'s: the length penalty, applied as transformers
     applies it (score / length ** penalty, with the end of sentence counted in the length: `return_end_token`,
-    removed here afterwards); each sentence's own output limit (`max_decoding_length` counts the end of sentence as
+    removed here afterwards; `ctranslate2_length_penalty`); each sentence's own output limit (`max_decoding_length` counts the end of sentence as
     `max_new_tokens` does; it is one number per call, so a beam search decodes the sentences of each limit in one
     call, and greedy search, whose output up to a length does not depend on the limit, decodes the batch once and
     cuts each output at its own); the source limit (`max_input_length`); `min_new_tokens` (`min_decoding_length`).
@@ -353,13 +353,25 @@ class CTranslate2Engine:
         for limit, members in groups.items():
             sources = [self.tokenizer.convert_ids_to_tokens(batch[i]) for i in members]
             results = self.translator.translate_batch(
-                sources, beam_size=decoding.num_beams, length_penalty=decoding.length_penalty, patience=1,
+                sources, beam_size=decoding.num_beams, length_penalty=ctranslate2_length_penalty(decoding), patience=1,
                 max_decoding_length=limit, min_decoding_length=decoding.min_new_tokens, return_end_token=True,
                 max_input_length=decoding.max_source_length or 0, max_batch_size=len(members))
             for i, result in zip(members, results):
                 ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
                 outputs[i] = output_ids(ids[:limits[i]], eos)
         return outputs
+
+# A length penalty that divides no score: length ** 1e-12 is 1.0 in float32 for any length under a million.
+NO_LENGTH_PENALTY = 1e-12
+
+
+def ctranslate2_length_penalty(decoding: DecodingSettings) -> float:
+    """The length penalty to tell CTranslate2 for `decoding`'s. At exactly 0, CTranslate2's beam search ends a
+    sentence as soon as its best live beam ends (its `allow_early_exit`), not once `num_beams` hypotheses have finished
+    as transformers' `early_stopping=True` does; the two rules give different translations of some sentences. A
+    penalty too small to change any score keeps the same scores under the shared rule."""
+    return decoding.length_penalty if decoding.length_penalty != 0 or decoding.num_beams == 1 else NO_LENGTH_PENALTY
+
 
 def encode(tokenizer, sentences: Sequence[str], max_length: int | None = None) -> list[list[int]]:
     """Token ids of `sentences`, truncated to `max_length` by the tokenizer's own truncation (which keeps the end
