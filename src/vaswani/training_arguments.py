@@ -217,6 +217,10 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
             # own: no gradient all-reduce (each trains a model of its own), no barrier in `wait_for_everyone` (a
             # checkpoint is published before the other processes wrote their random state into it).
             self.use_cpu = True
+        if self.ddp_find_unused_parameters is None:
+            # Every parameter takes part in every step. Left unset, the Trainer would ask DDP to search the autograd
+            # graph for unused ones at every step, and read values back to the host to do it.
+            self.ddp_find_unused_parameters = False
         super().__post_init__()
         if self.dataloader_pin_memory:
             # Training batches come from pinned memory on CUDA: copying them to the device need not make the host
