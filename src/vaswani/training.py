@@ -34,13 +34,14 @@ from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .peers import PeerLost, Peers
-from .preemption import PreemptionCallback, catching_stop_signals, resume_command
+from .preemption import PreemptionCallback, catching_stop_signals
 from .run_directory import (
     check_checkpoint_matches,
     check_resumed_weights,
     finished_run,
     holds_final_model,
     kept_after_a_full_disk,
+    kept_after_a_lost_process,
     prepare_output_dir,
     remove_old_checkpoints,
     replace_pickled_arguments,
@@ -274,15 +275,6 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     return metrics
 
 
-def kept_after_a_lost_process(output_dir: str, command: Sequence[str]) -> str:
-    """What a run that lost one of its processes keeps, and how to go on."""
-    complete = [path for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)]
-    how = resume_command(command) if command else "the same command with --resume"
-    if not complete:
-        return f"it wrote no complete checkpoint; run it again ({how} starts from the beginning)"
-    return f"the last complete checkpoint is {complete[-1]}; resume it with: {how}"
-
-
 def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_features: Dataset,
                   validation_features: Dataset, validation: Dataset) -> VaswaniSeq2SeqTrainer:
     """The run's trainer, with the callbacks its arguments ask for and, under a time budget, a progress bar that
@@ -339,4 +331,3 @@ def final_model(trainer: VaswaniSeq2SeqTrainer):
                            args.average_last_checkpoints, len(averaged))
         load_average(model, averaged)
     return model, averaged
-
