@@ -175,8 +175,12 @@ def assert_every_process_random_state(output_dir: Path) -> None:
         assert {p.name for p in checkpoint.glob("rng_state*")} == {"rng_state_0.pth", "rng_state_1.pth"}, checkpoint
 
 
-@pytest.fixture
-def uninterrupted_two_processes(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted_two_processes(tmp_path_factory):
+    """The 2-process run never interrupted, once for every test that compares with it (on the same corpus as theirs:
+    `synthetic_corpus` is the same text wherever it is written)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     output_dir = tmp_path / "uninterrupted"
     run_to_the_end(two_process_argv(corpus, output_dir, tmp_path), tmp_path)
     assert checkpoint_steps(output_dir) == [4, 8, 12]
