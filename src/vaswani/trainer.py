@@ -25,16 +25,8 @@ from .evaluation import evaluate_model
 from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 from .training_arguments import scheduler_name
-from .training_callbacks import (
-    SlowSteps,
-    StartTheClockCallback,
-    TimeBudgetCallback,
-    TrainingClock,
-    compiled_graphs,
-    read_clock,
-    time_budget_schedule,
-    write_clock,
-)
+from .training_callbacks import StartTheClockCallback, TimeBudgetCallback, time_budget_schedule
+from .training_clock import SlowSteps, TrainingClock, compiled_graphs, read_clock, write_clock
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +64,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       after it in the final metrics' `train_graphs_compiled_on_the_clock`), recorded in every
       checkpoint and carried on by a run that resumes from one; every logged line carries the seconds of training
       so far (`elapsed_seconds`). A step whose forward and backward took far longer than the median step is logged
-      with its batch's shape and the graphs compiled during it (`training_callbacks.SlowSteps`), and counted in the
+      with its batch's shape and the graphs compiled during it (`training_clock.SlowSteps`), and counted in the
       final metrics' `train_slow_steps` and `train_slow_steps_seconds`;
     * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
       `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
