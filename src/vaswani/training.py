@@ -285,7 +285,6 @@ def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_featur
         max_tokens_per_batch=args.max_tokens_per_batch,
         shape_buckets=args.shape_buckets,
         packing=args.packing,
-        order_by_both_sides=args.order_by_both_sides,
         time_budget=time_budget,
     )
     if args.max_train_time and trainer.pop_callback(ProgressCallback) is not None:  # None: no bar (--disable_tqdm)
