@@ -82,12 +82,13 @@ def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_bu
 
 
 def packed_batches(source_ids, target_ids, batch_tokens: int, seed: int, pad_to_multiple_of: int | None = None):
-    """The batches `train_translation.py --packing` trains on (`vaswani.packing.PackedBatchSampler`), as indices,
-    and their one shape; pairs wider than a whole batch are left out."""
+    """The batches `train_translation.py --packing` trains on, as indices, and the `vaswani.packing.PackedBatchSampler`
+    that made them (their one shape, the positions they hold and compute); pairs wider than a whole batch are left
+    out."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sampler = PackedBatchSampler([len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep], batch_tokens,
                                  seed=seed, pad_to_multiple_of=pad_to_multiple_of)
-    return [[keep[j] for j in batch] for batch in sampler], sampler.shape
+    return [[keep[j] for j in batch] for batch in sampler], sampler
 
 
 def model_flops(config, source_lengths: list[int], target_lengths: list[int]) -> float:
@@ -212,9 +213,8 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
     multiple = 8 if batching.endswith("-8") else None
     lengths = ([len(s) for s in source_ids], [len(t) for t in target_ids])
     if batching.startswith("packed"):
-        order, shape = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
-        real = np.array([sum(side) for side in lengths])  # every pair once, in batches of the one packed shape
-        computed = len(order) * shape.rows * np.array([shape.source_length, shape.target_length])
+        order, sampler = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
+        real, computed = sampler.positions()
     else:
         order, _ = token_batches(source_ids, target_ids, batch_tokens, seed, None, multiple,
                                  by_sides=batching.startswith("sides"))
@@ -247,7 +247,8 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
     multiple = 8 if batching.endswith("-8") else None
     warm, buckets, shapes = [], None, []
     if batching.startswith("packed"):
-        order, shape = packed_batches(source_ids, target_ids, batch_tokens, args.seed, multiple)
+        order, sampler = packed_batches(source_ids, target_ids, batch_tokens, args.seed, multiple)
+        shape = sampler.shape
         collate = PackedSeq2SeqCollator(shape, tokenizer.pad_token_id)
         shapes = [(shape.rows, shape.source_length, shape.target_length)]
     else:
