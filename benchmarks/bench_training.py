@@ -61,8 +61,8 @@ OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs", *SDPA_BACKENDS)
 # How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
 # cuts them (by the longer side, ties at random); `sides`, the same cut with the pairs of one longer length ordered
 # by both sides (`vaswani.batching.side_order`, which the trainer does not use: benchmarks/results/README.md);
-# `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no packed rows); `-8` after any, padded to
-# multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
+# `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no packed rows);
+# `-8` after any, padded to multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
 BATCHINGS = ("bucketed", "bucketed-8", "sides", "sides-8", "packed", "packed-8")
 
 

@@ -40,10 +40,10 @@ def packed_shape(source_lengths: Sequence[int], target_lengths: Sequence[int], m
                  pad_to_multiple_of: int | None = None) -> PackedShape:
     """The shape packed batches of at most `max_tokens` positions per side take. Rows as short as the longest
     example and `ROW_PAIRS` average ones allow, since attention computes a row's every (query, key) pair, those
-    across its pairs' boundaries included; as many rows as the budget holds; the rows then widened to fill it. The side with more tokens
-    in the corpus gets that width, the other one in proportion to its share of the tokens (at least its longest
-    example), so that both sides fill up together: a row is full as soon as either side is. Widths are multiples of
-    `pad_to_multiple_of`, where given."""
+    across its pairs' boundaries included; as many rows as the budget holds; the rows then widened to fill it. The
+    side with more tokens in the corpus gets that width, the other one in proportion to its share of the tokens (at
+    least its longest example), so that both sides fill up together: a row is full as soon as either side is. Widths
+    are multiples of `pad_to_multiple_of`, where given."""
     multiple = pad_to_multiple_of if pad_to_multiple_of and pad_to_multiple_of > 1 else 1
     source, target = np.asarray(source_lengths, dtype=np.int64), np.asarray(target_lengths, dtype=np.int64)
     if not source.size:

@@ -45,8 +45,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     * token-budget batches (`max_tokens_per_batch`), optionally padded up to a few declared shapes
       (`shape_buckets`, a count: `TokenBatchSampler`, `ShapePaddedCollator`), or with `packing` several pairs a
       row, every batch of one shape (`PackedBatchSampler`, `PackedSeq2SeqCollator`; the model keeps each pair to
-      itself). Every logged training line carries `padding_fraction`: the share of the positions computed so far, both sides,
-      that were padding, summed on the device and read at logging time only;
+      itself). Every logged training line carries `padding_fraction`: the share of the positions computed so far,
+      both sides, that were padding, summed on the device and read at logging time only;
     * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
       step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
@@ -65,8 +65,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, shape_buckets: int | None = None,
-                 packing: bool = False,
-                 time_budget: TimeBudgetCallback | None = None,
+                 packing: bool = False, time_budget: TimeBudgetCallback | None = None,
                  eval_texts: Dataset | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.eval_texts = eval_texts
