@@ -33,12 +33,11 @@ import torch
 from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
-from vaswani.batching import (
-    PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, batch_positions, pad_to_shape,
-)
+from vaswani.batching import ShapeBuckets, TokenBatchSampler, batch_positions, pad_to_shape
+from vaswani.packing import PackedBatchSampler, PackedSeq2SeqCollator
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
-from vaswani.training_callbacks import compiled_graphs
+from vaswani.training_clock import compiled_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -61,9 +60,9 @@ OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs", *SDPA_BACKENDS)
 
 # How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
 # cuts them (by the longer side, ties at random); `sides`, the same cut with the pairs of one longer length ordered
-# by both sides, as --order_by_both_sides orders them (`vaswani.batching.side_order`); `packed`, several pairs a row
-# as --packing packs them (Vaswani engines only: Marian's model takes no packed rows); `-8` after any, padded to
-# multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
+# by both sides (`vaswani.batching.side_order`, which the trainer does not use: benchmarks/results/README.md);
+# `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no packed rows);
+# `-8` after any, padded to multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
 BATCHINGS = ("bucketed", "bucketed-8", "sides", "sides-8", "packed", "packed-8")
 
 
@@ -73,7 +72,7 @@ def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_bu
     """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
     `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
     per side padding included (to `pad_to_multiple_of` too), shuffled (seed); pairs longer than a whole batch are left
-    out. `by_sides`: ordered by both sides, as --order_by_both_sides orders them. Returns the batches as indices
+    out. `by_sides`: ordered by both sides (`vaswani.batching.side_order`). Returns the batches as indices
     and, with `shape_buckets`, the shapes they pad up to (else None)."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sides = np.array([[len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]], dtype=np.int64)
@@ -83,12 +82,13 @@ def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_bu
 
 
 def packed_batches(source_ids, target_ids, batch_tokens: int, seed: int, pad_to_multiple_of: int | None = None):
-    """The batches `train_translation.py --packing` trains on (`vaswani.batching.PackedBatchSampler`), as indices,
-    and their one shape; pairs wider than a whole batch are left out."""
+    """The batches `train_translation.py --packing` trains on, as indices, and the `vaswani.packing.PackedBatchSampler`
+    that made them (their one shape, the positions they hold and compute); pairs wider than a whole batch are left
+    out."""
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sampler = PackedBatchSampler([len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep], batch_tokens,
                                  seed=seed, pad_to_multiple_of=pad_to_multiple_of)
-    return [[keep[j] for j in batch] for batch in sampler], sampler.shape
+    return [[keep[j] for j in batch] for batch in sampler], sampler
 
 
 def model_flops(config, source_lengths: list[int], target_lengths: list[int]) -> float:
@@ -213,9 +213,8 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
     multiple = 8 if batching.endswith("-8") else None
     lengths = ([len(s) for s in source_ids], [len(t) for t in target_ids])
     if batching.startswith("packed"):
-        order, shape = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
-        real = np.array([sum(side) for side in lengths])  # every pair once, in batches of the one packed shape
-        computed = len(order) * shape.rows * np.array([shape.source_length, shape.target_length])
+        order, sampler = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
+        real, computed = sampler.positions()
     else:
         order, _ = token_batches(source_ids, target_ids, batch_tokens, seed, None, multiple,
                                  by_sides=batching.startswith("sides"))
@@ -248,7 +247,8 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
     multiple = 8 if batching.endswith("-8") else None
     warm, buckets, shapes = [], None, []
     if batching.startswith("packed"):
-        order, shape = packed_batches(source_ids, target_ids, batch_tokens, args.seed, multiple)
+        order, sampler = packed_batches(source_ids, target_ids, batch_tokens, args.seed, multiple)
+        shape = sampler.shape
         collate = PackedSeq2SeqCollator(shape, tokenizer.pad_token_id)
         shapes = [(shape.rows, shape.source_length, shape.target_length)]
     else:
@@ -376,9 +376,9 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
         *(["Batchings (column `batches`): `bucketed` as above; `sides`, the same cut with the pairs of one longer "
-           "length ordered by both sides, as train_translation.py --order_by_both_sides orders them "
+           "length ordered by both sides "
            "(vaswani.batching.side_order); `packed`, several pairs a row as "
-           "train_translation.py --packing packs them (vaswani.batching.PackedBatchSampler, PackedSeq2SeqCollator; "
+           "train_translation.py --packing packs them (vaswani.packing.PackedBatchSampler, PackedSeq2SeqCollator; "
            "settings `shapes_rows_length`: rows, source and target widths), Vaswani engines only (× Marian: against "
            "Marian on the bucketed batches of the same multiple); `-8`: padded to multiples of 8, the budget counting "
            "that padding. Each batching's batches are its own; × bucketed compares real tokens/s with the same "
@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--passes", type=int, default=1, help="at least this many passes over the timed batches (with --warmup_steps "
         "0, the first meets each batch's shape for the first time: columns `ms a step, first pass` and `later passes`)")
     add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
-        f"{', '.join(BATCHINGS)}: length-bucketed (sides: --order_by_both_sides) or packed (--packing), "
+        f"{', '.join(BATCHINGS)}: length-bucketed (sides: ordered by both sides) or packed (--packing), "
         "-8 padded to multiples of 8; every engine "
         "steps on each, interleaved (packed: Vaswani engines only)")
     add("--sample_pairs", type=int, default=None, help="time a whole epoch of a seeded sample of this many pairs "

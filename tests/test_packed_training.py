@@ -1,4 +1,4 @@
-"""Packed training batches (`batching.PackedBatchSampler`, `PackedSeq2SeqCollator`) through the sampler, the
+"""Packed training batches (`packing.PackedBatchSampler`, `PackedSeq2SeqCollator`) through the sampler, the
 Trainer and train_translation.py --packing, and the padding fraction every run reports."""
 
 import json
@@ -11,10 +11,10 @@ from transformers import DataCollatorForSeq2Seq
 
 import vaswani.batching
 import vaswani.inference
+import vaswani.packing
 import vaswani.training
-from vaswani.batching import (
-    PackedBatchSampler, PackedShape, TokenBatchSampler, next_fit_rows, pack_rows, packed_shape,
-)
+from vaswani.batching import TokenBatchSampler
+from vaswani.packing import PackedBatchSampler, PackedShape, next_fit_rows, pack_rows, packed_shape
 from test_trainer import bucketed_run, logged
 from training_script import synthetic_corpus
 
@@ -101,7 +101,7 @@ def test_packed_training_is_the_same_pairs_unpacked_step_by_step(tmp_path, monke
     def unpacked(self, features):
         return DataCollatorForSeq2Seq(trainer.processing_class, return_tensors="pt")(features)
 
-    monkeypatch.setattr(vaswani.batching.PackedSeq2SeqCollator, "__call__", unpacked)
+    monkeypatch.setattr(vaswani.packing.PackedSeq2SeqCollator, "__call__", unpacked)
     trainer, steps, metrics = run(monkeypatch, corpus, tmp_path / "unpacked", *options)
     assert sum(rows for (rows, _), _ in steps.shapes) > len(steps.shapes) * shape.rows  # the same pairs, one a row
     torch.testing.assert_close(logged(trainer, "loss"), losses, rtol=1e-5, atol=1e-6)
@@ -126,21 +126,20 @@ def test_the_padding_fraction_counts_both_sides_of_the_batches_trained_on(tmp_pa
     assert metrics["train_padding_fraction"] > 0
 
 
-def test_order_by_both_sides_orders_the_bucketed_batches_by_both_sides(tmp_path, monkeypatch, capsys):
-    """--order_by_both_sides: the trainer's batches are `TokenBatchSampler`'s given both sides' lengths, the pairs of
-    one longer length in `batching.side_order`; by default, the longer side's order alone (ties at random). With
-    --packing, or without a token budget, it is refused."""
+def test_bucketed_batches_are_cut_by_the_longer_side_in_a_random_order_within_a_length(tmp_path, monkeypatch, capsys):
+    """The trainer's batches are `TokenBatchSampler`'s over each pair's longer side, the pairs of one longer length in
+    a random order, not ordered by both sides (`batching.side_order`, which measured worse in the main job and lives
+    on in `bench_training.py --batchings sides` only): the command line has no switch for it."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
-    for options, both in [((), False), (("--order_by_both_sides",), True)]:
-        trainer, _, _ = run(monkeypatch, corpus, tmp_path / f"out-{both}", "--max_steps", "1", *options)
-        sides = vaswani.batching.example_lengths(trainer.train_dataset, sides=True)
-        budget = trainer.max_tokens_per_batch
-        ordered = trainer.batch_sampler.batches_by_length()
-        assert (ordered == TokenBatchSampler(sides, budget, shuffle=False).batches_by_length()) == both
-        assert (ordered == TokenBatchSampler(sides.max(axis=0), budget, shuffle=False).batches_by_length()) != both
+    trainer, _, _ = run(monkeypatch, corpus, tmp_path / "out", "--max_steps", "1")
+    sides = vaswani.batching.example_lengths(trainer.train_dataset, sides=True)
+    budget = trainer.max_tokens_per_batch
+    ordered = trainer.batch_sampler.batches_by_length()
+    assert ordered == TokenBatchSampler(sides.max(axis=0), budget, shuffle=False).batches_by_length()
+    assert ordered != TokenBatchSampler(sides, budget, shuffle=False).batches_by_length()
     with pytest.raises(SystemExit):
-        run(monkeypatch, corpus, tmp_path / "packed", "--max_steps", "1", "--order_by_both_sides", "--packing")
-    assert "--order_by_both_sides orders token-budget batches" in capsys.readouterr().err
+        run(monkeypatch, corpus, tmp_path / "sides", "--max_steps", "1", "--order_by_both_sides")
+    assert "--order_by_both_sides" in capsys.readouterr().err
 
 
 def test_packed_batches_compile_one_graph_before_the_clock(tmp_path, monkeypatch):
@@ -172,8 +171,19 @@ def test_packed_batches_as_cuda_graphs_train_as_eager_does(tmp_path, monkeypatch
 
 
 def test_packing_needs_a_token_budget_and_no_shape_buckets(tmp_path):
+    """The command line's arguments and the trainer refuse the same combinations, by the one check
+    (`training_arguments.check_batching`)."""
+    from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
+    from vaswani.trainer import VaswaniSeq2SeqTrainer
+
     arguments = vaswani.training.VaswaniTrainingArguments
     with pytest.raises(ValueError, match="needs --max_tokens_per_batch"):
         arguments(output_dir=str(tmp_path), report_to="none", packing=True)
     with pytest.raises(ValueError, match="drop --shape_buckets"):
         arguments(output_dir=str(tmp_path), report_to="none", packing=True, max_tokens_per_batch=100, shape_buckets=2)
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny())
+    plain = arguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="needs --max_tokens_per_batch"):
+        VaswaniSeq2SeqTrainer(model=model, args=plain, packing=True)
+    with pytest.raises(ValueError, match="drop --shape_buckets"):
+        VaswaniSeq2SeqTrainer(model=model, args=plain, max_tokens_per_batch=100, packing=True, shape_buckets=2)

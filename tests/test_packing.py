@@ -1,4 +1,4 @@
-"""Packed sequences: several sentence pairs a row (`batching.PackedSeq2SeqCollator`) train the translation model
+"""Packed sequences: several sentence pairs a row (`packing.PackedSeq2SeqCollator`) train the translation model
 exactly as the same pairs unpacked do, for every variant; the decoder-only model does the same on transformers'
 own `DataCollatorWithFlattening` rows."""
 
@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from vaswani import VaswaniForCausalLM, VaswaniForConditionalGeneration
-from vaswani.batching import PackedSeq2SeqCollator, PackedShape, next_fit_rows
+from vaswani.packing import PackedSeq2SeqCollator, PackedShape, next_fit_rows
 from vaswani.modeling_vaswani import packed_attention_mask, sequence_starts
 from conftest import FIRST_ORDINARY_ID, tiny_config
 

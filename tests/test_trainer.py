@@ -18,7 +18,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 import vaswani.inference
 import vaswani.trainer
 import vaswani.training
-from vaswani.training_callbacks import SlowSteps
+from vaswani.training_clock import SlowSteps
 from conftest import script_main
 from host_reads import PythonReads
 from training_script import distinct_corpus, synthetic_corpus, train_args

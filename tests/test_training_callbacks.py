@@ -1,5 +1,5 @@
-"""The training run's callbacks (`vaswani.training_callbacks`): the shared clock, the time budget and its
-learning-rate schedule, interval checkpoints and the weight average."""
+"""The training run's callbacks (`vaswani.training_callbacks`) on their shared clock (`vaswani.training_clock`): the
+time budget and its learning-rate schedule, interval checkpoints and the weight average."""
 
 import re
 
@@ -76,6 +76,7 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
     """The time budget and the interval checkpoints decide on the same agreed clock (one exchange per step under
     DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
     import vaswani.training_callbacks as callbacks
+    import vaswani.training_clock
 
     now, reductions = [100.0], []
     monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
@@ -84,7 +85,7 @@ def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
         reductions.append(seconds)
         return seconds
 
-    monkeypatch.setattr(callbacks.StepLateMaximum, "exchange", exchange)
+    monkeypatch.setattr(vaswani.training_clock.StepLateMaximum, "exchange", exchange)
     clock = callbacks.TrainingClock()
     budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
     _, saved, stopped = timed_run(clock, budget, interval, now, 2.0, range(1, 8))
@@ -160,7 +161,7 @@ def test_a_resumed_run_trains_for_what_is_left_of_its_budget_on_a_clock_that_lea
 
     import vaswani.inference
     import vaswani.training
-    from vaswani.training_callbacks import CLOCK_FILE, TrainingClock
+    from vaswani.training_clock import CLOCK_FILE, TrainingClock
 
     from conftest import script_main
 
@@ -211,7 +212,7 @@ def test_rates_on_the_clock_do_not_inherit_the_trainers_rounding(trainer_runtime
     from types import SimpleNamespace
 
     from vaswani.trainer import VaswaniSeq2SeqTrainer
-    from vaswani.training_callbacks import SlowSteps
+    from vaswani.training_clock import SlowSteps
 
     clock = SimpleNamespace(stop=lambda: None, this_call=lambda: 4.0, elapsed=lambda: 4.0, start_tokens=0)
     trainer = SimpleNamespace(clock=clock, state=SimpleNamespace(num_input_tokens_seen=0), compile_seconds=0.0,
@@ -226,7 +227,7 @@ def test_rates_on_the_clock_do_not_inherit_the_trainers_rounding(trainer_runtime
 def test_slow_steps_are_judged_against_the_median_step_before_them_and_a_floor(caplog):
     """A step over 10× the median and over the floor is slow; the first steps, which have none before them, are
     judged against their own median once five are timed, or when training ends before that."""
-    from vaswani.training_callbacks import SlowSteps
+    from vaswani.training_clock import SlowSteps
 
     slow = SlowSteps(floor=0.15)
     # A compiling first step, four usual ones, one 5× the usual, one 20×, and one 12× that the floor lets pass.

@@ -240,11 +240,9 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
 
 def decoding_loop(decoding: str, device: torch.device) -> str:
     """The loop `load_translator` sets up: `decoding` as asked, and for "auto" on a CUDA GPU the lean loop replayed as
-    CUDA graphs, which translated 1.4× the sentences a second of transformers' loop (`generate()`'s own default
-    there) on both H200 runs: 2.08× against 1.46× Marian's on 66f2a68 (random weights at forced lengths,
-    benchmarks/results/translation-forced-cuda-h200-2026-11-28.md), 1.49× against 1.08× on a trained model stopping
-    at each sentence's end (806b5ea, translation-trained-cuda-h200.md), whose outputs matched the reference row's for
-    2,999 of 3,000 sentences there (transformers' loop: 2,903). Elsewhere "auto" leaves `generate()` its default."""
+    CUDA graphs, which translated more sentences a second than transformers' loop (`generate()`'s own default there)
+    on every GPU that compared them (benchmarks/results/README.md, "What did each GPU measure?"). Elsewhere "auto"
+    leaves `generate()` its default."""
     return "graphs" if decoding == "auto" and device.type == "cuda" else decoding
 
 

@@ -982,7 +982,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         **kwargs,
     ) -> Seq2SeqModelOutput:
         r"""Packing is asked for by giving both `position_ids` (B, S) and `decoder_position_ids` (B, T), restarting at
-        each pair: rows of several sentence pairs (as `batching.PackedSeq2SeqCollator` makes them), the k-th target of
+        each pair: rows of several sentence pairs (as `packing.PackedSeq2SeqCollator` makes them), the k-th target of
         a row translating its k-th source; attention stays within each pair (`packed_attention_mask`). Given alone,
         `position_ids` are the positions of the decoder's tokens, whose outputs come out, as for a decoder-only model
         and as a stock caller (transformers' common tests) means them; `decoder_position_ids` alone are the same."""

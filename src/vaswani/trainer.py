@@ -13,28 +13,14 @@ from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from .batching import (
-    PackedBatchSampler,
-    PackedSeq2SeqCollator,
-    ShapeBuckets,
-    TokenBatchSampler,
-    example_lengths,
-    pad_to_shape,
-)
+from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
 from .evaluation import evaluate_model
+from .packing import PackedBatchSampler, PackedSeq2SeqCollator
 from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
-from .training_arguments import scheduler_name
-from .training_callbacks import (
-    SlowSteps,
-    StartTheClockCallback,
-    TimeBudgetCallback,
-    TrainingClock,
-    compiled_graphs,
-    read_clock,
-    time_budget_schedule,
-    write_clock,
-)
+from .training_arguments import check_batching, scheduler_name
+from .training_callbacks import StartTheClockCallback, TimeBudgetCallback, time_budget_schedule
+from .training_clock import SlowSteps, TrainingClock, compiled_graphs, read_clock, write_clock
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +45,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     * token-budget batches (`max_tokens_per_batch`), optionally padded up to a few declared shapes
       (`shape_buckets`, a count: `TokenBatchSampler`, `ShapePaddedCollator`), or with `packing` several pairs a
       row, every batch of one shape (`PackedBatchSampler`, `PackedSeq2SeqCollator`; the model keeps each pair to
-      itself); with `order_by_both_sides`, the pairs of one longer length in `batching.side_order`. Every logged
-      training line carries `padding_fraction`: the share of the positions computed so far, both sides,
-      that were padding, summed on the device and read at logging time only;
+      itself). Every logged training line carries `padding_fraction`: the share of the positions computed so far,
+      both sides, that were padding, summed on the device and read at logging time only;
     * a check that stops on a non-finite loss and names the step, instead of training through NaNs. The first bad
       step is kept on the device, so the check adds no host synchronisation per step; it is read at each logging
       step and before each checkpoint, so that no checkpoint holds weights a NaN has reached;
@@ -72,7 +57,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       after it in the final metrics' `train_graphs_compiled_on_the_clock`), recorded in every
       checkpoint and carried on by a run that resumes from one; every logged line carries the seconds of training
       so far (`elapsed_seconds`). A step whose forward and backward took far longer than the median step is logged
-      with its batch's shape and the graphs compiled during it (`training_callbacks.SlowSteps`), and counted in the
+      with its batch's shape and the graphs compiled during it (`training_clock.SlowSteps`), and counted in the
       final metrics' `train_slow_steps` and `train_slow_steps_seconds`;
     * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
       `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
@@ -80,24 +65,15 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
     """
 
     def __init__(self, *args, max_tokens_per_batch: int | None = None, shape_buckets: int | None = None,
-                 packing: bool = False, order_by_both_sides: bool = False,
-                 time_budget: TimeBudgetCallback | None = None,
+                 packing: bool = False, time_budget: TimeBudgetCallback | None = None,
                  eval_texts: Dataset | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.eval_texts = eval_texts
         self._score_translations = False
-        if (shape_buckets or packing) and not max_tokens_per_batch:
-            raise ValueError(f"{'shape_buckets' if shape_buckets else 'packing'} makes token-budget batches; it needs "
-                             "max_tokens_per_batch.")
-        if shape_buckets and packing:
-            raise ValueError("Packed batches all have one shape already; pass shape_buckets or packing, not both.")
-        if order_by_both_sides and (packing or not max_tokens_per_batch):
-            raise ValueError("order_by_both_sides orders token-budget batches: it needs max_tokens_per_batch, and "
-                             "not packing.")
+        check_batching(max_tokens_per_batch, shape_buckets or None, packing)
         self.max_tokens_per_batch = max_tokens_per_batch
         self.shape_buckets = shape_buckets
         self.packing = packing
-        self.order_by_both_sides = order_by_both_sides
         self._real_positions = None  # on the device: the non-padding positions trained on so far, both sides
         self._computed_positions = 0
         self._train_collate = self.data_collator
@@ -140,9 +116,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
             logger.info("Packed batches of %s: %.1f%% of their positions are padding.", self.batch_sampler.shape,
                         100 * self.batch_sampler.padding_fraction())
             return self._train_loader(dataset)
-        # With both sides' lengths the batches are even on the shorter side too (`batching.side_order`).
-        self.batch_sampler = TokenBatchSampler(example_lengths(dataset, sides=self.order_by_both_sides),
-                                               self.max_tokens_per_batch,
+        self.batch_sampler = TokenBatchSampler(example_lengths(dataset), self.max_tokens_per_batch,
                                                shuffle=True, seed=self.args.seed, num_replicas=self.args.world_size,
                                                pad_to_multiple_of=pad_to, shape_buckets=self.shape_buckets)
         self._train_collate = self.data_collator

@@ -4,7 +4,8 @@ model and tokenizer, tokenize, train, evaluate on the test split, save), and eac
 module of its own:
 
 * `vaswani.training_arguments`: `ModelArguments`, `DataArguments`, `VaswaniTrainingArguments` and their checks;
-* `vaswani.training_callbacks`: the clock, time budget, interval checkpoints, weight average and progress bar;
+* `vaswani.training_clock`: the run's one clock, carried over a resume, and the slow steps it spots;
+* `vaswani.training_callbacks`: the time budget, interval checkpoints, weight average and progress bar;
 * `vaswani.trainer`: `VaswaniSeq2SeqTrainer`, the Trainer subclass with token-budget batches;
 * `vaswani.run_directory`: the output directory's life cycle, from resume checks to the final model's save.
 
@@ -61,10 +62,10 @@ from .training_callbacks import (
     IntervalCheckpointCallback,
     TimeBudgetCallback,
     TimeBudgetProgressCallback,
-    TrainingClock,
     WeightAverageCallback,
     callbacks_for,
 )
+from .training_clock import TrainingClock
 from .translation import write_decoding_defaults
 
 __all__ = [
@@ -292,7 +293,6 @@ def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_featur
         max_tokens_per_batch=args.max_tokens_per_batch,
         shape_buckets=args.shape_buckets,
         packing=args.packing,
-        order_by_both_sides=args.order_by_both_sides,
         time_budget=time_budget,
     )
     if args.max_train_time and trainer.pop_callback(ProgressCallback) is not None:  # None: no bar (--disable_tqdm)

@@ -107,6 +107,23 @@ class DataArguments:
 MAX_SHAPE_BUCKETS = 8
 
 
+def check_batching(max_tokens_per_batch: int | None, shape_buckets: int | None = None, packing: bool = False) -> None:
+    """The batching options that go together, checked once for the command line and the trainer alike: shape
+    buckets and packing shape token-budget batches, packing gives every batch one shape already, and torch.compile
+    keeps at most `MAX_SHAPE_BUCKETS` graphs of a step."""
+    if packing and not max_tokens_per_batch:
+        raise ValueError("--packing packs token-budget batches; it needs --max_tokens_per_batch.")
+    if packing and shape_buckets is not None:
+        raise ValueError("--packing gives every batch one shape already; drop --shape_buckets.")
+    if shape_buckets is not None:
+        if not max_tokens_per_batch:
+            raise ValueError("--shape_buckets pads token-budget batches; it needs --max_tokens_per_batch.")
+        if shape_buckets > MAX_SHAPE_BUCKETS:
+            raise ValueError(f"--shape_buckets {shape_buckets}: torch.compile keeps at most {MAX_SHAPE_BUCKETS} "
+                             f"graphs of a step and runs any further shape uncompiled; give at most "
+                             f"{MAX_SHAPE_BUCKETS}.")
+
+
 @dataclass
 class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
     max_train_time: float | None = field(
@@ -120,40 +137,29 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
     shape_buckets: int | None = field(
         default=None,
         metadata={"help": "With --max_tokens_per_batch: every training batch padded up to one of at most this many "
-                          "(rows, length) shapes, chosen from the data before training (both sides padded to the "
-                          "shape's length, rows filled with examples the loss ignores), so that a compiled step has "
+                          "(rows, length) shapes, chosen from the data before training, so that a compiled step has "
                           "that many static graphs, all compiled before the clock starts; under --torch_compile_mode "
-                          "reduce-overhead on CUDA each is recorded once as a CUDA graph and replayed. The padding "
-                          "costs work: off by default (the GPU step-rate probe's result, "
-                          "benchmarks/results/training-graphs-cuda-*.md, says whether it pays). At most "
-                          f"{MAX_SHAPE_BUCKETS}."},
+                          "reduce-overhead on CUDA each is recorded once as a CUDA graph and replayed. Off by default "
+                          "until a GPU decides: the padding costs work, and the GPU plan's probe-4000-graphs and "
+                          f"probe-25000 stages measure whether the graphs repay it. At most {MAX_SHAPE_BUCKETS}."},
     )
     pad_to_multiple_of: int | None = field(
         default=None,
         metadata={"help": "Pad each side of a training batch to a multiple of this many positions (8 is the habit "
                           "for GPUs' tensor cores in 16-bit precision); --max_tokens_per_batch counts that padding. "
-                          "None by default on every device: on fra-eng a multiple of 8 makes 31% of the positions "
-                          "padding instead of 7%, so that 4,000-token batches hold 26% fewer real tokens "
-                          "(benchmarks/results/gpu-notes.md, 2026-11-27); `bench_training.py --batchings "
-                          "bucketed,bucketed-8` measures what it does to real tokens/s."},
+                          "None by default: on a CPU a multiple of 8 trained 0.78x the real tokens a second "
+                          "(benchmarks/results/training-cpu-packing.md); on a GPU the plan's probe-4000-packed stage "
+                          "decides."},
     )
     packing: bool = field(
         default=False,
         metadata={"help": "With --max_tokens_per_batch: several sentence pairs per row, one after another on both "
-                          "sides, positions restarting at each pair and attention kept within it, so that about 1% "
-                          "of the computed positions are padding instead of the length-bucketed batches' 8-33% "
-                          "(fra-eng). Every batch has one (rows, length) shape; the loss and its gradients are those "
-                          "of the same pairs unpacked. Needs sdpa or eager attention."},
-    )
-    order_by_both_sides: bool = field(
-        default=False,
-        metadata={"help": "With --max_tokens_per_batch: within the pairs of one longer length, order them by both "
-                          "sides' lengths (vaswani.batching.side_order) instead of at random, so that a batch's "
-                          "shorter side is even too: the same batches' sizes, with 0.4-4.8% of the positions padding "
-                          "instead of 7.6-9.4% on fra-eng (1,000 to 25,000 tokens; "
-                          "benchmarks/results/training-cpu-batch-order.md). Off by default: in the main job it trained "
-                          "no more steps in 600 s, with a higher loss at every logged step and a lower BLEU "
-                          "(benchmarks/results/main-job-cpu.md, runs 25 and 26)."},
+                          "sides, positions restarting at each pair and attention kept within it, every batch of one "
+                          "shape (1-3%% of the positions padding on fra-eng); the loss and its gradients are those of "
+                          "the same pairs unpacked. Needs sdpa or eager attention. Off by default: on a CPU it "
+                          "trained 1.02x the real tokens a second of the bucketed batches "
+                          "(benchmarks/results/training-cpu-packing.md); on a GPU the plan's probe-4000-packed stage "
+                          "decides."},
     )
     paper_recipe: bool = field(
         default=False,
@@ -241,21 +247,7 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}.")
-        if self.order_by_both_sides and (not self.max_tokens_per_batch or self.packing):
-            raise ValueError("--order_by_both_sides orders token-budget batches; it needs --max_tokens_per_batch "
-                             "and not --packing (which fills rows by both sides anyway).")
-        if self.packing:
-            if not self.max_tokens_per_batch:
-                raise ValueError("--packing packs token-budget batches; it needs --max_tokens_per_batch.")
-            if self.shape_buckets is not None:
-                raise ValueError("--packing gives every batch one shape already; drop --shape_buckets.")
-        if self.shape_buckets is not None:
-            if not self.max_tokens_per_batch:
-                raise ValueError("--shape_buckets pads token-budget batches; it needs --max_tokens_per_batch.")
-            if self.shape_buckets > MAX_SHAPE_BUCKETS:
-                raise ValueError(f"--shape_buckets {self.shape_buckets}: torch.compile keeps at most "
-                                 f"{MAX_SHAPE_BUCKETS} graphs of a step and runs any further shape uncompiled; give "
-                                 f"at most {MAX_SHAPE_BUCKETS}.")
+        check_batching(self.max_tokens_per_batch, self.shape_buckets, self.packing)
         if self.average_last_checkpoints:
             if self.save_strategy == "no" and not self.save_interval_seconds:
                 raise ValueError("--average_last_checkpoints averages checkpoints; write some with "
