@@ -109,12 +109,64 @@ def last_checkpoints(sources: Sequence[str | Path], last: int | None = None) -> 
     return checkpoints
 
 
+# Checking a checkpoint's files -------------------------------------------------------------------------------------
+# Every file of a checkpoint is checked whole before any is loaded, so that a damaged one (a copy cut short, an error
+# page saved under its name) is one line naming it, never a traceback from the library that would parse it, nor a
+# model half loaded. The JSON files a checkpoint may hold, each with the fields without which it is another file.
+JSON_FILES = {
+    "config.json": ("model_type",),
+    "generation_config.json": (),
+    "tokenizer_config.json": (),
+    "tokenizer.json": ("model",),
+    "special_tokens_map.json": (),
+    "added_tokens.json": (),
+    "vocab.json": (),
+    SAFE_WEIGHTS_INDEX_NAME: ("weight_map",),
+    TRAINER_STATE_NAME: ("global_step",),
+}
+RECOPY = "copy or download the whole checkpoint directory again"
+
+
+def read_json_object(path: str | Path, fix: str = RECOPY, fields: Sequence[str] = ()) -> dict:
+    """The JSON object in `path`, which must hold `fields`; a file that is missing, empty, cut short, not JSON or
+    without them is an error naming it and `fix` (what to do), in one line."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing; {fix}.") from None
+    if not data.strip():
+        raise ValueError(f"{path} is empty; {fix}.")
+    try:
+        value = json.loads(data)
+    except ValueError as error:  # not UTF-8, or not JSON: cut short, or another file under this name
+        raise ValueError(f"{path} is damaged: not valid JSON ({error}); {fix}.") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is damaged: it holds a JSON {type(value).__name__}, not an object; {fix}.")
+    missing = [name for name in fields if name not in value]
+    if missing:
+        raise ValueError(f"{path} is not a {os.path.basename(path)}: it has no {', '.join(missing)}; {fix}.")
+    return value
+
+
+def check_checkpoint_files(directory: str | Path, weights: bool = True) -> None:
+    """Every file the tools read from a checkpoint `directory` (or a CTranslate2 export, `weights=False`), checked
+    whole before any is loaded: each JSON file of `JSON_FILES` it holds and, with `weights`, its safetensors weights
+    (`check_weights`). Which other files must be there is the caller's to say."""
+    for name, fields in JSON_FILES.items():
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            read_json_object(path, fields=fields)
+    if weights:
+        check_weights(directory)
+
+
 def weight_files(checkpoint: str | Path) -> list[str]:
     """The safetensors files a checkpoint must hold, there or not: the shards its index lists, else the one file."""
     index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(checkpoint, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+        weight_map = read_json_object(index, fields=("weight_map",))["weight_map"]
+        return [os.path.join(checkpoint, name) for name in sorted(set(weight_map.values()))]
     return [os.path.join(checkpoint, SAFE_WEIGHTS_NAME)]
 
 
@@ -147,8 +199,7 @@ def check_weights(checkpoint: str | Path) -> list[str]:
 def damaged_weights(checkpoint: str | Path, error: Exception, path: str | None = None) -> ValueError:
     """The error for a weights file of `checkpoint` that safetensors cannot read."""
     where = f"{os.path.basename(path)}: " if path else ""
-    return ValueError(f"The weights in {checkpoint} are truncated or corrupted ({where}{error}); copy or download "
-                      "the checkpoint again.")
+    return ValueError(f"The weights in {checkpoint} are truncated or corrupted ({where}{error}); {RECOPY}.")
 
 
 def check_same_model(checkpoints: Sequence[str]) -> None:
@@ -169,8 +220,7 @@ def check_same_model(checkpoints: Sequence[str]) -> None:
 
 
 def _compared_config(checkpoint: str) -> dict:
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        config = json.load(f)
+    config = read_json_object(os.path.join(checkpoint, "config.json"), fields=JSON_FILES["config.json"])
     return {name: value for name, value in config.items() if name not in CONFIG_FIELDS_NOT_COMPARED}
 
 
@@ -219,7 +269,7 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
     tensor must be one of the model's; a model tensor that no checkpoint stores must be tied to one that is (as
     save_pretrained leaves the output projection out when tied to the embedding)."""
     for checkpoint in checkpoints:
-        check_weights(checkpoint)
+        check_checkpoint_files(checkpoint)
     check_same_model(checkpoints)
     average = average_state_dicts(checkpoints)
     state = model.state_dict()
@@ -236,4 +286,5 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
 
 
 __all__ = ["average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
-           "is_complete_checkpoint", "check_weights", "missing_weight_files", "check_output_dir", "is_run_checkpoint"]
+           "is_complete_checkpoint", "check_checkpoint_files", "check_weights", "read_json_object", "missing_weight_files",
+           "check_output_dir", "is_run_checkpoint"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
-from .checkpoints import check_weights, checkpoints_in, is_complete_checkpoint
+from .checkpoints import check_checkpoint_files, checkpoints_in, is_complete_checkpoint, read_json_object
 from .configuration_vaswani import VaswaniConfig
 from .files import STAGING_PREFIX, staged_directory
 from .training_arguments import VaswaniTrainingArguments
@@ -97,11 +97,12 @@ def finished_run(output_dir: str, args: VaswaniTrainingArguments | None = None) 
 
 
 def check_resumed_weights(checkpoint: str) -> None:
-    """The weights of the checkpoint to resume from, checked complete (`checkpoints.check_weights`) before anything
-    is read: a damaged checkpoint is named in one line, not in a traceback from inside the Trainer. FSDP's sharded
-    checkpoints keep their weights in directories of their own, which the Trainer reads."""
-    if not any(name.startswith(FSDP_MODEL_NAME) for name in os.listdir(checkpoint)):
-        check_weights(checkpoint)
+    """The files of the checkpoint to resume from (its config, tokenizer, resume record and weights), checked whole
+    (`checkpoints.check_checkpoint_files`) before anything is read: a damaged checkpoint is named in one line, not
+    in a traceback from inside the Trainer. FSDP's sharded checkpoints keep their weights in directories of their
+    own, which the Trainer reads."""
+    fsdp = any(name.startswith(FSDP_MODEL_NAME) for name in os.listdir(checkpoint))
+    check_checkpoint_files(checkpoint, weights=not fsdp)
 
 
 def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
@@ -186,8 +187,7 @@ def remove_old_checkpoints(args: VaswaniTrainingArguments) -> None:
 def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:
     """A resumed run must build the model its checkpoint holds; otherwise loading the weights fails deep inside
     torch (shape mismatch) or, worse, succeeds with a different configuration."""
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+    model_type = read_json_object(os.path.join(checkpoint, "config.json")).get("model_type")
     if model_type != config.model_type:
         raise ValueError(f"{checkpoint} holds a {model_type!r} model, not a Vaswani one; choose another "
                          "--output_dir or pass --overwrite_output_dir.")
