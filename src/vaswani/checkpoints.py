@@ -27,7 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .configuration_vaswani import tokenizer_fingerprint
-from .files import check_not_an_input
+from .files import check_not_an_input, read_json_object
 
 # Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
 # complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
@@ -113,6 +113,7 @@ def last_checkpoints(sources: Sequence[str | Path], last: int | None = None) -> 
 # Every file of a checkpoint is checked whole before any is loaded, so that a damaged one (a copy cut short, an error
 # page saved under its name) is one line naming it, never a traceback from the library that would parse it, nor a
 # model half loaded. The JSON files a checkpoint may hold, each with the fields without which it is another file.
+RECOPY = "copy or download the whole checkpoint directory again"
 JSON_FILES = {
     "config.json": ("model_type",),
     "generation_config.json": (),
@@ -124,29 +125,6 @@ JSON_FILES = {
     SAFE_WEIGHTS_INDEX_NAME: ("weight_map",),
     TRAINER_STATE_NAME: ("global_step",),
 }
-RECOPY = "copy or download the whole checkpoint directory again"
-
-
-def read_json_object(path: str | Path, fix: str = RECOPY, fields: Sequence[str] = ()) -> dict:
-    """The JSON object in `path`, which must hold `fields`; a file that is missing, empty, cut short, not JSON or
-    without them is an error naming it and `fix` (what to do), in one line."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing; {fix}.") from None
-    if not data.strip():
-        raise ValueError(f"{path} is empty; {fix}.")
-    try:
-        value = json.loads(data)
-    except ValueError as error:  # not UTF-8, or not JSON: cut short, or another file under this name
-        raise ValueError(f"{path} is damaged: not valid JSON ({error}); {fix}.") from error
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} is damaged: it holds a JSON {type(value).__name__}, not an object; {fix}.")
-    missing = [name for name in fields if name not in value]
-    if missing:
-        raise ValueError(f"{path} is not a {os.path.basename(path)}: it has no {', '.join(missing)}; {fix}.")
-    return value
 
 
 def check_checkpoint_files(directory: str | Path, weights: bool = True) -> None:
@@ -156,7 +134,7 @@ def check_checkpoint_files(directory: str | Path, weights: bool = True) -> None:
     for name, fields in JSON_FILES.items():
         path = os.path.join(directory, name)
         if os.path.exists(path):
-            read_json_object(path, fields=fields)
+            read_json_object(path, RECOPY, fields)
     if weights:
         check_weights(directory)
 
@@ -165,7 +143,7 @@ def weight_files(checkpoint: str | Path) -> list[str]:
     """The safetensors files a checkpoint must hold, there or not: the shards its index lists, else the one file."""
     index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
-        weight_map = read_json_object(index, fields=("weight_map",))["weight_map"]
+        weight_map = read_json_object(index, RECOPY, JSON_FILES[SAFE_WEIGHTS_INDEX_NAME])["weight_map"]
         return [os.path.join(checkpoint, name) for name in sorted(set(weight_map.values()))]
     return [os.path.join(checkpoint, SAFE_WEIGHTS_NAME)]
 
@@ -220,7 +198,7 @@ def check_same_model(checkpoints: Sequence[str]) -> None:
 
 
 def _compared_config(checkpoint: str) -> dict:
-    config = read_json_object(os.path.join(checkpoint, "config.json"), fields=JSON_FILES["config.json"])
+    config = read_json_object(os.path.join(checkpoint, "config.json"), RECOPY, JSON_FILES["config.json"])
     return {name: value for name, value in config.items() if name not in CONFIG_FIELDS_NOT_COMPARED}
 
 
@@ -286,5 +264,5 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
 
 
 __all__ = ["average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
-           "is_complete_checkpoint", "check_checkpoint_files", "check_weights", "read_json_object", "missing_weight_files",
+           "is_complete_checkpoint", "check_checkpoint_files", "check_weights", "missing_weight_files",
            "check_output_dir", "is_run_checkpoint"]

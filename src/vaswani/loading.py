@@ -27,7 +27,8 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianTokenizer
 
-from .checkpoints import JSON_FILES, check_checkpoint_files, damaged_weights, read_json_object
+from .checkpoints import JSON_FILES, RECOPY, check_checkpoint_files, damaged_weights
+from .files import read_json_object
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
@@ -295,7 +296,7 @@ def check_checkpoint_dir(model_dir: str) -> None:
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{model_dir} has no config.json, so it is not a (complete) checkpoint directory.")
-    model_type = read_json_object(config, fields=JSON_FILES["config.json"])["model_type"]
+    model_type = read_json_object(config, RECOPY, JSON_FILES["config.json"])["model_type"]
     if model_type != "vaswani":
         raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani one; these tools load Vaswani "
                          "checkpoints only.")

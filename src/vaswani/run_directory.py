@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
-from .checkpoints import check_checkpoint_files, checkpoints_in, is_complete_checkpoint, read_json_object
+from .checkpoints import RECOPY, check_checkpoint_files, checkpoints_in, is_complete_checkpoint
 from .configuration_vaswani import VaswaniConfig
-from .files import STAGING_PREFIX, staged_directory
+from .files import STAGING_PREFIX, read_json_object, staged_directory
 from .training_arguments import VaswaniTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def remove_old_checkpoints(args: VaswaniTrainingArguments) -> None:
 def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:
     """A resumed run must build the model its checkpoint holds; otherwise loading the weights fails deep inside
     torch (shape mismatch) or, worse, succeeds with a different configuration."""
-    model_type = read_json_object(os.path.join(checkpoint, "config.json")).get("model_type")
+    model_type = read_json_object(os.path.join(checkpoint, "config.json"), RECOPY).get("model_type")
     if model_type != config.model_type:
         raise ValueError(f"{checkpoint} holds a {model_type!r} model, not a Vaswani one; choose another "
                          "--output_dir or pass --overwrite_output_dir.")
