@@ -129,12 +129,21 @@ JSON_FILES = {
 
 def check_checkpoint_files(directory: str | Path, weights: bool = True) -> None:
     """Every file the tools read from a checkpoint `directory` (or a CTranslate2 export, `weights=False`), checked
-    whole before any is loaded: each JSON file of `JSON_FILES` it holds and, with `weights`, its safetensors weights
-    (`check_weights`). Which other files must be there is the caller's to say."""
+    whole before any is loaded: its config.json; each JSON file of `JSON_FILES` it holds; the vocabulary a Vaswani
+    tokenizer's config points to; with `weights`, its safetensors weights (`check_weights`). Which other files must
+    be there (the decoding settings, for one) is the caller's to say."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(f"{directory} has no config.json, so it is not a (complete) checkpoint directory; give "
+                                f"a checkpoint's directory, or {RECOPY}.")
+    read = {}
     for name, fields in JSON_FILES.items():
         path = os.path.join(directory, name)
         if os.path.exists(path):
-            read_json_object(path, RECOPY, fields)
+            read[name] = read_json_object(path, RECOPY, fields)
+    tokenizer_class = read.get("tokenizer_config.json", {}).get("tokenizer_class")
+    if tokenizer_class == "VaswaniTokenizer" and "tokenizer.json" not in read:
+        raise FileNotFoundError(f"{directory} has no tokenizer.json, the vocabulary of the tokenizer its "
+                                f"tokenizer_config.json names; {RECOPY}.")
     if weights:
         check_weights(directory)
 

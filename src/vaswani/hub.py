@@ -14,6 +14,7 @@ from pathlib import Path
 
 import sacrebleu
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .checkpoints import RECOPY, check_checkpoint_files, missing_weight_files
 from .files import exclusive, read_json_object, write_atomically
@@ -150,6 +151,8 @@ def missing_checkpoint_files(model_dir: str | Path) -> list[str]:
     if not (model_dir / "config.json").is_file():
         return ["config.json"]
     missing = missing_weight_files(model_dir)
+    if missing == [SAFE_WEIGHTS_NAME]:  # neither one file nor an index of shards
+        missing = [f"{SAFE_WEIGHTS_NAME} (or {SAFE_WEIGHTS_INDEX_NAME} and its shards)"]
     if not (model_dir / "tokenizer_config.json").is_file():
         missing.append("tokenizer_config.json")
     missing += [name for name in sorted(_code_files(model_dir)) if not (model_dir / name).is_file()]
@@ -185,7 +188,8 @@ def push_to_hub(
     with exclusive(output_dir):
         missing = missing_checkpoint_files(output_dir)
         if missing:
-            raise FileNotFoundError(f"{output_dir} is not a complete checkpoint; missing: {', '.join(missing)}")
+            raise FileNotFoundError(f"{output_dir} is not a complete checkpoint; missing: {', '.join(missing)}; "
+                                    f"{RECOPY}.")
         check_checkpoint_files(output_dir)
 
         api = HfApi(token=token)

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianTokenizer
 
-from .checkpoints import JSON_FILES, RECOPY, check_checkpoint_files, damaged_weights
+from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_weights
 from .files import read_json_object
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
@@ -293,10 +293,8 @@ def check_checkpoint_dir(model_dir: str) -> None:
         return
     if not os.path.isdir(model_dir):
         raise NotADirectoryError(f"--model {model_dir} is a file; give the checkpoint directory.")
-    config = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config):
-        raise FileNotFoundError(f"{model_dir} has no config.json, so it is not a (complete) checkpoint directory.")
-    model_type = read_json_object(config, RECOPY, JSON_FILES["config.json"])["model_type"]
+    check_checkpoint_files(model_dir, weights=False)  # config.json there, every JSON file whole
+    model_type = read_json_object(os.path.join(model_dir, "config.json"), RECOPY)["model_type"]
     if model_type != "vaswani":
         raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani one; these tools load Vaswani "
                          "checkpoints only.")
@@ -306,4 +304,4 @@ def check_checkpoint_dir(model_dir: str) -> None:
         raise FileNotFoundError(f"{model_dir} has no generation_config.json, which holds the decoding settings the "
                                 "model was trained and evaluated with; copy the whole checkpoint directory again, or "
                                 "write one with `model.generation_config.save_pretrained(...)`.")
-    check_checkpoint_files(model_dir)
+    check_weights(model_dir)
