@@ -83,7 +83,7 @@ class HubStub:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def __enter__(self) -> HubStub:
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         self._deadline = threading.Timer(self.lifetime_s, self._server.shutdown)
         self._deadline.daemon = True
         self._deadline.start()

@@ -139,7 +139,8 @@ def check_checkpoint_files(directory: str | Path, weights: bool = True) -> None:
     for name, fields in JSON_FILES.items():
         path = os.path.join(directory, name)
         if os.path.exists(path):
-            read[name] = read_json_object(path, RECOPY, fields)
+            # A CTranslate2 export's config.json is CTranslate2's own, without transformers' model_type.
+            read[name] = read_json_object(path, RECOPY, fields if weights or name != "config.json" else ())
     tokenizer_class = read.get("tokenizer_config.json", {}).get("tokenizer_class")
     if tokenizer_class == "VaswaniTokenizer" and "tokenizer.json" not in read:
         raise FileNotFoundError(f"{directory} has no tokenizer.json, the vocabulary of the tokenizer its "

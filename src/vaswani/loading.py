@@ -294,7 +294,7 @@ def check_checkpoint_dir(model_dir: str) -> None:
     if not os.path.isdir(model_dir):
         raise NotADirectoryError(f"--model {model_dir} is a file; give the checkpoint directory.")
     check_checkpoint_files(model_dir, weights=False)  # config.json there, every JSON file whole
-    model_type = read_json_object(os.path.join(model_dir, "config.json"), RECOPY)["model_type"]
+    model_type = read_json_object(os.path.join(model_dir, "config.json"), RECOPY, ("model_type",))["model_type"]
     if model_type != "vaswani":
         raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani one; these tools load Vaswani "
                          "checkpoints only.")
