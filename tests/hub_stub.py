@@ -7,7 +7,8 @@ called by `from_pretrained`) without the network. Only what huggingface_hub 2.x 
     POST /api/validate-yaml                         create_commit checks README.md front matter first
     POST /api/models/{repo}/preupload/{rev}         answered "regular" for every file, so the content travels
                                                     inline (base64) in the commit and no LFS/Xet server is needed
-    POST /api/models/{repo}/commit/{rev}            the ndjson commit: header line, then one line per file
+    POST /api/models/{repo}/commit/{rev}            the ndjson commit: header line, then one line per file added
+                                                    (inline) or deleted
     GET  /api/models/{repo}[/revision/{rev}]        repo_info, used to resolve a revision to a commit sha
     GET  /api/models/{repo}/tree/{rev}[/{folder}]   list_repo_tree: transformers' tokenizer loading lists the
                                                     repo root and looks for an additional_chat_templates/ folder
@@ -129,19 +130,24 @@ class HubStub:
             return _repo_not_found()
         lines = [json.loads(line) for line in request["body"].splitlines() if line.strip()]
         header, operations = lines[0], lines[1:]
-        added = {}
+        added, deleted = {}, []
         for operation in operations:
+            if operation["key"] == "deletedFile":
+                deleted.append(operation["value"]["path"])
+                continue
             # Anything but inline files would mean the client skipped "regular" mode and needs LFS/Xet: fail loudly.
             if operation["key"] != "file" or operation["value"].get("encoding") != "base64":
                 return _json(400, {"error": f"stand-in only accepts inline base64 files, got {operation['key']}"})
             added[operation["value"]["path"]] = base64.b64decode(operation["value"]["content"])
         with self._lock:
             state = self.repos[repo]
+            for path in deleted:
+                state["files"].pop(path, None)
             state["files"].update(added)
             digest = hashlib.sha1(repr(sorted((p, _git_blob_sha(c)) for p, c in state["files"].items())).encode())
             state["sha"] = digest.hexdigest()
             self.commits.append({"repo": repo, "revision": unquote(rev), "summary": header["value"]["summary"],
-                                 "paths": sorted(added)})
+                                 "paths": sorted(added), "deleted": sorted(deleted)})
         return _json(200, {"commitUrl": f"{self.endpoint}/{repo}/commit/{state['sha']}",
                            "commitOid": state["sha"], "success": True})
 
@@ -154,8 +160,9 @@ class HubStub:
 
     def _tree(self, request: dict, repo: str, rev: str, folder: str | None) -> tuple:
         state = self.repos.get(repo)
-        if state is None or state["sha"] is None:
+        if state is None:
             return _repo_not_found()
+        # A repository just created lists empty here (the Hub's lists the .gitattributes of its first commit).
         prefix = f"{unquote(folder).strip('/')}/" if folder else ""
         recursive = request["query"].get("recursive", ["false"])[0].lower() == "true"
         entries, folders = [], set()

@@ -17,6 +17,7 @@ from hub_stub import HubStub
 from huggingface_hub import ModelCard
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
+from vaswani.files import exclusive
 from vaswani.hub import (
     REPO_ID_PLACEHOLDER,
     TATOEBA_ATTRIBUTION,
@@ -210,6 +211,7 @@ def test_a_push_whose_connection_drops_leaves_the_last_revision_and_completes_wh
         assert hub.files(REPO_ID) == uploadable(checkpoint) and len(hub.commits) == 1
 
 
+@pytest.mark.slow
 def test_a_push_killed_mid_upload_leaves_the_last_revision_and_completes_when_run_again(
         checkpoint, model_and_tokenizer, push_cli, monkeypatch, tmp_path):
     with HubStub() as hub:
@@ -256,24 +258,40 @@ def test_pushing_the_same_model_again_uploads_nothing(checkpoint, push_cli, monk
         assert len(hub.commits) == 2 and hub.commits[-1]["paths"] == ["metrics.json"]  # only what changed
 
 
-def test_a_directory_another_process_is_writing_is_refused_in_one_line(checkpoint, monkeypatch, tmp_path):
+def test_a_directory_another_process_is_writing_is_refused_in_one_line(checkpoint, tmp_path):
     with HubStub() as hub:
-        # A training run holds its output directory's lock (`files.exclusive`) until its final model is written.
-        holder = subprocess.Popen(
-            [sys.executable, "-c", "import sys, time\nfrom vaswani.files import exclusive\n"
-             f"with exclusive({str(checkpoint)!r}):\n    print('held', flush=True)\n    time.sleep(120)"],
-            env=stand_in_env(hub, tmp_path / "home"), stdout=subprocess.PIPE, text=True)
-        try:
-            assert holder.stdout.readline() == "held\n"
+        # A training run holds its output directory's lock (`files.exclusive`) until its final model is written; this
+        # process holds it here, for the pushing process.
+        with exclusive(checkpoint):
             pushed = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), "--model_dir",
                                      str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN],
                                     env=stand_in_env(hub, tmp_path / "home"), capture_output=True, text=True,
                                     timeout=120)
-        finally:
-            holder.kill()
-            holder.wait()
         assert pushed.returncode == 2, pushed.stderr[-2000:]
         assert pushed.stderr.count("\n") == 1
         assert pushed.stderr.startswith(f"error: {checkpoint} is being written by another process (process "
-                                        f"{holder.pid})"), pushed.stderr
+                                        f"{os.getpid()})"), pushed.stderr
         assert hub.repos == {} and hub.commits == []
+
+
+def test_a_push_removes_the_weights_of_the_model_it_replaces(checkpoint, model_and_tokenizer, push_cli, monkeypatch):
+    """transformers reads model.safetensors before an index of shards: a sharded model pushed over a single-file one
+    must not leave the old file beside it, nor the other way round."""
+    model, _ = model_and_tokenizer
+    size = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    with HubStub() as hub:
+        use_stand_in(monkeypatch, hub)
+        argv = ["--model_dir", str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN]
+        push_cli(argv)
+        assert "model.safetensors" in hub.files(REPO_ID)
+        (checkpoint / "model.safetensors").unlink()
+        model.save_pretrained(checkpoint, max_shard_size=size // 2)
+        push_cli(argv)
+        assert hub.files(REPO_ID) == uploadable(checkpoint)
+        assert hub.commits[-1]["deleted"] == ["model.safetensors"]
+        for path in checkpoint.glob("model*.safetensors*"):
+            path.unlink()
+        model.save_pretrained(checkpoint)
+        push_cli(argv)
+        assert hub.files(REPO_ID) == uploadable(checkpoint)
+        assert "model.safetensors.index.json" in hub.commits[-1]["deleted"]

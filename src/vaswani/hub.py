@@ -41,6 +41,7 @@ REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
 # `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states, `training_args.bin`) stay local.
 UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model", "*.spm"]
 CUSTOM_GENERATE_FILES = ["custom_generate/generate.py"]
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 
 _REPORTED_METRICS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}
 
@@ -177,7 +178,8 @@ def push_to_hub(
 
     A push never leaves the repository half updated: every file goes in one commit (`HfApi.upload_folder`), which the
     Hub applies whole or not at all, so a push cut off (the connection lost, the process killed) leaves the previous
-    revision, and the same push run again completes it. Files the repository already holds unchanged are not sent
+    revision, and the same push run again completes it; the commit also removes weight files the new model does not
+    have. Files the repository already holds unchanged are not sent
     again (huggingface_hub compares their hashes), so pushing the same model twice makes no commit. A directory that
     another process is writing (a training run holds its lock, `files.exclusive`) is refused in one line, since its
     files may belong to different models; a training run pushes its own final model under the lock it holds.
@@ -206,6 +208,9 @@ def push_to_hub(
             folder_path=output_dir,
             commit_message=commit_message,
             allow_patterns=_upload_files(output_dir),
+            # Weights of the model this one replaces, in the same commit: transformers reads model.safetensors
+            # before an index of shards, so an old single file beside new shards would load the old model.
+            delete_patterns=WEIGHT_PATTERNS,
         )
     return commit.commit_url
 
