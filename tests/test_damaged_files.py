@@ -172,3 +172,21 @@ def test_a_damaged_corpus_cache_entry_is_one_line_naming_it(good_checkpoint, tmp
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: {entry / name} is ") and f"delete {entry}" in lines[0], lines[0]
+
+
+# A finished run's records -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "another file"])
+@pytest.mark.parametrize("name", ["training_args.json", "metrics.json"])
+def test_a_damaged_record_of_a_finished_run_is_one_line_naming_it(good_checkpoint, tmp_path, capsys, name, how):
+    run = tmp_path / "run"
+    shutil.copytree(good_checkpoint, run)
+    (run / "training_args.json").write_text(json.dumps({"max_steps": 30, "num_train_epochs": 3.0}))
+    (run / "metrics.json").write_text(json.dumps({"test_bleu": 1.0}))
+    damage(run / name, how)
+    with pytest.raises(SystemExit) as exit_info:
+        script_main("train_translation")(train_args(tmp_path / "no-corpus.tsv", run, "--resume"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {run / name} is "), lines[0]

@@ -83,17 +83,16 @@ def finished_run(output_dir: str, args: VaswaniTrainingArguments | None = None) 
     if any(os.path.getmtime(os.path.join(path, TRAINER_STATE_NAME)) > saved
            for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)):
         return None
+    fix = "restore it from a copy of the run, or delete it"
     recorded = os.path.join(output_dir, "training_args.json")
     if args is not None and os.path.isfile(recorded):
-        with open(recorded, encoding="utf-8") as f:
-            trained = json.load(f)
+        trained = read_json_object(recorded, fix)
         if any(trained.get(name) != getattr(args, name) for name in TRAINING_LENGTH):
             return None
     metrics = os.path.join(output_dir, "metrics.json")
     if not os.path.isfile(metrics):
         return {}
-    with open(metrics, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(metrics, fix)
 
 
 def check_resumed_weights(checkpoint: str) -> None:
