@@ -190,3 +190,21 @@ def test_a_damaged_record_of_a_finished_run_is_one_line_naming_it(good_checkpoin
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: {run / name} is "), lines[0]
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "another file"])
+def test_a_damaged_resume_record_of_a_translation_is_one_line_naming_it(good_checkpoint, tmp_path, capsys, how):
+    (tmp_path / "in.txt").write_text("a cat\nthe dog\n")
+    argv = ["--model", str(good_checkpoint), "--device", "cpu", "--input_file", str(tmp_path / "in.txt"),
+            "--output_file", str(tmp_path / "out.txt")]
+    script_main("translate")(argv)
+    capsys.readouterr()
+    record = tmp_path / "out.txt.resume.json"
+    damage(record, how)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        script_main("translate")([*argv, "--resume"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {record} is ") and "start again without --resume" in lines[0], lines[0]
+    assert snapshot(tmp_path) == before
