@@ -15,7 +15,7 @@ import pytest
 from hub_stub import HubStub
 from training_script import train_args
 
-from conftest import SCRIPTS, script_main, subprocess_env, snapshot
+from conftest import SCRIPTS, script_main, snapshot, subprocess_env
 from vaswani.data import load_translation_dataset
 
 # What a failed download leaves under a file's name: the server's error page.

@@ -295,3 +295,11 @@ def test_a_push_removes_the_weights_of_the_model_it_replaces(checkpoint, model_a
         push_cli(argv)
         assert hub.files(REPO_ID) == uploadable(checkpoint)
         assert "model.safetensors.index.json" in hub.commits[-1]["deleted"]
+
+
+def test_a_training_run_pushes_its_own_model_under_the_lock_it_holds(checkpoint, monkeypatch):
+    with HubStub() as hub:
+        use_stand_in(monkeypatch, hub)
+        with exclusive(checkpoint):  # as run_training holds its output directory's for the whole run
+            push_to_hub(checkpoint, REPO_ID, token=TOKEN)
+        assert hub.files(REPO_ID) == uploadable(checkpoint)

@@ -14,7 +14,6 @@ the last N its final model with `--average_last_checkpoints N` (see `vaswani.tra
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path

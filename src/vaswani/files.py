@@ -1,6 +1,6 @@
-"""Files: UTF-8 lines and JSON objects read with the file named on error, the checks that an output can be written without
-destroying an input, one writer at a time per output (an OS lock), a full disk said in one line, and the one way the
-package writes a file or directory atomically."""
+"""Files: UTF-8 lines and JSON objects read with the file named on error, the checks that an output can be written
+without destroying an input, one writer at a time per output (an OS lock), a full disk said in one line, and the one
+way the package writes a file or directory atomically."""
 
 import ctypes
 import errno

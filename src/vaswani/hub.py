@@ -179,10 +179,10 @@ def push_to_hub(
     A push never leaves the repository half updated: every file goes in one commit (`HfApi.upload_folder`), which the
     Hub applies whole or not at all, so a push cut off (the connection lost, the process killed) leaves the previous
     revision, and the same push run again completes it; the commit also removes weight files the new model does not
-    have. Files the repository already holds unchanged are not sent
-    again (huggingface_hub compares their hashes), so pushing the same model twice makes no commit. A directory that
-    another process is writing (a training run holds its lock, `files.exclusive`) is refused in one line, since its
-    files may belong to different models; a training run pushes its own final model under the lock it holds.
+    have. Files the repository already holds unchanged are not sent again (huggingface_hub compares their hashes),
+    so pushing the same model twice makes no commit. A directory that another process is writing (a training run
+    holds its lock, `files.exclusive`) is refused in one line, since its files may belong to different models; a
+    training run pushes its own final model under the lock it holds.
     """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():

@@ -28,9 +28,9 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianTokenizer
 
 from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_weights
-from .files import read_json_object
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
+from .files import read_json_object
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
