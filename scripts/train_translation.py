@@ -18,7 +18,8 @@ from transformers import HfArgumentParser
 
 from vaswani.cli import user_errors_exit
 from vaswani.inference import keep_freed_cpu_memory
-from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, end_distributed, run_training
+from vaswani.peers import ending_process_group
+from vaswani.training import DataArguments, ModelArguments, VaswaniTrainingArguments, run_training
 
 from shared_corpus import SHARED_CORPUS  # beside this script
 
@@ -35,12 +36,9 @@ def main(argv=None):
     if training_args.device.type == "cpu":  # process-wide, hence here: no page faults on the large tensors of a step
         keep_freed_cpu_memory(largest_block_mib=None)
     # The Trainer prints its progress logs on stdout; keep stdout for the final metrics, which scripts parse.
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            # The model card records the command line as this script received it.
-            metrics = run_training(model_args, data_args, training_args, command=[Path(__file__).name, *argv])
-    finally:
-        end_distributed()
+    with ending_process_group(), contextlib.redirect_stdout(sys.stderr):
+        # The model card records the command line as this script received it.
+        metrics = run_training(model_args, data_args, training_args, command=[Path(__file__).name, *argv])
     if training_args.process_index == 0:
         print(json.dumps(metrics, indent=2))
 

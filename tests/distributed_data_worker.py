@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import DataCollatorForSeq2Seq, HfArgumentParser
 
 from vaswani import training
+from vaswani.peers import end_process_group
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     record = {"messages": messages, "epochs": epochs, "train_examples": len(train_features),
               "max_tokens": args.max_tokens_per_batch}
     (output / f"rank-{rank}.json").write_text(json.dumps(record))
-    training.end_distributed()
+    end_process_group(completed=True)
 
 
 if __name__ == "__main__":

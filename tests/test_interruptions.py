@@ -345,6 +345,41 @@ def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the
     assert output.read_bytes() == expected
 
 
+@pytest.mark.slow
+def test_a_translation_process_killed_under_torchrun_ends_the_other_in_one_line_and_resumes_to_the_same_bytes(
+        checkpoint, expected, tmp_path):
+    """SIGKILL to process 1 of 2 mid-file: process 0, which waits for its chunks, ends within seconds with one line
+    of ours naming the process that died and what the output holds (torchrun then reports the launch's failure);
+    the output is its recorded lines, the lock is released, and `--resume` finishes it to the bytes of one run."""
+    from conftest import free_port
+    from test_training_interruptions import ours, rank_process
+
+    output = tmp_path / "out.fr"
+    wrapper = tmp_path / "slow.py"
+    wrapper.write_text(SLOW)
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
+    process = start([*launch, str(wrapper), "0.5", *argv])
+    wait_for_chunks(process, output, 2)
+    victim = rank_process(process, 1)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = process.communicate(timeout=120)
+    assert time.monotonic() - killed < 60 and process.returncode != 0
+    state = recorded(output)
+    assert output.stat().st_size == state["bytes"] and not state.get("complete")
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: process 1 of 2 (pid {victim}) of this translation ended (killed or crashed), so "
+                    f"process 0 stops too; {output} holds its first {state['lines']} lines, recorded in "
+                    f"{output}.resume.json. Run the same command with --resume to finish it."], err[-3000:]
+    assert "Traceback" not in ours(err), err[-3000:]
+    launch[-1] = str(free_port())
+    resumed = start([*launch, *argv])
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-3000:]
+    assert output.read_bytes() == expected
+
+
 # Counts checked when the arguments are parsed ------------------------------------------------------------------------
 
 

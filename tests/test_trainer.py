@@ -4,6 +4,7 @@ a training step that reads nothing back from the device, and the step compiled b
 import collections
 import functools
 import json
+import os
 import traceback
 from pathlib import Path
 
@@ -223,6 +224,77 @@ def test_a_steady_training_step_reads_nothing_back_from_the_device(tmp_path, mon
     assert arguments(output_dir=str(tmp_path / "a"), report_to="none").accelerator_config.non_blocking
     assert not arguments(output_dir=str(tmp_path / "b"), report_to="none",
                          dataloader_pin_memory=False).accelerator_config.non_blocking
+
+
+# The training script under torchrun, counting each process' steady-step reads (`SteadyStepReads`) with a clock of
+# its own: each step advances process r's clock by 1 + r seconds, so alone process 1 would spend a 20 s budget at
+# step 10 and process 0 at step 20. Each writes its counts and last step to RESULTS/rank-R.json.
+STEADY_STEPS_WORKER = """
+import json, os, runpy, sys
+from pathlib import Path
+import vaswani.training, vaswani.training_callbacks
+from transformers import TrainerCallback
+from test_trainer import SteadyStepReads
+
+rank, results, seconds = int(os.environ["RANK"]), Path(sys.argv[1]), [0.0]
+vaswani.training_callbacks.TrainingClock.now = staticmethod(lambda: seconds[0])
+counter = SteadyStepReads(first=4, last=9)
+
+class Report(TrainerCallback):
+    def on_train_end(self, args, state, control, **kwargs):
+        (results / f"rank-{rank}.json").write_text(json.dumps({
+            "reads": counter.mode.reads, "lifted": counter.mode.lifted, "python": counter.python.reads,
+            "step": state.global_step}))
+
+class CountingTrainer(vaswani.training.VaswaniSeq2SeqTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_callback(counter)
+        self.add_callback(Report())
+
+    def training_step(self, *args, **kwargs):
+        seconds[0] += 1 + rank
+        return super().training_step(*args, **kwargs)
+
+vaswani.training.VaswaniSeq2SeqTrainer = CountingTrainer
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_steady_step_of_two_processes_reads_nothing_and_the_budget_stops_both_at_one_step(tmp_path):
+    """Under torchrun (two CPU processes, DDP over gloo), with a time budget, interval checkpoints and a weight
+    average, a steady step reads nothing back in either process: the processes agree on the clock without a
+    blocking all-reduce. Their clocks differ (process 1's runs twice as fast), yet the budget stops both after the
+    same step: the first at whose end the slowest clock had passed the budget by the step before (step 11)."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, subprocess_env
+    from training_script import SCRIPTS
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(STEADY_STEPS_WORKER)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    output_dir = tmp_path / "out"
+    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                                os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(worker), str(tmp_path), str(SCRIPTS / "train_translation.py"),
+               *train_args(corpus, output_dir, "--max_steps", "40", "--max_test_samples", "2",
+                           "--generation_num_beams", "1", "--ddp_backend", "gloo", "--max_tokens_per_batch", "200",
+                           "--max_train_time", "20", "--save_interval_seconds", "600", "--ema_decay", "0.99",
+                           "--logging_steps", "100")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert counts == {"reads": {}, "lifted": {}, "python": {}, "step": 11}, (rank, counts)
+    # The budget's last checkpoint holds both processes' random state.
+    assert {p.name for p in (output_dir / "checkpoint-11").glob("rng_state*")} == {"rng_state_0.pth",
+                                                                                  "rng_state_1.pth"}
 
 
 def slow_step_warnings(caplog) -> list[str]:

@@ -73,18 +73,18 @@ def timed_run(clock, budget, interval, now: list, seconds_per_step: float, steps
 
 
 def test_the_time_callbacks_share_one_clock_reading_per_step(monkeypatch):
-    """The time budget and the interval checkpoints decide on the same all-reduced clock (one all-reduce per step
-    under DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
+    """The time budget and the interval checkpoints decide on the same agreed clock (one exchange per step under
+    DDP, whichever callbacks read it), and an interval counts from the step of the last checkpoint."""
     import vaswani.training_callbacks as callbacks
 
     now, reductions = [100.0], []
     monkeypatch.setattr(callbacks.TrainingClock, "now", staticmethod(lambda: now[0]))
 
-    def slowest_rank(seconds, args):
+    def exchange(self, seconds, first):
         reductions.append(seconds)
         return seconds
 
-    monkeypatch.setattr(callbacks, "slowest_rank", slowest_rank)
+    monkeypatch.setattr(callbacks.StepLateMaximum, "exchange", exchange)
     clock = callbacks.TrainingClock()
     budget, interval = callbacks.TimeBudgetCallback(10, clock), callbacks.IntervalCheckpointCallback(3, clock)
     _, saved, stopped = timed_run(clock, budget, interval, now, 2.0, range(1, 8))

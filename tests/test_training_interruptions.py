@@ -122,31 +122,141 @@ def test_a_second_run_is_refused_and_a_signalled_run_checkpoints_and_resumes_to_
     assert_same_weights(output_dir, uninterrupted)
 
 
+# Two CPU processes, started by torchrun or by `accelerate launch` (its torchrun launcher, `--multi_gpu`, which on a
+# machine without GPUs starts CPU processes), each with a free rendezvous port.
+LAUNCHERS = {
+    "torchrun": lambda: ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())],
+    "accelerate": lambda: ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", str(free_port())],
+}
+
+
+def two_process_argv(corpus, output_dir, tmp_path, *extra) -> list[str]:
+    """A 2-process run of 12 steps, a checkpoint every 4, every step's loss logged."""
+    return [str(SCRIPTS / "train_translation.py"),
+            *train_args(corpus, output_dir, "--max_steps", "12", "--ddp_backend", "gloo", "--save_strategy", "steps",
+                        "--save_steps", "4", "--logging_steps", "1", "--max_test_samples", "4",
+                        "--data_cache_dir", str(tmp_path / "cache"), *extra)]
+
+
+def run_to_the_end(argv, tmp_path, launcher="torchrun") -> subprocess.CompletedProcess:
+    process = start(argv, tmp_path, launcher=LAUNCHERS[launcher]())
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert "terminate called" not in err and "Traceback" not in err, err[-3000:]
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def step_losses(output_dir: Path) -> dict[int, float]:
+    """Every logged training loss of the run, by step, from its last checkpoint (a resumed run's carries the earlier
+    part's)."""
+    last = output_dir / f"checkpoint-{checkpoint_steps(output_dir)[-1]}"
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def ours(err: str) -> str:
+    """The processes' own stderr: what comes before torchrun's report of a failed launch (its own traceback)."""
+    return err.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the launched process of `rank` (torchrun's child with RANK=rank in its environment)."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in map(int, children):
+        if f"RANK={rank}" in Path(f"/proc/{pid}/environ").read_text().split("\0"):
+            return pid
+    raise AssertionError(f"no process of rank {rank} among {children}")
+
+
+def assert_every_process_random_state(output_dir: Path) -> None:
+    for checkpoint in output_dir.glob("checkpoint-*"):
+        assert {p.name for p in checkpoint.glob("rng_state*")} == {"rng_state_0.pth", "rng_state_1.pth"}, checkpoint
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_processes(tmp_path_factory):
+    """The 2-process run never interrupted, once for every test that compares with it (on the same corpus as theirs:
+    `synthetic_corpus` is the same text wherever it is written)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    output_dir = tmp_path / "uninterrupted"
+    run_to_the_end(two_process_argv(corpus, output_dir, tmp_path), tmp_path)
+    assert checkpoint_steps(output_dir) == [4, 8, 12]
+    assert_every_process_random_state(output_dir)
+    return output_dir
+
+
 @pytest.mark.slow
-def test_sigterm_to_torchrun_checkpoints_both_processes_at_one_step_and_resumes(corpus, tmp_path):
-    """Two CPU processes over gloo; torchrun passes SIGTERM on to each, which receive it at their own moments."""
+def test_two_processes_stopped_by_sigterm_resume_to_the_uninterrupted_losses_and_weights(
+        corpus, tmp_path, uninterrupted_two_processes):
+    """Two CPU processes over gloo; torchrun passes SIGTERM on to each, which receive it at their own moments: both
+    stop after the same step with one checkpoint holding both random states, and `--resume` gives every step's loss
+    and the final weights of the run never stopped."""
     output_dir = tmp_path / "ddp"
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    argv = [str(SCRIPTS / "train_translation.py"),
-            *train_args(corpus, output_dir, "--max_steps", "20", "--ddp_backend", "gloo", "--data_cache_dir",
-                        str(tmp_path / "cache"))]
-    process = start(argv, tmp_path, slow=1.0, launcher=launch)
+    argv = two_process_argv(corpus, output_dir, tmp_path)
+    process = start(argv, tmp_path, slow=0.5, launcher=LAUNCHERS["torchrun"]())
     wait_for_training(process, tmp_path)
-    time.sleep(2)
+    while not (output_dir / "checkpoint-4").exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=300)
     assert process.returncode != 0
-    [step] = checkpoint_steps(output_dir)
-    checkpoint = output_dir / f"checkpoint-{step}"
+    step = checkpoint_steps(output_dir)[-1]
     # Both processes stopped after the same step, whichever got the signal first, and wrote one checkpoint.
     assert err.count("Training stopped by SIGTERM after step") == 2, err[-3000:]
     assert err.count(f"Training stopped by SIGTERM after step {step};") == 2, err[-3000:]
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == step < 20
-    launch[-1] = str(free_port())
-    resumed = start([*argv, "--resume"], tmp_path, launcher=launch)
-    _, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-3000:]
-    assert json.loads((output_dir / "metrics.json").read_text())["train_steps"] == 20
+    assert 4 < step < 12 and "Traceback" not in ours(err) and "terminate called" not in err, err[-3000:]
+    assert_every_process_random_state(output_dir)
+    run_to_the_end([*argv, "--resume"], tmp_path)
+    assert step_losses(output_dir) == pytest.approx(step_losses(uninterrupted_two_processes), abs=1e-5)
+    assert len(step_losses(output_dir)) == 12
+    assert_same_weights(output_dir, uninterrupted_two_processes)
+
+
+@pytest.mark.slow
+def test_two_process_runs_end_cleanly_every_time(corpus, tmp_path):
+    """Three short runs: every one ends with status 0 in both processes (no abort as the process group ends), its
+    final model saved, every checkpoint holding both processes' random state."""
+    for run in range(3):
+        output_dir = tmp_path / f"run-{run}"
+        run_to_the_end(two_process_argv(corpus, output_dir, tmp_path, "--max_steps", "8"), tmp_path)
+        assert checkpoint_steps(output_dir) == [4, 8] and (output_dir / "model.safetensors").is_file()
+        assert_every_process_random_state(output_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_process_killed_mid_run_ends_the_other_in_one_line_and_resume_gives_the_uninterrupted_run(
+        corpus, tmp_path, uninterrupted_two_processes, launcher):
+    """SIGKILL (the out-of-memory killer, a lost node) to process 1 of 2 after the first checkpoint: process 0 ends
+    within seconds with one line of ours naming the process that died and the last complete checkpoint
+    (torchrun then reports the launch's failure); no staging directory or lock is left; `--resume` gives every
+    step's loss and the final weights of the run never stopped."""
+    output_dir = tmp_path / "ddp"
+    argv = two_process_argv(corpus, output_dir, tmp_path)
+    process = start(argv, tmp_path, slow=0.5, launcher=LAUNCHERS[launcher]())
+    while not (output_dir / "checkpoint-4").exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    victim = rank_process(process, 1)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = process.communicate(timeout=120)
+    assert time.monotonic() - killed < 60 and process.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    last = output_dir / f"checkpoint-{checkpoint_steps(output_dir)[-1]}"
+    assert errors == [f"error: process 1 of 2 (pid {victim}) of this run ended (killed or crashed), so process 0 stops "
+                    f"too; the last complete checkpoint is {last}; resume it with: python train_translation.py "
+                    f"{' '.join(argv[1:])} --resume."], err[-3000:]
+    assert "Traceback" not in ours(err) and "terminate called" not in err, err[-3000:]
+    assert not any(p.name.startswith(".tmp-") for p in output_dir.iterdir())
+    assert_every_process_random_state(output_dir)
+    run_to_the_end([*argv, "--resume"], tmp_path, launcher)
+    assert step_losses(output_dir) == pytest.approx(step_losses(uninterrupted_two_processes), abs=1e-5)
+    assert_same_weights(output_dir, uninterrupted_two_processes)
 
 
 def test_a_real_full_disk_while_a_checkpoint_is_written_then_resume_after_freeing_space(corpus, tmp_path,

@@ -9,6 +9,7 @@ import sys
 
 from .files import DiskFullError
 from .loading import DECODING_LOOPS, DTYPES, load_engine
+from .peers import PeerLost
 from .preemption import Preempted
 
 # Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
@@ -21,7 +22,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
 def user_errors_exit(main):
     """Run `main`; a user error prints `error: <message>` on stderr and exits with status 2, not a traceback. A run
     stopped by SIGTERM or SIGINT (`Preempted`) prints how to resume it and exits as the signal would have it
-    (143, 130)."""
+    (143, 130); one whose launch lost another process (`PeerLost`) prints which and what is kept, status 1."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -30,6 +31,9 @@ def user_errors_exit(main):
         except Preempted as stopped:
             print(stopped, file=sys.stderr)
             sys.exit(stopped.exit_status)
+        except PeerLost as lost:
+            print(f"error: {lost}", file=sys.stderr)
+            sys.exit(lost.exit_status)
         except USER_ERRORS as error:
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
             print(f"error: {message}", file=sys.stderr)

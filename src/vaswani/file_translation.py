@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 from . import files
 from .files import decode_lines, read_json_object, sync_file, write_atomically
 from .loading import choose_device
+from .peers import PeerLost, Peers
 from .preemption import Preempted, catching_stop_signals, signal_name
 from .translation import translate, warn_truncated
 
@@ -197,6 +198,7 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
     full_disk = files.reporting_full_disk(output_path, stop.kept) if output_path else nullcontext()
     with lock, full_disk, catching_stop_signals(stop.request):
         group = _start_process_group(processes)
+        stop.peers = Peers.gather()
         try:
             if processes.rank == 0:
                 state = _prepare_output(output_path, state_path, parts_dir, settings, resume)
@@ -210,6 +212,10 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
             return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir,
                                      state, settings, processes, max_tokens, max_sentences, progress, seed,
                                      chunk_lines, stop)
+        except RuntimeError as error:  # what a collective raises when it lost a process
+            if stop.peers and (ended := stop.peers.lost(error)):
+                raise stop.lost(ended) from None
+            raise
         finally:
             if group:
                 torch.distributed.destroy_process_group()
@@ -224,6 +230,7 @@ class _StopRequest:
         self.signum = 0
         self.interruptible = False
         self.lines = 0  # written to stdout so far
+        self.peers: Peers | None = None  # the launch's processes, where there are several
 
     def request(self, signum: int) -> None:
         self.signum = self.signum or signum
@@ -232,8 +239,12 @@ class _StopRequest:
             raise self.error()
 
     def check(self) -> None:
+        """Raise where a signal came, or where another process of the launch has ended: process 0 would otherwise
+        wait for its chunks until torchrun stops it."""
         if self.signum:
             raise self.error()
+        if self.peers and (ended := self.peers.ended()):
+            raise self.lost(ended)
 
     def recorded_lines(self) -> int:
         if self.state_path and os.path.exists(self.state_path):
@@ -245,7 +256,18 @@ class _StopRequest:
         return (f"its first {self.recorded_lines()} lines are complete and recorded in {self.state_path}; free some "
                 "space, then run the same command with --resume")
 
-    def error(self) -> Preempted:
+    def lost(self, ended: str) -> PeerLost:
+        stopped = f"{ended} of this translation ended (killed or crashed), so process {self.processes.rank} stops too"
+        if self.processes.rank != 0:
+            return PeerLost(f"{stopped}; run the same command with --resume to finish {self.output_path}.")
+        return PeerLost(f"{stopped}; {self.output_path} holds its first {self.recorded_lines()} lines, recorded in "
+                        f"{self.state_path}. Run the same command with --resume to finish it.")
+
+    def error(self) -> Preempted | PeerLost:
+        """A stop signal's error; where another process has ended (torchrun stops the rest of a launch that lost
+        one), the error that names it."""
+        if self.peers and (ended := self.peers.ended()):
+            return self.lost(ended)
         stopped = f"Translation stopped by {signal_name(self.signum)}"
         if self.processes.rank != 0:
             return Preempted(self.signum, f"{stopped} in process {self.processes.rank}.")

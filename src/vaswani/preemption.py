@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
@@ -59,31 +60,68 @@ def catching_stop_signals(handler: Callable[[int], None]):
             signal.signal(signum, old)
 
 
+class StepLateMaximum:
+    """The largest of a value every process posts at every step's end, read at the next step's end, without a wait:
+    what several processes must agree on to act after the same step (stop, save) when each sees the value at its
+    own moment (a signal's arrival, its clock). Each posts its value to an all-reduce on a CPU (gloo) group of its
+    own, without waiting, and reads the result of the one before, long complete by then: every process reads the same
+    value after the same step, with no read from the device and no wait on the others beyond the step's own. A lone
+    process reads its own value at once."""
+
+    def __init__(self):
+        self._group = self._value = self._shared = self._posted = None
+
+    def start(self) -> None:
+        """Called by every process at the start of training (making the group is a collective)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+            # What the all-reduce reads and writes: a host array, read and refilled by NumPy (no tensor is read or
+            # made at a step), seen by the all-reduce through one tensor over its memory.
+            self._value = np.zeros(1, dtype=np.float64)
+            self._shared = torch.from_numpy(self._value)
+
+    def exchange(self, value: float, first: float) -> float:
+        """Post `value`; the largest value posted at the previous exchange (`first` at the first), or `value`
+        itself in a lone process."""
+        if self._group is None:
+            return value
+        agreed = first
+        if self._posted is not None:
+            self._posted.wait()
+            agreed = float(self._value[0])
+        self._value[0] = value
+        self._posted = dist.all_reduce(self._shared, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return agreed
+
+    def finish(self) -> None:
+        """Wait for the last exchange (every process posted it after the last step, so this completes at once):
+        no collective is left in flight when training ends."""
+        if self._posted is not None:
+            self._posted.wait()
+            self._posted = None
+
+
 class PreemptionCallback(TrainerCallback):
     """On SIGTERM or SIGINT (`request`, the handler, only records it), the Trainer writes a checkpoint at the next
     step's end and stops; `stopped_by` then holds the signal.
 
     Under several processes the signal reaches each at its own moment, yet all must stop after the same step (the
-    checkpoint is a collective). Each therefore posts its flag to an all-reduce at every step's end, on a CPU (gloo)
-    group of its own, without waiting, and reads at the next step's end the result of the one before, long complete
-    by then: every process reads the same value after the same step, with no read from the device and no wait on
-    the other processes beyond the step's own. A lone process reads its flag, a Python attribute."""
+    checkpoint is a collective): they agree on the largest signal recorded by the step before (`StepLateMaximum`)."""
 
     def __init__(self):
         self.signum = 0
         self.stopped_by = 0
-        self._group = self._flag = self._posted = None
+        self._agreement = StepLateMaximum()
 
     def request(self, signum: int) -> None:
         self.signum = self.signum or signum
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.stopped_by = 0
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+        self._agreement.start()
 
     def on_step_end(self, args, state, control, **kwargs):
-        signum = self._agreed() if self._group is not None else self.signum
+        signum = int(self._agreement.exchange(self.signum, first=0))
         if signum:
             self.stopped_by = signum
             control.should_save = True
@@ -91,19 +129,7 @@ class PreemptionCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._posted is not None:  # every process posted after the last step, so this completes at once
-            self._posted.wait()
-            self._posted = None
-
-    def _agreed(self) -> int:
-        """The largest signal any process had recorded by the previous step's end (0: none), and post this one's."""
-        agreed = 0
-        if self._posted is not None:
-            self._posted.wait()
-            agreed = int(self._flag.item())  # a CPU tensor: no device read
-        self._flag = torch.tensor([self.signum], dtype=torch.int64)
-        self._posted = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return agreed
+        self._agreement.finish()
 
     def stopped(self, output_dir: str, step: int, command: Sequence[str]) -> Preempted:
         """The error that ends a run this callback stopped: where its checkpoint is and how to resume."""

@@ -15,6 +15,7 @@ from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_A
 from .checkpoints import RECOPY, check_checkpoint_files, checkpoints_in, is_complete_checkpoint
 from .configuration_vaswani import VaswaniConfig
 from .files import STAGING_PREFIX, read_json_object, staged_directory
+from .preemption import resume_command
 from .training_arguments import VaswaniTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -162,13 +163,27 @@ def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
     return None
 
 
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    complete = [path for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)]
+    return complete[-1] if complete else None
+
+
 def kept_after_a_full_disk(output_dir: str) -> str:
     """What a run that ran out of space while writing into `output_dir` keeps, and how to go on."""
-    complete = [path for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)]
-    if not complete:
+    last = last_complete_checkpoint(output_dir)
+    if last is None:
         return "it holds no complete checkpoint yet; free some space, then run the same command again"
-    return (f"its complete checkpoints are kept (the last: {complete[-1]}); free some space, then run the same "
+    return (f"its complete checkpoints are kept (the last: {last}); free some space, then run the same "
             "command with --resume")
+
+
+def kept_after_a_lost_process(output_dir: str, command: Sequence[str]) -> str:
+    """What a run that lost one of its processes keeps, and how to go on (`command`: the script and its arguments)."""
+    last = last_complete_checkpoint(output_dir)
+    how = resume_command(command) if command else "the same command with --resume"
+    if last is None:
+        return f"it wrote no complete checkpoint; run it again ({how} starts from the beginning)"
+    return f"the last complete checkpoint is {last}; resume it with: {how}"
 
 
 def remove_old_checkpoints(args: VaswaniTrainingArguments) -> None:

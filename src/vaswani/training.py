@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from datasets import Dataset, DatasetDict
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -34,6 +33,7 @@ from . import files
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
 from .modeling_vaswani import VaswaniForConditionalGeneration
+from .peers import PeerLost, Peers
 from .preemption import PreemptionCallback, catching_stop_signals
 from .run_directory import (
     check_checkpoint_matches,
@@ -41,6 +41,7 @@ from .run_directory import (
     finished_run,
     holds_final_model,
     kept_after_a_full_disk,
+    kept_after_a_lost_process,
     prepare_output_dir,
     remove_old_checkpoints,
     replace_pickled_arguments,
@@ -70,7 +71,7 @@ __all__ = [
     "MAX_SHAPE_BUCKETS", "DataArguments", "IntervalCheckpointCallback", "ModelArguments", "PreparedData",
     "ShapePaddedCollator", "TimeBudgetCallback", "TrainingClock", "VaswaniSeq2SeqTrainer", "VaswaniTrainingArguments",
     "WeightAverageCallback", "apply_paper_recipe", "build_model_and_tokenizer", "check_checkpoint_matches",
-    "check_resumed_weights", "end_distributed", "finished_run", "holds_final_model", "load_splits",
+    "check_resumed_weights", "finished_run", "holds_final_model", "load_splits",
     "parse_overrides", "prepare_data", "prepare_output_dir", "replace_pickled_arguments", "run_training",
     "save_final", "tokenize_splits",
 ]
@@ -197,14 +198,21 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 
     The main process holds `output_dir`'s lock (`files.exclusive`) for the whole run: a second run on it is refused
     in one line. On SIGTERM or SIGINT the run writes a checkpoint at the next step boundary and raises
-    `vaswani.preemption.Preempted`, which names the command that resumes it."""
+    `vaswani.preemption.Preempted`, which names the command that resumes it. Where another process of the launch
+    dies, the others raise `vaswani.peers.PeerLost`, which names it, the last complete checkpoint and the command
+    that resumes from it."""
     created = not os.path.exists(args.output_dir)
+    peers = Peers.gather()
     try:
         with files.exclusive(args.output_dir) if args.process_index == 0 else nullcontext():
             return _run_training(model_args, data_args, args, command)
-    except BaseException:
+    except BaseException as error:
         if created and args.should_save and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
             os.rmdir(args.output_dir)  # the Trainer creates it on start
+        lost = peers.lost(error) if peers and isinstance(error, Exception) else None
+        if lost:
+            raise PeerLost(f"{lost} of this run ended (killed or crashed), so process {args.process_index} stops "
+                           f"too; {kept_after_a_lost_process(args.output_dir, command)}.") from None
         raise
 
 
@@ -323,10 +331,3 @@ def final_model(trainer: VaswaniSeq2SeqTrainer):
                            args.average_last_checkpoints, len(averaged))
         load_average(model, averaged)
     return model, averaged
-
-
-def end_distributed() -> None:
-    """Destroy the process group, if one was started, before the process exits. Left for the interpreter's exit,
-    gloo's threads can abort a process whose work is done ("terminate called without an active exception")."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import torch
 from transformers import Seq2SeqTrainingArguments
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -210,6 +211,16 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
     )
 
     def __post_init__(self):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
+            # Several processes (torchrun) on a machine without an accelerator: accelerate makes them a DDP run over
+            # gloo only when told `cpu`. Without it, it starts the process group yet leaves every process on its
+            # own: no gradient all-reduce (each trains a model of its own), no barrier in `wait_for_everyone` (a
+            # checkpoint is published before the other processes wrote their random state into it).
+            self.use_cpu = True
+        if self.ddp_find_unused_parameters is None:
+            # Every parameter takes part in every step. Left unset, the Trainer would ask DDP to search the autograd
+            # graph for unused ones at every step, and read values back to the host to do it.
+            self.ddp_find_unused_parameters = False
         super().__post_init__()
         if self.dataloader_pin_memory:
             # Training batches come from pinned memory on CUDA: copying them to the device need not make the host

@@ -13,10 +13,10 @@ import time
 from collections import deque
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
+from .preemption import StepLateMaximum
 from .training_arguments import TIME_SCHEDULES
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,10 @@ class TrainingClock:
     runtimes and rates all read it, so a resumed run trains for what is left of `--max_train_time`, as `--max_steps`
     counts the steps of the whole run.
 
-    Decisions (stop at the budget, write an interval checkpoint) read `seconds`, the slowest DDP rank's, all-reduced
-    once per step however many callbacks read it, so that every rank decides alike; reports read `elapsed`, this
-    process' own, which costs no communication."""
+    Decisions (stop at the budget, write an interval checkpoint) read `seconds`, the slowest DDP rank's, agreed once
+    per step however many callbacks read it, so that every rank decides alike after the same step; under DDP it is
+    the slowest rank's time at the end of the step before (`StepLateMaximum`: no wait, no read from the device).
+    Reports read `elapsed`, this process' own, which costs no communication."""
 
     now = staticmethod(time.monotonic)  # the time source (a test may put a controllable one here)
 
@@ -41,6 +42,7 @@ class TrainingClock:
         self._start = self._stop = None
         self._step, self._seconds = None, 0.0
         self.start_tokens = 0
+        self._slowest = StepLateMaximum()
 
     def resume(self, seconds: float) -> None:
         """Count the run's `seconds` before this call of `train()` (0 for a run that starts from scratch)."""
@@ -48,6 +50,7 @@ class TrainingClock:
 
     def start(self, state) -> None:
         """Start counting now; `state`'s input-token count (the Trainer's, at the start) is where this call's begins."""
+        self._slowest.start()
         self._start, self._stop = self.now(), None
         self._step, self._seconds = None, self.carried
         self.start_tokens = state.num_input_tokens_seen
@@ -56,6 +59,7 @@ class TrainingClock:
         """Stop counting (training has ended): the evaluation and save that follow are not training time."""
         if self._start is not None and self._stop is None:
             self._stop = self.now()
+        self._slowest.finish()
 
     @property
     def started(self) -> bool:
@@ -72,9 +76,11 @@ class TrainingClock:
         return self.elapsed() - self.carried
 
     def seconds(self, args, state) -> float:
-        """The slowest rank's `elapsed`, measured once per global step."""
+        """The slowest rank's `elapsed`, measured once per global step: in a lone process its own now; under DDP
+        the slowest rank's at the end of the step before (at the first step of this call: the seconds carried over,
+        which every rank read from the same checkpoint)."""
         if state.global_step != self._step:
-            self._seconds = slowest_rank(self.elapsed(), args)
+            self._seconds = self._slowest.exchange(self.elapsed(), first=self.carried)
             self._step = state.global_step
         return self._seconds
 
@@ -99,15 +105,6 @@ def read_clock(checkpoint: str) -> float:
         return 0.0
     with open(path, encoding="utf-8") as f:
         return float(json.load(f)["seconds"])
-
-
-def slowest_rank(seconds: float, args) -> float:
-    """The largest of every DDP rank's `seconds`."""
-    if dist.is_available() and dist.is_initialized():
-        shared = torch.tensor(seconds, dtype=torch.float64, device=args.device if args.device.type == "cuda" else "cpu")
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        seconds = float(shared.item())
-    return seconds
 
 
 class ClockCallback(TrainerCallback):

@@ -1,0 +1,115 @@
+"""The other processes of a launch (torchrun, accelerate launch), and how a run ends when one of them dies: killed
+by the out-of-memory killer, a lost node, a crash.
+
+A gloo collective whose peer has gone raises at once ("Connection closed by peer"), and torchrun then stops the
+rest of the launch; left alone, every survivor would print that collective's traceback, and nothing would say which
+process died or what is kept. Instead each process learns its peers' host and process id when the run starts
+(`Peers.gather`, one collective); on an error (or a stop signal: torchrun's agent sends SIGTERM to the survivors) it
+looks for the one that has ended (`Peers.lost`), and the run ends with `PeerLost`, whose one line names it and says
+what is kept. A process on another machine cannot be looked at; its end is told by gloo's message.
+
+The run's end is one place too (`end_process_group`): after a barrier where the run ended normally, so that no
+process tears its group down while another still uses it, then `destroy_process_group`, never left to the
+interpreter's exit, where gloo's threads can abort a process whose work is done ("terminate called without an
+active exception").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .preemption import Preempted
+
+# What gloo's TCP transport says when the other end of a connection has gone.
+LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+class PeerLost(Exception):
+    """Another process of the launch ended while this one needed it; the message names it and what is kept."""
+
+    exit_status = 1
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` (on this machine) runs: neither gone nor a zombie its parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel whether the process exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Every process of the launch, by rank: its host and process id; `rank` is this one's."""
+
+    rank: int
+    processes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def gather(cls) -> Peers | None:
+        """The launch's processes (a collective: every process calls it), or None for a single process."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        processes = [None] * dist.get_world_size()
+        dist.all_gather_object(processes, (socket.gethostname(), os.getpid()))
+        return cls(dist.get_rank(), tuple(map(tuple, processes)))
+
+    def ended(self) -> str | None:
+        """The first process of this machine that has ended, described ("process 1 of 2 (pid 9074)"), or None."""
+        host = socket.gethostname()
+        for rank, (peer_host, pid) in enumerate(self.processes):
+            if rank != self.rank and peer_host == host and not is_running(pid):
+                return f"process {rank} of {len(self.processes)} (pid {pid})"
+        return None
+
+    def lost(self, error: BaseException | None = None, wait: float = 5.0) -> str | None:
+        """The process whose end explains `error` (None: a stop signal), described, or None where every process
+        still runs. A killed process closes its connections as it exits, a moment before it is seen to have ended:
+        wait up to `wait` seconds for that."""
+        if error is not None and not isinstance(error, RuntimeError):  # not what a failed collective raises
+            return self.ended()
+        deadline = time.monotonic() + wait
+        while (ended := self.ended()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended is None and error is not None and any(text in str(error) for text in LOST_CONNECTION):
+            return f"a process of the {len(self.processes)} on another machine"
+        return ended
+
+
+@contextmanager
+def ending_process_group():
+    """Run the block, then end the process group (`end_process_group`): after a barrier where the block returned or
+    was preempted (every process stops after the same step), at once where it failed."""
+    try:
+        yield
+    except Preempted:
+        end_process_group(completed=True)
+        raise
+    except BaseException:
+        end_process_group(completed=False)
+        raise
+    end_process_group(completed=True)
+
+
+def end_process_group(completed: bool) -> None:
+    """Destroy the process group, if one was started: where the run `completed` (every process got here the same
+    way) after a barrier, so that none tears the group down while another still uses it; after an error at once,
+    since the others may be gone or elsewhere."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if completed and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
