@@ -8,7 +8,7 @@ The token defaults to the one saved by `hf auth login` (or $HF_TOKEN).
 
 import argparse
 
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.errors import HfHubHTTPError, HTTPError
 
 from vaswani.cli import user_errors_exit
 from vaswani.hub import push_to_hub
@@ -28,6 +28,9 @@ def main(argv=None):
         # A rejected token or a missing write permission is the user's to fix: report the Hub's first line (what
         # failed) as a user error rather than a traceback.
         raise ValueError(str(error).splitlines()[0]) from error
+    except HTTPError as error:  # no answer from the Hub: the connection failed or dropped
+        raise ValueError(f"The connection to the Hub failed ({error}); a push is one commit, applied whole or not at "
+                         "all, so the repository holds its previous revision. Run the push again.") from error
     print(commit_url)
 
 

@@ -40,7 +40,8 @@ from vaswani.cli import (
     probability,
     user_errors_exit,
 )
-from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, translate_file
+from vaswani.file_translation import (DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, check_resume_record,
+                                       translate_file)
 from vaswani.files import check_output_file, exclusive
 
 
@@ -76,6 +77,8 @@ def main(argv=None):
 
     if args.output_file:
         check_output_file(args.output_file, [args.input_file])  # refused before the model loads
+        if args.resume:
+            check_resume_record(args.output_file)
     processes = Processes.from_environment()
     # Another run writing the same output is refused before the model loads too (process 0 holds the lock).
     with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():

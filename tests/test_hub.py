@@ -4,8 +4,10 @@ own client against a local stand-in for the Hub (tests/hub_stub.py)."""
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -15,6 +17,7 @@ from hub_stub import HubStub
 from huggingface_hub import ModelCard
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
+from vaswani.files import exclusive
 from vaswani.hub import (
     REPO_ID_PLACEHOLDER,
     TATOEBA_ATTRIBUTION,
@@ -160,3 +163,143 @@ print(json.dumps({{"input_ids": inputs["input_ids"].tolist(), "logits": logits.t
     # All three came from the code files in the repository, not from an installed package.
     assert all(loaded[f"{kind}_module"].startswith("transformers_modules.") for kind in ("model", "tokenizer", "pipeline"))
     assert loaded["generate_module"].endswith(".custom_generate.generate")  # generate() is the repository's
+
+
+# A push cut off, a directory being written, the same push twice ----------------------------------------------------
+
+
+def stand_in_env(hub: HubStub, home: Path) -> dict:
+    """The environment of a process that pushes to the stand-in: its endpoint, no Xet, an empty cache, no token."""
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(home),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("HF_HUB_OFFLINE", None), env.pop("HF_TOKEN", None)
+    return env
+
+
+def uploadable(checkpoint: Path) -> dict[str, bytes]:
+    """What the repository must hold after a complete push of `checkpoint` (README.md as the push leaves it)."""
+    files = {path.name: path.read_bytes() for path in checkpoint.iterdir() if path.is_file() and path.suffix != ".pt"}
+    files["custom_generate/generate.py"] = (checkpoint / "custom_generate" / "generate.py").read_bytes()
+    return files
+
+
+def use_stand_in(monkeypatch, hub: HubStub) -> None:
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+
+
+def retrained(checkpoint: Path, model_and_tokenizer) -> None:
+    """Replace the weights in `checkpoint` by other ones, as a later training run would, with a large file beside
+    them so that an upload of the whole does not fit in the sockets' buffers."""
+    model, _ = model_and_tokenizer
+    state = {name: tensor + 1 for name, tensor in model.state_dict().items()}
+    model.save_pretrained(checkpoint, state_dict=state)
+    (checkpoint / "test_translations.txt").write_bytes(os.urandom(12 << 20).hex().encode()[: 24 << 20])
+
+
+def test_a_push_whose_connection_drops_leaves_the_last_revision_and_completes_when_run_again(
+        checkpoint, push_cli, monkeypatch, capsys):
+    with HubStub(cut_commits=1) as hub:
+        use_stand_in(monkeypatch, hub)
+        argv = ["--model_dir", str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN]
+        with pytest.raises(SystemExit) as exit_info:
+            push_cli(argv)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.count("\n") == 1
+        assert hub.incomplete_commits == 1 and hub.commits == [] and hub.files(REPO_ID) == {}
+        push_cli(argv)
+        assert hub.files(REPO_ID) == uploadable(checkpoint) and len(hub.commits) == 1
+
+
+@pytest.mark.slow
+def test_a_push_killed_mid_upload_leaves_the_last_revision_and_completes_when_run_again(
+        checkpoint, model_and_tokenizer, push_cli, monkeypatch, tmp_path):
+    with HubStub() as hub:
+        use_stand_in(monkeypatch, hub)
+        argv = ["--model_dir", str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN]
+        push_cli(argv)
+        first = dict(hub.files(REPO_ID))
+        retrained(checkpoint, model_and_tokenizer)
+
+        hub.stall_commits = True
+        pushing = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), *argv],
+                                   env=stand_in_env(hub, tmp_path / "home"), stderr=subprocess.PIPE)
+        try:
+            assert hub.commit_arriving.wait(60), pushing.stderr.read()[-2000:] if pushing.poll() is not None else ""
+        finally:
+            pushing.kill()  # SIGKILL: no handler runs, the upload stops where it is
+            pushing.wait()
+        hub.stall_commits = False
+        hub.release.set()
+        for _ in range(100):  # the stand-in reads what reached it, then finds the body cut short
+            if hub.incomplete_commits:
+                break
+            time.sleep(0.05)
+        assert pushing.returncode == -signal.SIGKILL
+        assert hub.incomplete_commits == 1 and len(hub.commits) == 1
+        assert hub.files(REPO_ID) == first  # the revision before the push, whole
+
+        push_cli(argv)
+        assert hub.files(REPO_ID) == uploadable(checkpoint) and len(hub.commits) == 2
+
+
+def test_pushing_the_same_model_again_uploads_nothing(checkpoint, push_cli, monkeypatch, capsys):
+    with HubStub() as hub:
+        use_stand_in(monkeypatch, hub)
+        argv = ["--model_dir", str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN]
+        push_cli(argv)
+        first_url = capsys.readouterr().out.strip()
+        uploaded = dict(hub.files(REPO_ID))
+        push_cli(argv)
+        assert capsys.readouterr().out.strip() == first_url  # the revision the first push made
+        assert len(hub.commits) == 1 and hub.files(REPO_ID) == uploaded
+        (checkpoint / "metrics.json").write_text('{"test_bleu": 1.0}')
+        push_cli(argv)
+        assert len(hub.commits) == 2 and hub.commits[-1]["paths"] == ["metrics.json"]  # only what changed
+
+
+def test_a_directory_another_process_is_writing_is_refused_in_one_line(checkpoint, tmp_path):
+    with HubStub() as hub:
+        # A training run holds its output directory's lock (`files.exclusive`) until its final model is written; this
+        # process holds it here, for the pushing process.
+        with exclusive(checkpoint):
+            pushed = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), "--model_dir",
+                                     str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN],
+                                    env=stand_in_env(hub, tmp_path / "home"), capture_output=True, text=True,
+                                    timeout=120)
+        assert pushed.returncode == 2, pushed.stderr[-2000:]
+        assert pushed.stderr.count("\n") == 1
+        assert pushed.stderr.startswith(f"error: {checkpoint} is being written by another process (process "
+                                        f"{os.getpid()})"), pushed.stderr
+        assert hub.repos == {} and hub.commits == []
+
+
+def test_a_push_removes_the_weights_of_the_model_it_replaces(checkpoint, model_and_tokenizer, push_cli, monkeypatch):
+    """transformers reads model.safetensors before an index of shards: a sharded model pushed over a single-file one
+    must not leave the old file beside it, nor the other way round."""
+    model, _ = model_and_tokenizer
+    size = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    with HubStub() as hub:
+        use_stand_in(monkeypatch, hub)
+        argv = ["--model_dir", str(checkpoint), "--repo_id", REPO_ID, "--token", TOKEN]
+        push_cli(argv)
+        assert "model.safetensors" in hub.files(REPO_ID)
+        (checkpoint / "model.safetensors").unlink()
+        model.save_pretrained(checkpoint, max_shard_size=size // 2)
+        push_cli(argv)
+        assert hub.files(REPO_ID) == uploadable(checkpoint)
+        assert hub.commits[-1]["deleted"] == ["model.safetensors"]
+        for path in checkpoint.glob("model*.safetensors*"):
+            path.unlink()
+        model.save_pretrained(checkpoint)
+        push_cli(argv)
+        assert hub.files(REPO_ID) == uploadable(checkpoint)
+        assert "model.safetensors.index.json" in hub.commits[-1]["deleted"]
+
+
+def test_a_training_run_pushes_its_own_model_under_the_lock_it_holds(checkpoint, monkeypatch):
+    with HubStub() as hub:
+        use_stand_in(monkeypatch, hub)
+        with exclusive(checkpoint):  # as run_training holds its output directory's for the whole run
+            push_to_hub(checkpoint, REPO_ID, token=TOKEN)
+        assert hub.files(REPO_ID) == uploadable(checkpoint)

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.trainer import TRAINER_STATE_NAME
 
 from . import modeling_vaswani
-from .checkpoints import check_output_dir, check_weights, last_checkpoints, load_average
+from .checkpoints import check_checkpoint_files, check_output_dir, last_checkpoints, load_average
 from .files import locking, staged_directory
 from .hub import attach_translation_pipeline, write_model_card
 
@@ -28,11 +28,11 @@ def average_checkpoints(sources: Sequence[str | Path], output_dir: str | Path, l
     otherwise (`check_output_dir`, `files.staged_directory`): float32 weights, the newest checkpoint's config,
     generation config, tokenizer and module files, the translation pipeline for a translation model, and a model
     card that lists what was averaged (and reports no scores: evaluate the average itself). Every checkpoint's
-    weights are checked complete before any is read (`check_weights`). Returns the averaged model."""
+    files are checked whole before any is read (`check_checkpoint_files`). Returns the averaged model."""
     checkpoints = last_checkpoints(sources, last)
     check_output_dir(output_dir, [*sources, *checkpoints], force)
     for checkpoint in checkpoints:
-        check_weights(checkpoint)
+        check_checkpoint_files(checkpoint)
     newest = checkpoints[-1]
     architectures = AutoConfig.from_pretrained(newest).architectures or []
     model_class = getattr(modeling_vaswani, architectures[0], None) if architectures else None

@@ -14,7 +14,6 @@ the last N its final model with `--average_last_checkpoints N` (see `vaswani.tra
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .configuration_vaswani import tokenizer_fingerprint
-from .files import check_not_an_input
+from .files import check_not_an_input, read_json_object
 
 # Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
 # complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.
@@ -109,12 +108,52 @@ def last_checkpoints(sources: Sequence[str | Path], last: int | None = None) -> 
     return checkpoints
 
 
+# Checking a checkpoint's files -------------------------------------------------------------------------------------
+# Every file of a checkpoint is checked whole before any is loaded, so that a damaged one (a copy cut short, an error
+# page saved under its name) is one line naming it, never a traceback from the library that would parse it, nor a
+# model half loaded. The JSON files a checkpoint may hold, each with the fields without which it is another file.
+RECOPY = "copy or download the whole checkpoint directory again"
+JSON_FILES = {
+    "config.json": ("model_type",),
+    "generation_config.json": (),
+    "tokenizer_config.json": (),
+    "tokenizer.json": ("model",),
+    "special_tokens_map.json": (),
+    "added_tokens.json": (),
+    "vocab.json": (),
+    SAFE_WEIGHTS_INDEX_NAME: ("weight_map",),
+    TRAINER_STATE_NAME: ("global_step",),
+}
+
+
+def check_checkpoint_files(directory: str | Path, weights: bool = True) -> None:
+    """Every file the tools read from a checkpoint `directory` (or a CTranslate2 export, `weights=False`), checked
+    whole before any is loaded: its config.json; each JSON file of `JSON_FILES` it holds; the vocabulary a Vaswani
+    tokenizer's config points to; with `weights`, its safetensors weights (`check_weights`). Which other files must
+    be there (the decoding settings, for one) is the caller's to say."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(f"{directory} has no config.json, so it is not a (complete) checkpoint directory; give "
+                                f"a checkpoint's directory, or {RECOPY}.")
+    read = {}
+    for name, fields in JSON_FILES.items():
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            # A CTranslate2 export's config.json is CTranslate2's own, without transformers' model_type.
+            read[name] = read_json_object(path, RECOPY, fields if weights or name != "config.json" else ())
+    tokenizer_class = read.get("tokenizer_config.json", {}).get("tokenizer_class")
+    if tokenizer_class == "VaswaniTokenizer" and "tokenizer.json" not in read:
+        raise FileNotFoundError(f"{directory} has no tokenizer.json, the vocabulary of the tokenizer its "
+                                f"tokenizer_config.json names; {RECOPY}.")
+    if weights:
+        check_weights(directory)
+
+
 def weight_files(checkpoint: str | Path) -> list[str]:
     """The safetensors files a checkpoint must hold, there or not: the shards its index lists, else the one file."""
     index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(checkpoint, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+        weight_map = read_json_object(index, RECOPY, JSON_FILES[SAFE_WEIGHTS_INDEX_NAME])["weight_map"]
+        return [os.path.join(checkpoint, name) for name in sorted(set(weight_map.values()))]
     return [os.path.join(checkpoint, SAFE_WEIGHTS_NAME)]
 
 
@@ -147,8 +186,7 @@ def check_weights(checkpoint: str | Path) -> list[str]:
 def damaged_weights(checkpoint: str | Path, error: Exception, path: str | None = None) -> ValueError:
     """The error for a weights file of `checkpoint` that safetensors cannot read."""
     where = f"{os.path.basename(path)}: " if path else ""
-    return ValueError(f"The weights in {checkpoint} are truncated or corrupted ({where}{error}); copy or download "
-                      "the checkpoint again.")
+    return ValueError(f"The weights in {checkpoint} are truncated or corrupted ({where}{error}); {RECOPY}.")
 
 
 def check_same_model(checkpoints: Sequence[str]) -> None:
@@ -169,8 +207,7 @@ def check_same_model(checkpoints: Sequence[str]) -> None:
 
 
 def _compared_config(checkpoint: str) -> dict:
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        config = json.load(f)
+    config = read_json_object(os.path.join(checkpoint, "config.json"), RECOPY, JSON_FILES["config.json"])
     return {name: value for name, value in config.items() if name not in CONFIG_FIELDS_NOT_COMPARED}
 
 
@@ -219,7 +256,7 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
     tensor must be one of the model's; a model tensor that no checkpoint stores must be tied to one that is (as
     save_pretrained leaves the output projection out when tied to the embedding)."""
     for checkpoint in checkpoints:
-        check_weights(checkpoint)
+        check_checkpoint_files(checkpoint)
     check_same_model(checkpoints)
     average = average_state_dicts(checkpoints)
     state = model.state_dict()
@@ -236,4 +273,5 @@ def load_average(model: torch.nn.Module, checkpoints: Sequence[str]) -> torch.nn
 
 
 __all__ = ["average_state_dicts", "load_average", "last_checkpoints", "checkpoints_in",
-           "is_complete_checkpoint", "check_weights", "missing_weight_files", "check_output_dir", "is_run_checkpoint"]
+           "is_complete_checkpoint", "check_checkpoint_files", "check_weights", "missing_weight_files",
+           "check_output_dir", "is_run_checkpoint"]

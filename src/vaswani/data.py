@@ -42,7 +42,7 @@ from .corpus import (
     require_pairs,
     resolve_corpus_path,
 )
-from .files import exclusive, staged_directory
+from .files import exclusive, read_json_object, staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -236,11 +236,20 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
                 _write_tsv_splits(path, TSV_LANGUAGES.index(source_lang), TSV_LANGUAGES.index(target_lang),
                                   validation_fraction, test_fraction, directory)
     else:
-        summary = ReadSummary(**{**json.loads((directory / "read.json").read_text()), "path": str(path)})
+        # A cache entry is published whole, so a damaged one was damaged afterwards (a disk, a hand): named, not reused.
+        fix = f"delete {directory}, and the next run reads {path} again"
+        recorded = read_json_object(directory / "read.json", fix, fields=("pairs",))
+        summary = ReadSummary(**{**recorded, "path": str(path)})
         logger.info("Reusing %s, read earlier into %s.", path, directory)
         log_read_summary(summary)
-    return DatasetDict({name: Dataset.from_file(str(directory / f"{name}.arrow"))
-                        for name in ("train", "validation", "test")})
+    splits = {}
+    for name in ("train", "validation", "test"):
+        try:
+            splits[name] = Dataset.from_file(str(directory / f"{name}.arrow"))
+        except (pa.ArrowException, OSError) as error:
+            raise ValueError(f"{directory / name}.arrow is damaged ({str(error).splitlines()[0]}); delete {directory}, "
+                             f"and the next run reads {path} again.") from error
+    return DatasetDict(splits)
 
 
 def _write_tsv_splits(path: Path, source_column: int, target_column: int, validation_fraction: float,

@@ -52,7 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import files
-from .files import decode_lines, sync_file, write_atomically
+from .files import decode_lines, read_json_object, sync_file, write_atomically
 from .loading import choose_device
 from .peers import PeerLost, Peers
 from .preemption import Preempted, catching_stop_signals, signal_name
@@ -191,7 +191,7 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
     name = input_path or "stdin"
     settings = {**(settings or {}), "chunk_lines": chunk_lines, "max_tokens": max_tokens,
                 "max_sentences": max_sentences, "seed": seed}
-    state_path = f"{output_path}.resume.json" if output_path else None
+    state_path = resume_record_path(output_path) if output_path else None
     parts_dir = f"{output_path}.parts" if output_path else None
     stop = _StopRequest(output_path, state_path, processes)
     lock = files.exclusive(output_path) if output_path and processes.rank == 0 else nullcontext()
@@ -453,9 +453,20 @@ def _part_digest(parts_dir: str, index: int) -> str | None:
     return header[2] if len(header) == 3 else None
 
 
+def resume_record_path(output_path: str) -> str:
+    return f"{output_path}.resume.json"
+
+
+def check_resume_record(output_path: str) -> None:
+    """The resume record of `output_path`, where there is one, read whole: a damaged one is refused in one line
+    naming it, which the script asks for before the model loads."""
+    if os.path.exists(resume_record_path(output_path)):
+        _read_state(resume_record_path(output_path))
+
+
 def _read_state(state_path: str) -> dict:
-    with open(state_path, encoding="utf-8") as f:
-        return json.load(f)
+    """The resume record; one written whole (`write_atomically`) and damaged since is named, not trusted."""
+    return read_json_object(state_path, "start again without --resume", ("chunks", "lines", "bytes", "settings"))
 
 
 def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dict:

@@ -1,17 +1,18 @@
-"""Files: UTF-8 lines read with the file and line named on error, the checks that an output can be written without
-destroying an input, one writer at a time per output (an OS lock), a full disk said in one line, and the one way the
-package writes a file or directory atomically."""
+"""Files: UTF-8 lines and JSON objects read with the file named on error, the checks that an output can be written
+without destroying an input, one writer at a time per output (an OS lock), a full disk said in one line, and the one
+way the package writes a file or directory atomically."""
 
 import ctypes
 import errno
 import fcntl
 import functools
 import inspect
+import json
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -35,6 +36,28 @@ def decode_lines(raw_lines: Iterable[bytes], name: str, first_line: int = 1) -> 
             raise ValueError(f"{name} is not UTF-8 text (line {number}: {error.reason}); convert it, e.g. with "
                              "`iconv -t utf-8`.") from error
     return lines
+
+
+def read_json_object(path: str | os.PathLike, fix: str, fields: Sequence[str] = ()) -> dict:
+    """The JSON object in `path`, which must hold `fields`; a file that is missing, empty, cut short, not JSON or
+    without them is an error naming it and `fix` (what to do), in one line."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing; {fix}.") from None
+    if not data.strip():
+        raise ValueError(f"{path} is empty; {fix}.")
+    try:
+        value = json.loads(data)
+    except ValueError as error:  # not UTF-8, or not JSON: cut short, or another file under this name
+        raise ValueError(f"{path} is damaged: not valid JSON ({error}); {fix}.") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is damaged: it holds a JSON {type(value).__name__}, not an object; {fix}.")
+    missing = [name for name in fields if name not in value]
+    if missing:
+        raise ValueError(f"{path} is not a {os.path.basename(path)}: it has no {', '.join(missing)}; {fix}.")
+    return value
 
 
 # Outputs --------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ sentences, CC-BY 2.0 France), so `push_to_hub` never uploads a checkpoint withou
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import shutil
 from collections.abc import Mapping, Sequence
@@ -15,9 +14,10 @@ from pathlib import Path
 
 import sacrebleu
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from .checkpoints import missing_weight_files
-from .files import write_atomically
+from .checkpoints import RECOPY, check_checkpoint_files, missing_weight_files
+from .files import exclusive, read_json_object, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ REPO_ID_PLACEHOLDER = "<namespace>/<repository>"
 # `checkpoint-*/`, TensorBoard `runs/`) and other files (optimizer states, `training_args.bin`) stay local.
 UPLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md", "*.txt", "*.model", "*.spm"]
 CUSTOM_GENERATE_FILES = ["custom_generate/generate.py"]
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 
 _REPORTED_METRICS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}
 
@@ -151,6 +152,8 @@ def missing_checkpoint_files(model_dir: str | Path) -> list[str]:
     if not (model_dir / "config.json").is_file():
         return ["config.json"]
     missing = missing_weight_files(model_dir)
+    if missing == [SAFE_WEIGHTS_NAME]:  # neither one file nor an index of shards
+        missing = [f"{SAFE_WEIGHTS_NAME} (or {SAFE_WEIGHTS_INDEX_NAME} and its shards)"]
     if not (model_dir / "tokenizer_config.json").is_file():
         missing.append("tokenizer_config.json")
     missing += [name for name in sorted(_code_files(model_dir)) if not (model_dir / name).is_file()]
@@ -168,32 +171,47 @@ def push_to_hub(
 
     Uploads the top-level weights, configs, tokenizer files, module files and README.md, and the generation code
     in `custom_generate/`, nothing else from subdirectories (see `UPLOAD_PATTERNS`). Raises FileNotFoundError if
-    the directory or a needed file is missing. Without a README.md, a model card without scores is written first,
+    the directory or a needed file is missing, and an error naming any file that is damaged
+    (`checkpoints.check_checkpoint_files`). Without a README.md, a model card without scores is written first,
     for the data attribution; a card written before the repository id was known gets it filled in. `token` defaults
     to the logged-in user's.
+
+    A push never leaves the repository half updated: every file goes in one commit (`HfApi.upload_folder`), which the
+    Hub applies whole or not at all, so a push cut off (the connection lost, the process killed) leaves the previous
+    revision, and the same push run again completes it; the commit also removes weight files the new model does not
+    have. Files the repository already holds unchanged are not sent again (huggingface_hub compares their hashes),
+    so pushing the same model twice makes no commit. A directory that another process is writing (a training run
+    holds its lock, `files.exclusive`) is refused in one line, since its files may belong to different models; a
+    training run pushes its own final model under the lock it holds.
     """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {output_dir}")
-    missing = missing_checkpoint_files(output_dir)
-    if missing:
-        raise FileNotFoundError(f"{output_dir} is not a complete checkpoint; missing: {', '.join(missing)}")
+    with exclusive(output_dir):
+        missing = missing_checkpoint_files(output_dir)
+        if missing:
+            raise FileNotFoundError(f"{output_dir} is not a complete checkpoint; missing: {', '.join(missing)}; "
+                                    f"{RECOPY}.")
+        check_checkpoint_files(output_dir)
 
-    api = HfApi(token=token)
-    # The Hub puts a bare name ("en-fr") under the token owner's namespace; the card should name the full id.
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    readme = output_dir / "README.md"
-    if not readme.is_file():
-        logger.info("No README.md in %s: writing a model card without scores.", output_dir)
-        write_model_card(output_dir, repo_id=repo_id)
-    elif REPO_ID_PLACEHOLDER in (text := readme.read_text(encoding="utf-8")):
-        write_atomically(readme, text.replace(REPO_ID_PLACEHOLDER, repo_id))
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=output_dir,
-        commit_message=commit_message,
-        allow_patterns=_upload_files(output_dir),
-    )
+        api = HfApi(token=token)
+        # The Hub puts a bare name ("en-fr") under the token owner's namespace; the card should name the full id.
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        readme = output_dir / "README.md"
+        if not readme.is_file():
+            logger.info("No README.md in %s: writing a model card without scores.", output_dir)
+            write_model_card(output_dir, repo_id=repo_id)
+        elif REPO_ID_PLACEHOLDER in (text := readme.read_text(encoding="utf-8")):
+            write_atomically(readme, text.replace(REPO_ID_PLACEHOLDER, repo_id))
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=output_dir,
+            commit_message=commit_message,
+            allow_patterns=_upload_files(output_dir),
+            # Weights of the model this one replaces, in the same commit: transformers reads model.safetensors
+            # before an index of shards, so an old single file beside new shards would load the old model.
+            delete_patterns=WEIGHT_PATTERNS,
+        )
     return commit.commit_url
 
 
@@ -263,7 +281,7 @@ def _code_files(model_dir: Path) -> set[str]:
     for name in ("config.json", "tokenizer_config.json"):
         path = model_dir / name
         if path.is_file():
-            config = json.loads(path.read_text())
+            config = read_json_object(path, RECOPY)
             for value in config.get("auto_map", {}).values():
                 references += value if isinstance(value, list) else [value]
             references += [entry["impl"] for entry in config.get("custom_pipelines", {}).values()]

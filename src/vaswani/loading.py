@@ -27,9 +27,10 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, MarianTokenizer
 
-from .checkpoints import check_weights, damaged_weights
+from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
+from .files import read_json_object
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
@@ -166,7 +167,7 @@ def read_generation_config(model_dir: str) -> GenerationConfig:
     what generate() would refuse in it, before any model is loaded."""
     try:
         return GenerationConfig.from_pretrained(model_dir)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # OSError: a Hub repository's file that is not JSON, or cannot be fetched
         raise ValueError(f"{_generation_config_name(model_dir)}: {str(error).splitlines()[0]}") from error
 
 
@@ -199,6 +200,8 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
 
     check_checkpoint_dir(model_dir)
     device = choose_device(device)
+    # The tokenizer first: it is cheap, and a missing one is refused before the weights are read.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     try:
         if dtype == "auto":
             d_model = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).d_model
@@ -224,7 +227,6 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
                            for kind, keys in problems.items())
         raise ValueError(f"{model_dir} does not hold this model's weights ({listed}); it would run with random "
                          "weights in their place. Use the checkpoint's own directory, or re-save it.")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     check_tokenizer_fits(model, tokenizer)
     model = model.to(device).eval()
     if int8:
@@ -272,6 +274,7 @@ def check_ctranslate2_dir(path: str) -> None:
     if not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
         raise FileNotFoundError(f"{path} is not a CTranslate2 model directory (no {CTRANSLATE2_WEIGHTS}); make one "
                                 "with scripts/export_ctranslate2.py.")
+    check_checkpoint_files(path, weights=False)
 
 
 def exported_positions(path: str) -> int | None:
@@ -288,25 +291,13 @@ def check_checkpoint_dir(model_dir: str) -> None:
         return
     if not os.path.isdir(model_dir):
         raise NotADirectoryError(f"--model {model_dir} is a file; give the checkpoint directory.")
-    config = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config):
-        raise FileNotFoundError(f"{model_dir} has no config.json, so it is not a (complete) checkpoint directory.")
-    try:
-        with open(config, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{config} is not valid JSON ({error}).") from error
+    check_checkpoint_files(model_dir, weights=False)  # config.json there, every JSON file whole
+    model_type = read_json_object(os.path.join(model_dir, "config.json"), RECOPY, ("model_type",))["model_type"]
     if model_type != "vaswani":
         raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani one; these tools load Vaswani "
                          "checkpoints only.")
-    _check_checkpoint_files(model_dir)
-
-
-def _check_checkpoint_files(model_dir: str) -> None:
-    """The files a checkpoint is written with and the tools need, beyond config.json: without
-    generation_config.json the tools would decode with defaults instead of the checkpoint's own settings (beams,
-    length penalty, output length); the weights must all be there, complete (`checkpoints.check_weights`), before
-    any is read."""
+    # Without generation_config.json the tools would decode with defaults instead of the checkpoint's own settings
+    # (beams, length penalty, output length).
     if not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         raise FileNotFoundError(f"{model_dir} has no generation_config.json, which holds the decoding settings the "
                                 "model was trained and evaluated with; copy the whole checkpoint directory again, or "

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
-from .checkpoints import check_weights, checkpoints_in, is_complete_checkpoint
+from .checkpoints import RECOPY, check_checkpoint_files, checkpoints_in, is_complete_checkpoint
 from .configuration_vaswani import VaswaniConfig
-from .files import STAGING_PREFIX, staged_directory
+from .files import STAGING_PREFIX, read_json_object, staged_directory
 from .preemption import resume_command
 from .training_arguments import VaswaniTrainingArguments
 
@@ -84,25 +84,25 @@ def finished_run(output_dir: str, args: VaswaniTrainingArguments | None = None) 
     if any(os.path.getmtime(os.path.join(path, TRAINER_STATE_NAME)) > saved
            for path in checkpoints_in(output_dir) if is_complete_checkpoint(path)):
         return None
+    fix = "restore it from a copy of the run, or delete it"
     recorded = os.path.join(output_dir, "training_args.json")
     if args is not None and os.path.isfile(recorded):
-        with open(recorded, encoding="utf-8") as f:
-            trained = json.load(f)
+        trained = read_json_object(recorded, fix)
         if any(trained.get(name) != getattr(args, name) for name in TRAINING_LENGTH):
             return None
     metrics = os.path.join(output_dir, "metrics.json")
     if not os.path.isfile(metrics):
         return {}
-    with open(metrics, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(metrics, fix)
 
 
 def check_resumed_weights(checkpoint: str) -> None:
-    """The weights of the checkpoint to resume from, checked complete (`checkpoints.check_weights`) before anything
-    is read: a damaged checkpoint is named in one line, not in a traceback from inside the Trainer. FSDP's sharded
-    checkpoints keep their weights in directories of their own, which the Trainer reads."""
-    if not any(name.startswith(FSDP_MODEL_NAME) for name in os.listdir(checkpoint)):
-        check_weights(checkpoint)
+    """The files of the checkpoint to resume from (its config, tokenizer, resume record and weights), checked whole
+    (`checkpoints.check_checkpoint_files`) before anything is read: a damaged checkpoint is named in one line, not
+    in a traceback from inside the Trainer. FSDP's sharded checkpoints keep their weights in directories of their
+    own, which the Trainer reads."""
+    fsdp = any(name.startswith(FSDP_MODEL_NAME) for name in os.listdir(checkpoint))
+    check_checkpoint_files(checkpoint, weights=not fsdp)
 
 
 def prepare_output_dir(args: VaswaniTrainingArguments) -> str | None:
@@ -201,8 +201,7 @@ def remove_old_checkpoints(args: VaswaniTrainingArguments) -> None:
 def check_checkpoint_matches(checkpoint: str, config: VaswaniConfig) -> None:
     """A resumed run must build the model its checkpoint holds; otherwise loading the weights fails deep inside
     torch (shape mismatch) or, worse, succeeds with a different configuration."""
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+    model_type = read_json_object(os.path.join(checkpoint, "config.json"), RECOPY).get("model_type")
     if model_type != config.model_type:
         raise ValueError(f"{checkpoint} holds a {model_type!r} model, not a Vaswani one; choose another "
                          "--output_dir or pass --overwrite_output_dir.")
