@@ -133,11 +133,14 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     if ctranslate2 is None:
         ctranslate2 = exported or (not any(pytorch_only.values()) and compute_type == "default"
                                    and ctranslate2_by_default(model_dir, device, **decoding_overrides))
-    export_of = None
+    export_of, positions = None, "exported positions"
     if ctranslate2 and not exported:
         from .export import cached_export  # (that module builds its engines here)
 
         check_checkpoint_dir(model_dir)
+        # Sources are cut where the checkpoint's positions end, named as its PyTorch engine names them.
+        learned = is_learned(AutoConfig.from_pretrained(model_dir, trust_remote_code=False))
+        positions = "learned positions" if learned else "source positions"
         export_of, (model_dir, _) = model_dir, cached_export(model_dir, cache_dir)
     if ctranslate2:
         if any(pytorch_only.values()):
@@ -153,7 +156,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         # CPU threads as torch uses them (its own default is a fixed count), so either engine gets the same cores.
         threads = torch.get_num_threads() if device.type == "cpu" else 0
         translator, tokenizer = load_ctranslate2(model_dir, device, compute_type, threads)
-        return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of)
+        return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of,
+                                 positions=positions)
     if compute_type != "default":
         raise ValueError("--compute_type is CTranslate2's; for a PyTorch checkpoint use --dtype or --int8.")
     check_checkpoint_dir(model_dir)

@@ -312,18 +312,18 @@ class CTranslate2Engine:
     `vaswani.export`, states the measured share). What it cannot do at all (sampling, `early_stopping="never"`,
     other `generate()` options) is refused by name."""
 
-    positions = "exported positions"
     continuous = False
     # What a CTranslate2 model takes besides the engine's own settings (`load_engine` refuses the rest by name).
     SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "length_penalty", "early_stopping",
                 "min_new_tokens")
 
     def __init__(self, translator, tokenizer, decoding: DecodingSettings, *, path: str | None = None,
-                 export_of: str | None = None):
+                 export_of: str | None = None, positions: str = "exported positions"):
         self.check(decoding)
         self.translator, self.tokenizer = translator, tokenizer
         self.decoding = dataclasses.replace(decoding, precision=translator.compute_type)
         self.path, self.export_of = path, export_of  # the model's directory; the checkpoint it was exported from
+        self.positions = positions  # what `max_source_length` counts, as the truncation warning names it
 
     @property
     def description(self) -> str:
