@@ -79,7 +79,7 @@ def probability(text: str) -> float:
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`, `--int8`,
+    """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`,
     `--decoding`, `--slots`, `--ctranslate2`, `--compute_type`) and how it decodes (`--num_beams`,
     `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.loading.load_engine` by `engine_from_args`.
     A decoding setting left out is the checkpoint's (its generation_config.json)."""
@@ -88,8 +88,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="precision of the PyTorch model (default auto: bf16 where the hardware multiplies it "
                         "natively and it is faster, see vaswani.loading.choose_dtype; fp32 elsewhere)")
-    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
-                        "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): auto (the default: graphs on a CUDA GPU, lean on a CPU, "
                         "transformers' elsewhere, each where it measured fastest), lean (vaswani.generation_vaswani: "
@@ -123,7 +121,7 @@ def engine_from_args(args: argparse.Namespace, device: str | None = None, **deco
     """`vaswani.loading.load_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
     `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
     engine = load_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
-                         int8=args.int8, decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
+                         decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
                          compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                          length_penalty=args.length_penalty, **decoding_options)
     print(f"engine: {engine.description}", file=sys.stderr, flush=True)
