@@ -216,8 +216,9 @@ def markdown(results: dict, env: dict, command: str) -> str:
             cells.append(f"{seconds * 1e3:.0f} | {100 * seconds / s['instrumented_seconds']:.1f} | "
                          f"{seconds * 1e6 / max(s['decoding_steps'], 1):.0f}")
         lines.append(f"| {part} | {' | '.join(cells)} |")
-    for label, key in (("total, instrumented", "instrumented_seconds"), ("**total, plain (no hooks)**", "plain_seconds"),
-                       ("**CTranslate2 float32, same batches**", "ct2_float32_seconds")):
+    totals = (("total, instrumented", "instrumented_seconds"), ("**total, plain (no hooks)**", "plain_seconds"),
+              ("**CTranslate2 float32, same batches**", "ct2_float32_seconds"))
+    for label, key in totals:
         cells = [f"{s[key] * 1e3:.0f} | | {s[key] * 1e6 / max(s['decoding_steps'], 1):.0f}" for s in searches]
         lines.append(f"| {label} | {' | '.join(cells)} |")
     lines.append("| decoding steps (batch calls after the first) | "

@@ -20,6 +20,7 @@ tokenizer that is missing or does not fit the model.
 """
 
 import functools
+import importlib.util
 import json
 import os
 
@@ -135,7 +136,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
                                    and ctranslate2_by_default(model_dir, device, **decoding_overrides))
     export_of, positions = None, "exported positions"
     if ctranslate2 and not exported:
-        from .export import cached_export  # (that module builds its engines here)
+        from .export import cached_export  # here, not at the top: vaswani.export builds its engines with this module
 
         check_checkpoint_dir(model_dir)
         # Sources are cut where the checkpoint's positions end, named as its PyTorch engine names them.
@@ -178,11 +179,9 @@ def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_over
     with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding settings
     it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False`
     is not one of them, and stays with PyTorch)."""
-    import importlib.util
-
     if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
         return False
-    from .export import check_exportable  # (that module builds its engines here)
+    from .export import check_exportable  # here, not at the top: vaswani.export builds its engines with this module
 
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
