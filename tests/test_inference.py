@@ -1,6 +1,7 @@
 """The int8 CPU decoding path: `vaswani.inference.quantize_for_cpu` (`load_engine(int8=True)`) and the benchmark's
 `vaswani-int8` engine, on the tiny trained-ish model of tiny_translation_model.py. The scripts no longer offer it
-(benchmarks/results/int8-cpu-decision.md): on a CPU their int8 is CTranslate2's (`--ctranslate2 --compute_type int8`)."""
+(benchmarks/results/int8-cpu-decision.md): on a CPU their int8 is CTranslate2's (`--ctranslate2 --compute_type
+int8`)."""
 
 import copy
 

@@ -335,7 +335,8 @@ class CTranslate2Engine:
     @staticmethod
     def follows(decoding: DecodingSettings) -> bool:
         """Whether CTranslate2 decodes with these settings exactly as `generate()` does
-        (tests/test_decoding_contract.py): greedy search, or beam search with `early_stopping=True`; no sampling, no other `generate()` option."""
+        (tests/test_decoding_contract.py): greedy search, or beam search with `early_stopping=True`; no sampling, no
+        other `generate()` option."""
         return (not decoding.options and not decoding.do_sample
                 and (decoding.num_beams == 1 or decoding.early_stopping is True))
 
