@@ -2,10 +2,10 @@
 # The README's CPU rows, measured again on the current code and one trained main-job model (scripts/main_job.sh),
 # on a machine with nothing else running:
 #   * translation speed of the model as users run it (its test sentences, each to its end of sentence, beside the
-#     forced-length rows): fp32, bf16 and --int8 against Marian (HF, the same function through
+#     forced-length rows): fp32, bf16 and int8 (vaswani-int8) against Marian (HF, the same function through
 #     vaswani.convert.to_marian) and CTranslate2 (the checkpoint's own export);
 #   * training tokens/s of the tiny and base presets against Marian;
-#   * test BLEU of the same model decoded in fp32, bf16 and --int8 (scripts/evaluate_bleu.py, beam 4);
+#   * test BLEU of the same model decoded in fp32, bf16 (PyTorch) and int8 (CTranslate2's, the scripts' int8) (scripts/evaluate_bleu.py, beam 4);
 #   * scripts/translate.py's streamed file translation against the whole-file sort.
 #
 #   MODEL=outputs/en-fr-small THREADS=2 bash benchmarks/readme_cpu_rows.sh
@@ -40,7 +40,7 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 commands=()
 for precision in float32 bfloat16 int8; do
-  if [ "$precision" = int8 ]; then option=(--int8); else option=(--dtype "$precision"); fi
+  if [ "$precision" = int8 ]; then option=(--ctranslate2 --compute_type int8); else option=(--dtype "$precision"); fi
   command=(python3 scripts/evaluate_bleu.py --model "$model" --device cpu "${option[@]}" --num_beams 4
            --max_samples "$sentences" --output_file "$scratch/$precision.json")
   "${command[@]}" > /dev/null

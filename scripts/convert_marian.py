@@ -6,7 +6,7 @@ checkpoint that translates exactly alike (see vaswani.convert):
 
 The directory is a normal Vaswani checkpoint with Marian's own tokenizer (needs `pip install sentencepiece`):
 
-    python scripts/translate.py --model outputs/opus-mt-en-fr --int8 "How are you?"
+    python scripts/translate.py --model outputs/opus-mt-en-fr --ctranslate2 --compute_type int8 "How are you?"
     python scripts/train_translation.py --model_name_or_path outputs/opus-mt-en-fr ...   # fine-tuning
 """
 

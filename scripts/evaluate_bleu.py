@@ -2,14 +2,16 @@
 """BLEU, chrF and TER (sacreBLEU, multi-reference) of a checkpoint on a held-out split or on files.
 
     python scripts/evaluate_bleu.py --model outputs/en-fr                      # fra-eng test split
-    python scripts/evaluate_bleu.py --model outputs/en-fr --device cpu --int8          # int8 CPU decoding
+    python scripts/evaluate_bleu.py --model outputs/en-fr --ctranslate2 --compute_type int8  # int8 on a CPU
     python scripts/evaluate_bleu.py --model outputs/en-fr-ct2 --ctranslate2 --compute_type int8  # an exported model
     python scripts/evaluate_bleu.py --model outputs/en-fr --source_file src.en --reference_file ref1.fr --reference_file ref2.fr
 
 Whichever engine decodes, the sources go through `vaswani.translation.translate`, as in scripts/translate.py:
 batches of --batch_size sentences, longest first; sources longer than the model takes are truncated (a warning on
 stderr counts them). A decoding setting not given (--num_beams, --max_new_tokens, --length_penalty) is the
-checkpoint's, from its generation_config.json, as training evaluated it.
+checkpoint's, from its generation_config.json, as training evaluated it. The engine is load_engine's choice, as in
+scripts/translate.py (on a CPU, a checkpoint's cached CTranslate2 export where it gives the same translations;
+--no-ctranslate2 keeps PyTorch), named on stderr and in the report's "engine".
 """
 
 import argparse
@@ -77,7 +79,7 @@ def evaluate(args: argparse.Namespace) -> None:
     result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     settings = engine.settings
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources)} | settings | {
-        "int8": args.int8, "engine": f"{settings['engine']} {'int8' if args.int8 else settings['precision']}",
+        "engine": f"{settings['engine']} {settings['precision']}",
         "signatures": result.get("signatures")}
     print(json.dumps(summary, indent=2))
     if args.output_file:

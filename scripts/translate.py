@@ -5,7 +5,7 @@
     python scripts/translate.py --model outputs/en-fr --input_file english.txt --output_file french.txt
     python scripts/translate.py --model outputs/en-fr --input_file english.txt --output_file french.txt --resume
     cat english.txt | python scripts/translate.py --model outputs/en-fr --num_beams 4 > french.txt
-    python scripts/translate.py --model outputs/en-fr --device cpu --int8 "I lost."     # int8 CPU decoding
+    python scripts/translate.py --model outputs/en-fr --ctranslate2 --compute_type int8 "I lost."  # int8 on a CPU
     python scripts/translate.py --model outputs/en-fr-ct2 --input_file english.txt  # an exported CTranslate2 model
     accelerate launch --num_processes 2 scripts/translate.py --model outputs/en-fr --input_file english.txt \\
         --output_file french.txt     # one GPU each (or torchrun --nproc_per_node 2; on CPUs: accelerate --multi_gpu)
@@ -24,7 +24,11 @@ positions are truncated (a warning on stderr counts them). --dtype auto translat
 multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp32 elsewhere. A decoding setting
 not given (--num_beams, --max_new_tokens, --length_penalty, the sampling ones) is the checkpoint's, from its
 generation_config.json; without a max_new_tokens there, each output may run to its source's length plus 50 tokens.
-The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does.
+The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does: on a CPU with ctranslate2 installed,
+a checkpoint whose decoding settings CTranslate2 follows exactly (greedy search, or beams with early_stopping)
+translates through its float32 CTranslate2 export, made once, cached and made again when the weights change, which
+gives the same translations faster (vaswani.loading.ctranslate2_by_default); --no-ctranslate2 keeps the PyTorch
+engine. The first line on stderr names the engine that runs.
 """
 
 import argparse
@@ -85,7 +89,7 @@ def main(argv=None):
         sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p}
         engine = engine_from_args(args, processes.device(args.device), **sampling)
-        settings = {key: getattr(args, key) for key in ("model", "int8", "decoding", "slots", "ctranslate2",
+        settings = {key: getattr(args, key) for key in ("model", "decoding", "slots", "ctranslate2",
                                                         "compute_type", *sampling)} | engine.settings
         stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None
         translate_file(engine, args.input_file, args.output_file, chunk_lines=args.chunk_lines,

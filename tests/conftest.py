@@ -21,6 +21,10 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_aten_{os.environ['ATEN_CPU_CAPABILITY']}")
 
+# CTranslate2 exports that the tools cache (`vaswani.export.cached_export`) go to a directory of this run, inherited by
+# the scripts the tests start, never to the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="vaswani-test-cache-")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -439,9 +439,9 @@ def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
         assert {len(row) for row in engine.translate(batch, beams, 7, stop_at_eos=False)} == {7}
 
 
-def test_benchmark_int8_engine_is_the_scripts_int8_path(tmp_path):
-    """The benchmark's `vaswani-int8` engine is what the scripts' `--int8` loads: every linear layer int8, the output
-    projection included."""
+def test_benchmark_int8_engine_is_the_loaders_int8_path(tmp_path):
+    """The benchmark's `vaswani-int8` engine is what `load_engine(int8=True)` loads: every linear layer int8, the
+    output projection included."""
     from tiny_translation_model import SOURCES
 
     from vaswani.inference import Int8Linear

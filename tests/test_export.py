@@ -12,7 +12,7 @@ from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
-from vaswani.export import export_to_ctranslate2
+from vaswani.export import cached_export, export_to_ctranslate2
 from vaswani.loading import load_engine
 from vaswani.translation import translate as translate_with
 
@@ -152,16 +152,83 @@ def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, ca
              "--num_beams", "1"]  # greedy: equal outputs, hence equal scores (beam search may stop differently)
     evaluate = script_main("evaluate_bleu")
 
-    evaluate(["--model", str(checkpoint), *files])
+    evaluate(["--model", str(checkpoint), "--no-ctranslate2", *files])
     pytorch = json.loads(capsys.readouterr().out)
     evaluate(["--model", str(tmp_path / "ct2"), "--ctranslate2", *files])
     exported = json.loads(capsys.readouterr().out)
 
     assert exported["engine"] == "ctranslate2 float32" and pytorch["engine"] == "pytorch float32"
     assert exported["bleu"] == pytorch["bleu"] and exported["chrf"] == pytorch["chrf"]
-    with pytest.raises(SystemExit):  # a checkpoint that is no CTranslate2 export is a one-line user error
-        evaluate(["--model", str(checkpoint), "--ctranslate2", *files])
-    assert "not a CTranslate2 model directory" in capsys.readouterr().err
+    evaluate(["--model", str(checkpoint), "--ctranslate2", *files])  # a checkpoint: through its cached export
+    cached = json.loads(capsys.readouterr().out)
+    assert cached["engine"] == "ctranslate2 float32" and cached["bleu"] == pytorch["bleu"]
+
+
+def greedy_checkpoint(checkpoint, path, **generation):
+    """A copy of `checkpoint` whose generation config decodes greedily (or as `generation` says)."""
+    shutil.copytree(checkpoint, path)
+    model = VaswaniForConditionalGeneration.from_pretrained(path)
+    model.generation_config.num_beams, model.generation_config.length_penalty = 1, None
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    model.generation_config.save_pretrained(path)
+    return path
+
+
+def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_say_so(checkpoint, tmp_path, capsys):
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    translate_script = script_main("translate")
+
+    translate_script(["--model", str(path), "--device", "cpu", *SOURCES])
+    exported = capsys.readouterr()
+    translate_script(["--model", str(path), "--device", "cpu", "--no-ctranslate2", *SOURCES])
+    pytorch = capsys.readouterr()
+
+    engine_lines = [line for line in exported.err.splitlines() if line.startswith("engine: ")]
+    assert engine_lines == [f"engine: CTranslate2 float32 on cpu, the cached export of {path} "
+                            f"({load_engine(str(path), device='cpu').path})"]
+    pytorch_lines = [line for line in pytorch.err.splitlines() if line.startswith("engine: ")]
+    assert pytorch_lines == ["engine: PyTorch float32 on cpu"]
+    assert exported.out == pytorch.out and exported.out.count("\n") == len(SOURCES)
+
+
+def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path):
+    greedy = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    beams = greedy_checkpoint(checkpoint, tmp_path / "beams", num_beams=3)  # transformers' early_stopping=False
+    stopping = greedy_checkpoint(checkpoint, tmp_path / "stopping", num_beams=3, early_stopping=True)
+
+    def engine(path, **options):
+        return load_engine(str(path), device="cpu", **options).settings["engine"]
+
+    assert engine(greedy) == "ctranslate2" and engine(stopping) == "ctranslate2"
+    assert engine(beams) == "pytorch"  # CTranslate2 stops a beam search as early_stopping=True does
+    assert engine(beams, early_stopping=True) == "ctranslate2"
+    assert engine(greedy, ctranslate2=False) == "pytorch"
+    for pytorch_only in ({"int8": True}, {"dtype": "float32"}, {"slots": 0}, {"decoding": "lean"},
+                         {"no_repeat_ngram_size": 2}):
+        assert engine(greedy, **pytorch_only) == "pytorch", pytorch_only
+    assert engine(greedy, do_sample=True) == "pytorch"
+
+
+def test_a_cached_export_is_reused_and_made_again_when_the_weights_change(checkpoint, tmp_path):
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    cache = tmp_path / "cache"
+
+    first, made = cached_export(str(path), str(cache))
+    again, made_again = cached_export(str(path), str(cache))
+    assert made and not made_again and again == first
+    weights = (Path(first) / "model.bin").stat().st_mtime_ns
+
+    model = VaswaniForConditionalGeneration.from_pretrained(path)  # other weights, saved in place
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)
+    model.save_pretrained(path)
+    rebuilt, made = cached_export(str(path), str(cache))
+
+    assert made and rebuilt == first and (Path(first) / "model.bin").stat().st_mtime_ns != weights
+    exported = translate_with(load_engine(str(path), device="cpu", cache_dir=str(cache)), SOURCES).texts
+    pytorch = translate_with(load_engine(str(path), device="cpu", ctranslate2=False), SOURCES).texts
+    assert exported == pytorch
 
 
 def test_sources_and_outputs_stay_inside_the_exported_position_table(trained, tmp_path):

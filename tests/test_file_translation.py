@@ -123,7 +123,7 @@ def test_the_script_streams_with_every_pytorch_option(checkpoint, expected, tmp_
             "7", "--num_beams", "1", "--max_new_tokens", "8"]
     script_main("translate")(argv)
     assert capsys.readouterr().out == expected
-    for options in (["--decoding", "transformers"], ["--dtype", "bfloat16"], ["--int8"]):
+    for options in (["--decoding", "transformers"], ["--dtype", "bfloat16"]):
         script_main("translate")([*argv, *options, "--output_file", str(tmp_path / "out.fr")])
         lines = (tmp_path / "out.fr").read_text().split("\n")
         assert len(lines) == len(LINES) + 1 and [bool(x) for x in lines[:-1]] == [bool(x.strip()) for x in LINES]

@@ -1,13 +1,13 @@
-"""The opt-in int8 CPU decoding path: `vaswani.inference.quantize_for_cpu`, the scripts' `--int8` flag and the
-benchmark's `vaswani-int8` engine, on the tiny trained-ish model of tiny_translation_model.py."""
+"""The int8 CPU decoding path: `vaswani.inference.quantize_for_cpu` (`load_engine(int8=True)`) and the benchmark's
+`vaswani-int8` engine, on the tiny trained-ish model of tiny_translation_model.py. The scripts no longer offer it
+(benchmarks/results/int8-cpu-decision.md): on a CPU their int8 is CTranslate2's (`--ctranslate2 --compute_type
+int8`)."""
 
 import copy
-import json
 
 import pytest
 import torch
 from torch import nn
-from conftest import script_main
 from tiny_translation_model import SOURCES
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -98,33 +98,3 @@ def test_refuses_a_model_not_in_fp32():
     model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=64)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="starts from fp32 weights"):
         quantize_for_cpu(model)
-
-
-def test_translate_script_int8(checkpoint, capsys):
-    argv = ["--model", str(checkpoint), "--device", "cpu", "--num_beams", "2", "--max_new_tokens", "12", *SOURCES[:3]]
-    script_main("translate")(argv)
-    fp32 = capsys.readouterr().out.splitlines()
-    script_main("translate")([*argv, "--int8"])
-    int8 = capsys.readouterr().out.splitlines()
-    assert len(int8) == 3 and all(int8)
-    assert sum(a == b for a, b in zip(fp32, int8)) >= 2
-
-
-def test_evaluate_bleu_script_int8(checkpoint, tmp_path, capsys):
-    (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
-    (tmp_path / "ref.fr").write_text("le chat\nun chien\nl'oiseau\nchat\nle chien\n")
-    script_main("evaluate_bleu")(["--model", str(checkpoint), "--device", "cpu", "--int8", "--num_beams", "2",
-                                  "--source_file", str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr")])
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["int8"] is True and summary["sentences"] == 5
-
-
-def test_scripts_refuse_int8_off_the_cpu_in_one_line(checkpoint, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        script_main("translate")(["--model", str(checkpoint), "--device", "meta", "--int8", "a dog ran"])
-    assert exit_info.value.code == 2
-    # Like every user error of the scripts (docs/reliability.md): stderr ends with one `error:` line, after
-    # transformers' loading progress bar, and no traceback.
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("error: ") == 1
-    assert err.strip().splitlines()[-1].startswith("error: int8 quantization runs on CPU only")

@@ -83,7 +83,7 @@ def probability(text: str) -> float:
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`, `--int8`,
+    """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`,
     `--decoding`, `--slots`, `--ctranslate2`, `--compute_type`) and how it decodes (`--num_beams`,
     `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.loading.load_engine` by `engine_from_args`.
     A decoding setting left out is the checkpoint's (its generation_config.json)."""
@@ -92,8 +92,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="precision of the PyTorch model (default auto: bf16 where the hardware multiplies it "
                         "natively and it is faster, see vaswani.loading.choose_dtype; fp32 elsewhere)")
-    parser.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the linear layers, and a "
-                        "malloc that reuses freed memory (CPU only; faster decoding, see vaswani.inference)")
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): auto (the default: graphs on a CUDA GPU, lean on a CPU, "
                         "transformers' elsewhere, each where it measured fastest), lean (vaswani.generation_vaswani: "
@@ -104,9 +102,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "once by the next (vaswani.slots.decode_in_slots; each output as generate() "
                         "gives it for that sentence alone, up to its length plus 50 tokens); 0: in batches. Default: "
                         "the engine's (vaswani.translation.TorchEngine)")
-    parser.add_argument("--ctranslate2", action="store_true", default=None,
-                        help="--model is a CTranslate2 directory from scripts/export_ctranslate2.py; CTranslate2 "
-                        "decodes (default: so when --model holds model.bin)")
+    parser.add_argument("--ctranslate2", action=argparse.BooleanOptionalAction, default=None,
+                        help="CTranslate2 decodes: --model's if it is an export (scripts/export_ctranslate2.py), else "
+                        "the checkpoint's float32 export, made once and cached (rebuilt when the weights change). "
+                        "--no-ctranslate2: the PyTorch checkpoint decodes. Default: an export decodes with "
+                        "CTranslate2, and so does a checkpoint on a CPU when ctranslate2 is installed and gives the "
+                        "checkpoint's own translations (greedy, or beams with early_stopping; no PyTorch-only flag), "
+                        "where it measured faster (vaswani.loading.ctranslate2_by_default)")
     parser.add_argument("--compute_type", default="default",
                         help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--num_beams", type=positive_int, default=None,
@@ -122,7 +124,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_from_args(args: argparse.Namespace, device: str | None = None, **decoding_options):
     """`vaswani.loading.load_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
     `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
-    return load_engine(args.model, device=args.device if device is None else device, dtype=args.dtype, int8=args.int8,
-                       decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
-                       compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
-                       length_penalty=args.length_penalty, **decoding_options)
+    engine = load_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
+                         decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
+                         compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
+                         length_penalty=args.length_penalty, **decoding_options)
+    print(f"engine: {engine.description}", file=sys.stderr, flush=True)
+    return engine

@@ -23,6 +23,8 @@ more than one key/value head, which CTranslate2 offers only for decoder-only mod
 vocabularies; banned sequences of several tokens.
 """
 
+import hashlib
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -32,7 +34,7 @@ import torch
 from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
 from .configuration_vaswani import OUTPUT_SLACK
-from .files import locking, staged_directory
+from .files import exclusive, locking, staged_directory, write_atomically
 from .loading import engine_for_model, load_engine, load_translator
 from .translation import model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
@@ -83,6 +85,52 @@ def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: 
         differing = None if measure_on is None else count_differences(model, tokenizer, str(staging), measure_on)
         (staging / "README.md").write_text(model_card(model, differing, len(measure_on or ())), encoding="utf-8")
     return str(output_dir)
+
+
+# What an export is made from: when any of these files of the checkpoint changes, its cached export is made again.
+EXPORT_SOURCES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "model.safetensors", "model.safetensors.index.json")
+CACHE_KEY_FILE = "vaswani_export_source.json"
+
+
+def default_cache_dir() -> str:
+    """Where cached exports live: $XDG_CACHE_HOME/vaswani/ctranslate2, else ~/.cache/vaswani/ctranslate2."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vaswani", "ctranslate2")
+
+
+def export_source(model_dir: str) -> dict:
+    """What identifies the checkpoint in `model_dir` for its cached export: its real path, and the size and
+    modification time of each file an export is made from (`EXPORT_SOURCES`, the weights' shards too)."""
+    names = [name for name in sorted(os.listdir(model_dir))
+             if name in EXPORT_SOURCES or (name.startswith("model-") and name.endswith(".safetensors"))]
+    files = {}
+    for name in names:
+        status = os.stat(os.path.join(model_dir, name))
+        files[name] = [status.st_size, status.st_mtime_ns]
+    return {"checkpoint": os.path.realpath(model_dir), "files": files}
+
+
+def cached_export(model_dir: str, cache_dir: str | None = None) -> tuple[str, bool]:
+    """The float32 CTranslate2 export of the checkpoint directory `model_dir`, kept in `cache_dir` (default:
+    `default_cache_dir()`) under a name made from the checkpoint's path; made on first use, and made again when the
+    checkpoint's files have changed since (`export_source`: the weights' and configs' sizes and modification times,
+    recorded in the export as `CACHE_KEY_FILE`). Returns its path and whether it was made now. Processes asking at
+    once wait for the one that exports (`files.exclusive`), then reuse its export."""
+    source = export_source(model_dir)
+    name = hashlib.sha256(source["checkpoint"].encode()).hexdigest()[:16]
+    output_dir = os.path.join(cache_dir or default_cache_dir(), name)
+    key_file = os.path.join(output_dir, CACHE_KEY_FILE)
+    with exclusive(output_dir, wait=True):
+        try:
+            with open(key_file, encoding="utf-8") as file:
+                if json.load(file) == source:
+                    return output_dir, False
+        except (OSError, ValueError):  # not made yet, or made by a run that stopped before recording its source
+            pass
+        export_to_ctranslate2(model_dir, output_dir, force=True)
+        write_atomically(key_file, json.dumps(source, indent=1))
+    return output_dir, True
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:

@@ -85,6 +85,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
                                                        StoppingCriteriaList)
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 
@@ -380,10 +381,21 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         decode_static = _greedy_static if mode == GenerationMode.GREEDY_SEARCH else _beam_static
         return decode_static(model, input_ids, encoder_outputs.last_hidden_state, attention_mask, stopping_criteria,
                              generation_config)
-    state = (encoder_outputs, attention_mask, cache)
+    state = (encoder_outputs, _source_mask(model, encoder_outputs.last_hidden_state, attention_mask), cache)
     if mode == GenerationMode.GREEDY_SEARCH:
         return _greedy(model, input_ids, state, logits_processor, stopping_criteria, generation_config)
     return _beam(model, input_ids, state, logits_processor, stopping_criteria, generation_config)
+
+
+def _source_mask(model, encoder_states, attention_mask):
+    """The cross-attention mask that the model builds from the sources' padding mask at every step (the same
+    function, for one query per row), built once per batch instead: on a CPU, building it is a measurable share of a
+    step (benchmarks/results/profile-decoding-cpu.md). None where nothing is masked."""
+    if attention_mask is None or attention_mask.dim() == 4:
+        return attention_mask
+    return create_bidirectional_mask(config=model.config, inputs_embeds=encoder_states[:, :1],
+                                     attention_mask=attention_mask, encoder_hidden_states=encoder_states,
+                                     allow_is_bidirectional_skip=not model.training)
 
 
 def _next_token_logits(model, decoder_input_ids, encoder_outputs, attention_mask, cache) -> torch.Tensor:

@@ -20,6 +20,7 @@ tokenizer that is missing or does not fit the model.
 """
 
 import functools
+import importlib.util
 import json
 import os
 
@@ -108,10 +109,15 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
 
 def load_engine(model_dir: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
                 int8: bool = False, decoding: str = "auto", slots: int | None = None, ctranslate2: bool | None = None,
-                compute_type: str = "default", attn_implementation: str | None = None,
+                compute_type: str = "default", attn_implementation: str | None = None, cache_dir: str | None = None,
                 **decoding_overrides) -> Engine:
     """The engine that translates with the checkpoint in `model_dir` (a directory or Hub id), or with the
-    CTranslate2 model there (`ctranslate2=True`, or None: a directory holding `model.bin`).
+    CTranslate2 model there.
+
+    `ctranslate2`: True, CTranslate2 decodes: the model in `model_dir` if it is an export (`model.bin`), else the
+    checkpoint's float32 export, made once and cached (`vaswani.export.cached_export` in `cache_dir`, made again when
+    the weights change); False, the PyTorch checkpoint decodes; None (the default), an export decodes, and so does a
+    checkpoint's where `ctranslate2_by_default` says CTranslate2 gives its translations faster.
 
     `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
     `int8`, `decoding` and `attn_implementation` as `load_translator` takes them, `slots` as `TorchEngine` does; for
@@ -121,13 +127,24 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     the checkpoint's `generation_config` (`vaswani.translation.DecodingSettings.resolve`).
     """
     device = choose_device(device)
+    pytorch_only = {"--dtype": dtype != "auto", "--int8": int8, "--decoding": decoding != "auto",
+                    "--slots": slots is not None, "--attn_implementation": attn_implementation is not None}
+    pytorch_only |= {f"--{name}": value is not None for name, value in decoding_overrides.items()
+                     if name not in CTranslate2Engine.SETTINGS}
+    exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
     if ctranslate2 is None:
-        ctranslate2 = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
+        ctranslate2 = exported or (not any(pytorch_only.values()) and compute_type == "default"
+                                   and ctranslate2_by_default(model_dir, device, **decoding_overrides))
+    export_of, positions = None, "exported positions"
+    if ctranslate2 and not exported:
+        from .export import cached_export  # here, not at the top: vaswani.export builds its engines with this module
+
+        check_checkpoint_dir(model_dir)
+        # Sources are cut where the checkpoint's positions end, named as its PyTorch engine names them.
+        learned = is_learned(AutoConfig.from_pretrained(model_dir, trust_remote_code=False))
+        positions = "learned positions" if learned else "source positions"
+        export_of, (model_dir, _) = model_dir, cached_export(model_dir, cache_dir)
     if ctranslate2:
-        pytorch_only = {"--dtype": dtype != "auto", "--int8": int8, "--decoding": decoding != "auto",
-                        "--slots": slots is not None, "--attn_implementation": attn_implementation is not None}
-        pytorch_only |= {f"--{name}": value is not None for name, value in decoding_overrides.items()
-                         if name not in CTranslate2Engine.SETTINGS}
         if any(pytorch_only.values()):
             raise ValueError(f"{', '.join(name for name, given in pytorch_only.items() if given)}: the PyTorch "
                              "engine's; a CTranslate2 model takes --compute_type and "
@@ -141,7 +158,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         # CPU threads as torch uses them (its own default is a fixed count), so either engine gets the same cores.
         threads = torch.get_num_threads() if device.type == "cpu" else 0
         translator, tokenizer = load_ctranslate2(model_dir, device, compute_type, threads)
-        return CTranslate2Engine(translator, tokenizer, settings)
+        return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of,
+                                 positions=positions)
     if compute_type != "default":
         raise ValueError("--compute_type is CTranslate2's; for a PyTorch checkpoint use --dtype or --int8.")
     check_checkpoint_dir(model_dir)
@@ -153,6 +171,29 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
                                        num_beams=settings.num_beams)
     return TorchEngine(model, tokenizer, settings, slots=slots)
+
+
+def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_overrides) -> bool:
+    """Whether `load_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on a CPU,
+    where CTranslate2 float32 decoded faster than the PyTorch engine at the same precision, greedy and with beam
+    search (benchmarks/results/translation-cpu-main-job-model.md), for a local checkpoint that the exporter takes,
+    with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding settings
+    it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False`
+    is not one of them, and stays with PyTorch)."""
+    if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
+        return False
+    from .export import check_exportable  # here, not at the top: vaswani.export builds its engines with this module
+
+    check_checkpoint_dir(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    try:
+        check_exportable(config)
+    except ValueError:
+        return False
+    settings = DecodingSettings.resolve(
+        read_generation_config(model_dir), positions=config.max_position_embeddings, learned=is_learned(config),
+        origin=_generation_config_name(model_dir), **decoding_overrides)
+    return CTranslate2Engine.follows(settings)
 
 
 def engine_for_model(model, tokenizer, *, slots: int | None = None, **decoding_overrides) -> TorchEngine:

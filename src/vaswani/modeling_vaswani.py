@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -795,7 +795,8 @@ class VaswaniDecoder(VaswaniStack):
                 cross_mask = packed_attention_mask(position_ids, encoder_position_ids, encoder_attention_mask,
                                                    causal=False)
         else:
-            causal_mask = create_causal_mask(
+            causal_mask = None if self._sees_whole_cache(hidden_states, attention_mask, position_ids,
+                                                         self_attention_cache) else create_causal_mask(
                 config=self.config,
                 inputs_embeds=hidden_states,
                 attention_mask=attention_mask,
@@ -803,7 +804,9 @@ class VaswaniDecoder(VaswaniStack):
                 **{CACHE_NAME: self_attention_cache},
             )
             cross_mask = None
-            if self.cross_attention:
+            if self.cross_attention and torch.is_tensor(encoder_attention_mask) and encoder_attention_mask.dim() == 4:
+                cross_mask = encoder_attention_mask  # prepared once per batch by the decoding loop
+            elif self.cross_attention:
                 cross_mask = create_bidirectional_mask(
                     config=self.config,
                     inputs_embeds=hidden_states,
@@ -824,6 +827,15 @@ class VaswaniDecoder(VaswaniStack):
                 **kwargs,
             )
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.finish(hidden_states), **{CACHE_NAME: cache})
+
+    def _sees_whole_cache(self, hidden_states, attention_mask, position_ids, self_attention_cache) -> bool:
+        """Whether the causal mask can be left out: a decoding step of one token on a growing cache without padding
+        may attend to every position the cache holds, so eager's mask would add zeros and sdpa's is None. Building it
+        anyway is a large share of a CPU decoding step's Python (benchmarks/results/profile-decoding-cpu.md). A
+        static cache holds unwritten positions, which stay masked."""
+        return (hidden_states.shape[1] == 1 and attention_mask is None and position_ids is None
+                and self_attention_cache is not None and self.config._attn_implementation in ("eager", "sdpa")
+                and all(type(layer) is DynamicLayer for layer in self_attention_cache.layers))
 
 
 # Models ------------------------------------------------------------------------------------------------------------

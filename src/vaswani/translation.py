@@ -225,6 +225,13 @@ class TorchEngine:
         return "learned positions" if is_learned(self.model.config) else "source positions"
 
     @property
+    def description(self) -> str:
+        """Which engine this is, for the one line a run logs."""
+        int8 = any(type(module).__name__ == "Int8Linear" for module in self.model.modules())
+        return (f"PyTorch {self.decoding.precision}{' with int8 linear layers' if int8 else ''} on "
+                f"{self.model.device}{f', {self.slots} slots' if self.continuous else ''}")
+
+    @property
     def max_source_length(self) -> int | None:
         return self.decoding.max_source_length
 
@@ -305,16 +312,33 @@ class CTranslate2Engine:
     `vaswani.export`, states the measured share). What it cannot do at all (sampling, `early_stopping="never"`,
     other `generate()` options) is refused by name."""
 
-    positions = "exported positions"
     continuous = False
     # What a CTranslate2 model takes besides the engine's own settings (`load_engine` refuses the rest by name).
     SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "length_penalty", "early_stopping",
                 "min_new_tokens")
 
-    def __init__(self, translator, tokenizer, decoding: DecodingSettings):
+    def __init__(self, translator, tokenizer, decoding: DecodingSettings, *, path: str | None = None,
+                 export_of: str | None = None, positions: str = "exported positions"):
         self.check(decoding)
         self.translator, self.tokenizer = translator, tokenizer
         self.decoding = dataclasses.replace(decoding, precision=translator.compute_type)
+        self.path, self.export_of = path, export_of  # the model's directory; the checkpoint it was exported from
+        self.positions = positions  # what `max_source_length` counts, as the truncation warning names it
+
+    @property
+    def description(self) -> str:
+        """Which engine this is, for the one line a run logs."""
+        where = (f"the cached export of {self.export_of} ({self.path})" if self.export_of
+                 else self.path or "a CTranslate2 model")
+        return f"CTranslate2 {self.decoding.precision} on {self.translator.device}, {where}"
+
+    @staticmethod
+    def follows(decoding: DecodingSettings) -> bool:
+        """Whether CTranslate2 decodes with these settings exactly as `generate()` does
+        (tests/test_decoding_contract.py): greedy search, or beam search with `early_stopping=True`; no sampling, no
+        other `generate()` option."""
+        return (not decoding.options and not decoding.do_sample
+                and (decoding.num_beams == 1 or decoding.early_stopping is True))
 
     @staticmethod
     def check(decoding: DecodingSettings) -> None:
