@@ -231,7 +231,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     stopping = args.stopping or (list(STOPPING) if args.model else ["forced"])
     if "eos" in stopping and not args.model:
         raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
-    names = args.engines or (DEFAULT_ENGINES_CUDA if device.is_cuda else DEFAULT_ENGINES_CPU)
+    names = args.engines or (DEFAULT_ENGINES_CUDA if device.as_cuda else DEFAULT_ENGINES_CPU)
     if args.model:
         corpus = resolve_corpus(args.corpus)
         tokenizer = VaswaniTokenizer.from_pretrained(args.model)

@@ -200,11 +200,37 @@ def test_training_benchmark_pins_a_kernel_per_engine_and_times_first_and_later_p
     assert [row["engine"] for row in report["results"]] == ["vaswani-math", "vaswani-flash"]
     assert all(row["steps"] == 4 and row["first_round_ms"] > 0 and row["later_rounds_ms"] > 0
                for row in report["results"])
-    assert set(pinned) == {"math", "flash"} and pinned["math"] == pinned["flash"] == 5  # 4 timed steps, 1 for memory
+    # 4 timed steps, 1 for memory, 1 forward that records what ran
+    assert set(pinned) == {"math", "flash"} and pinned["math"] == pinned["flash"] == 6
     config, device = VaswaniConfig.tiny(vocab_size=64), module.pick_device("cpu")
     for name, kernel in (("vaswani-eager-math", None), ("vaswani-math-flash", None), ("vaswani-math", "flash")):
         with pytest.raises(ValueError, match="at most one SDPA kernel"):
             module.Trainee(name, config, device, [], seed=0, lr=1e-4, attention_kernel=kernel)
+
+
+def test_training_benchmark_records_what_each_engine_ran_and_drops_a_refused_one(corpus, tmp_path):
+    """Engines of one size in one process run each its own attention (each model has its own config: one engine's
+    `set_attn_implementation("eager")` once made every engine beside it eager), and the row says which kernel and
+    dtype ran; a kernel this CPU lacks (efficient) costs that engine's row, not the run's."""
+    module = load("bench_training")
+    path = module.main(common_args(corpus, tmp_path) + [
+        "--sizes", "tiny", "--batch_tokens", "96", "--steps", "1", "--warmup_steps", "0",
+        "--engines", "vaswani-eager,vaswani-math,vaswani-efficient,vaswani-flash,marian-bf16"])
+    report = check_report(path, "bench_training", {"engine", "attention", "dtype"})
+    assert {row["engine"]: (row["attention"], row["dtype"]) for row in report["results"]} == {
+        "vaswani-eager": ("eager", "float32"), "vaswani-math": ("math", "float32"),
+        "vaswani-flash": ("flash", "float32"), "marian-bf16": ("flash", "bfloat16")}
+    assert any(note.startswith("Refused, no row: tiny vaswani-efficient") for note in report["notes"])
+
+
+def test_training_benchmark_stops_where_an_engine_runs_another_kernel(corpus, tmp_path, monkeypatch):
+    module = load("bench_training")
+    real = module.sdpa_backend
+    monkeypatch.setattr(module, "sdpa_backend", lambda name: real("math"))  # a kernel pinned, another one run
+    with pytest.raises(module.WrongKernel, match="vaswani-flash ran attention math in float32, not flash"):
+        module.main(common_args(corpus, tmp_path) + [
+            "--sizes", "tiny", "--batch_tokens", "96", "--steps", "1", "--warmup_steps", "0",
+            "--engines", "vaswani-flash"])
 
 
 def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):

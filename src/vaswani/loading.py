@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Gener
 from .checkpoints import check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
+from .generation_vaswani import runs_as
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
@@ -91,8 +92,8 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
         return named_dtype(requested, int8)
     if int8:
         return torch.float32
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
+    if runs_as(device) == "cuda":  # a CPU rehearsing CUDA multiplies bf16 too, if slowly
+        native = (device.type != "cuda" or torch.cuda.is_bf16_supported()) if cuda_bf16 is None else cuda_bf16
         return torch.bfloat16 if native else torch.float32
     if device.type == "cpu":
         native = cpu_multiplies_bf16() if cpu_bf16 is None else cpu_bf16
@@ -245,7 +246,7 @@ def decoding_loop(decoding: str, device: torch.device) -> str:
     benchmarks/results/translation-forced-cuda-h200-2026-11-28.md), 1.49× against 1.08× on a trained model stopping
     at each sentence's end (806b5ea, translation-trained-cuda-h200.md), whose outputs matched the reference row's for
     2,999 of 3,000 sentences there (transformers' loop: 2,903). Elsewhere "auto" leaves `generate()` its default."""
-    return "graphs" if decoding == "auto" and device.type == "cuda" else decoding
+    return "graphs" if decoding == "auto" and runs_as(device) == "cuda" else decoding
 
 
 def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type: str = "default", threads: int = 0):
