@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -427,15 +428,45 @@ def test_gpu_quality_gives_train_translation_arguments_it_parses():
 
     quality = load("gpu_quality")
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
-    for dry_run, prepare_only in ((False, False), (True, False), (False, True)):
+    gpu, rehearsal, cpu = (argparse.Namespace(is_cuda=real, as_cuda=like) for real, like in
+                           ((True, True), (False, True), (False, False)))
+    for dry_run, device in ((False, gpu), (True, rehearsal), (True, cpu), (False, None)):
         args = argparse.Namespace(dry_run=dry_run, preset="base", vocab_size=16000, train_seconds=300, max_tokens=4000,
-                                  lr=7e-4, warmup=400, eval_batch_size=256, prepare_only=prepare_only,
-                                  data_cache_dir=Path("cache"))
+                                  lr=7e-4, warmup=400, eval_batch_size=256, data_cache_dir=Path("cache"))
         for recipe in quality.RECIPES.values():
-            namespace = parser.parse_args(quality.shared_arguments(args, Path("out")) + recipe)  # exits on an error
+            namespace = parser.parse_args(quality.shared_arguments(args, Path("out"), device) + recipe)  # exits on error
             assert namespace.max_train_time == 300 and namespace.data_cache_dir == "cache"
-            # The GPU's flags only where a GPU runs it: --prepare_only runs beforehand on any machine.
-            assert namespace.bf16 is namespace.torch_compile is (not dry_run and not prepare_only)
+            # The GPU's flags where a GPU runs it or a CPU rehearses it (there on the CPU backend, without TF32);
+            # none to fill the caches (device None), which runs beforehand on any machine.
+            assert namespace.bf16 is namespace.torch_compile is (device in (gpu, rehearsal))
+            assert namespace.tf32 is (True if device is gpu else None) and namespace.use_cpu is (device is rehearsal)
+
+
+@pytest.mark.slow
+def test_the_quality_runs_gpu_arguments_train_compile_and_score_on_a_cpu_rehearsing_cuda(tmp_path, monkeypatch):
+    """The quality run's own train_translation.py arguments as a GPU gets them (bf16 autocast, torch.compile, the
+    test split scored by generate()'s CUDA default, transformers' loop), rehearsed on the CPU at the tiny size: a
+    path that otherwise first runs on a lent GPU (where a TypeError in that loop once cost a run its score)."""
+    from training_script import run_script, synthetic_corpus
+
+    import vaswani.generation_vaswani
+
+    quality = load("gpu_quality")
+    monkeypatch.setattr(vaswani.generation_vaswani, "rehearsing_cuda", True)
+    device = quality.Device(torch.device("cpu"))
+    assert device.as_cuda and not device.is_cuda and device.dtype_name == "bfloat16"
+    args = argparse.Namespace(dry_run=False, preset="tiny", vocab_size=300, train_seconds=120, max_tokens=300, lr=3e-3,
+                              warmup=5, eval_batch_size=16, data_cache_dir=tmp_path / "cache")
+    arguments = quality.shared_arguments(args, tmp_path / "out", device) + quality.RECIPES["dropout-0.1"]
+    assert {"--bf16", "--torch_compile"} <= set(arguments) and "--tf32" not in arguments
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    env = {**os.environ, "VASWANI_REHEARSE_CUDA": "1", "OMP_NUM_THREADS": "1"}
+    run = run_script("train_translation.py", *arguments, "--corpus", str(corpus), "--max_steps", "3",
+                     "--max_test_samples", "8", "--dataloader_num_workers", "0", env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["train_steps"] == 3 and metrics["train_compile_seconds"] > 0
+    assert metrics["test_sentences"] > 0 and metrics["test_bleu"] is not None
 
 
 @pytest.mark.parametrize("name", ["vaswani", "vaswani-slots", "marian", "ct2-float32"])
