@@ -135,6 +135,11 @@ import torch
 for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "pyarrow", "safetensors"):
     print(name, importlib.import_module(name).__version__)
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+import re, sys
+from packaging.specifiers import SpecifierSet
+supported = re.search(r'"torch([^"]+)"', open("pyproject.toml").read()).group(1)
+if torch.__version__.split("+")[0] not in SpecifierSet(supported):
+    sys.exit(f"error: torch {torch.__version__} is outside the package's supported range {supported} (pyproject.toml)")
 EOF
 }
 
