@@ -36,6 +36,7 @@ from vaswani import VaswaniConfig
 from vaswani.batching import (
     PackedBatchSampler, PackedSeq2SeqCollator, ShapeBuckets, TokenBatchSampler, batch_positions, pad_to_shape,
 )
+from vaswani.files import write_atomically
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
 from vaswani.training_callbacks import compiled_graphs
@@ -197,6 +198,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         sample = np.sort(np.random.default_rng(args.seed).choice(len(source_ids), args.sample_pairs, replace=False))
         source_ids, target_ids = [source_ids[i] for i in sample], [target_ids[i] for i in sample]
     rows, batch_sentences, padding, shapes, warmups, refused = [], {}, {}, {}, {}, []
+    if args.compile_cache and args.compile_cache.is_file():
+        torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
     for batch_tokens in budgets:
         prepared = {}
         for batching in args.batchings:
@@ -216,6 +219,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started,
                          refused)
     _add_ratios(rows)
+    if args.compile_cache and (artifacts := torch.compiler.save_cache_artifacts()) is not None:
+        write_atomically(args.compile_cache, artifacts[0])
     return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
                    batch_sentences, padding, shapes, epoch, refused)
 
@@ -525,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dropout", type=float, default=None, help="dropout of both models; default: the preset's")
     add("--keep_freed_memory", action="store_true", help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the "
         "whole process, as train_translation.py does on a CPU, Marian's steps included")
+    add("--compile_cache", type=Path, default=None, help="torch.compile's portable cache "
+        "(torch.compiler.save_cache_artifacts): loaded before the engines compile where the file exists, saved after "
+        "the run, so that a later run on the same kind of device compiles from it")
     add("--profile", action="store_true", help="after timing, print each engine's top operators over the timed steps")
     add("--profile_rows", type=int, default=25)
     add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU on GPUs not in BF16_PEAK_TFLOPS")

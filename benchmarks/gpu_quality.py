@@ -69,6 +69,8 @@ def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device 
     penalty 0.6 (§6.1) for the test split."""
     gpu = [] if device is None else device_arguments(device)
     test = ["--max_test_samples", "64"] if args.dry_run else []
+    if "--torch_compile" in gpu and getattr(args, "compile_cache", None):
+        gpu += ["--compile_cache", str(args.compile_cache)]
     cache = ["--data_cache_dir", str(args.data_cache_dir)] if args.data_cache_dir else []
     return ["--preset", args.preset, "--vocab_size", str(args.vocab_size), "--output_dir", str(output_dir),
             "--max_train_time", str(args.train_seconds), "--num_train_epochs", "1000", *gpu,
@@ -172,6 +174,8 @@ def main(argv=None):
     parser.add_argument("--dry_run", action="store_true", help="tiny preset, 20 s, 64 test and validation sentences: "
                         "checks the whole path on any machine (with VASWANI_REHEARSE_CUDA=1 on a CPU, with the "
                         "GPU's bf16 and torch.compile)")
+    parser.add_argument("--compile_cache", type=Path, default=None, help="train_translation.py's --compile_cache: "
+                        "torch.compile's cache, loaded where the file exists and saved after the compilation")
     parser.add_argument("--prepare_only", action="store_true", help="only fill the data caches the recipes load "
                         "(the corpus' splits, the tokenizer, the tokenized splits), then exit")
     add_result_arguments(parser)
