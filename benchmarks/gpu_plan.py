@@ -94,6 +94,16 @@ def probe(run: Run) -> list[list[str]]:
                       run.cache / "probe.bin", "--output_name", "training-probe-{device}-4000")]
 
 
+def probe_packed(run: Run) -> list[list[str]]:
+    """The compiled base step on packed rows against bucketed batches, each padded to multiples of 1 and 8 (Marian on
+    the bucketed ones: it takes no packed rows): the GPU's batching and padding multiple, by real tokens/s."""
+    size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1"] if run.dry else \
+        ["--sizes", "base", "--batch_tokens", "4000", "--steps", "10", "--seconds_per_setting", PROBE_SECONDS]
+    return [run.bench("bench_training.py", *size, "--engines", "vaswani-compiled,marian", "--batchings",
+                      "bucketed,bucketed-8,packed,packed-8", "--compile_cache", run.cache / "probe-packed.bin",
+                      "--output_name", "training-packing-{device}-4000")]
+
+
 def kernels(run: Run) -> list[list[str]]:
     """The eager base step under SDPA's efficient, cuDNN and math kernels and eager attention, interleaved on the
     same batches, no warm-up, 3 passes (the first meets each shape for the first time); a kernel the device lacks
@@ -142,6 +152,7 @@ STAGES = {
     # the batches (10 s), the compiled step's warm-up (119 s cold on the 2026-11-28 H200), then 20 s of Marian's
     # steps and as many of the compiled engine's
     "probe-4000": Stage(probe, 85, cold=195, cache="probe.bin"),
+    "probe-4000-packed": Stage(probe_packed, 100, cold=150, cache="probe-packed.bin"),  # by name: four batchings
     "translation-trained": Stage(translation_trained, 105),  # 4 engines, each loaded and warmed, 1,000 sentences
     "kernels": Stage(kernels, 110),  # four base models, 3 passes over 20 batches with each attention
     "tests": Stage(tests, 170),  # 15 of the 18 gpu tests took 148 s on an H200

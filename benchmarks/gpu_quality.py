@@ -46,7 +46,7 @@ from vaswani.training import (
 # Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
 # alone is the default.
 # `dropout-0.1-eager` trains with eager attention (matmul and softmax) instead of SDPA's kernels, for where
-# `gpu_session.sh kernels` measures it faster on this corpus's short sentences.
+# `gpu_plan.py kernels` measures it faster on this corpus's short sentences.
 RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"],
            "dropout-0.1-eager": ["--config_overrides", "dropout=0.1", "--attn_implementation", "eager"]}
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).

@@ -58,7 +58,7 @@ multiplications are int8 (benchmarks/README.md):
    than max_length, eos_token_id and each sentence's own limit (`SentenceLimits`, kept in a buffer of the shape);
    others may read values on the host, and those calls decode as 1–5 describe. On
    other devices the same static steps run without graphs, which is how the CPU tests check them.
-   Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
+   Measured on a GPU by `benchmarks/gpu_plan.py translation-trained` (engine `vaswani-graphs`,
    benchmarks/results/translation-trained-cuda-h200.md).
 
 Continuous batching (sentences in slots, each finished one replaced by the next source) is not a generate() call and
