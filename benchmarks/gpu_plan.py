@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE_SECONDS = 20  # the step probe repeats its batches until Marian, the slowest, has trained this long
-DRY_RUN_LIMIT = 240  # a dry run checks paths, not times: a shared CPU compiles the tiny model slower than a GPU the base
+DRY_RUN_LIMIT = 480  # a dry run checks paths, not times: a shared CPU compiles the tiny model slower than a GPU the base
 # The torch the package supports (pyproject.toml), checked before anything else runs.
 CHECK_TORCH = """import importlib, re, sys, torch
 from packaging.specifiers import SpecifierSet
@@ -203,6 +203,8 @@ def run_stage(name: str, run: Run, limit: float) -> bool:
             log.flush()
             process = subprocess.Popen(command, cwd=REPO, env=run.env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            # The plan itself stopped (the device call's timeout): the stage's process group with it.
+            signal.signal(signal.SIGTERM, lambda *_: (os.killpg(process.pid, signal.SIGKILL), sys.exit(143)))
             copy = threading.Thread(target=lambda: [(sys.stdout.write(line), log.write(line), log.flush())
                                                     for line in process.stdout])
             copy.start()
