@@ -39,7 +39,7 @@ from vaswani.batching import (
 from vaswani.files import write_atomically
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.training import MAX_SHAPE_BUCKETS
-from vaswani.training_callbacks import compiled_graphs
+from vaswani.training_callbacks import compile_cache_hits, compiled_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -198,7 +198,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         sample = np.sort(np.random.default_rng(args.seed).choice(len(source_ids), args.sample_pairs, replace=False))
         source_ids, target_ids = [source_ids[i] for i in sample], [target_ids[i] for i in sample]
     rows, batch_sentences, padding, shapes, warmups, refused = [], {}, {}, {}, {}, []
-    if args.compile_cache and args.compile_cache.is_file():
+    carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
+    if carried:
         torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
     for batch_tokens in budgets:
         prepared = {}
@@ -219,7 +220,9 @@ def run(args: argparse.Namespace, argv) -> Path:
         rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started,
                          refused)
     _add_ratios(rows)
-    if args.compile_cache and (artifacts := torch.compiler.save_cache_artifacts()) is not None:
+    # As train_translation.py does: written where none was carried or the one carried served nothing.
+    if (args.compile_cache and not (carried and compile_cache_hits() > hits)
+            and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
         write_atomically(args.compile_cache, artifacts[0])
     return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
                    batch_sentences, padding, shapes, epoch, refused)

@@ -3,9 +3,11 @@ limit costs only its own results, and a dry-run stage runs on this machine. The 
 so they are run by hand before a GPU call (benchmarks/README.md, "A lent GPU"), not here."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -66,9 +68,9 @@ def test_a_failing_or_overrunning_stage_costs_only_its_own_results(tmp_path, mon
     monkeypatch.setenv("RESULTS_DIR", str(results))
     monkeypatch.setenv("ARCHIVE", str(archive))
     monkeypatch.setenv("COMPILE_CACHE", str(tmp_path / "cache"))
-    started = __import__("time").monotonic()
+    started = time.monotonic()
     assert gpu_plan.main(["fails", "overruns", "packed"]) == 1
-    assert __import__("time").monotonic() - started < 40  # the overrunning stage was stopped at its limit
+    assert time.monotonic() - started < 40  # the overrunning stage was stopped at its limit
     logs = {name: (results / f"gpu-{name}.log").read_text() for name in ("fails", "overruns", "packed")}
     assert "stopped at the stage's limit of 8 s" in logs["overruns"]
     with tarfile.open(archive) as pack:
@@ -82,7 +84,7 @@ def test_dry_run_of_the_setup_stage(tmp_path):
     results, archive = tmp_path / "results", tmp_path / "results.tar.gz"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_plan.py"), "--dry_run", "setup"],
                          capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "RESULTS_DIR": str(results), "ARCHIVE": str(archive),
+                         env={**os.environ, "RESULTS_DIR": str(results), "ARCHIVE": str(archive),
                               "COMPILE_CACHE": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "device: cpu" in run.stdout and "== setup: ok" in run.stdout

@@ -259,8 +259,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         # here, so training then finds its graph without compiling.
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if bucketed else contextlib.nullcontext()
         cache = Path(self.args.compile_cache) if self.args.compile_cache else None
-        hits = compile_cache_hits()
-        if cache is not None and cache.is_file():
+        hits, carried = compile_cache_hits(), cache is not None and cache.is_file()
+        if carried:
             torch.compiler.load_cache_artifacts(cache.read_bytes())
         with static, torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
             for indices in batches:
@@ -278,7 +278,9 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self._computed_positions = 0
         self.compile_seconds = time.monotonic() - start
         self.compile_cache_hits = compile_cache_hits() - hits
-        if cache is not None and self.is_world_process_zero():
+        # Written where none was carried, or where the one carried served nothing (another torch, another model):
+        # a run that compiled from the cache records only what it compiled itself, less than the cache it read.
+        if cache is not None and not (carried and self.compile_cache_hits) and self.is_world_process_zero():
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is not None:  # None where nothing was compiled
                 write_atomically(cache, artifacts[0])
