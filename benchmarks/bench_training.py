@@ -434,7 +434,7 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "built during the timed steps are counted (column `recompiles`).",
         f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager, "
         "-flex: FlexAttention)" + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else ".")
-        + " Columns `attention` and `dtype`: the kernel and the matrix products' dtype one forward of each engine's "
+        + " Columns `attention` and `dtype`: the kernel and the weights' products' dtype one forward of each engine's "
         "model (uncompiled, in its autocast and SDPA settings) ran, seen at torch's dispatcher; a run stops where "
         "they are not the engine's.",
     ]

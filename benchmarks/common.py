@@ -391,12 +391,14 @@ def sdpa_backend(name: str | None):
 # `_safe_softmax`, eager attention by a plain softmax.
 ATTENTION_OPERATORS = {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn",
                        "flex_attention": "flex", "_safe_softmax": "math", "aten._softmax": "eager"}
-MATMULS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.linear")
+# The weights' products, whose dtype is the engine's precision (attention's own batched products are left out: SDPA's
+# math kernel computes them in fp32 for bf16 inputs on a CPU).
+MATMULS = ("aten.mm", "aten.addmm", "aten.linear")
 
 
 def attention_ran(encode: Callable[[], object]) -> dict:
     """What one call of `encode` (a model's encoder on a batch, with the engine's autocast and SDPA settings around
-    it) really ran: the attention kernels (`attention`) and the dtypes of its matrix products (`dtype`), each a
+    it) really ran: the attention kernels (`attention`) and the dtypes of its weights' products (`dtype`), each a
     comma-separated sorted list, seen at torch's dispatcher below autocast, so that the record is what ran and not
     what was asked."""
     from torch.utils._python_dispatch import TorchDispatchMode
