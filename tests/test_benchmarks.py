@@ -86,6 +86,10 @@ def test_translation_benchmark(corpus, tmp_path, same_process):
     assert all(row["sentences"] == 8 for row in report["results"])
     assert {row["vs_marian"] is None for row in report["results"] if row["engine"] == "marian"} == {True}
     assert all(row["load_mib"] is not None for row in report["results"])  # measured in the engine's process
+    # What each PyTorch engine's encoder really ran (int8 and CTranslate2 have no such record).
+    assert {(row["engine"], row.get("attention"), row.get("dtype")) for row in report["results"]
+            if row["engine"] in ("vaswani", "vaswani-graphs", "marian")} == {
+        (name, "flash", "float32") for name in engines.split(",") if name in ("vaswani", "vaswani-graphs", "marian")}
     for row in report["results"] if same_process else ():
         # The time in the linear layers' kernels: part of a PyTorch engine's seconds, none for CT2.
         if row["engine"].startswith("ct2-"):
