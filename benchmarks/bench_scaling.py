@@ -63,9 +63,9 @@ def token_stream(pairs, tokenizer, needed: int, seed: int) -> torch.Tensor:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    batch_tokens = args.batch_tokens or (32768 if device.is_cuda else 2048)
+    batch_tokens = args.batch_tokens or (32768 if device.as_cuda else 2048)
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
-    args.decode_batch = args.decode_batch or (8 if device.is_cuda else 1)
+    args.decode_batch = args.decode_batch or (8 if device.as_cuda else 1)
     batch_of = {length: max(1, batch_tokens // length) for length in args.lengths}
     per_step = max(max(batch_of[n] * n for n in args.lengths), args.decode_batch * max(args.lengths))
     stream = token_stream(pairs, tokenizer, per_step * (1 + args.steps), args.seed)
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, argv) -> Path:
         "allocated tensors; CPU: process RSS), so it includes weights, optimizer state and the KV cache.",
         "KV cache per token is measured on the cache object after a forward pass (all layers, keys + values, in "
         f"{str(device.dtype).removeprefix('torch.')}), and equals 2 · layers · kv_heads · head_dim · bytes.",
-        f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.is_cuda else 'fp32'}; "
+        f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.as_cuda else 'fp32'}; "
         "attention implementation: the transformers default (sdpa).",
     ]
     columns = [
@@ -128,10 +128,10 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
     before = resident_mib(device, settle=True)
     torch.manual_seed(args.seed)
     train = mode == "train"
-    dtype = torch.float32 if train or not device.is_cuda else device.dtype
+    dtype = torch.float32 if train or not device.as_cuda else device.dtype
     model = VaswaniForCausalLM(config).to(device.device, dtype).train(train)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9) if train else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if train and device.is_cuda else contextlib.nullcontext()
+    autocast = torch.autocast(device.device.type, dtype=torch.bfloat16) if train and device.as_cuda else contextlib.nullcontext()
     if mode == "decode":
         batch = args.decode_batch
     windows = stream[: (1 + args.steps) * batch * length].view(1 + args.steps, batch, length).to(device.device)

@@ -34,15 +34,16 @@ from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
 from vaswani.batching import ShapeBuckets, TokenBatchSampler, batch_positions, pad_to_shape
-from vaswani.packing import PackedBatchSampler, PackedSeq2SeqCollator
+from vaswani.files import write_atomically
 from vaswani.inference import keep_freed_cpu_memory
+from vaswani.packing import PackedBatchSampler, PackedSeq2SeqCollator
 from vaswani.training import MAX_SHAPE_BUCKETS
-from vaswani.training_clock import compiled_graphs
+from vaswani.training_clock import compile_cache_hits, compiled_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters,
-    engine_label, csv_of, pick_device, report, sdpa_backend, timed,
+    SDPA_BACKENDS, Column, PeakMemory, WrongKernel, add_common_arguments, attention_ran, build_seq2seq, check_ran,
+    corpus_and_tokenizer, count_parameters, engine_label, csv_of, pick_device, report, sdpa_backend, timed,
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
@@ -142,10 +143,23 @@ class Trainee:
                                          pad_values) for b in batches]
         self.device = device
         self.autocast = (
-            torch.autocast(device.device.type, dtype=torch.bfloat16) if device.is_cuda or "bf16" in options
+            torch.autocast(device.device.type, dtype=torch.bfloat16) if device.as_cuda or "bf16" in options
             else contextlib.nullcontext()
         )
         self.attention_kernel = kernels[0] if kernels else attention_kernel
+        # What the engine must run, which `check` holds it to.
+        self.attention = ({"flex"} if "flex" in options else {"eager"} if "eager" in options
+                          else {self.attention_kernel} if self.attention_kernel else set(SDPA_BACKENDS))
+        self.dtype = "bfloat16" if device.as_cuda or "bf16" in options else "float32"
+
+    def check(self) -> dict:
+        """The attention kernel and dtype one forward of the engine's model (uncompiled) ran on the first batch, in
+        the engine's settings; stops the benchmark (`WrongKernel`) where they are not the engine's."""
+        batch = {k: v.to(self.device.device) for k, v in self.batches[0].items()}
+        with self.autocast, sdpa_backend(self.attention_kernel):
+            ran = attention_ran(lambda: self.model(**batch))
+        check_ran(self.name, ran, self.attention, self.dtype)
+        return ran
 
     def step(self, index: int) -> None:
         batch = {k: v.to(self.device.device, non_blocking=True) for k, v in self.batches[index].items()}
@@ -165,12 +179,12 @@ class Trainee:
 
 def run(args: argparse.Namespace, argv) -> Path:
     device = pick_device(args.device, args.threads)
-    budgets = args.batch_tokens or ([4000, 12000, 25000] if device.is_cuda else [2048])
+    budgets = args.batch_tokens or ([4000, 12000, 25000] if device.as_cuda else [2048])
     engines = [name for name in args.engines if device.is_cuda or "graphs" not in name.split("-")]
     if engines != args.engines:
         print(f"skipped without CUDA: {', '.join(sorted(set(args.engines) - set(engines)))}", file=sys.stderr)
-    steps = args.steps or (20 if device.is_cuda else 4)
-    warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.is_cuda else 1)
+    steps = args.steps or (20 if device.as_cuda else 4)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.as_cuda else 1)
     peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
     if args.keep_freed_memory and not device.is_cuda and not keep_freed_cpu_memory(largest_block_mib=None):
         raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
@@ -183,7 +197,10 @@ def run(args: argparse.Namespace, argv) -> Path:
     if args.sample_pairs:  # a seeded sample, whose whole epoch every batching then trains on
         sample = np.sort(np.random.default_rng(args.seed).choice(len(source_ids), args.sample_pairs, replace=False))
         source_ids, target_ids = [source_ids[i] for i in sample], [target_ids[i] for i in sample]
-    rows, batch_sentences, padding, shapes, warmups = [], {}, {}, {}, {}
+    rows, batch_sentences, padding, shapes, warmups, refused = [], {}, {}, {}, {}, []
+    carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
+    if carried:
+        torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
     for batch_tokens in budgets:
         prepared = {}
         for batching in args.batchings:
@@ -200,10 +217,15 @@ def run(args: argparse.Namespace, argv) -> Path:
             # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
             print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started)
+        rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started,
+                         refused)
     _add_ratios(rows)
+    # As train_translation.py does: written where none was carried or the one carried served nothing.
+    if (args.compile_cache and not (carried and compile_cache_hits() > hits)
+            and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
+        write_atomically(args.compile_cache, artifacts[0])
     return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
-                   batch_sentences, padding, shapes, epoch)
+                   batch_sentences, padding, shapes, epoch, refused)
 
 
 def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed: int) -> dict:
@@ -283,9 +305,10 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
 
 
 def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
-             started) -> list[dict]:
+             started, refused: list[str]) -> list[dict]:
     """Every size × batching × engine on its batching's batches: the rows of one batch budget. Packed batches are
-    for the Vaswani engines only (Marian's model takes no packed rows)."""
+    for the Vaswani engines only (Marian's model takes no packed rows). An engine whose first steps fail is left
+    out, the reason added to `refused`."""
     rows = []
     for size in args.sizes:
         dropout = {"dropout": args.dropout} if args.dropout is not None else {}
@@ -294,16 +317,27 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                             batches.buckets, batching)
                     for batching, batches in prepared.items() for name in engines
                     if not (batching.startswith("packed") and name.split("-")[0] != "vaswani")]
-        memory = {}
-        for trainee in trainees:
-            # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
-            warmup = prepared[trainee.batching].warmup
-            for i in range(1, 1 + warmup):
-                trainee.step(i)
-            print(f"{size} {engine_label(trainee.name)} ({trainee.batching}) at {batch_tokens}: {warmup} warm-up "
-                  f"steps done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-            with PeakMemory(device) as peak:
-                trainee.step(0)
+        memory, ran = {}, {}
+        for trainee in list(trainees):
+            try:
+                # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
+                warmup = prepared[trainee.batching].warmup
+                for i in range(1, 1 + warmup):
+                    trainee.step(i)
+                print(f"{size} {engine_label(trainee.name)} ({trainee.batching}) at {batch_tokens}: {warmup} warm-up "
+                      f"steps done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+                with PeakMemory(device) as peak:
+                    trainee.step(0)
+                ran[trainee] = trainee.check()
+            except WrongKernel:
+                raise
+            except Exception as error:  # the device refused the engine (a kernel it lacks): its row only is lost
+                why = (str(error).strip().splitlines() or [""])[0][:200]
+                refused.append(f"{size} {trainee.name} ({trainee.batching}) at {batch_tokens}: "
+                               f"{type(error).__name__}: {why}")
+                print(f"refused: {refused[-1]}", file=sys.stderr, flush=True)
+                trainees.remove(trainee)
+                continue
             memory[trainee] = (trainee.state_mib(), peak.added_mib)
         seconds = {trainee: 0.0 for trainee in trainees}
         first_round = {}  # each engine's seconds when its first pass over the timed batches ended
@@ -351,7 +385,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                 "target_tokens_per_s": target_tokens / elapsed, "model_tflops_per_s": flops / elapsed / 1e12,
                 "mfu": flops / elapsed / (peak_tflops * 1e12) if peak_tflops else None, "state_mib": state,
                 "step_added_mib": added, "peak_mib": state + added if added is not None else None,
-                "load_average": load_average, "compilations_while_timed": compiles_timed,
+                "load_average": load_average, "compilations_while_timed": compiles_timed, **ran[trainee],
                 **_rounds(first_round.get(trainee), elapsed, len(indices[trainee]), len(done[trainee])),
             })
             print(_progress(rows[-1]), flush=True)
@@ -360,11 +394,12 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
 
 
 def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
-            batch_sentences, padding, shapes, epoch) -> Path:
+            batch_sentences, padding, shapes, epoch, refused) -> Path:
     settings = dict(batch_tokens=budgets, steps=steps, warmup_steps=warmups, peak_tflops=peak_tflops,
                     corpus=str(corpus), vocab_size_actual=len(tokenizer), batch_sizes_sentences=batch_sentences,
                     padding_fraction=padding, **({"shapes_rows_length": shapes} if shapes else {}))
     notes = [
+        *(f"Refused, no row: {why}" for why in refused),
         (f"Batches: a seeded sample of {args.sample_pairs} of the {len(pairs)} pairs" if args.sample_pairs
          else f"Batches: all {len(pairs)} pairs") + f" of {corpus.name} tokenized by the project's joint BPE "
         f"({len(tokenizer)} tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler"
@@ -392,13 +427,16 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "written out), Marian's plain cross-entropy. Engines interleaved step by step, the order rotating.",
         *(["keep_freed_cpu_memory(None) for the whole process, as train_translation.py on a CPU."]
           if args.keep_freed_memory and not device.is_cuda else []),
-        (f"bf16 autocast with fp32 weights; MFU against a dense bf16 peak of {peak_tflops} TFLOP/s." if device.is_cuda
+        (f"bf16 autocast with fp32 weights; MFU against a dense bf16 peak of {peak_tflops} TFLOP/s." if device.as_cuda
          else "fp32 (-bf16 engines: bf16 autocast with fp32 weights, as `--bf16 --use_cpu` trains); MFU only on GPU."),
         "Memory: peak = weights + Adam state + the peak one extra untimed step adds (on CPU, a process RSS increment).",
         "Compiled engines: torch.compile(model) (-graphs: mode=\"reduce-overhead\"), compiled in the warm-up; graphs "
         "built during the timed steps are counted (column `recompiles`).",
         f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager, "
-        "-flex: FlexAttention)" + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else "."),
+        "-flex: FlexAttention)" + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else ".")
+        + " Columns `attention` and `dtype`: the kernel and the weights' products' dtype one forward of each engine's "
+        "model (uncompiled, in its autocast and SDPA settings) ran, seen at torch's dispatcher; a run stops where "
+        "they are not the engine's.",
     ]
     columns = [
         Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
@@ -410,7 +448,8 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         Column("vs_bucketed", "× bucketed", "{:.3f}"),
         Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
-        Column("compilations_while_timed", "recompiles"),
+        Column("compilations_while_timed", "recompiles"), Column("attention", "attention"),
+        Column("dtype", "dtype"),
         Column("first_round_ms", "ms a step, first pass", "{:.1f}"),
         Column("later_rounds_ms", "ms a step, later passes", "{:.1f}"),
     ]
@@ -494,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dropout", type=float, default=None, help="dropout of both models; default: the preset's")
     add("--keep_freed_memory", action="store_true", help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the "
         "whole process, as train_translation.py does on a CPU, Marian's steps included")
+    add("--compile_cache", type=Path, default=None, help="torch.compile's portable cache "
+        "(torch.compiler.save_cache_artifacts): loaded before the engines compile where the file exists, saved after "
+        "the run, so that a later run on the same kind of device compiles from it")
     add("--profile", action="store_true", help="after timing, print each engine's top operators over the timed steps")
     add("--profile_rows", type=int, default=25)
     add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU on GPUs not in BF16_PEAK_TFLOPS")

@@ -44,8 +44,9 @@ from vaswani.translation import CTranslate2Engine, generate_token_ids, output_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column, PeakMemory, add_common_arguments, build_seq2seq, corpus_and_tokenizer, count_parameters, engine_label,
-    csv_of, loaded, pick_device, report, resolve_corpus, sample_sentences, sdpa_backend, timed,
+    SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, attention_ran, build_seq2seq, check_ran,
+    corpus_and_tokenizer, count_parameters, engine_label, csv_of, loaded, pick_device, report, resolve_corpus,
+    sample_sentences, sdpa_backend, timed,
 )
 
 # An engine's options after its model's name, joined by dashes (`vaswani-int8-hfloop`): the factory's precision
@@ -107,6 +108,19 @@ class LocalEngine:
         # None for CTranslate2 and int8 (whose weights are buffers): the fp32 rows of the same weights count them.
         self.parameters = None if self.ct2 or "int8" in name else count_parameters(self.engine.model)
         self.slots, self.attention_kernel = "slots" in name.split("-"), attention_kernel
+        self.ran = None if self.ct2 or "int8" in name else self.check()
+
+    def check(self) -> dict:
+        """The attention kernel and dtype the engine's encoder really ran on a few tokens, in its SDPA setting; stops
+        the benchmark (`WrongKernel`) where they are not the engine's (its attention and its weights' dtype)."""
+        model = self.engine.model
+        ids = torch.arange(3, 8, device=model.device)[None]
+        with sdpa_backend(self.attention_kernel), torch.no_grad():
+            ran = attention_ran(lambda: model.get_encoder()(input_ids=ids))
+        eager = model.config._attn_implementation == "eager"
+        kernels = {self.attention_kernel} if self.attention_kernel else {"eager"} if eager else set(SDPA_BACKENDS)
+        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."))
+        return ran
 
     def translate(self, batch, beams, new_tokens, stop_at_eos, slots=None) -> list[list[int]]:
         """Each sentence's generated token ids, up to its end of sentence (all `new_tokens` when forced)."""
@@ -169,7 +183,7 @@ class EngineProcess:
         self._process = context.Process(target=_serve, args=(child, spec), daemon=True)
         self._process.start()
         child.close()
-        self.parameters, self.load_mib = self._call("describe")
+        self.parameters, self.load_mib, self.ran = self._call("describe")
 
     def _call(self, method: str, *args):
         self._pipe.send((method, args))
@@ -205,7 +219,7 @@ def _serve(pipe, spec: dict) -> None:
         try:
             if method == "describe":
                 engine = LocalEngine(**spec)
-                result = (engine.parameters, engine.load_mib)
+                result = (engine.parameters, engine.load_mib, engine.ran)
             else:
                 result = getattr(engine, method)(*args)
         except Exception:  # noqa: BLE001 (reported to the parent, which raises it)
@@ -231,7 +245,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     stopping = args.stopping or (list(STOPPING) if args.model else ["forced"])
     if "eos" in stopping and not args.model:
         raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
-    names = args.engines or (DEFAULT_ENGINES_CUDA if device.is_cuda else DEFAULT_ENGINES_CPU)
+    names = args.engines or (DEFAULT_ENGINES_CUDA if device.as_cuda else DEFAULT_ENGINES_CPU)
     if args.model:
         corpus = resolve_corpus(args.corpus)
         tokenizer = VaswaniTokenizer.from_pretrained(args.model)
@@ -339,6 +353,7 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
             "seconds": seconds, "sentences_per_s": sentences / seconds, "tokens_per_s": output_tokens / seconds,
             "identical_to_vaswani": sum(map(list.__eq__, translations[name], reference)) if reference else None,
             "work_mib": work_mib, "linear_seconds": linear_seconds, "load_average": load_average,
+            **(engines[name].ran or {}),
         })
     return rows
 
@@ -368,7 +383,7 @@ def _columns(args) -> list[Column]:
         Column("beams", "beams"), Column("sentences", "sentences"), Column("seconds", "seconds", "{:.2f}"),
         Column("sentences_per_s", "sentences/s", "{:.1f}"), Column("tokens_per_s", "output tokens/s", "{:.0f}"),
         Column("vs_marian", "× Marian", "{:.2f}"), Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
-        Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"),
+        Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"), Column("attention", "attention"), Column("dtype", "dtype"),
         *([Column("identical_to_vaswani", "identical")] if args.model else []),
         *([Column("linear_seconds", "linear-layer s", "{:.2f}")] if args.linear_time else []),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),

@@ -9,6 +9,7 @@ it only builds, feeds and times them.
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import gc
 import hashlib
@@ -33,6 +34,7 @@ from vaswani.convert import to_marian
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
 from vaswani.files import write_atomically
+from vaswani.generation_vaswani import runs_as
 from vaswani.loading import choose_device, named_dtype
 from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
@@ -64,11 +66,18 @@ class Device:
 
     @property
     def is_cuda(self) -> bool:
+        """Whether CUDA's own calls (synchronisation, memory statistics, graph capture) run: a GPU only."""
         return self.device.type == "cuda"
 
     @property
+    def as_cuda(self) -> bool:
+        """Whether the benchmark takes CUDA's defaults (precision, sizes, engines): on a GPU, and on a CPU under
+        $VASWANI_REHEARSE_CUDA=1 (`vaswani.generation_vaswani.runs_as`)."""
+        return runs_as(self.device) == "cuda"
+
+    @property
     def dtype_name(self) -> str:
-        return "bfloat16" if self.is_cuda else "float32"
+        return "bfloat16" if self.as_cuda else "float32"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -222,7 +231,9 @@ def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: tor
     if engine not in ("vaswani", "marian"):
         raise ValueError(f"Unknown PyTorch engine {engine!r}; choose vaswani or marian.")
     torch.manual_seed(seed)
-    model = VaswaniForConditionalGeneration(config)
+    # A copy: the model keeps its config, and an engine's own setting (`set_attn_implementation`) must not reach
+    # the other engines built from the same one.
+    model = VaswaniForConditionalGeneration(copy.deepcopy(config))
     return (to_marian(model) if engine == "marian" else model).to(device=device.device, dtype=dtype)
 
 
@@ -271,7 +282,7 @@ def environment(device: Device) -> dict:
     env = {
         "device": device.tag,
         "device_name": torch.cuda.get_device_name(device.device) if device.is_cuda else _cpu_name(),
-        "dtype": device.dtype_name, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "dtype": device.dtype_name, "rehearsing_cuda": device.as_cuda and not device.is_cuda, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
@@ -373,6 +384,52 @@ def sdpa_backend(name: str | None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+
+
+# What an attention kernel leaves among the aten operators it runs (the first match names it): SDPA's kernels by
+# their own operators (`flash` on a CPU is `_scaled_dot_product_flash_attention_for_cpu`), its math fallback by its
+# `_safe_softmax`, eager attention by a plain softmax.
+ATTENTION_OPERATORS = {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn",
+                       "flex_attention": "flex", "_safe_softmax": "math", "aten._softmax": "eager"}
+# The weights' products, whose dtype is the engine's precision (attention's own batched products are left out: SDPA's
+# math kernel computes them in fp32 for bf16 inputs on a CPU).
+MATMULS = ("aten.mm", "aten.addmm", "aten.linear")
+
+
+def attention_ran(encode: Callable[[], object]) -> dict:
+    """What one call of `encode` (a model's encoder on a batch, with the engine's autocast and SDPA settings around
+    it) really ran: the attention kernels (`attention`) and the dtypes of its weights' products (`dtype`), each a
+    comma-separated sorted list, seen at torch's dispatcher below autocast, so that the record is what ran and not
+    what was asked."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kernels, dtypes = set(), set()
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            kernel = next((kernel for key, kernel in ATTENTION_OPERATORS.items() if key in name), None)
+            kernels.update([kernel] if kernel else [])
+            if kernel in ("flash", "efficient", "cudnn") or name.startswith(MATMULS):  # a softmax may run in fp32
+                dtypes.update(str(a.dtype).removeprefix("torch.") for a in args[:2] if torch.is_tensor(a))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():  # with gradients, as a training step chooses its kernels
+        encode()
+    return {"attention": ",".join(sorted(kernels)), "dtype": ",".join(sorted(dtypes))}
+
+
+class WrongKernel(RuntimeError):
+    """An engine ran another attention kernel or dtype than its name says."""
+
+
+def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str) -> None:
+    """Stop the benchmark where engine `engine` ran another attention kernel than one of `attention` (None: any) or
+    its products in another dtype than `dtype`: its figures would be another engine's under its name."""
+    kernels = set(ran["attention"].split(",")) - {""}
+    if (attention is not None and not kernels <= attention) or not kernels or ran["dtype"] != dtype:
+        raise WrongKernel(f"{engine} ran attention {ran['attention'] or 'none seen'} in {ran['dtype']}, not "
+                           f"{'/'.join(sorted(attention or {'any'}))} in {dtype}; its row would not be its own.")
 
 
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:

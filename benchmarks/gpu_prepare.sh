@@ -4,7 +4,7 @@
 #
 #   .whl/     what the machine's image lacks or has too old, as wheels for Python 3.12: transformers at this
 #             checkout's version, datasets (5.x, and in .whl/datasets4/ datasets 4.0 for a pyarrow older than 24, with
-#             the dill, multiprocess and fsspec each pins) and evaluate. gpu_session.sh installs them first.
+#             the dill, multiprocess and fsspec each pins) and evaluate. gpu_plan.py installs them first.
 #   .corpus/  the fra-eng corpus, which is not in the repository (../shared does not travel)
 #   benchmarks/.cache/data/ (already ignored) the corpus' splits in Arrow, found again there by the corpus' content, and
 #             the benchmarks' joint BPE tokenizer trained on the train split (its cache key includes the split file's
@@ -55,5 +55,6 @@ EOF
 VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \
     python3 benchmarks/gpu_quality.py --prepare_only --data_cache_dir benchmarks/.cache/data
 
-echo "carry: .whl .corpus benchmarks/.cache/data ($(du -shc .whl .corpus benchmarks/.cache/data | tail -1 | cut -f1))"
-echo "command: ARCHIVE=\$OUT/results.tar.gz RESULTS_DIR=/tmp/results VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz bash benchmarks/gpu_session.sh [second] 2>&1 | tee \$OUT/session.log"
+mkdir -p .compile-cache  # torch.compile's caches that an earlier GPU of the same kind returned (results' compile-cache/)
+echo "carry: .whl .corpus benchmarks/.cache/data .compile-cache ($(du -shc .whl .corpus benchmarks/.cache/data .compile-cache | tail -1 | cut -f1))"
+echo "command: ARCHIVE=\$OUT/results.tar.gz RESULTS_DIR=/tmp/results VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz python3 benchmarks/gpu_plan.py [second] 2>&1 | tee \$OUT/session.log"

@@ -32,7 +32,9 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import REPO_ROOT, SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name
+from common import (
+    REPO_ROOT, SHARED_CORPUS, Column, Device, add_result_arguments, pick_device, report, result_name,
+)
 from vaswani.batching import TokenBatchSampler, batch_positions, example_lengths
 from vaswani.evaluation import score_corpus
 from vaswani.training import (
@@ -44,21 +46,31 @@ from vaswani.training import (
 # Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
 # alone is the default.
 # `dropout-0.1-eager` trains with eager attention (matmul and softmax) instead of SDPA's kernels, for where
-# `gpu_session.sh kernels` measures it faster on this corpus's short sentences.
+# `gpu_plan.py kernels` measures it faster on this corpus's short sentences.
 RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"],
            "dropout-0.1-eager": ["--config_overrides", "dropout=0.1", "--attn_implementation", "eager"]}
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).
 TEST_SUBSET = 1000
 
 
-def shared_arguments(args: argparse.Namespace, output_dir: Path) -> list[str]:
+def device_arguments(device: Device) -> list[str]:
+    """train_translation.py's arguments for the device: on a GPU bf16 autocast, TF32 and torch.compile; on a CPU
+    rehearsing CUDA (`Device.as_cuda`), the same but TF32, which a CPU lacks, on transformers' CPU backend
+    (`--use_cpu true`, without which it refuses bf16 on a CPU); on a CPU, none."""
+    if device.is_cuda:
+        return ["--bf16", "--tf32", "true", "--torch_compile"]
+    return ["--bf16", "--torch_compile", "--use_cpu", "true"] if device.as_cuda else []
+
+
+def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device | None) -> list[str]:
     """train_translation.py's arguments common to every recipe. Adam β2 0.98, ε 1e-9 and the inverse-square-root
-    schedule are the paper's (§5.3), with a warm-up shortened to the budget; bf16 autocast and TF32 on the GPU;
-    beam 4 with length penalty 0.6 (§6.1) for the test split."""
-    # Without them for --prepare_only, which may run on a machine without a GPU (where --tf32 is refused): the data
-    # caches do not depend on them.
-    gpu = [] if args.dry_run or args.prepare_only else ["--bf16", "--tf32", "true", "--torch_compile"]
+    schedule are the paper's (§5.3), with a warm-up shortened to the budget; the device's (`device_arguments`;
+    none with `device` None, for --prepare_only, whose data caches do not depend on them); beam 4 with length
+    penalty 0.6 (§6.1) for the test split."""
+    gpu = [] if device is None else device_arguments(device)
     test = ["--max_test_samples", "64"] if args.dry_run else []
+    if "--torch_compile" in gpu and getattr(args, "compile_cache", None):
+        gpu += ["--compile_cache", str(args.compile_cache)]
     cache = ["--data_cache_dir", str(args.data_cache_dir)] if args.data_cache_dir else []
     return ["--preset", args.preset, "--vocab_size", str(args.vocab_size), "--output_dir", str(output_dir),
             "--max_train_time", str(args.train_seconds), "--num_train_epochs", "1000", *gpu,
@@ -159,8 +171,11 @@ def main(argv=None):
     parser.add_argument("--output_root", type=Path, default=REPO_ROOT / "outputs" / "gpu-quality")
     parser.add_argument("--data_cache_dir", type=Path, default=None, help="train_translation.py's data caches "
                         "(default: its own, $HF_DATASETS_CACHE/vaswani)")
-    parser.add_argument("--dry_run", action="store_true", help="tiny preset, 20 s, 64 test and validation sentences, "
-                        "no bf16/TF32/compile: checks the whole path on any machine")
+    parser.add_argument("--dry_run", action="store_true", help="tiny preset, 20 s, 64 test and validation sentences: "
+                        "checks the whole path on any machine (with VASWANI_REHEARSE_CUDA=1 on a CPU, with the "
+                        "GPU's bf16 and torch.compile)")
+    parser.add_argument("--compile_cache", type=Path, default=None, help="train_translation.py's --compile_cache: "
+                        "torch.compile's cache, loaded where the file exists and saved after the compilation")
     parser.add_argument("--prepare_only", action="store_true", help="only fill the data caches the recipes load "
                         "(the corpus' splits, the tokenizer, the tokenized splits), then exit")
     add_result_arguments(parser)
@@ -176,7 +191,8 @@ def main(argv=None):
     results_dir = args.results_dir
 
     started = time.monotonic()
-    tokens, references = prepare_caches(shared_arguments(args, args.output_root / "prepare") + RECIPES[recipes[0]])
+    tokens, references = prepare_caches(shared_arguments(args, args.output_root / "prepare", None)
+                                        + RECIPES[recipes[0]])
     prepare_seconds = time.monotonic() - started
     print(f"data ready in {prepare_seconds:.0f} s", flush=True)
     if args.prepare_only:
@@ -185,7 +201,7 @@ def main(argv=None):
     runs = {}
     for recipe in recipes:
         output_dir = args.output_root / recipe
-        command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir),
+        command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir, device),
                    *RECIPES[recipe],
                    "--overwrite_output_dir", "true"]
         runs[recipe] = {"recipe": recipe, "output_dir": output_dir, "command": command,
@@ -256,8 +272,8 @@ def main(argv=None):
         "needed; the recipe's log names each recompilation's reason). `slow steps` counts the steps whose forward "
         "and backward took over 10× the median step and at least 1 s, and `slow s` their seconds; the recipe's log "
         "names each with its batch's shape and the graphs compiled during it (none: a kernel's plan or autotuning "
-        "for a shape new to the process, or the host waiting)." if not args.dry_run
-        else "Dry run: no compilation.",
+        "for a shape new to the process, or the host waiting)." if "--torch_compile" in device_arguments(device)
+        else "No compilation on this device.",
         f"ms/step and tokens/s: the training after the compilation (metrics.json's train_runtime over its steps); "
         f"tokens a step are the mean of one epoch's {tokens['batches']} token-budget batches (the same each epoch): "
         f"{tokens['real_per_batch']:.0f} real and {tokens['padded_per_batch']:.0f} padded (source + target, each "

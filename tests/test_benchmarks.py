@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -85,6 +86,10 @@ def test_translation_benchmark(corpus, tmp_path, same_process):
     assert all(row["sentences"] == 8 for row in report["results"])
     assert {row["vs_marian"] is None for row in report["results"] if row["engine"] == "marian"} == {True}
     assert all(row["load_mib"] is not None for row in report["results"])  # measured in the engine's process
+    # What each PyTorch engine's encoder really ran (int8 and CTranslate2 have no such record).
+    assert {(row["engine"], row.get("attention"), row.get("dtype")) for row in report["results"]
+            if row["engine"] in ("vaswani", "vaswani-graphs", "marian")} == {
+        (name, "flash", "float32") for name in engines.split(",") if name in ("vaswani", "vaswani-graphs", "marian")}
     for row in report["results"] if same_process else ():
         # The time in the linear layers' kernels: part of a PyTorch engine's seconds, none for CT2.
         if row["engine"].startswith("ct2-"):
@@ -200,11 +205,37 @@ def test_training_benchmark_pins_a_kernel_per_engine_and_times_first_and_later_p
     assert [row["engine"] for row in report["results"]] == ["vaswani-math", "vaswani-flash"]
     assert all(row["steps"] == 4 and row["first_round_ms"] > 0 and row["later_rounds_ms"] > 0
                for row in report["results"])
-    assert set(pinned) == {"math", "flash"} and pinned["math"] == pinned["flash"] == 5  # 4 timed steps, 1 for memory
+    # 4 timed steps, 1 for memory, 1 forward that records what ran
+    assert set(pinned) == {"math", "flash"} and pinned["math"] == pinned["flash"] == 6
     config, device = VaswaniConfig.tiny(vocab_size=64), module.pick_device("cpu")
     for name, kernel in (("vaswani-eager-math", None), ("vaswani-math-flash", None), ("vaswani-math", "flash")):
         with pytest.raises(ValueError, match="at most one SDPA kernel"):
             module.Trainee(name, config, device, [], seed=0, lr=1e-4, attention_kernel=kernel)
+
+
+def test_training_benchmark_records_what_each_engine_ran_and_drops_a_refused_one(corpus, tmp_path):
+    """Engines of one size in one process run each its own attention (each model has its own config: one engine's
+    `set_attn_implementation("eager")` once made every engine beside it eager), and the row says which kernel and
+    dtype ran; a kernel this CPU lacks (efficient) costs that engine's row, not the run's."""
+    module = load("bench_training")
+    path = module.main(common_args(corpus, tmp_path) + [
+        "--sizes", "tiny", "--batch_tokens", "96", "--steps", "1", "--warmup_steps", "0",
+        "--engines", "vaswani-eager,vaswani-math,vaswani-efficient,vaswani-flash,marian-bf16"])
+    report = check_report(path, "bench_training", {"engine", "attention", "dtype"})
+    assert {row["engine"]: (row["attention"], row["dtype"]) for row in report["results"]} == {
+        "vaswani-eager": ("eager", "float32"), "vaswani-math": ("math", "float32"),
+        "vaswani-flash": ("flash", "float32"), "marian-bf16": ("flash", "bfloat16")}
+    assert any(note.startswith("Refused, no row: tiny vaswani-efficient") for note in report["notes"])
+
+
+def test_training_benchmark_stops_where_an_engine_runs_another_kernel(corpus, tmp_path, monkeypatch):
+    module = load("bench_training")
+    real = module.sdpa_backend
+    monkeypatch.setattr(module, "sdpa_backend", lambda name: real("math"))  # a kernel pinned, another one run
+    with pytest.raises(module.WrongKernel, match="vaswani-flash ran attention math in float32, not flash"):
+        module.main(common_args(corpus, tmp_path) + [
+            "--sizes", "tiny", "--batch_tokens", "96", "--steps", "1", "--warmup_steps", "0",
+            "--engines", "vaswani-flash"])
 
 
 def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
@@ -401,15 +432,45 @@ def test_gpu_quality_gives_train_translation_arguments_it_parses():
 
     quality = load("gpu_quality")
     parser = HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments))
-    for dry_run, prepare_only in ((False, False), (True, False), (False, True)):
+    gpu, rehearsal, cpu = (argparse.Namespace(is_cuda=real, as_cuda=like) for real, like in
+                           ((True, True), (False, True), (False, False)))
+    for dry_run, device in ((False, gpu), (True, rehearsal), (True, cpu), (False, None)):
         args = argparse.Namespace(dry_run=dry_run, preset="base", vocab_size=16000, train_seconds=300, max_tokens=4000,
-                                  lr=7e-4, warmup=400, eval_batch_size=256, prepare_only=prepare_only,
-                                  data_cache_dir=Path("cache"))
+                                  lr=7e-4, warmup=400, eval_batch_size=256, data_cache_dir=Path("cache"))
         for recipe in quality.RECIPES.values():
-            namespace = parser.parse_args(quality.shared_arguments(args, Path("out")) + recipe)  # exits on an error
+            namespace = parser.parse_args(quality.shared_arguments(args, Path("out"), device) + recipe)  # exits on error
             assert namespace.max_train_time == 300 and namespace.data_cache_dir == "cache"
-            # The GPU's flags only where a GPU runs it: --prepare_only runs beforehand on any machine.
-            assert namespace.bf16 is namespace.torch_compile is (not dry_run and not prepare_only)
+            # The GPU's flags where a GPU runs it or a CPU rehearses it (there on the CPU backend, without TF32);
+            # none to fill the caches (device None), which runs beforehand on any machine.
+            assert namespace.bf16 is namespace.torch_compile is (device in (gpu, rehearsal))
+            assert namespace.tf32 is (True if device is gpu else None) and namespace.use_cpu is (device is rehearsal)
+
+
+@pytest.mark.slow
+def test_the_quality_runs_gpu_arguments_train_compile_and_score_on_a_cpu_rehearsing_cuda(tmp_path, monkeypatch):
+    """The quality run's own train_translation.py arguments as a GPU gets them (bf16 autocast, torch.compile, the
+    test split scored by generate()'s CUDA default, transformers' loop), rehearsed on the CPU at the tiny size: a
+    path that otherwise first runs on a lent GPU (where a TypeError in that loop once cost a run its score)."""
+    from training_script import run_script, synthetic_corpus
+
+    import vaswani.generation_vaswani
+
+    quality = load("gpu_quality")
+    monkeypatch.setattr(vaswani.generation_vaswani, "rehearsing_cuda", True)
+    device = quality.Device(torch.device("cpu"))
+    assert device.as_cuda and not device.is_cuda and device.dtype_name == "bfloat16"
+    args = argparse.Namespace(dry_run=False, preset="tiny", vocab_size=300, train_seconds=120, max_tokens=300, lr=3e-3,
+                              warmup=5, eval_batch_size=16, data_cache_dir=tmp_path / "cache")
+    arguments = quality.shared_arguments(args, tmp_path / "out", device) + quality.RECIPES["dropout-0.1"]
+    assert {"--bf16", "--torch_compile"} <= set(arguments) and "--tf32" not in arguments
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    env = {**os.environ, "VASWANI_REHEARSE_CUDA": "1", "OMP_NUM_THREADS": "1"}
+    run = run_script("train_translation.py", *arguments, "--corpus", str(corpus), "--max_steps", "3",
+                     "--max_test_samples", "8", "--dataloader_num_workers", "0", env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["train_steps"] == 3 and metrics["train_compile_seconds"] > 0
+    assert metrics["test_sentences"] > 0 and metrics["test_bleu"] is not None
 
 
 @pytest.mark.parametrize("name", ["vaswani", "vaswani-slots", "marian", "ct2-float32"])

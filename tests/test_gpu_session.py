@@ -1,97 +1,93 @@
-"""benchmarks/gpu_session.sh, cheaply: its plans fit one call of a lent GPU each, a stage that fails costs only its own
-results, and a dry-run stage runs on this machine. The plans' whole dry runs take minutes, so they are run by hand
-before a GPU call (benchmarks/README.md, "A lent GPU"), not here."""
+"""benchmarks/gpu_plan.py, cheaply: its plans fit one call of a lent GPU each, a stage that fails or overruns its
+limit costs only its own results, and a dry-run stage runs on this machine. The plans' whole dry runs take minutes,
+so they are run by hand before a GPU call (benchmarks/README.md, "A lent GPU"), not here."""
 
 import importlib.util
 import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SESSION = REPO / "benchmarks" / "gpu_session.sh"
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_plan  # noqa: E402
+
 # A device call runs at most 10 minutes and a session has 15 of device time, the machine's start included: the
 # first plan must leave room for the start and the second fit what is left after it.
 FIRST_PLAN_SECONDS, SECOND_PLAN_SECONDS = 480, 300
 
 
-def session(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SESSION), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def limits(*args: str) -> dict[str, int]:
-    result = session("--limits", *args)
-    assert result.returncode == 0, result.stderr
-    return {name: int(seconds) for name, seconds in (line.split() for line in result.stdout.splitlines())}
-
-
-def test_each_plan_fits_one_call_with_its_stage_limits_adding_up():
-    first, second = limits(), limits("second")
-    assert list(first) == ["setup", "quality", "total"]
-    assert list(second) == ["setup", "translation-trained", "kernels", "total"]
-    for plan, most in ((first, FIRST_PLAN_SECONDS), (second, SECOND_PLAN_SECONDS)):
-        total = plan.pop("total")
-        assert total == sum(plan.values()) <= most
-        assert all(seconds > 0 for seconds in plan.values())
-    assert limits("first") == {**first, "total": sum(first.values())}
-    # 300 s of training are the quality stage's core; the rest of its limit covers the compilation (about 115 s with
-    # the start-up on the 2026-11-27 H200) and the test split.
-    assert first["quality"] >= 300 + 115 + 25
+def test_each_plan_fits_one_call_and_the_compile_caches_let_the_probe_join_the_quality_run(tmp_path):
+    (first_budget, first), (second_budget, second) = gpu_plan.plan([]), gpu_plan.plan(["second"])
+    assert first == ["setup", "quality", "probe-4000"] and gpu_plan.plan(["first"]) == (first_budget, first)
+    assert second == ["setup", "translation-trained", "kernels", "tests"]
+    assert first_budget <= FIRST_PLAN_SECONDS and second_budget <= SECOND_PLAN_SECONDS
+    cold = {name: gpu_plan.stage_limit(name, tmp_path) for name in gpu_plan.STAGES}
+    for stage in gpu_plan.STAGES.values():
+        if stage.cache:
+            (tmp_path / stage.cache).write_bytes(b"carried")
+    warm = {name: gpu_plan.stage_limit(name, tmp_path) for name in gpu_plan.STAGES}
+    # With the caches carried the whole first plan fits; without, the quality run still does (the probe is left out).
+    assert sum(warm[name] for name in first) <= first_budget
+    assert cold["setup"] + cold["quality"] <= first_budget < sum(cold[name] for name in first)
+    # 300 s of training are the quality stage's core; the rest of its limit covers the compilation (about 115 s cold
+    # on the 2026-11-27 H200), and the test split.
+    assert cold["quality"] >= 300 + 115 + 25 and warm["quality"] >= 300 + 25
 
 
 def test_named_stages_run_after_setup_and_an_unknown_one_is_refused():
-    assert list(limits("probe-25000", "tests")) == ["setup", "probe-25000", "tests", "total"]
-    refused = session("--limits", "quality", "nonsense")
-    assert refused.returncode == 2 and "unknown stage nonsense" in refused.stderr
+    assert gpu_plan.plan(["probe-4000", "tests"])[1] == ["setup", "probe-4000", "tests"]
+    with pytest.raises(SystemExit, match="unknown stage nonsense"):
+        gpu_plan.plan(["quality", "nonsense"])
 
 
-@pytest.fixture
-def fake_python(tmp_path) -> Path:
-    """A `python3` on PATH that stands in for the stages' programs in no time: each writes a result file named after
-    its script; gpu_quality.py then fails, and bench_training.py fails unless the quality stage's files were packed
-    before it started."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    script = bin_dir / "python3"
-    script.write_text(
-        "#!/usr/bin/env bash\n"
-        'results=""; previous=""\n'
-        'for arg in "$@"; do [ "$previous" = --results_dir ] && results=$arg; previous=$arg; done\n'
-        'case "$1" in\n'
-        '  benchmarks/gpu_quality.py) echo partial > "$results/quality.txt"; exit 3 ;;\n'
-        '  benchmarks/bench_training.py) tar -tzf "$ARCHIVE" | grep -q quality.txt || exit 9\n'
-        '    echo rows > "$results/probe.txt" ;;\n'
-        '  -) cat > /dev/null; echo "device: fake" ;;\n'
-        "esac\n")
-    script.chmod(0o755)
-    return bin_dir
-
-
-def test_a_failing_stage_costs_only_its_own_results(fake_python, tmp_path):
+def test_a_failing_or_overrunning_stage_costs_only_its_own_results(tmp_path, monkeypatch):
+    """Real processes: a stage that fails, then one that outlives its limit (its whole process group stopped by
+    signal at the limit, a child included), then one that succeeds; each stage's files are packed before the next
+    starts, and the plan's exit status says one failed."""
     results, archive = tmp_path / "results", tmp_path / "results.tar.gz"
-    run = session("quality", "probe-4000", env={"PATH": f"{fake_python}:{os.environ['PATH']}",
-                                                "RESULTS_DIR": str(results), "ARCHIVE": str(archive),
-                                                "INSTALL_WHEELS": "0"})
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert "== quality: exit 3" in run.stdout and "== probe-4000: exit 0" in run.stdout
-    with tarfile.open(archive) as packed:  # the last pack holds every stage's files and logs
-        names = {Path(name).name for name in packed.getnames()}
-    assert {"quality.txt", "probe.txt", "gpu-setup.log", "gpu-quality.log", "gpu-probe-4000.log"} <= names
+
+    def writes(name, code=0, sleep=0):
+        script = (f"import pathlib, subprocess, sys, time; pathlib.Path(sys.argv[1], '{name}.txt').write_text('x'); "
+                  f"subprocess.Popen(['sleep', '{sleep}']); time.sleep({sleep}); sys.exit({code})")
+        return lambda run: [[sys.executable, "-c", script, str(run.results)]]
+
+    def packed(run):  # the earlier stages' files are in the archive already
+        names = {Path(name).name for name in tarfile.open(archive).getnames()}
+        code = 0 if {"fails.txt", "overruns.txt", "gpu-fails.log"} <= names else 9
+        return [[sys.executable, "-c", f"import sys; sys.exit({code})"]]
+
+    monkeypatch.setattr(gpu_plan, "STAGES", {"setup": gpu_plan.Stage(writes("setup"), 30),
+                                             "fails": gpu_plan.Stage(writes("fails", code=3), 30),
+                                             "overruns": gpu_plan.Stage(writes("overruns", sleep=60), 8),
+                                             "packed": gpu_plan.Stage(packed, 30)})
+    monkeypatch.setenv("RESULTS_DIR", str(results))
+    monkeypatch.setenv("ARCHIVE", str(archive))
+    monkeypatch.setenv("COMPILE_CACHE", str(tmp_path / "cache"))
+    started = time.monotonic()
+    assert gpu_plan.main(["fails", "overruns", "packed"]) == 1
+    assert time.monotonic() - started < 40  # the overrunning stage was stopped at its limit
+    logs = {name: (results / f"gpu-{name}.log").read_text() for name in ("fails", "overruns", "packed")}
+    assert "stopped at the stage's limit of 8 s" in logs["overruns"]
+    with tarfile.open(archive) as pack:
+        names = {Path(name).name for name in pack.getnames()}
+    assert {"setup.txt", "fails.txt", "overruns.txt", "gpu-setup.log", "gpu-packed.log"} <= names
 
 
 def test_dry_run_of_the_setup_stage(tmp_path):
-    """The cheapest stage for real, as a dry run runs it here: the packages every stage imports, and the pack."""
-    python_dir = str(Path(sys.executable).parent)
+    """The cheapest stage for real, as a dry run runs it here: the packages every stage imports, the torch range
+    check, and the pack."""
     results, archive = tmp_path / "results", tmp_path / "results.tar.gz"
-    run = session("--dry_run", "setup", timeout=120,
-                  env={"PATH": f"{python_dir}:{os.environ['PATH']}", "RESULTS_DIR": str(results),
-                       "ARCHIVE": str(archive)})
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_plan.py"), "--dry_run", "setup"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RESULTS_DIR": str(results), "ARCHIVE": str(archive),
+                              "COMPILE_CACHE": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "device: cpu" in run.stdout and "== setup: exit 0" in run.stdout
+    assert "device: cpu" in run.stdout and "== setup: ok" in run.stdout
     with tarfile.open(archive) as packed:
         assert "./gpu-setup.log" in packed.getnames()
 

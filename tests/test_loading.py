@@ -480,3 +480,23 @@ def test_tools_never_run_remote_code(good_checkpoint, tmp_path):
     (path / "evil.py").write_text("raise SystemExit('remote code ran')\n")
     model, _ = load_translator(str(path), "cpu")
     assert type(model).__module__ == "vaswani.modeling_vaswani"
+
+
+def test_a_cpu_rehearsing_cuda_takes_the_decisions_a_gpu_takes(monkeypatch):
+    """VASWANI_REHEARSE_CUDA=1, read once at import, makes the CPU take CUDA's branches wherever a CPU can run them:
+    bf16 by default, the lean loop as for CUDA graphs behind the scripts, transformers' loop behind generate(), the
+    slots' sync interval; without it, the CPU's own."""
+    from vaswani import generation_vaswani
+
+    cpu = torch.device("cpu")
+    model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=32))
+    for rehearsing, kind, dtype, loop, lean in ((True, "cuda", torch.bfloat16, "graphs", False),
+                                                (False, "cpu", torch.float32, "auto", True)):
+        monkeypatch.setattr(generation_vaswani, "rehearsing_cuda", rehearsing)
+        assert generation_vaswani.runs_as(cpu) == kind and generation_vaswani.runs_as("meta") == "meta"
+        assert loading.choose_dtype("auto", cpu, d_model=64, cpu_bf16=False) == dtype
+        assert loading.decoding_loop("auto", cpu) == loop
+        assert generation_vaswani._lean_by_default(model) is lean
+    read = subprocess.run([sys.executable, "-c", "from vaswani.generation_vaswani import runs_as; print(runs_as('cpu'))"],
+                          capture_output=True, text=True, env={**subprocess_env(), "VASWANI_REHEARSE_CUDA": "1"})
+    assert read.stdout.strip() == "cuda", read.stderr

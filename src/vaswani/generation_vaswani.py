@@ -58,7 +58,7 @@ multiplications are int8 (benchmarks/README.md):
    than max_length, eos_token_id and each sentence's own limit (`SentenceLimits`, kept in a buffer of the shape);
    others may read values on the host, and those calls decode as 1–5 describe. On
    other devices the same static steps run without graphs, which is how the CPU tests check them.
-   Measured on a GPU by `benchmarks/gpu_session.sh translation-trained` (engine `vaswani-graphs`,
+   Measured on a GPU by `benchmarks/gpu_plan.py translation-trained` (engine `vaswani-graphs`,
    benchmarks/results/translation-trained-cuda-h200.md).
 
 Continuous batching (sentences in slots, each finished one replaced by the next source) is not a generate() call and
@@ -71,6 +71,7 @@ to transformers' own `generate()` unchanged.
 
 import functools
 import inspect
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -87,6 +88,19 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+
+# With VASWANI_REHEARSE_CUDA=1 in its environment, a process on the CPU takes every branch a process on a CUDA GPU
+# takes wherever a CPU can run it (`runs_as`): so that a lent GPU never runs a line of Python for the first time.
+# Read once, at import. What a CPU cannot run stays off under it: CUDA graph capture (the graphed steps run as they
+# are), TF32, pinned memory, and the step's CUDA graphs in training (`mode="reduce-overhead"`).
+REHEARSE_CUDA = "VASWANI_REHEARSE_CUDA"
+rehearsing_cuda = os.environ.get(REHEARSE_CUDA, "") == "1"
+
+
+def runs_as(device: torch.device | str) -> str:
+    """The device type whose branches code on `device` takes: its own, or "cuda" for the CPU while rehearsing."""
+    kind = torch.device(device).type
+    return "cuda" if kind == "cpu" and rehearsing_cuda else kind
 
 
 # The decoding cache's name in generate()'s model_kwargs: `cache` since transformers 5.24, `past_key_values` before
@@ -694,7 +708,7 @@ def generate(*args, model, lean_decoding: bool | None = None, cuda_graphs: bool 
 
 def _lean_by_default(model) -> bool:
     """Whether `generate()` decodes with the lean loop when the call does not say: on the CPU only."""
-    return model.device.type == "cpu"
+    return runs_as(model.device) == "cpu"
 
 
 def _decodes(model, arguments: dict) -> bool:

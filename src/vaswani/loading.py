@@ -32,6 +32,7 @@ from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .files import read_json_object
+from .generation_vaswani import runs_as
 from .inference import keep_freed_cpu_memory, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
@@ -93,8 +94,8 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
         return named_dtype(requested, int8)
     if int8:
         return torch.float32
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
+    if runs_as(device) == "cuda":  # a CPU rehearsing CUDA multiplies bf16 too, if slowly
+        native = (device.type != "cuda" or torch.cuda.is_bf16_supported()) if cuda_bf16 is None else cuda_bf16
         return torch.bfloat16 if native else torch.float32
     if device.type == "cpu":
         native = cpu_multiplies_bf16() if cpu_bf16 is None else cpu_bf16
@@ -286,7 +287,7 @@ def decoding_loop(decoding: str, device: torch.device) -> str:
     CUDA graphs, which translated more sentences a second than transformers' loop (`generate()`'s own default there)
     on every GPU that compared them (benchmarks/results/README.md, "What did each GPU measure?"). Elsewhere "auto"
     leaves `generate()` its default."""
-    return "graphs" if decoding == "auto" and device.type == "cuda" else decoding
+    return "graphs" if decoding == "auto" and runs_as(device) == "cuda" else decoding
 
 
 def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type: str = "default", threads: int = 0):

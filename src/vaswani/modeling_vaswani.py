@@ -43,7 +43,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vaswani import VaswaniConfig
-from .generation_vaswani import generate as lean_generate
+from .generation_vaswani import generate as lean_generate, runs_as
 
 
 # transformers 5.24 renamed the decoding cache from `past_key_values` to `cache` wherever generate() and the mask
@@ -344,7 +344,8 @@ class VaswaniAttention(nn.Module):
             if torch.is_tensor(attention_mask) and attention_mask.shape[-2] > 1:  # one mask row per query position
                 attention_mask = attention_mask.repeat(1, 1, beams, 1)
         implementation = self.config._attn_implementation
-        if implementation == "sdpa" and hidden_states.shape[1] == 1 and query.device.type == "cpu" and not self.training:
+        if (implementation == "sdpa" and hidden_states.shape[1] == 1 and runs_as(query.device) == "cpu"
+                and not self.training):
             # A decoding step on a CPU: for one query per row (or a sentence's few beams, above) over a few dozen
             # keys, torch's SDPA kernel costs about twice the plain matmul-softmax-matmul below (benchmarks/README.md,
             # "Profile"). Same result.
@@ -850,7 +851,7 @@ def check_ids(ids: torch.Tensor, invalid: torch.Tensor, message: Callable[[int],
     whose ids are the model's own predictions), it is left out."""
     if torch.compiler.is_compiling() or not ids.numel() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    if ids.device.type != "cpu":
+    if runs_as(ids.device) != "cpu":
         torch._assert_async(~invalid.any(), message("out of range"))
         return
     try:

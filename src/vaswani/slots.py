@@ -27,7 +27,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput
 
 from .generation_vaswani import (BeamSettings, Beams, StepGraphs, Upstream, rank_candidates, start_beams,
-                                 static_covers, top_k, update_beams)
+                                 runs_as, static_covers, top_k, update_beams)
 
 # (owner, name) → its parameters, which `_SlotLayer`'s override must take ("*args", "**kwargs" for the variable
 # ones), as transformers calls them; `generation_vaswani.check_upstream_contract` checks them.
@@ -366,9 +366,9 @@ def decode_in_slots(model, sources, max_new_tokens, *, slots: int = 64, sync_eve
         raise ValueError("decode_in_slots runs greedy and beam search with one output per sentence, without logits "
                          "processors or stopping criteria other than max_length and eos_token_id.")
     device = model.device
-    sync_every = SYNC_EVERY[device.type == "cuda"] if sync_every is None else sync_every
+    sync_every = SYNC_EVERY[runs_as(device) == "cuda"] if sync_every is None else sync_every
     # On other devices the fixed-shape steps run as they are (how the CPU tests check them).
-    graphs = StepGraphs(device) if (device.type == "cuda" if cuda_graphs is None else cuda_graphs) else None
+    graphs = StepGraphs(device) if (runs_as(device) == "cuda" if cuda_graphs is None else cuda_graphs) else None
     if slots < 1 or sync_every < 1:
         raise ValueError(f"slots and sync_every must be at least 1, got {slots} and {sync_every}.")
     sources = [list(source) for source in sources]

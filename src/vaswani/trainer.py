@@ -5,6 +5,7 @@ over a time budget, and the training step compiled before any clock starts."""
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,12 +16,20 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .batching import ShapeBuckets, TokenBatchSampler, example_lengths, pad_to_shape
 from .evaluation import evaluate_model
+from .files import write_atomically
 from .packing import PackedBatchSampler, PackedSeq2SeqCollator
 from .run_directory import replace_pickled_arguments
 from .trainer_internals import StagedCheckpoints, prepare_uneven_loader
 from .training_arguments import check_batching, scheduler_name
 from .training_callbacks import StartTheClockCallback, TimeBudgetCallback, time_budget_schedule
-from .training_clock import SlowSteps, TrainingClock, compiled_graphs, read_clock, write_clock
+from .training_clock import (
+    SlowSteps,
+    TrainingClock,
+    compile_cache_hits,
+    compiled_graphs,
+    read_clock,
+    write_clock,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +92,7 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self._non_embedding_parameters = None
         self._train_features = None
         self.compile_seconds = 0.0
+        self.compile_cache_hits = 0
         self.graphs_before_the_clock = 0  # torch.compile's graphs when the clock started (`StartTheClockCallback`)
         self.slow_steps = SlowSteps()
         self.clock = TrainingClock()
@@ -228,6 +238,10 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         # bring a graph with dynamic sizes instead, made for no size in particular. Every declared shape is compiled
         # here, so training then finds its graph without compiling.
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if bucketed else contextlib.nullcontext()
+        cache = Path(self.args.compile_cache) if self.args.compile_cache else None
+        hits, carried = compile_cache_hits(), cache is not None and cache.is_file()
+        if carried:
+            torch.compiler.load_cache_artifacts(cache.read_bytes())
         with static, torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
             for indices in batches:
                 collated = self._train_collate([self._train_features[i] for i in indices])
@@ -243,6 +257,13 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         self._first_bad_step = self._real_positions = None  # a warm-up step is no training step
         self._computed_positions = 0
         self.compile_seconds = time.monotonic() - start
+        self.compile_cache_hits = compile_cache_hits() - hits
+        # Written where none was carried, or where the one carried served nothing (another torch, another model):
+        # a run that compiled from the cache records only what it compiled itself, less than the cache it read.
+        if cache is not None and not (carried and self.compile_cache_hits) and self.is_world_process_zero():
+            artifacts = torch.compiler.save_cache_artifacts()
+            if artifacts is not None:  # None where nothing was compiled
+                write_atomically(cache, artifacts[0])
         logger.info("Compiled the training step on %d batch shapes%s in %.1f s, before training started.",
                     len(batches), " (declared shapes)" if bucketed else "", self.compile_seconds)
 
@@ -313,6 +334,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         metrics["train_compile_seconds"] = round(self.compile_seconds, 2)
         if self.args.torch_compile:  # 0 where compile_before_the_clock built every graph the steps needed
             metrics["train_graphs_compiled_on_the_clock"] = compiled_graphs() - self.graphs_before_the_clock
+        if self.args.compile_cache:  # the compiled code found in the cache instead of generated
+            metrics["train_compile_cache_hits"] = self.compile_cache_hits
         metrics["train_wall_seconds"] = round(self.clock.elapsed(), 4)
         self.slow_steps.flush()
         metrics["train_slow_steps"] = self.slow_steps.count

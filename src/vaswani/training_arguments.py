@@ -161,6 +161,14 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
                           "(benchmarks/results/training-cpu-packing.md); on a GPU the plan's probe-4000-packed stage "
                           "decides."},
     )
+    compile_cache: str | None = field(
+        default=None,
+        metadata={"help": "With --torch_compile: a file of torch.compile's portable cache "
+                          "(torch.compiler.save_cache_artifacts), loaded before the step compiles where it exists and "
+                          "written once the step has compiled, so that a repeated or resumed run on the same kind of "
+                          "device, with the same torch, skips most of the compilation "
+                          "(benchmarks/results/compile-cache-cpu.md)."},
+    )
     paper_recipe: bool = field(
         default=False,
         metadata={"help": "§5.3: Adam β=(0.9, 0.98), ε=1e-9, lr = d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) "

@@ -106,6 +106,14 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def compile_cache_hits() -> int:
+    """The compiled graphs torch.compile has taken from its caches in this process so far instead of generating
+    them: AOTAutograd's (a whole forward and backward) and Inductor's (one graph's code)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+
+
 class SlowSteps:
     """The training steps whose forward and backward took far longer than the steps before them: on a GPU a step
     waits on the host while torch.compile builds a graph, a kernel library builds a plan for a shape new to it, or

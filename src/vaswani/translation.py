@@ -35,7 +35,7 @@ from transformers import StoppingCriteriaList
 from .batching import token_budget_batches
 # OUTPUT_SLACK: the length rule's slack, under this module's name too.
 from .configuration_vaswani import OUTPUT_SLACK, length_options, longest_output, output_limit  # noqa: F401
-from .generation_vaswani import SentenceLimits
+from .generation_vaswani import SentenceLimits, runs_as
 from .slots import decode_in_slots, slots_cover
 
 # Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
@@ -217,7 +217,7 @@ class TorchEngine:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.decoding = dataclasses.replace(decoding, precision=str(model.dtype).removeprefix("torch."))
         if slots is None:
-            slots = DEFAULT_SLOTS.get(model.device.type)
+            slots = DEFAULT_SLOTS.get(runs_as(model.device))
         self.slots = slots if slots and slots_cover(model, **self.decoding.generate_options()) else None
 
     @property

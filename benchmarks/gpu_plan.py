@@ -1,0 +1,267 @@
+"""The GPU measurements as plans that each fit one call of a lent GPU (at most 10 minutes a call, 15 minutes of device
+time a session, the machine's start included), most valuable first. Every stage runs under its own time limit
+(`STAGES`) inside its plan's budget (`PLANS`); the results folder is packed into $ARCHIVE after every stage, so that a
+stage cut by its limit loses only its own results.
+
+    python3 benchmarks/gpu_plan.py                  # the first plan: setup quality probe-4000
+    python3 benchmarks/gpu_plan.py second           # the second plan: setup translation-trained kernels tests
+    python3 benchmarks/gpu_plan.py STAGE …          # chosen stages only, in order (setup always first)
+    python3 benchmarks/gpu_plan.py --dry_run [second|STAGE …]   # the same at tiny sizes on this machine's CPU,
+                                                    #   rehearsing CUDA (VASWANI_REHEARSE_CUDA=1): every branch,
+                                                    #   package, path and argument before device time is spent
+    python3 benchmarks/gpu_plan.py --limits [second|STAGE …]    # each stage's limit and their sum; runs nothing
+
+The compiled stages keep torch.compile's portable cache in $COMPILE_CACHE (default .compile-cache/, carried to the
+machine) and return it in the results (compile-cache/): where a stage's file was carried, it compiles from it and gets
+its shorter `warm` limit, which is what lets the quality run and the step probe share the first plan; without it
+(the first GPU of a kind) the plan leaves out what no longer fits its budget, saying so.
+Environment: RESULTS_DIR (default benchmarks/results), ARCHIVE (a .tar.gz), INSTALL_WHEELS=0 (skip .whl/, the dry
+run's default), QUALITY_RECIPES (gpu_quality.py's, default dropout-0.1), TRANSLATION_MODEL (for translation-trained
+where this machine made no quality model). Each stage's log is gpu-<stage>.log beside its results.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE_SECONDS = 20  # the step probe repeats its batches until Marian, the slowest, has trained this long
+DRY_RUN_LIMIT = 480  # a dry run checks paths, not times: a shared CPU compiles the tiny model slower than a GPU the base
+# The torch the package supports (pyproject.toml), checked before anything else runs.
+CHECK_TORCH = """import importlib, re, sys, torch
+from packaging.specifiers import SpecifierSet
+for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "safetensors"):
+    print(name, importlib.import_module(name).__version__)
+print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+supported = re.search(r'"torch([^"]+)"', open("pyproject.toml").read()).group(1)
+if torch.__version__.split("+")[0] not in SpecifierSet(supported):
+    sys.exit(f"error: torch {torch.__version__} is outside the package's supported range {supported} (pyproject.toml)")
+"""
+
+
+@dataclass
+class Run:
+    """What the stages share: the plan's settings and the environment its commands run in."""
+
+    dry: bool
+    results: Path
+    cache: Path
+    env: dict
+
+    def python(self, *args) -> list[str]:
+        return [sys.executable if self.dry else "python3", *map(str, args)]
+
+    def bench(self, script: str, *args) -> list[str]:
+        device = ["--device", "cpu", "--threads", "2"] if self.dry else []
+        return self.python(f"benchmarks/{script}", *device, "--results_dir", self.results, *args)
+
+
+def setup(run: Run) -> list[list[str]]:
+    """The carried wheels into a scratch folder on the import path (after src/ and benchmarks/), then the versions."""
+    wheels = sorted(map(str, REPO.glob(".whl/*.whl")))
+    commands = []
+    if wheels and run.env.get("INSTALL_WHEELS", "0" if run.dry else "1") == "1":
+        site = tempfile.mkdtemp()
+        commands.append(run.python("-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                                   "--no-cache-dir", "--upgrade", "--target", site, *wheels))
+        run.env["PYTHONPATH"] += os.pathsep + site
+    return commands + [run.python("-c", CHECK_TORCH)]
+
+
+def quality(run: Run) -> list[list[str]]:
+    """gpu_quality.py: 300 s of base training with the GPU's defaults (bf16, TF32, compiled before the clock), test
+    BLEU, steps, ms a step, tokens/s; TORCH_LOGS names each recompilation's reason in the recipe's log."""
+    run.env.setdefault("TORCH_LOGS", "recompiles")
+    return [run.python("benchmarks/gpu_quality.py", "--results_dir", run.results, "--data_cache_dir",
+                       "benchmarks/.cache/data", "--recipes", run.env.get("QUALITY_RECIPES", "dropout-0.1"),
+                       "--compile_cache", run.cache / "quality.bin", *(["--dry_run"] if run.dry else []))]
+
+
+def probe(run: Run) -> list[list[str]]:
+    """The base step at 4,000 tokens, compiled, against MarianMTModel on the same batches."""
+    size = (["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1",
+             "--seconds_per_setting", "1"] if run.dry else
+            ["--sizes", "base", "--batch_tokens", "4000", "--steps", "10", "--seconds_per_setting", PROBE_SECONDS])
+    return [run.bench("bench_training.py", *size, "--engines", "vaswani-compiled,marian", "--compile_cache",
+                      run.cache / "probe.bin", "--output_name", "training-probe-{device}-4000")]
+
+
+def probe_packed(run: Run) -> list[list[str]]:
+    """The compiled base step on packed rows against bucketed batches, each padded to multiples of 1 and 8 (Marian on
+    the bucketed ones: it takes no packed rows): the GPU's batching and padding multiple, by real tokens/s."""
+    size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1"] if run.dry else \
+        ["--sizes", "base", "--batch_tokens", "4000", "--steps", "10", "--seconds_per_setting", PROBE_SECONDS]
+    return [run.bench("bench_training.py", *size, "--engines", "vaswani-compiled,marian", "--batchings",
+                      "bucketed,bucketed-8,packed,packed-8", "--compile_cache", run.cache / "probe-packed.bin",
+                      "--output_name", "training-packing-{device}-4000")]
+
+
+def kernels(run: Run) -> list[list[str]]:
+    """The eager base step under SDPA's efficient, cuDNN and math kernels and eager attention, interleaved on the
+    same batches, no warm-up, 3 passes (the first meets each shape for the first time); a kernel the device lacks
+    costs its row. cuDNN's attention took 47% of the compiled base step in the 2026-11-23 profile."""
+    size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "3"] if run.dry else \
+        ["--sizes", "base", "--batch_tokens", "4000", "--steps", "20"]
+    return [run.bench("bench_training.py", *size, "--engines", "vaswani-efficient,vaswani-cudnn,vaswani-math,"
+                      "vaswani-flash,vaswani-eager", "--warmup_steps", "0", "--passes", "3",
+                      "--output_name", "training-kernels-{device}")]
+
+
+def translation_trained(run: Run) -> list[list[str]]:
+    """bench_translation.py on the quality run's model (else $TRANSLATION_MODEL, else random weights at forced
+    lengths): transformers' loop, the scripts' default (on CUDA the lean loop as CUDA graphs), slots, Marian; each
+    engine in its own process, a failing one costing its rows."""
+    selected = run.results / "gpu-quality-selected.txt"
+    model = selected.read_text().strip() if selected.is_file() else run.env.get("TRANSLATION_MODEL")
+    work = ["--sizes", "tiny", "--num_sentences", "32", "--max_new_tokens", "40"] if run.dry else \
+        ["--num_sentences", "1000"]
+    return [run.bench("bench_translation.py", *(["--model", model] if model else []), *work, "--batch_sizes", "256",
+                      "--beams", "4", "--stopping", "eos" if model else "forced", "--engines",
+                      "vaswani-hfloop,vaswani,vaswani-slots,marian", "--keep_going",
+                      "--output_name", "translation-trained-{device}")]
+
+
+def tests(run: Run) -> list[list[str]]:
+    """pytest -m gpu (all skipped without CUDA), the compiled CUDA graphs last in a process of their own."""
+    pytest = run.python("-m", "pytest", "-v", "-m", "gpu", "tests/", "-p", "no:cacheprovider", "-k")
+    return [pytest + ["not (cuda_graphs and compiled)"], pytest + ["cuda_graphs and compiled"]]
+
+
+@dataclass
+class Stage:
+    commands: object  # Run → the commands to run, in order, each under what is left of the stage's limit
+    limit: int  # seconds on an H100 or H200, with the stage's compile cache where it has one
+    cold: int | None = None  # without its compile cache (None: the same)
+    cache: str | None = None  # its file in $COMPILE_CACHE
+
+
+# Limits: what each stage needs on an H100 or H200 with a margin (benchmarks/results/gpu-notes.md).
+STAGES = {
+    "setup": Stage(setup, 25),  # the wheels' install took 12-19 s on the last GPUs
+    # 300 s of training; before it the data (9 s) and the step's compilation (about 115 s cold on the 2026-11-27
+    # H200); after it the test split decoded and the model saved (about 25 s)
+    "quality": Stage(quality, 370, cold=455, cache="quality.bin"),
+    # the batches (10 s), the compiled step's warm-up (119 s cold on the 2026-11-28 H200), then 20 s of Marian's
+    # steps and as many of the compiled engine's
+    "probe-4000": Stage(probe, 85, cold=195, cache="probe.bin"),
+    "probe-4000-packed": Stage(probe_packed, 100, cold=150, cache="probe-packed.bin"),  # by name: four batchings
+    "translation-trained": Stage(translation_trained, 105),  # 4 engines, each loaded and warmed, 1,000 sentences
+    "kernels": Stage(kernels, 110),  # four base models, 3 passes over 20 batches with each attention
+    "tests": Stage(tests, 170),  # 15 of the 18 gpu tests took 148 s on an H200
+}
+# Each plan's budget is what its call leaves after the machine's start: the first is made at once, the second only
+# where enough device time is left (benchmarks/README.md, "A lent GPU").
+PLANS = {"first": (480, ["setup", "quality", "probe-4000"]),
+         "second": (300, ["setup", "translation-trained", "kernels", "tests"])}
+
+
+def plan(names: list[str]) -> tuple[int, list[str]]:
+    """A plan's budget and stages: a named plan, or the stages named (after setup), whose budget is their limits."""
+    if len(names) <= 1 and (names or ["first"])[0] in PLANS:
+        return PLANS[(names or ["first"])[0]]
+    if unknown := [name for name in names if name not in STAGES]:
+        raise SystemExit(f"unknown stage {', '.join(unknown)} (stages: {', '.join(STAGES)})")
+    stages = ["setup", *(name for name in names if name != "setup")]
+    return sum(STAGES[name].cold or STAGES[name].limit for name in stages), stages
+
+
+def stage_limit(name: str, cache: Path) -> int:
+    stage = STAGES[name]
+    return stage.limit if stage.cache is None or (cache / stage.cache).is_file() else stage.cold or stage.limit
+
+
+def publish(run: Run, archive: str | None) -> None:
+    """The compile caches into the results, then the results packed into `archive` (whole, or the last pack)."""
+    if run.cache.is_dir():
+        shutil.copytree(run.cache, run.results / "compile-cache", dirs_exist_ok=True)
+    if archive:
+        partial = f"{archive}.{os.getpid()}"
+        with tarfile.open(partial, "w:gz") as packed:
+            packed.add(run.results, arcname=".")
+        os.replace(partial, archive)
+
+
+def run_stage(name: str, run: Run, limit: float) -> bool:
+    """The stage's commands, each under what is left of `limit` (then its whole process group is stopped), their
+    output to the console and the stage's log; whether they all succeeded."""
+    log_path, started, ok = run.results / f"gpu-{name}.log", time.monotonic(), True
+    with log_path.open("a") as log:
+        for command in STAGES[name].commands(run):
+            left = limit - (time.monotonic() - started)
+            if left <= 5:
+                print(f"skipped, no time left: {' '.join(command)}", file=log, flush=True)
+                return False
+            log.write(f"$ {' '.join(command)} (limit {left:.0f} s)\n")
+            log.flush()
+            process = subprocess.Popen(command, cwd=REPO, env=run.env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            # The plan itself stopped (the device call's timeout): the stage's process group with it.
+            signal.signal(signal.SIGTERM, lambda *_: (os.killpg(process.pid, signal.SIGKILL), sys.exit(143)))
+            copy = threading.Thread(target=lambda: [(sys.stdout.write(line), log.write(line), log.flush())
+                                                    for line in process.stdout])
+            copy.start()
+            try:
+                process.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                log.write(f"stopped at the stage's limit of {limit:.0f} s\n")
+                for signal_, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
+                    os.killpg(process.pid, signal_)
+                    try:
+                        process.wait(timeout=grace)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+            copy.join()
+            ok = process.returncode == 0 and ok
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    dry, limits_only = "--dry_run" in argv, "--limits" in argv
+    budget, stages = plan([arg for arg in argv if arg not in ("--dry_run", "--limits")])
+    cache = Path(os.environ.get("COMPILE_CACHE", REPO / ".compile-cache")).resolve()
+    limits = {name: DRY_RUN_LIMIT if dry else stage_limit(name, cache) for name in stages}
+    if limits_only:
+        print("\n".join(f"{name} {limit}" for name, limit in limits.items()) + f"\nbudget {budget}")
+        return 0
+    results = Path(os.environ.get("RESULTS_DIR", REPO / "benchmarks" / "results")).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "true",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO / "benchmarks"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    if dry:
+        env["VASWANI_REHEARSE_CUDA"] = "1"  # the CPU takes CUDA's branches (vaswani.generation_vaswani.runs_as)
+    run, started, status = Run(dry, results, cache, env), time.monotonic(), 0
+    for name in stages:
+        # A stage runs under its limit or what the plan has left, whichever is less; under half its limit, not at all.
+        left = (len(stages) * DRY_RUN_LIMIT if dry else budget) - (time.monotonic() - started)
+        if left < limits[name] / 2:
+            print(f"== {name}: left out, the plan has {left:.0f} s left of its {budget} s, under half the stage's "
+                  f"limit of {limits[name]} s")
+            status = 1
+            continue
+        limit = min(limits[name], left)
+        print(f"== {name} at {time.monotonic() - started:.0f} s, limit {limit:.0f} s", flush=True)
+        begun = time.monotonic()
+        ok = run_stage(name, run, limit)
+        print(f"== {name}: {'ok' if ok else 'failed'} after {time.monotonic() - begun:.0f} s", flush=True)
+        publish(run, os.environ.get("ARCHIVE"))
+        status |= not ok
+        if name == "setup" and not ok:
+            break  # nothing runs without its packages
+    print(f"== done at {time.monotonic() - started:.0f} s, exit {status}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""train_translation.py --compile_cache: the step's compiled code saved after one run's compilation and loaded by the
+next, which then compiles from the cache (counted hits) and trains to the same losses."""
+
+import json
+import os
+
+import pytest
+
+from training_script import run_script, synthetic_corpus, train_args
+
+
+@pytest.mark.slow
+def test_a_second_run_compiles_from_the_first_ones_cache_and_trains_the_same(tmp_path):
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    cache = tmp_path / "compile-cache.bin"
+    metrics = []
+    for run in ("cold", "warm"):
+        # Inductor's own on-disk cache apart for each run, so that only the file carries compiled code across.
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{run}"), "OMP_NUM_THREADS": "1"}
+        result = run_script("train_translation.py", *train_args(corpus, tmp_path / run), "--max_steps", "4",
+                            "--logging_steps", "1", "--per_device_train_batch_size", "8", "--max_tokens_per_batch",
+                            "150", "--torch_compile", "--compile_cache", str(cache), "--max_test_samples", "2",
+                            "--use_cpu", env=env, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        metrics.append(json.loads((tmp_path / run / "metrics.json").read_text()))
+        assert cache.is_file() and cache.stat().st_size > 0
+        if run == "cold":
+            written = cache.read_bytes()
+    # The warm run leaves the cache it compiled from as it was (what it would save holds only what it compiled).
+    assert cache.read_bytes() == written
+    cold, warm = metrics
+    assert cold["train_compile_cache_hits"] == 0 and warm["train_compile_cache_hits"] > 0
+    assert warm["train_graphs_compiled_on_the_clock"] == cold["train_graphs_compiled_on_the_clock"]
+    assert warm["train_loss"] == cold["train_loss"]
