@@ -104,6 +104,20 @@ def probe_packed(run: Run) -> list[list[str]]:
                       "--output_name", "training-packing-{device}-4000")]
 
 
+def probe_graphs(budget: int):
+    """The compiled base step at `budget` tokens, with and without CUDA graphs over 4 shape buckets, against
+    MarianMTModel on the same bucketed batches (only the -graphs engine pads them to their bucket's shape): whether
+    the graphs repay the padding, which decides --shape_buckets."""
+    def stage(run: Run) -> list[list[str]]:
+        size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1",
+                "--engines", "vaswani,marian"] if run.dry else \
+            ["--sizes", "base", "--batch_tokens", str(budget), "--steps", "10", "--seconds_per_setting",
+             PROBE_SECONDS, "--engines", "vaswani-compiled-graphs,vaswani-compiled,marian"]
+        return [run.bench("bench_training.py", *size, "--shape_buckets", "4", "--output_name",
+                          f"training-graphs-{{device}}-{budget}")]
+    return stage
+
+
 def kernels(run: Run) -> list[list[str]]:
     """The eager base step under SDPA's efficient, cuDNN and math kernels and eager attention, interleaved on the
     same batches, no warm-up, 3 passes (the first meets each shape for the first time); a kernel the device lacks
@@ -153,6 +167,8 @@ STAGES = {
     # steps and as many of the compiled engine's
     "probe-4000": Stage(probe, 85, cold=195, cache="probe.bin"),
     "probe-4000-packed": Stage(probe_packed, 100, cold=150, cache="probe-packed.bin"),  # by name: four batchings
+    "probe-4000-graphs": Stage(probe_graphs(4000), 150),  # by name: shape buckets with and without CUDA graphs
+    "probe-25000": Stage(probe_graphs(25000), 150),  # by name: the same at the paper's batch size
     "translation-trained": Stage(translation_trained, 105),  # 4 engines, each loaded and warmed, 1,000 sentences
     "kernels": Stage(kernels, 110),  # four base models, 3 passes over 20 batches with each attention
     "tests": Stage(tests, 170),  # 15 of the 18 gpu tests took 148 s on an H200
