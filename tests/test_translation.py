@@ -21,7 +21,7 @@ from vaswani.pipeline_vaswani import register_pipeline
 from vaswani.tokenization import TRUNCATION_TOKENS, tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.loading import engine_for_model
-from vaswani.translation import DEFAULT_SLOTS, DecodingSettings, model_decoding, translate, write_decoding_defaults
+from vaswani.translation import DecodingSettings, model_decoding, translate, write_decoding_defaults
 from vaswani.visualize import attention_maps
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)
@@ -182,7 +182,7 @@ def test_an_engine_decodes_in_batches_where_slots_do_not_cover_the_options(train
     model, tokenizer = trained
     assert not engine_for_model(model, tokenizer, num_beams=4, no_repeat_ngram_size=2, slots=3).continuous
     assert not engine_for_model(model, tokenizer, num_beams=4, slots=0).continuous
-    assert engine_for_model(model, tokenizer, num_beams=4).continuous == bool(DEFAULT_SLOTS.get("cpu"))
+    assert not engine_for_model(model, tokenizer, num_beams=4).continuous  # batches unless told
 
 
 def test_settings_left_out_are_the_generation_configs_and_sampling_takes_one_beam():

@@ -100,8 +100,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=non_negative_int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "
                         "once by the next (vaswani.slots.decode_in_slots; each output as generate() "
-                        "gives it for that sentence alone, up to its length plus 50 tokens); 0: in batches. Default: "
-                        "the engine's (vaswani.translation.TorchEngine)")
+                        "gives it for that sentence alone, up to its length plus 50 tokens). Default: in batches, "
+                        "which measured faster on a CPU and, at forced lengths, on a GPU (benchmarks/results/"
+                        "README.md); the GPU plan's translation-trained stage compares them on a trained model")
     parser.add_argument("--ctranslate2", action=argparse.BooleanOptionalAction, default=None,
                         help="CTranslate2 decodes: --model's if it is an export (scripts/export_ctranslate2.py), else "
                         "the checkpoint's float32 export, made once and cached (rebuilt when the weights change). "

@@ -35,13 +35,8 @@ from transformers import StoppingCriteriaList
 from .batching import token_budget_batches
 # OUTPUT_SLACK: the length rule's slack, under this module's name too.
 from .configuration_vaswani import OUTPUT_SLACK, length_options, longest_output, output_limit  # noqa: F401
-from .generation_vaswani import SentenceLimits, runs_as
+from .generation_vaswani import SentenceLimits
 from .slots import decode_in_slots, slots_cover
-
-# Per device type, the slots that `TorchEngine` decodes in when not told (`slots=None`); a device type not listed
-# decodes in batches.
-DEFAULT_SLOTS: dict[str, int] = {}
-
 
 class Engine(Protocol):
     decoding: "DecodingSettings"
@@ -210,14 +205,13 @@ class TorchEngine:
     finished one replaced at once by the next, so `translate` hands it all sentences as one stream (`continuous`).
     Each output is then what `generate()` gives that sentence alone. For the options that the slots do not cover
     (`slots_cover`: logits processors, several outputs per sentence…) the engine decodes batches as without slots.
-    `slots=None` takes `DEFAULT_SLOTS` for the model's device type, 0 decodes in batches. Built by
+    Without `slots` the engine decodes in batches: slots measured slower than batches on a CPU and than the lean loop
+    as CUDA graphs on a GPU (benchmarks/results/README.md). Built by
     `vaswani.loading` (which checks that the tokenizer fits the model)."""
 
     def __init__(self, model, tokenizer, decoding: DecodingSettings, *, slots: int | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.decoding = dataclasses.replace(decoding, precision=str(model.dtype).removeprefix("torch."))
-        if slots is None:
-            slots = DEFAULT_SLOTS.get(runs_as(model.device))
         self.slots = slots if slots and slots_cover(model, **self.decoding.generate_options()) else None
 
     @property
