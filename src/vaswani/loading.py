@@ -128,10 +128,9 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     the checkpoint's `generation_config` (`vaswani.translation.DecodingSettings.resolve`).
     """
     device = choose_device(device)
-    pytorch_only = {"--dtype": dtype != "auto", "--int8": int8, "--decoding": decoding != "auto",
-                    "--slots": slots is not None, "--attn_implementation": attn_implementation is not None}
-    pytorch_only |= {f"--{name}": value is not None for name, value in decoding_overrides.items()
-                     if name not in CTranslate2Engine.SETTINGS}
+    pytorch_only = CTranslate2Engine.pytorch_only(
+        {"--dtype": dtype != "auto", "--int8": int8, "--decoding": decoding != "auto", "--slots": slots is not None,
+         "--attn_implementation": attn_implementation is not None}, decoding_overrides)
     exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
     if ctranslate2 is None:
         ctranslate2 = exported or (not any(pytorch_only.values()) and compute_type == "default"
@@ -146,10 +145,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         positions = "learned positions" if learned else "source positions"
         export_of, (model_dir, _) = model_dir, cached_export(model_dir, cache_dir)
     if ctranslate2:
-        if any(pytorch_only.values()):
-            raise ValueError(f"{', '.join(name for name, given in pytorch_only.items() if given)}: the PyTorch "
-                             "engine's; a CTranslate2 model takes --compute_type and "
-                             f"{', '.join('--' + name for name in CTranslate2Engine.SETTINGS)}.")
+        CTranslate2Engine.check(pytorch_only=pytorch_only)
         check_ctranslate2_dir(model_dir)
         path = os.path.join(model_dir, "generation_config.json")
         exported = read_generation_config(model_dir) if os.path.isfile(path) else GenerationConfig()
@@ -247,8 +243,9 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     try:
         if dtype == "auto":
             d_model = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).d_model
-            if num_beams is None:
-                num_beams = read_generation_config(model_dir).num_beams or 1
+            if num_beams is None:  # the checkpoint's, as every engine resolves it
+                num_beams = DecodingSettings.resolve(read_generation_config(model_dir),
+                                                     origin=_generation_config_name(model_dir)).num_beams
             dtype = choose_dtype("auto", device, d_model, num_beams=num_beams, int8=int8)
         model, info = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,

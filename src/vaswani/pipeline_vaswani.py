@@ -23,6 +23,18 @@ from .generation_vaswani import SentenceLimits
 TASK = "translation"
 
 
+
+def sentence_limit_options(limits: list[int], device: torch.device) -> dict:
+    """`generate()`'s arguments for a batch of sentences whose outputs may have `limits[i]` new tokens each: the
+    longest as `max_length` (`length_options`) and, only where the limits differ, `SentenceLimits` stopping each
+    sentence at its own, so that its output does not depend on its neighbours'. The pipeline and
+    `vaswani.translation.generate_token_ids` both decode through it."""
+    options = length_options(max(limits))
+    if len(set(limits)) > 1:
+        lengths = torch.tensor(limits, device=device) + 1  # and the decoder start token
+        options["stopping_criteria"] = StoppingCriteriaList([SentenceLimits(lengths)])
+    return options
+
 class VaswaniTranslationPipeline(Pipeline):
     """Text in one language to text in another: `pipe("a sentence")` or `pipe(["one", "two"], batch_size=2)`.
 
@@ -69,10 +81,7 @@ class VaswaniTranslationPipeline(Pipeline):
                 all(config is None or config.max_new_tokens is None for config in configs):
             longest = longest_output(self.model.config)
             limits = [output_limit(length, None, longest) for length in model_inputs["attention_mask"].sum(1).tolist()]
-            options |= length_options(max(limits))
-            if len(set(limits)) > 1:
-                lengths = torch.tensor(limits, device=model_inputs["input_ids"].device) + 1  # and the decoder start
-                options["stopping_criteria"] = StoppingCriteriaList([SentenceLimits(lengths)])
+            options |= sentence_limit_options(limits, model_inputs["input_ids"].device)
         output_ids = self.model.generate(**model_inputs, **options)
         # (batch * num_return_sequences, length) -> (batch, num_return_sequences, length), so that the pipeline's
         # un-batching hands each input all of its sequences.

@@ -30,12 +30,11 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
-from transformers import StoppingCriteriaList
 
 from .batching import token_budget_batches
 # OUTPUT_SLACK: the length rule's slack, under this module's name too.
-from .configuration_vaswani import OUTPUT_SLACK, length_options, longest_output, output_limit  # noqa: F401
-from .generation_vaswani import SentenceLimits
+from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401
+from .pipeline_vaswani import sentence_limit_options
 from .slots import decode_in_slots, slots_cover
 
 class Engine(Protocol):
@@ -267,10 +266,7 @@ def generate_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     returned: the forced length under which the benchmarks compare engines on identical work."""
     limits = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if model.config.is_encoder_decoder:
-        generate_kwargs |= length_options(max(limits))
-        if len(set(limits)) > 1:  # one more stopping rule only where the rows' limits differ
-            lengths = torch.tensor(limits, device=input_ids.device) + 1  # and the decoder start token
-            generate_kwargs["stopping_criteria"] = StoppingCriteriaList([SentenceLimits(lengths)])
+        generate_kwargs |= sentence_limit_options(limits, input_ids.device)
     else:
         generate_kwargs["max_new_tokens"] = max(limits)
     with torch.inference_mode():
@@ -296,8 +292,8 @@ class CTranslate2Engine:
 
     What CTranslate2 is told, so that its outputs are `TorchEngine`'s: the length penalty, applied as transformers
     applies it (score / length ** penalty, with the end of sentence counted in the length: `return_end_token`,
-    removed here afterwards; `ctranslate2_length_penalty`); each sentence's own output limit (`max_decoding_length` counts the end of sentence as
-    `max_new_tokens` does; it is one number per call, so a beam search decodes the sentences of each limit in one
+    removed here afterwards; `ctranslate2_length_penalty`); each sentence's own output limit (`max_decoding_length`
+    counts the end of sentence as `max_new_tokens` does; it is one number per call, so a beam search decodes the sentences of each limit in one
     call, and greedy search, whose output up to a length does not depend on the limit, decodes the batch once and
     cuts each output at its own); the source limit (`max_input_length`); `min_new_tokens` (`min_decoding_length`).
     One rule it cannot follow: CTranslate2's beam search ends a sentence once `num_beams` hypotheses have finished,
@@ -334,9 +330,23 @@ class CTranslate2Engine:
         return (not decoding.options and not decoding.do_sample
                 and (decoding.num_beams == 1 or decoding.early_stopping is True))
 
-    @staticmethod
-    def check(decoding: DecodingSettings) -> None:
-        """Refuse, naming them, the settings CTranslate2 cannot decode with (before its model is loaded)."""
+    @classmethod
+    def pytorch_only(cls, engine_options: dict[str, bool], decoding_overrides: dict) -> dict[str, bool]:
+        """Which of the PyTorch engine's own options a caller gave, by flag: `engine_options` (flag → given) and the
+        `decoding_overrides` given that are not CTranslate2's `SETTINGS`."""
+        return engine_options | {f"--{name}": value is not None for name, value in decoding_overrides.items()
+                                 if name not in cls.SETTINGS}
+
+    @classmethod
+    def check(cls, decoding: DecodingSettings | None = None, pytorch_only: dict[str, bool] | None = None) -> None:
+        """Refuse in one line, naming them, what CTranslate2 cannot decode with, before its model is loaded: the
+        PyTorch engine's own options given by the caller (`pytorch_only`), then settings `decoding` holds (which a
+        checkpoint's generation config may give)."""
+        if given := [name for name, value in (pytorch_only or {}).items() if value]:
+            raise ValueError(f"{', '.join(given)}: the PyTorch engine's; a CTranslate2 model takes --compute_type and "
+                             f"{', '.join('--' + name for name in cls.SETTINGS)}.")
+        if decoding is None:
+            return
         refused = [name for name, _ in decoding.options] + ["do_sample"] * decoding.do_sample
         refused += ["early_stopping='never'"] * (decoding.early_stopping == "never")
         if refused:
