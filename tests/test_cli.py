@@ -24,11 +24,11 @@ class Built(Exception):
 
 
 def engine_request(monkeypatch, tmp_path, script: str, *flags: str) -> dict:
-    """The keyword arguments `script` gives `load_engine` for `flags` (and the arguments it needs to get there)."""
+    """The keyword arguments `script` gives `load_default_engine` for `flags` (and the arguments it needs to get there)."""
     def record(model_dir, **kwargs):
         raise Built({"model_dir": model_dir, **kwargs})
 
-    monkeypatch.setattr(cli, "load_engine", record)
+    monkeypatch.setattr(cli, "load_default_engine", record)
     source, reference = tmp_path / "src.en", tmp_path / "ref.fr"
     source.write_text("I'm calm.\n")
     reference.write_text("Je suis calme.\n")

@@ -12,7 +12,7 @@ from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
-from vaswani.export import cached_export, export_to_ctranslate2
+from vaswani.export import cached_export, export_to_ctranslate2, load_default_engine
 from vaswani.loading import load_engine
 from vaswani.translation import translate as translate_with
 
@@ -186,7 +186,7 @@ def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_
 
     engine_lines = [line for line in exported.err.splitlines() if line.startswith("engine: ")]
     assert engine_lines == [f"engine: CTranslate2 float32 on cpu, the cached export of {path} "
-                            f"({load_engine(str(path), device='cpu').path})"]
+                            f"({load_default_engine(str(path), device='cpu').path})"]
     pytorch_lines = [line for line in pytorch.err.splitlines() if line.startswith("engine: ")]
     assert pytorch_lines == ["engine: PyTorch float32 on cpu"]
     assert exported.out == pytorch.out and exported.out.count("\n") == len(SOURCES)
@@ -198,7 +198,7 @@ def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_t
     stopping = greedy_checkpoint(checkpoint, tmp_path / "stopping", num_beams=3, early_stopping=True)
 
     def engine(path, **options):
-        return load_engine(str(path), device="cpu", **options).settings["engine"]
+        return load_default_engine(str(path), device="cpu", **options).settings["engine"]
 
     assert engine(greedy) == "ctranslate2" and engine(stopping) == "ctranslate2"
     assert engine(beams) == "pytorch"  # CTranslate2 stops a beam search as early_stopping=True does
@@ -226,7 +226,7 @@ def test_a_cached_export_is_reused_and_made_again_when_the_weights_change(checkp
     rebuilt, made = cached_export(str(path), str(cache))
 
     assert made and rebuilt == first and (Path(first) / "model.bin").stat().st_mtime_ns != weights
-    exported = translate_with(load_engine(str(path), device="cpu", cache_dir=str(cache)), SOURCES).texts
+    exported = translate_with(load_default_engine(str(path), device="cpu", cache_dir=str(cache)), SOURCES).texts
     pytorch = translate_with(load_engine(str(path), device="cpu", ctranslate2=False), SOURCES).texts
     assert exported == pytorch
 

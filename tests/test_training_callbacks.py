@@ -216,7 +216,7 @@ def test_rates_on_the_clock_do_not_inherit_the_trainers_rounding(trainer_runtime
 
     clock = SimpleNamespace(stop=lambda: None, this_call=lambda: 4.0, elapsed=lambda: 4.0, start_tokens=0)
     trainer = SimpleNamespace(clock=clock, state=SimpleNamespace(num_input_tokens_seen=0), compile_seconds=0.0,
-                              args=SimpleNamespace(torch_compile=False), slow_steps=SlowSteps())
+                              args=SimpleNamespace(torch_compile=False, compile_cache=None), slow_steps=SlowSteps())
     metrics = {"train_runtime": round(trainer_runtime, 4), "train_steps_per_second": round(4 / trainer_runtime, 3),
                "train_samples_per_second": round(64 / trainer_runtime, 3)}
     rescaled = VaswaniSeq2SeqTrainer.clocked_metrics(trainer, metrics)

@@ -8,7 +8,8 @@ import math
 import sys
 
 from .files import DiskFullError
-from .loading import DECODING_LOOPS, DTYPES, load_engine
+from .export import load_default_engine
+from .loading import DECODING_LOOPS, DTYPES
 from .peers import PeerLost
 from .preemption import Preempted
 
@@ -85,7 +86,7 @@ def probability(text: str) -> float:
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`,
     `--decoding`, `--slots`, `--ctranslate2`, `--compute_type`) and how it decodes (`--num_beams`,
-    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.loading.load_engine` by `engine_from_args`.
+    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.export.load_default_engine` by `engine_from_args`.
     A decoding setting left out is the checkpoint's (its generation_config.json)."""
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available; "
                         "under torchrun or accelerate launch, each process's own GPU)")
@@ -109,7 +110,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "--no-ctranslate2: the PyTorch checkpoint decodes. Default: an export decodes with "
                         "CTranslate2, and so does a checkpoint on a CPU when ctranslate2 is installed and gives the "
                         "checkpoint's own translations (greedy, or beams with early_stopping; no PyTorch-only flag), "
-                        "where it measured faster (vaswani.loading.ctranslate2_by_default)")
+                        "where it measured faster (vaswani.export.ctranslate2_by_default)")
     parser.add_argument("--compute_type", default="default",
                         help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--num_beams", type=positive_int, default=None,
@@ -123,9 +124,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_from_args(args: argparse.Namespace, device: str | None = None, **decoding_options):
-    """`vaswani.loading.load_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
+    """`vaswani.export.load_default_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
     `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
-    engine = load_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
+    engine = load_default_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
                          decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
                          compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                          length_penalty=args.length_penalty, **decoding_options)

@@ -20,7 +20,6 @@ tokenizer that is missing or does not fit the model.
 """
 
 import functools
-import importlib.util
 import json
 import os
 
@@ -110,15 +109,15 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
 
 def load_engine(model_dir: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
                 int8: bool = False, decoding: str = "auto", slots: int | None = None, ctranslate2: bool | None = None,
-                compute_type: str = "default", attn_implementation: str | None = None, cache_dir: str | None = None,
+                compute_type: str = "default", attn_implementation: str | None = None, export_of: str | None = None,
                 **decoding_overrides) -> Engine:
     """The engine that translates with the checkpoint in `model_dir` (a directory or Hub id), or with the
     CTranslate2 model there.
 
-    `ctranslate2`: True, CTranslate2 decodes: the model in `model_dir` if it is an export (`model.bin`), else the
-    checkpoint's float32 export, made once and cached (`vaswani.export.cached_export` in `cache_dir`, made again when
-    the weights change); False, the PyTorch checkpoint decodes; None (the default), an export decodes, and so does a
-    checkpoint's where `ctranslate2_by_default` says CTranslate2 gives its translations faster.
+    `ctranslate2`: True, CTranslate2 decodes the export in `model_dir` (`model.bin`); False, the PyTorch checkpoint
+    decodes; None (the default), whichever `model_dir` holds. `export_of`: the checkpoint that `model_dir` is the
+    cached export of (`vaswani.export.load_default_engine`, which also decides when a checkpoint's export decodes
+    instead of the checkpoint), named in the engine's description and its truncation warning.
 
     `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
     `int8`, `decoding` and `attn_implementation` as `load_translator` takes them, `slots` as `TorchEngine` does; for
@@ -133,17 +132,15 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
          "--attn_implementation": attn_implementation is not None}, decoding_overrides)
     exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
     if ctranslate2 is None:
-        ctranslate2 = exported or (not any(pytorch_only.values()) and compute_type == "default"
-                                   and ctranslate2_by_default(model_dir, device, **decoding_overrides))
-    export_of, positions = None, "exported positions"
-    if ctranslate2 and not exported:
-        from .export import cached_export  # here, not at the top: vaswani.export builds its engines with this module
-
-        check_checkpoint_dir(model_dir)
+        ctranslate2 = exported
+    elif ctranslate2 and not exported:
+        raise ValueError(f"{model_dir} holds no CTranslate2 export (model.bin); export it with "
+                         "scripts/export_ctranslate2.py, or translate with the scripts, which use a cached export.")
+    positions = "exported positions"
+    if export_of is not None:
         # Sources are cut where the checkpoint's positions end, named as its PyTorch engine names them.
-        learned = is_learned(AutoConfig.from_pretrained(model_dir, trust_remote_code=False))
+        learned = is_learned(AutoConfig.from_pretrained(export_of, trust_remote_code=False))
         positions = "learned positions" if learned else "source positions"
-        export_of, (model_dir, _) = model_dir, cached_export(model_dir, cache_dir)
     if ctranslate2:
         CTranslate2Engine.check(pytorch_only=pytorch_only)
         check_ctranslate2_dir(model_dir)
@@ -164,33 +161,10 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
     settings = DecodingSettings.resolve(
         read_generation_config(model_dir), positions=config.max_position_embeddings,
-        learned=is_learned(config), origin=_generation_config_name(model_dir), **decoding_overrides)
+        learned=is_learned(config), origin=generation_config_name(model_dir), **decoding_overrides)
     model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
                                        num_beams=settings.num_beams)
     return TorchEngine(model, tokenizer, settings, slots=slots)
-
-
-def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_overrides) -> bool:
-    """Whether `load_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on a CPU,
-    where CTranslate2 float32 decoded faster than the PyTorch engine at the same precision, greedy and with beam
-    search (benchmarks/results/translation-cpu-main-job-model.md), for a local checkpoint that the exporter takes,
-    with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding settings
-    it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False`
-    is not one of them, and stays with PyTorch)."""
-    if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
-        return False
-    from .export import check_exportable  # here, not at the top: vaswani.export builds its engines with this module
-
-    check_checkpoint_dir(model_dir)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    try:
-        check_exportable(config)
-    except ValueError:
-        return False
-    settings = DecodingSettings.resolve(
-        read_generation_config(model_dir), positions=config.max_position_embeddings, learned=is_learned(config),
-        origin=_generation_config_name(model_dir), **decoding_overrides)
-    return CTranslate2Engine.follows(settings)
 
 
 def engine_for_model(model, tokenizer, *, slots: int | None = None, **decoding_overrides) -> TorchEngine:
@@ -206,10 +180,10 @@ def read_generation_config(model_dir: str) -> GenerationConfig:
     try:
         return GenerationConfig.from_pretrained(model_dir)
     except (ValueError, OSError) as error:  # OSError: a Hub repository's file that is not JSON, or cannot be fetched
-        raise ValueError(f"{_generation_config_name(model_dir)}: {str(error).splitlines()[0]}") from error
+        raise ValueError(f"{generation_config_name(model_dir)}: {str(error).splitlines()[0]}") from error
 
 
-def _generation_config_name(model_dir: str) -> str:
+def generation_config_name(model_dir: str) -> str:
     return os.path.join(model_dir, "generation_config.json") if os.path.isdir(model_dir) else \
         f"{model_dir}'s generation_config.json"
 
@@ -245,7 +219,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
             d_model = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).d_model
             if num_beams is None:  # the checkpoint's, as every engine resolves it
                 num_beams = DecodingSettings.resolve(read_generation_config(model_dir),
-                                                     origin=_generation_config_name(model_dir)).num_beams
+                                                     origin=generation_config_name(model_dir)).num_beams
             dtype = choose_dtype("auto", device, d_model, num_beams=num_beams, int8=int8)
         model, info = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True,
