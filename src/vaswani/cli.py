@@ -86,8 +86,8 @@ def probability(text: str) -> float:
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`,
     `--decoding`, `--slots`, `--ctranslate2`, `--compute_type`) and how it decodes (`--num_beams`,
-    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.export.load_default_engine` by `engine_from_args`.
-    A decoding setting left out is the checkpoint's (its generation_config.json)."""
+    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.export.load_default_engine` by
+    `engine_from_args`. A decoding setting left out is the checkpoint's (its generation_config.json)."""
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available; "
                         "under torchrun or accelerate launch, each process's own GPU)")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",

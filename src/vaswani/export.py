@@ -37,8 +37,9 @@ from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
 from .configuration_vaswani import OUTPUT_SLACK
 from .files import exclusive, locking, staged_directory, write_atomically
-from .loading import (CTRANSLATE2_WEIGHTS, check_checkpoint_dir, choose_device, engine_for_model,
-                      generation_config_name, load_engine, load_translator, read_generation_config)
+from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, choose_device, engine_for_model,
+                      generation_config_name, load_engine, load_translator, pytorch_options,
+                      read_generation_config)
 from .translation import CTranslate2Engine, DecodingSettings, is_learned, model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
@@ -145,15 +146,10 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
     device = choose_device(device)
     exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
     if not exported and ctranslate2 is None:
-        engine_options = {name: options.get(name, default) for name, default in
-                          (("dtype", "auto"), ("int8", False), ("decoding", "auto"), ("slots", None),
-                           ("attn_implementation", None), ("compute_type", "default"))}
-        decoding = {name: value for name, value in options.items() if name not in engine_options}
-        pytorch_only = CTranslate2Engine.pytorch_only(
-            {"--dtype": engine_options["dtype"] != "auto", "--int8": engine_options["int8"],
-             "--decoding": engine_options["decoding"] != "auto", "--slots": engine_options["slots"] is not None,
-             "--attn_implementation": engine_options["attn_implementation"] is not None}, decoding)
-        ctranslate2 = (not any(pytorch_only.values()) and engine_options["compute_type"] == "default"
+        rest = {name: value for name, value in options.items() if name != "compute_type"}
+        decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
+        ctranslate2 = (not any(pytorch_options(**rest).values())
+                       and options.get("compute_type", "default") == "default"
                        and ctranslate2_by_default(model_dir, device, **decoding))
     if ctranslate2 and not exported:
         check_checkpoint_dir(model_dir)

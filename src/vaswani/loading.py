@@ -107,6 +107,18 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
 # Loading
 
 
+# The PyTorch engine's own options (`load_engine`'s), with the values that mean "not given".
+PYTORCH_OPTIONS = {"dtype": "auto", "int8": False, "decoding": "auto", "slots": None, "attn_implementation": None}
+
+
+def pytorch_options(**options) -> dict[str, bool]:
+    """Which options of the PyTorch engine `options` (`load_engine`'s keyword arguments) give, by flag: its own
+    (`PYTORCH_OPTIONS`) and the decoding settings that CTranslate2 does not take (`CTranslate2Engine.pytorch_only`)."""
+    given = {f"--{name}": options.get(name, unset) != unset for name, unset in PYTORCH_OPTIONS.items()}
+    decoding = {name: value for name, value in options.items() if name not in PYTORCH_OPTIONS}
+    return CTranslate2Engine.pytorch_only(given, decoding)
+
+
 def load_engine(model_dir: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
                 int8: bool = False, decoding: str = "auto", slots: int | None = None, ctranslate2: bool | None = None,
                 compute_type: str = "default", attn_implementation: str | None = None, export_of: str | None = None,
@@ -127,9 +139,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     the checkpoint's `generation_config` (`vaswani.translation.DecodingSettings.resolve`).
     """
     device = choose_device(device)
-    pytorch_only = CTranslate2Engine.pytorch_only(
-        {"--dtype": dtype != "auto", "--int8": int8, "--decoding": decoding != "auto", "--slots": slots is not None,
-         "--attn_implementation": attn_implementation is not None}, decoding_overrides)
+    pytorch_only = pytorch_options(dtype=dtype, int8=int8, decoding=decoding, slots=slots,
+                                   attn_implementation=attn_implementation, **decoding_overrides)
     exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
     if ctranslate2 is None:
         ctranslate2 = exported
