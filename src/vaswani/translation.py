@@ -295,7 +295,8 @@ class CTranslate2Engine:
     removed here afterwards; `ctranslate2_length_penalty`); each sentence's own output limit (`max_decoding_length`
     counts the end of sentence as `max_new_tokens` does; it is one number per call, so a beam search decodes the
     sentences of each limit in one call, and greedy search, whose output up to a length does not depend on the
-    limit, decodes the batch once and cuts each output at its own); the source limit (`max_input_length`); `min_new_tokens` (`min_decoding_length`).
+    limit, decodes the batch once and cuts each output at its own); the source limit (`max_input_length`);
+    `min_new_tokens` (`min_decoding_length`).
     One rule it cannot follow: CTranslate2's beam search ends a sentence once `num_beams` hypotheses have finished,
     which is transformers' `early_stopping=True`; under transformers' default (`early_stopping=False`) a sentence
     goes on while a live beam could still beat a finished one, so a few beam outputs differ (the export's model card,
