@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, script_main
+from conftest import SCRIPTS, free_port, script_main
 from tiny_translation_model import SOURCES
 
 import vaswani.file_translation
@@ -319,11 +319,9 @@ def test_a_signalled_translation_stops_at_a_chunk_boundary_and_resumes_to_the_sa
     assert output.read_bytes() == expected
 
 
-@pytest.mark.slow
-def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the_same_bytes(checkpoint, expected,
-                                                                                           tmp_path):
-    from conftest import free_port
-
+def slowed_torchrun_translation(checkpoint, tmp_path):
+    """translate.py with --resume under torchrun, 2 processes, each chunk slowed (SLOW), started and waited for until
+    two chunks are written: the launcher's arguments, the script's, the output file and the running launch."""
     output = tmp_path / "out.fr"
     wrapper = tmp_path / "slow.py"
     wrapper.write_text(SLOW)
@@ -331,6 +329,13 @@ def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the
     argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
     process = start([*launch, str(wrapper), "0.5", *argv])
     wait_for_chunks(process, output, 2)
+    return launch, argv, output, process
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the_same_bytes(checkpoint, expected,
+                                                                                           tmp_path):
+    launch, argv, output, process = slowed_torchrun_translation(checkpoint, tmp_path)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode != 0
@@ -351,16 +356,9 @@ def test_a_translation_process_killed_under_torchrun_ends_the_other_in_one_line_
     """SIGKILL to process 1 of 2 mid-file: process 0, which waits for its chunks, ends within seconds with one line
     of ours naming the process that died and what the output holds (torchrun then reports the launch's failure);
     the output is its recorded lines, the lock is released, and `--resume` finishes it to the bytes of one run."""
-    from conftest import free_port
     from test_training_interruptions import ours, rank_process
 
-    output = tmp_path / "out.fr"
-    wrapper = tmp_path / "slow.py"
-    wrapper.write_text(SLOW)
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
-    process = start([*launch, str(wrapper), "0.5", *argv])
-    wait_for_chunks(process, output, 2)
+    launch, argv, output, process = slowed_torchrun_translation(checkpoint, tmp_path)
     victim = rank_process(process, 1)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
