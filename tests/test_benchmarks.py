@@ -421,6 +421,9 @@ def test_data_benchmark(corpus, tmp_path):
     first, cached = report["results"]
     assert (first["run"], cached["run"], first["pairs"]) == ("first", "cached", 300)
     assert 0 < first["read_s"] <= first["first_step_s"] and cached["peak_anon_gib"] > 0
+    # Every stage is found in the script's log (a renamed logger or message would leave it out), in order.
+    assert 0 < first["read_s"] <= first["tokenizer_s"] <= first["tokenized_s"] <= first["first_step_s"]
+    assert first["cache_gib"] > 0 and first["load_during"] >= 0
 
 
 def test_gpu_quality_gives_train_translation_arguments_it_parses():
