@@ -93,7 +93,9 @@ def test_tokenizing_word_by_word_gives_the_same_dataset(small_tokenizer, monkeyp
     words = tokenize_translation_dataset(split, small_tokenizer, max_length=24)
     monkeypatch.setattr(tokenization.WordCachedEncoder, "for_tokenizer", lambda *args, **kwargs: None)
     whole = tokenize_translation_dataset(split, small_tokenizer, max_length=24)
-    assert words.features == whole.features and words[:] == whole[:]
+    assert words[:] == whole[:]
+    # Stored as narrow as the ids allow (datasets would keep labels in 64 bits): half the bytes at WMT's scale.
+    assert words.features == tokenization.TOKENIZED_FEATURES
 
 
 def test_tokenizers_with_another_pipeline_are_called_as_usual(small_tokenizer, tmp_path):

@@ -17,7 +17,7 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, Features, List, Value
 from tokenizers import Tokenizer
 
 from .data import CACHE_FORMAT, cache_key, load_translation_dataset
@@ -97,6 +97,11 @@ def cached_corpus_tokenizer(
 # --------------------------------------------------------------------------------------------------
 # Tokenization
 
+# What `WordCachedEncoder` gives, stored as narrow as its values: at WMT's tens of millions of pairs, every byte a
+# token is gigabytes written and read (datasets would store the labels in 64 bits). The collator makes them tensors
+# of 64-bit ids as before.
+TOKENIZED_FEATURES = Features({"input_ids": List(Value("int32")), "attention_mask": List(Value("int8")),
+                               "labels": List(Value("int32"))})
 # Where training truncates sources and targets when not told: long enough for all but a handful of the corpus'
 # sentences, short enough that one overlong pair cannot blow up a token-budget batch.
 TRUNCATION_TOKENS = 128
@@ -121,10 +126,13 @@ def tokenize_translation_dataset(
                             for name, split in dataset.items()})
 
     words = WordCachedEncoder.for_tokenizer(tokenizer, max_length)
+    features = None
     if words is None:
         def encode(batch):
             return tokenizer(batch["source"], text_target=batch["target"], truncation=True, max_length=max_length)
     else:
+        features = TOKENIZED_FEATURES
+
         def encode(batch):
             input_ids, labels = words(batch["source"]), words(batch["target"])
             return {"input_ids": input_ids, "attention_mask": [[1] * len(ids) for ids in input_ids], "labels": labels}
@@ -138,7 +146,7 @@ def tokenize_translation_dataset(
             logger.info("Reusing the tokenized %d examples in %s.", len(dataset), path.parent)
         else:
             logger.info("Tokenizing %d examples into %s.", len(dataset), path.parent)
-    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing",
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing", features=features,
                        num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > num_proc else None, **cache)
 
 
