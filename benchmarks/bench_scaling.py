@@ -28,6 +28,7 @@ from common import (  # noqa: E402
 from vaswani import VaswaniConfig, VaswaniForCausalLM  # noqa: E402
 from vaswani.modeling_vaswani import CACHE_NAME  # noqa: E402  (the cache's name in this transformers release)
 
+
 def attention_name(config) -> str:
     if config.num_key_value_heads == config.num_attention_heads:
         return "MHA"

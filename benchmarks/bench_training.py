@@ -218,9 +218,8 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
 
 @dataclass
 class Batches:
-    """One batching's batches at one budget: token ids per batch (sources, targets), the same collated as the models
-    take them, how many of them warm up (after step 0, which measures memory), and the padding fraction of the timed
-    ones (both sides, of the positions the collated batches compute)."""
+    """One batching's batches at one budget: token ids (sources, targets) and collated; step 0 measures memory, then
+    `warmup` warm up; the padding fraction of the timed ones."""
 
     batching: str
     batches: list
@@ -274,14 +273,13 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
 
 def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
              started, refused: list[str]) -> list[dict]:
-    """Every size × batching × engine on its batching's batches: the rows of one batch budget. Packed batches are
-    for the Vaswani engines only (Marian's model takes no packed rows). An engine whose first steps fail is left
-    out, the reason added to `refused`."""
+    """Every size × batching × engine: the rows of one batch budget. An engine whose first steps fail is left out,
+    the reason added to `refused`."""
     rows = []
     for size in args.sizes:
         dropout = {"dropout": args.dropout} if args.dropout is not None else {}
         config = VaswaniConfig.from_preset(size, vocab_size=vocab_size, **dropout)
-        trainees = [Trainee(name, config, device, batches.collated, args.seed, args.lr, args.sdpa_backend,
+        trainees = [Trainee(name, config, device, batches.collated, args.seed, 1e-4, args.sdpa_backend,
                             batches.buckets, batching)
                     for batching, batches in prepared.items() for name in engines
                     if not (batching.startswith("packed") and name.split("-")[0] != "vaswani")]
@@ -477,18 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
         "has trained this long at each size and budget (a step-rate probe)")
     add("--passes", type=int, default=1, help="at least this many passes over the timed batches (with --warmup_steps "
         "0, the first meets each batch's shape for the first time: columns `ms a step, first pass` and `later passes`)")
-    add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
-        f"{', '.join(BATCHINGS)}: length-bucketed (sides: ordered by both sides) or packed (--packing), "
-        "-8 padded to multiples of 8; every engine "
-        "steps on each, interleaved (packed: Vaswani engines only)")
+    add("--batchings", type=csv_of(str), default=["bucketed"], help=f"one or more of {', '.join(BATCHINGS)} (see "
+        "BATCHINGS); every engine steps on each, interleaved (packed: Vaswani only)")
     add("--sample_pairs", type=int, default=None, help="time a whole epoch of a seeded sample of this many pairs "
-        "(instead of --steps batches of the whole corpus), so that every batching trains on the same pairs: batches "
-        "cut otherwise differ in their sentences' lengths, and with them in their cost a token")
+        "instead of --steps batches, so that every batching trains on the same pairs")
     add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
         "whole epoch of each batching's batches of the whole corpus (a table of its own)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
         f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
-    add("--lr", type=float, default=1e-4)
     add("--dropout", type=float, default=None, help="dropout of both models; default: the preset's")
     add("--keep_freed_memory", action="store_true", help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the "
         "whole process, as train_translation.py does on a CPU, Marian's steps included")
