@@ -216,15 +216,11 @@ def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | No
                Column("load_before", "load average before")]
     notes = [
         "Stand-in corpora: each line joins 2-4 random fra-eng pairs (seed 0), about 25 tokens a side.",
-        "Times: seconds from the command's start to the end of each stage, read from the training script's log; "
-        "'first step' is when the Trainer logs step 1. 'load average before' is the machine's 1-minute load "
-        "average as the run started: about 0-2 on an otherwise idle 2-core machine; well above 2, other jobs shared "
-        "the cores and wall times grow with them.",
-        "CPU s: user + system seconds of the process tree until the first step (what contention from other jobs "
-        "inflates least); on an otherwise idle machine, the first step comes after about CPU s / 2 (two cores) "
-        "where the work is parallel (tokenization), and CPU s where it is not (reading the corpus).",
-        "Memory: proportional set sizes summed over the process tree (sampled every 0.2 s). 'anon' is what the "
-        "processes own; 'mapped files' is pages of memory-mapped files (Arrow, libraries) the kernel can drop.",
+        "Times: seconds from the command's start to the end of each stage, read from the training script's log "
+        "('first step': the Trainer logs step 1). A 1-minute load average well above the core count means other "
+        "jobs shared the cores; CPU s (user + system of the process tree) is what such contention inflates least.",
+        "Memory: proportional set sizes summed over the process tree, sampled every 0.2 s ('anon': owned by the "
+        "processes; 'mapped files': memory-mapped pages, Arrow and libraries, the kernel can drop).",
         *slope_notes(rows),
     ]
     report(__file__, argv, args, pick_device("cpu"), "data",

@@ -4,11 +4,9 @@
     python benchmarks/bench_scaling.py                                        # GPU: train, forward, decode
     python benchmarks/bench_scaling.py --device cpu --modes train,decode --batch_tokens 2048
 
-Modes, each on sequences cut from the real corpus' token stream:
-  train    forward + backward + Adam step, `batch_tokens // length` sequences per step (at least one);
-  forward  the same batches without gradients (a prompt's prefill);
-  decode   greedy steps with the KV cache after a `length`-token prompt (the prompt itself is not timed): the
-           regime where GQA's smaller cache matters.
+Modes, on windows of the corpus' token stream: train (forward, backward, Adam; `batch_tokens // length` sequences a
+step), forward (the same without gradients: a prefill), decode (greedy steps with the KV cache after an untimed
+`length`-token prompt: where GQA's smaller cache matters).
 """
 
 import argparse

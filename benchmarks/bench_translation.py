@@ -331,14 +331,12 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
              f"{sum(map(len, source_ids)) / len(source_ids):.1f} tokens incl. </s>), sorted by length and batched "
              "identically for every engine."]
     if "forced" in stopping:
-        notes.append(f"Forced rows, identical work: exactly {args.new_tokens} tokens per sentence, checked on every "
-                     "output (transformers: eos_token_id=None; CTranslate2: min_decoding_length = max_decoding_length)."
-                     + (" identical then compares the PyTorch engines only: transformers may emit the end of sentence "
-                        "and go on, CTranslate2 masks it." if args.model else ""))
+        notes.append(f"Forced rows: exactly {args.new_tokens} tokens per sentence, checked on every output"
+                     + (" (identical compares the PyTorch engines only: CTranslate2 masks the end of sentence)."
+                        if args.model else "."))
     if "eos" in stopping:
-        notes.append(f"eos rows, as users translate: each sentence stops at its end of sentence, at most "
-                     f"{args.max_new_tokens} new tokens, with the checkpoint's generation config; identical = "
-                     "translations whose token ids equal Vaswani fp32's (the end of sentence not counted).")
+        notes.append(f"eos rows, as users translate: each sentence to its end (at most {args.max_new_tokens} new "
+                     "tokens), with the checkpoint's generation config; identical = token ids equal to Vaswani fp32's.")
     notes += [
         (f"Checkpoint {args.model}." if args.model else "Random weights (seeded), saved as a checkpoint of the preset.")
         + " Every engine from vaswani.loading.load_engine; Marian (HF) = that engine with vaswani.convert.to_marian of "

@@ -64,7 +64,7 @@ class Run:
 
 
 def setup(run: Run) -> list[list[str]]:
-    """The carried wheels into a scratch folder on the import path (after src/ and benchmarks/), then the versions."""
+    """The carried wheels into a scratch folder on the import path, then the versions."""
     wheels = sorted(map(str, REPO.glob(".whl/*.whl")))
     commands = []
     if wheels and run.env.get("INSTALL_WHEELS", "0" if run.dry else "1") == "1":
@@ -93,8 +93,9 @@ def probe(name: str, budget: int = 4000, engines: str = "vaswani-compiled,marian
             ["--sizes", "base", "--batch_tokens", budget, "--steps", "10", "--seconds_per_setting", PROBE_SECONDS]
         graphs = "graphs" in engines  # CUDA only: the dry run steps the eager engines instead
         cache = [] if graphs else ["--compile_cache", run.cache / f"{name}.bin"]
+        output = f"training-{name.removeprefix('probe-')}-{{device}}-{budget}"
         return [run.bench("bench_training.py", *size, "--engines", "vaswani,marian" if graphs and run.dry else engines,
-                          *extra, *cache, "--output_name", f"training-{name.removeprefix('probe-')}-{{device}}-{budget}")]
+                          *extra, *cache, "--output_name", output)]
     return stage
 
 
