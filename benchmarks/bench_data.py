@@ -40,7 +40,7 @@ TRAINING_ARGUMENTS = ["--max_tokens_per_batch", "1000", "--max_steps", "3",
                       "--report_to", "none", "--log_level", "info", "--use_cpu", "--seed", "0"]
 # Log lines that end a stage, as (stage, pattern); the first match's time is recorded.
 STAGES = [("read", re.compile(r"\[vaswani\.corpus\] Read |\[vaswani\.data\] Reusing .*read earlier")),
-          ("tokenizer", re.compile(r"\[vaswani\.data\] Tokeniz|\[vaswani\.data\] Reusing the tokenized")),
+          ("tokenizer", re.compile(r"\[vaswani\.tokenization\] (Tokenizing|Reusing the tokenized)")),
           ("tokenized", re.compile(r"\[transformers\] \*+ Running training|Running training")),
           ("first_step", re.compile(r"'loss'|\"loss\""))]
 GIB = 1024**3
@@ -89,8 +89,9 @@ def memory_of(pids: list[int]) -> dict[str, float]:
     return total
 
 
-def measure(command: list[str], env: dict, timeout: float) -> dict:
-    """Run `command` until its first training step is logged; stage times and peak memory."""
+def measure(command: list[str], env: dict, timeout: float, cache_dir: Path) -> dict:
+    """Run `command` until its first training step is logged; stage times, peak memory, the machine's mean load
+    while it ran and the size of `cache_dir` then."""
     load = os.getloadavg()[0]  # what else was running: 2 cores are busy at a load of 2
     start = time.monotonic()
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
@@ -108,12 +109,13 @@ def measure(command: list[str], env: dict, timeout: float) -> dict:
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
     peak = {"anon": 0.0, "file": 0.0, "largest_rss": 0.0}
-    cpu = 0.0
+    cpu, loads = 0.0, []
     while process.poll() is None and "first_step" not in times and time.monotonic() - start < timeout:
         tree = process_tree(process.pid)
         sample = memory_of(tree)
         peak = {key: max(peak[key], sample[key]) for key in peak}
         cpu = max(cpu, cpu_seconds_of(tree))
+        loads.append(os.getloadavg()[0])
         time.sleep(0.2)
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
@@ -123,7 +125,13 @@ def measure(command: list[str], env: dict, timeout: float) -> dict:
         raise RuntimeError(f"No training step was logged ({' '.join(command)}):\n{''.join(tail)}")
     return {**{f"{stage}_s": round(seconds, 1) for stage, seconds in times.items()}, "cpu_s": round(cpu),
             "peak_anon_gib": round(peak["anon"] / GIB, 2), "peak_file_gib": round(peak["file"] / GIB, 2),
-            "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2), "load_before": round(load, 1)}
+            "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2), "load_before": round(load, 1),
+            "load_during": round(sum(loads) / max(len(loads), 1), 1), "cache_gib": round(disk_size(cache_dir) / GIB, 4)}
+
+
+def disk_size(directory: Path) -> int:
+    """Bytes of the files under `directory`."""
+    return sum(entry.stat().st_size for entry in directory.rglob("*") if entry.is_file())
 
 
 def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, args) -> list[str]:
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(cache_dir, ignore_errors=True)
             for run in ("first", "cached"):
                 command = training_command(corpus, processes, args.work_dir / "output", cache_dir, args)
-                result = measure(command, env, args.timeout)
+                result = measure(command, env, args.timeout, cache_dir)
                 row = {"corpus": corpus.name, "pairs": pairs, "processes": processes, "run": run, **result,
                        "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
                 print(json.dumps(row), flush=True)
@@ -213,12 +221,15 @@ def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | No
                Column("first_step_s_per_million_pairs", "s per M pairs"), Column("cpu_s", "CPU s to first step"),
                Column("peak_anon_gib", "peak anon (GiB)"), Column("peak_file_gib", "peak mapped files (GiB)"),
                Column("peak_process_rss_gib", "largest process RSS (GiB)"),
-               Column("load_before", "load average before")]
+               Column("cache_gib", "cache on disk (GiB)", "{:.2f}"), Column("load_before", "load average before"),
+               Column("load_during", "mean load average during")]
     notes = [
         "Stand-in corpora: each line joins 2-4 random fra-eng pairs (seed 0), about 25 tokens a side.",
         "Times: seconds from the command's start to the end of each stage, read from the training script's log "
-        "('first step': the Trainer logs step 1). A 1-minute load average well above the core count means other "
-        "jobs shared the cores; CPU s (user + system of the process tree) is what such contention inflates least.",
+        "('first step': the Trainer logs step 1). Load averages (1-minute) before and, averaged, during the run: well "
+        "above the core count, other jobs shared the cores; CPU s (user + system of the process tree) is what such "
+        "contention inflates least.",
+        "Cache on disk: the corpus' Arrow splits, the tokenizer and the tokenized splits, as the run left them.",
         "Memory: proportional set sizes summed over the process tree, sampled every 0.2 s ('anon': owned by the "
         "processes; 'mapped files': memory-mapped pages, Arrow and libraries, the kernel can drop).",
         *slope_notes(rows),

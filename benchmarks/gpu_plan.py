@@ -77,7 +77,8 @@ def setup(run: Run) -> list[list[str]]:
 
 def quality(run: Run) -> list[list[str]]:
     """gpu_quality.py: 300 s of base training with the GPU's defaults (bf16, TF32, compiled before the clock), test
-    BLEU, steps, ms a step, tokens/s; TORCH_LOGS names each recompilation's reason in the recipe's log."""
+    BLEU (scored from the saved model in a process of its own, after the training figures are reported), steps, ms
+    a step, tokens/s; TORCH_LOGS names each recompilation's reason in the recipe's log."""
     run.env.setdefault("TORCH_LOGS", "recompiles")
     return [run.python("benchmarks/gpu_quality.py", "--results_dir", run.results, "--data_cache_dir",
                        "benchmarks/.cache/data", "--recipes", run.env.get("QUALITY_RECIPES", "dropout-0.1"),
@@ -141,7 +142,9 @@ class Stage:
 STAGES = {
     "setup": Stage(setup, 25),  # the wheels' install took 12-19 s on the last GPUs
     # 300 s of training; before it the data (9 s) and the step's compilation (about 115 s cold on the 2026-11-27
-    # H200); after it the test split decoded and the model saved (about 25 s)
+    # H200); after it the model saved and the test split decoded (about 25 s) in a process of its own (its start
+    # too); a retry with transformers' loop, where the default loop fails, may overrun, but the training figures are
+    # reported before the scoring starts
     "quality": Stage(quality, 370, cold=455, cache="quality.bin"),
     # the batches (10 s), the compiled step's warm-up (119 s cold on the 2026-11-28 H200), then 20 s of Marian's
     # steps and as many of the compiled engine's

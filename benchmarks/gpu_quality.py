@@ -1,5 +1,5 @@
-"""The GPU quality run: the `base` preset trained for a fixed time budget on one GPU, then multi-reference BLEU
-(beam 4) on the held-out fra-eng test split, as `scripts/train_translation.py` reports it.
+"""The GPU quality run: the `base` preset trained for a fixed time budget on one GPU (`scripts/train_translation.py`),
+then multi-reference BLEU (beam 4) on the held-out fra-eng test split (`scripts/evaluate_bleu.py`, from the saved model).
 
 One recipe trains with the GPU to itself (the default). Several can train side by side on the one GPU (each gets the
 whole budget, sharing the GPU, so each sees fewer steps than it would alone); the one reported is then chosen on the
@@ -15,7 +15,11 @@ Writes `gpu-quality-<device>.json/.md` (commands, per-recipe metrics, the choice
 model's test translations (`gpu-quality-<device>-test-translations.txt`) and `gpu-quality-selected.txt` (the chosen
 checkpoint's directory, for the translation benchmark that follows). Per recipe: test BLEU on the whole split and on
 its first 1,000 sentences (the CPU main job's subset), steps, ms a step and real and padded tokens/s after the
-compilation, and `train_compile_seconds` (torch.compile's time, before the budget's clock starts).
+compilation, and `train_compile_seconds` (torch.compile's time, before the budget's clock starts), and its slow
+steps, each named as recompiled or kernel set-up. The report is written as soon as training ends, with the training's
+figures, then again with the scores: the test score runs in a process of its own, once more with transformers' loop
+where the default loop fails (`score_test`), and a score that fails still leaves the training's figures, the score
+marked failed with its reason.
 The corpus is train_translation.py's default ($VASWANI_FRA_ENG, ../shared/data/fra-eng, or its download);
 `--data_cache_dir` keeps its splits, tokenizer and tokenized splits where `--prepare_only` made them beforehand (on
 another machine too: the caches are keyed by the corpus' content).
@@ -51,6 +55,12 @@ RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": 
            "dropout-0.1-eager": ["--config_overrides", "dropout=0.1", "--attn_implementation", "eager"]}
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).
 TEST_SUBSET = 1000
+# The test sentences a dry run scores.
+DRY_RUN_TEST_SAMPLES = 64
+# The decoding loops the test score tries, in turn until one scores: the scripts' default (`--decoding auto`: the lean
+# loop replayed as CUDA graphs on a GPU, the lean loop on a CPU), then transformers' own loop, which shares none of the
+# lean loop's code, so that a fault in one loop costs a run its default loop, not its score.
+SCORING_LOOPS = ("auto", "transformers")
 
 
 def device_arguments(device: Device) -> list[str]:
@@ -66,9 +76,9 @@ def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device 
     """train_translation.py's arguments common to every recipe. Adam β2 0.98, ε 1e-9 and the inverse-square-root
     schedule are the paper's (§5.3), with a warm-up shortened to the budget; the device's (`device_arguments`;
     none with `device` None, for --prepare_only, whose data caches do not depend on them); beam 4 with length
-    penalty 0.6 (§6.1) for the test split."""
+    penalty 0.6 (§6.1), saved with the model for the test split, which `score_test` scores in a process of its own
+    (`--max_test_samples 0`: training saves the model and its metrics, and scores nothing)."""
     gpu = [] if device is None else device_arguments(device)
-    test = ["--max_test_samples", "64"] if args.dry_run else []
     if "--torch_compile" in gpu and getattr(args, "compile_cache", None):
         gpu += ["--compile_cache", str(args.compile_cache)]
     cache = ["--data_cache_dir", str(args.data_cache_dir)] if args.data_cache_dir else []
@@ -80,7 +90,7 @@ def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device 
             "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "100", "--report_to", "none",
             "--generation_num_beams", "4", "--generation_length_penalty", "0.6",
             "--per_device_eval_batch_size", str(args.eval_batch_size), "--dataloader_num_workers", "2",
-            "--disable_tqdm", "true", "--seed", "0", *test, *cache]
+            "--disable_tqdm", "true", "--seed", "0", "--max_test_samples", "0", *cache]
 
 
 def prepare_caches(argv: list[str]) -> tuple[dict, list]:
@@ -210,6 +220,9 @@ def main(argv=None):
         run["returncode"] = run.pop("process").wait()
         run["metrics"] = read_json(run["output_dir"] / "metrics.json") if run["returncode"] == 0 else None
     print(f"training done in {time.monotonic() - started:.0f} s", flush=True)
+    # The training figures are reported now, before anything scores: a scoring that fails, or a device taken back
+    # during it, leaves them.
+    write_report(argv, args, device, runs, tokens, references, prepare_seconds)
 
     # Validation BLEU of every finished recipe, side by side; the best one is the result. A single recipe needs no
     # choice, so its validation pass is skipped (the device time goes to the stages after it).
@@ -228,58 +241,134 @@ def main(argv=None):
         validation = read_json(output_file) if process.wait() == 0 else None
         runs[recipe]["validation_bleu"] = validation and validation.get("bleu")
 
-    rows = []
     for recipe, run in runs.items():
-        metrics = run["metrics"] or {}
-        first = subset_bleu(run["output_dir"] / "test_translations.txt", references, TEST_SUBSET) if metrics else None
-        row = {"recipe": recipe, "returncode": run["returncode"], "validation_bleu": run.get("validation_bleu"),
-               f"test_bleu_first_{TEST_SUBSET}": first,
-               "test_bleu": metrics.get("test_bleu"), "test_chrf": metrics.get("test_chrf"),
-               "test_ter": metrics.get("test_ter"), "test_sentences": metrics.get("test_sentences"),
-               "train_steps": metrics.get("train_steps"),
-               "train_seconds": metrics.get("train_wall_seconds"), "train_loss": metrics.get("train_loss"),
-               "train_compile_seconds": metrics.get("train_compile_seconds"),
-               "train_graphs_compiled_on_the_clock": metrics.get("train_graphs_compiled_on_the_clock"),
-               "train_slow_steps": metrics.get("train_slow_steps"),
-               "train_slow_steps_seconds": metrics.get("train_slow_steps_seconds"),
-               **step_rates(metrics, tokens),
-               "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
-        rows.append(row)
-    if len(recipes) == 1:
-        finished = [row for row in rows if row["returncode"] == 0 and row["test_bleu"] is not None]
-        chosen = finished[0] if finished else None
-    else:
-        finished = [row for row in rows if row["validation_bleu"] is not None]
-        chosen = max(finished, key=lambda row: row["validation_bleu"]) if finished else None
-    for row in rows:
-        row["chosen"] = "yes" if row is chosen else ""
+        if run["metrics"] is not None:
+            run.update(score_test(recipe, run["output_dir"], args, results_dir / f"{name}-{recipe}"))
+            if run["test"]:
+                (run["output_dir"] / "test_translations.txt").write_text(
+                    "".join(line.replace("\n", " ") + "\n" for line in run["test"]["hypotheses"]), encoding="utf-8")
+    chosen = write_report(argv, args, device, runs, tokens, references, prepare_seconds)
     if chosen:
         chosen_dir = runs[chosen["recipe"]]["output_dir"]
         (results_dir / "gpu-quality-selected.txt").write_text(str(chosen_dir) + "\n")
         # The test split's translations, so that the score can be recomputed against the split's references.
-        translations = chosen_dir / "test_translations.txt"
-        if translations.exists():
-            shutil.copyfile(translations, results_dir / f"{name}-test-translations.txt")
+        shutil.copyfile(chosen_dir / "test_translations.txt", results_dir / f"{name}-test-translations.txt")
+    return 0 if chosen else 1
+
+
+def score_test(recipe: str, model_dir: Path, args: argparse.Namespace, log_stem: Path) -> dict:
+    """The test split's scores of a recipe's saved model, by scripts/evaluate_bleu.py in a process of its own (so
+    that its failure leaves the training's figures): beam 4 with length penalty 0.6 (the checkpoint's generation
+    config, which training wrote), PyTorch in float32 (the saved weights, as training's own evaluations decode
+    them). The loops of `SCORING_LOOPS` are tried in turn until one scores. Returns `test` (evaluate_bleu.py's
+    report, None where every loop failed), `test_decoding` (the loop that scored) and `test_failures` (each failed
+    loop's one-line reason, from its log)."""
+    failures = {}
+    for loop in SCORING_LOOPS:
+        output_file = args.output_root / f"{recipe}-test-{loop}.json"
+        output_file.unlink(missing_ok=True)
+        command = [sys.executable, "scripts/evaluate_bleu.py", "--model", str(model_dir), "--split", "test",
+                   "--batch_size", str(args.eval_batch_size), "--no-ctranslate2", "--dtype", "float32",
+                   "--decoding", loop, "--output_file", str(output_file)]
+        if args.dry_run:
+            command += ["--max_samples", str(DRY_RUN_TEST_SAMPLES)]
+        log = log_stem.with_name(f"{log_stem.name}-test-{loop}.log")
+        result = read_json(output_file) if launch(command, log).wait() == 0 else None
+        if result is not None:
+            return {"test": result, "test_decoding": loop, "test_failures": failures}
+        failures[loop] = failure_line(log) or "no result"
+        print(f"{recipe}: the test score with --decoding {loop} failed: {failures[loop]}", flush=True)
+    return {"test": None, "test_decoding": None, "test_failures": failures}
+
+
+def recipe_row(recipe: str, run: dict, tokens: dict, references: list) -> dict:
+    """A recipe's row of the report: its training's figures (metrics.json, written when training ended) and, once
+    `score_test` has run, its test scores or why they failed (`test_score`)."""
+    metrics, test = run["metrics"] or {}, run.get("test") or {}
+    if not metrics:
+        state = None
+    elif "test_failures" not in run:
+        state = "not scored yet"
+    else:
+        state = "scored" if test else "failed"
+    first = subset_bleu(run["output_dir"] / "test_translations.txt", references, TEST_SUBSET) if test else None
+    return {"recipe": recipe, "returncode": run["returncode"], "validation_bleu": run.get("validation_bleu"),
+            f"test_bleu_first_{TEST_SUBSET}": first,
+            "test_bleu": test.get("bleu"), "test_chrf": test.get("chrf"), "test_ter": test.get("ter"),
+            "test_sentences": test.get("sentences"), "test_score": state, "test_decoding": run.get("test_decoding"),
+            "test_failures": run.get("test_failures"), "train_steps": metrics.get("train_steps"),
+            "train_seconds": metrics.get("train_wall_seconds"), "train_loss": metrics.get("train_loss"),
+            "train_compile_seconds": metrics.get("train_compile_seconds"),
+            "train_graphs_compiled_on_the_clock": metrics.get("train_graphs_compiled_on_the_clock"),
+            "train_slow_steps": metrics.get("train_slow_steps"),
+            "train_slow_steps_recompiling": metrics.get("train_slow_steps_recompiling"),
+            "train_slow_steps_seconds": metrics.get("train_slow_steps_seconds"),
+            **step_rates(metrics, tokens),
+            "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
+
+
+def slow_steps_note(row: dict) -> str | None:
+    """The recipe's slow steps by name, each with its cause: recompiled (torch.compile built a graph during it) or
+    kernel set-up (none built: a kernel's plan or autotuning for a shape new to the process, or the host waiting)."""
+    named = row["metrics"].get("train_slow_steps_named")
+    if not named:
+        return None
+    steps = ", ".join(f"step {step['step']} ({step['seconds']:.2f} s, "
+                      + (f"recompiled: {step['graphs']} graph{'s' if step['graphs'] > 1 else ''})" if step["graphs"]
+                         else "kernel set-up: no graph built)") for step in named)
+    more = row["train_slow_steps"] - len(named)
+    return f"{row['recipe']}'s slow steps: {steps}" + (f", and {more} more." if more else ".")
+
+
+def score_note(row: dict) -> str | None:
+    """What the test score of a recipe came to where its default loop did not score it."""
+    failures, recipe = row["test_failures"] or {}, row["recipe"]
+    reasons = "; ".join(f"--decoding {loop} failed: {why}" for loop, why in failures.items())
+    if row["test_score"] == "not scored yet":
+        return f"{recipe}: trained; its test score has not run yet (or did not end)."
+    if row["test_score"] == "failed":
+        return f"{recipe}: the test score failed with every loop ({reasons}); its training figures stand."
+    if failures:
+        return f"{recipe}: scored with --decoding {row['test_decoding']} after the default failed ({reasons})."
+    return None
+
+
+def write_report(argv, args: argparse.Namespace, device: Device, runs: dict, tokens: dict, references: list,
+                 prepare_seconds: float) -> dict | None:
+    """The report of the runs as they stand (`report`'s JSON and Markdown, rewritten at each stage); returns the
+    chosen recipe's row, None before the test scores or where none scored."""
+    name = result_name(args, "gpu-quality", device)
+    rows = [recipe_row(recipe, run, tokens, references) for recipe, run in runs.items()]
+    if len(runs) == 1:
+        finished = [row for row in rows if row["test_bleu"] is not None]
+    else:
+        finished = [row for row in rows if row["validation_bleu"] is not None and row["test_bleu"] is not None]
+    chosen = max(finished, key=lambda row: row["validation_bleu"] or 0) if finished else None
+    for row in rows:
+        row["chosen"] = "yes" if row is chosen else ""
 
     target = (f"Targets (beam 4, multi-reference): test BLEU ≥ 62 on the first {TEST_SUBSET} sentences and ≥ 45 on "
               "the whole split; a steady 4,000-token base step ≤ 15 ms on an H100 or H200.")
     notes = [
-        (f"One recipe, with the device to itself, for {args.train_seconds:.0f} s." if len(recipes) == 1 else
-         f"{len(recipes)} recipes trained side by side on the one device, each for {args.train_seconds:.0f} s "
+        (f"One recipe, with the device to itself, for {args.train_seconds:.0f} s." if len(runs) == 1 else
+         f"{len(runs)} recipes trained side by side on the one device, each for {args.train_seconds:.0f} s "
          "(so each had a share of the GPU, fewer steps than alone); the chosen one has the best validation BLEU."),
         "torch.compile compiles the step before the budget starts (column `compile s`), so the budget is training "
         "alone; `graphs on the clock` counts the graphs it built after that (0 where the warm-up built all a run "
         "needed; the recipe's log names each recompilation's reason). `slow steps` counts the steps whose forward "
-        "and backward took over 10× the median step and at least 1 s, and `slow s` their seconds; the recipe's log "
-        "names each with its batch's shape and the graphs compiled during it (none: a kernel's plan or autotuning "
-        "for a shape new to the process, or the host waiting)." if "--torch_compile" in device_arguments(device)
+        "and backward took over 10× the median step and at least 1 s, `recompiled` those during which it built a "
+        "graph (the others: a kernel's plan or autotuning for a shape new to the process, or the host waiting), "
+        "and `slow s` their seconds; a note names the first of them, and the recipe's log each with its batch's "
+        "shape." if "--torch_compile" in device_arguments(device)
         else "No compilation on this device.",
         f"ms/step and tokens/s: the training after the compilation (metrics.json's train_runtime over its steps); "
         f"tokens a step are the mean of one epoch's {tokens['batches']} token-budget batches (the same each epoch): "
         f"{tokens['real_per_batch']:.0f} real and {tokens['padded_per_batch']:.0f} padded (source + target, each "
         "side padded to its longest sentence as the collator pads it).",
         f"The test split's translations, one a line in the split's order: `{name}-test-translations.txt` (the "
-        "split is train_translation.py's, from the corpus and the seed; its references are not committed).",
+        "split is train_translation.py's, from the corpus and the seed; its references are not committed), "
+        "scored by evaluate_bleu.py from the saved model (PyTorch, float32) with the loop in column `decoding` "
+        f"({' where it fails, then '.join(f'--decoding {loop}' for loop in SCORING_LOOPS)}).",
         f"Data preparation in this process (corpus read, tokenizer trained, splits tokenized; nothing to do where "
         f"`--prepare_only` filled the caches before) took {prepare_seconds:.0f} s, before the budgets started.",
         target,
@@ -287,8 +376,11 @@ def main(argv=None):
     ]
     for row in rows:
         if row["returncode"] != 0:  # the reason in the report itself: a device's logs may not all come back
-            why = failure_line(results_dir / f"{name}-{row['recipe']}.log")
+            why = failure_line(args.results_dir / f"{name}-{row['recipe']}.log")
             notes.insert(0, f"{row['recipe']} failed (exit {row['returncode']})" + (f": {why}" if why else "."))
+        for note in (score_note(row), slow_steps_note(row)):
+            if note:
+                notes.insert(0, note)
     if chosen:
         validation = "" if chosen["validation_bleu"] is None else f" (validation {chosen['validation_bleu']:.2f})"
         first = chosen[f"test_bleu_first_{TEST_SUBSET}"]
@@ -299,17 +391,18 @@ def main(argv=None):
                Column("validation_bleu", "valid BLEU", "{:.2f}"),
                Column(f"test_bleu_first_{TEST_SUBSET}", f"test BLEU first {TEST_SUBSET}", "{:.2f}"),
                Column("test_bleu", "test BLEU", "{:.2f}"), Column("test_chrf", "test chrF", "{:.2f}"),
-               Column("test_ter", "test TER", "{:.2f}"), Column("train_steps", "steps"),
+               Column("test_ter", "test TER", "{:.2f}"), Column("test_score", "test score"),
+               Column("test_decoding", "decoding"), Column("train_steps", "steps"),
                Column("train_epochs", "epochs", "{:.1f}"), Column("ms_per_step", "ms/step", "{:.1f}"),
                Column("real_tokens_per_second", "real tokens/s", "{:.0f}"),
                Column("padded_tokens_per_second", "padded tokens/s", "{:.0f}"),
                Column("train_compile_seconds", "compile s", "{:.1f}"),
                Column("train_graphs_compiled_on_the_clock", "graphs on the clock"),
-               Column("train_slow_steps", "slow steps"), Column("train_slow_steps_seconds", "slow s", "{:.1f}"),
-               Column("train_loss", "train loss", "{:.3f}")]
+               Column("train_slow_steps", "slow steps"), Column("train_slow_steps_recompiling", "recompiled"),
+               Column("train_slow_steps_seconds", "slow s", "{:.1f}"), Column("train_loss", "train loss", "{:.3f}")]
     report(__file__, argv, args, device, "gpu-quality", "Quality: base preset, fixed time budget, multi-reference "
            "BLEU on the held-out test split", rows, columns, notes, {"commands": {r["recipe"]: r["command"] for r in rows}})
-    return 0 if chosen else 1
+    return chosen
 
 
 if __name__ == "__main__":

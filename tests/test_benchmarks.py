@@ -416,6 +416,9 @@ def test_data_benchmark(corpus, tmp_path):
     first, cached = report["results"]
     assert (first["run"], cached["run"], first["pairs"]) == ("first", "cached", 300)
     assert 0 < first["read_s"] <= first["first_step_s"] and cached["peak_anon_gib"] > 0
+    # Every stage is found in the script's log (a renamed logger or message would leave it out), in order.
+    assert 0 < first["read_s"] <= first["tokenizer_s"] <= first["tokenized_s"] <= first["first_step_s"]
+    assert first["cache_gib"] > 0 and first["load_during"] >= 0
 
 
 def test_gpu_quality_gives_train_translation_arguments_it_parses():
@@ -443,9 +446,11 @@ def test_gpu_quality_gives_train_translation_arguments_it_parses():
 
 @pytest.mark.slow
 def test_the_quality_runs_gpu_arguments_train_compile_and_score_on_a_cpu_rehearsing_cuda(tmp_path, monkeypatch):
-    """The quality run's own train_translation.py arguments as a GPU gets them (bf16 autocast, torch.compile, the
-    test split scored by generate()'s CUDA default, transformers' loop), rehearsed on the CPU at the tiny size: a
-    path that otherwise first runs on a lent GPU (where a TypeError in that loop once cost a run its score)."""
+    """The quality run's own train_translation.py arguments as a GPU gets them (bf16 autocast, torch.compile),
+    rehearsed on the CPU at the tiny size, with the test split scored in the training process (the quality run
+    scores it in another, `--max_test_samples 0`) by generate()'s CUDA default, transformers' loop, the quality
+    run's second loop: paths that otherwise first run on a lent GPU (where a TypeError in that loop once cost a run
+    its score)."""
     from training_script import run_script, synthetic_corpus
 
     import vaswani.generation_vaswani

@@ -3,6 +3,7 @@ limit costs only its own results, and a dry-run stage runs on this machine. The 
 so they are run by hand before a GPU call (benchmarks/README.md, "A lent GPU"), not here."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,94 @@ def test_quality_report_says_why_a_recipe_failed(tmp_path):
     log.write_text("starting\nKilled\n")
     assert quality.failure_line(log) == "Killed"
     assert quality.failure_line(tmp_path / "missing.log") is None
+
+
+# Loaded by the scoring process (scripts/evaluate_bleu.py) from a PYTHONPATH entry, before the package: with the
+# decoding loops named in `broken`, a TypeError where that loop decodes, as a path only CUDA takes once raised one on
+# a lent H200 after 4,532 steps of training. Every other process of the run ignores it.
+BROKEN_LOOPS = '''
+import sys
+
+decoding = sys.argv[sys.argv.index("--decoding") + 1] if "--decoding" in sys.argv else "auto"
+if sys.argv[0].endswith("evaluate_bleu.py") and decoding in {broken!r}:
+    from transformers import GenerationMixin
+
+    import vaswani.generation_vaswani
+
+    def broken(*args, **kwargs):
+        raise TypeError(f"an injected fault in the {{decoding}} loop")
+
+    if decoding == "auto":  # on a CPU, the lean loop
+        vaswani.generation_vaswani.decode = broken
+    else:  # transformers' own loop, for beams
+        GenerationMixin._beam_search = broken
+'''
+
+
+def quality_dry_run(tmp_path, broken: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict]:
+    """gpu_quality.py --dry_run for real, in processes of its own, on a small synthetic corpus for 2 s of training;
+    `broken` names the decoding loops that fail in the scoring process (`BROKEN_LOOPS`). Returns the run and its
+    report."""
+    from training_script import synthetic_corpus
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "sitecustomize.py").write_text(BROKEN_LOOPS.format(broken=broken))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "VASWANI_FRA_ENG": str(synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)),
+           "PYTHONPATH": os.pathsep.join([str(faults), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_quality.py"), "--dry_run",
+                          "--train_seconds", "2", "--vocab_size", "300", "--output_root", str(tmp_path / "out"),
+                          "--results_dir", str(tmp_path / "results"), "--data_cache_dir", str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    report = json.loads((tmp_path / "results" / "gpu-quality-cpu.json").read_text())
+    return run, report
+
+
+def assert_training_figures(row: dict) -> None:
+    assert row["train_steps"] > 0 and row["ms_per_step"] > 0 and row["real_tokens_per_second"] > 0
+    assert row["padded_tokens_per_second"] >= row["real_tokens_per_second"]
+    assert row["train_compile_seconds"] is not None and row["train_slow_steps"] is not None
+
+
+def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(tmp_path):
+    run, report = quality_dry_run(tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [row] = report["results"]
+    assert_training_figures(row)
+    assert (row["test_score"], row["test_decoding"], row["test_failures"]) == ("scored", "auto", {})
+    assert row["test_bleu"] is not None and row["chosen"] == "yes"
+    assert (tmp_path / "results" / "gpu-quality-cpu-test-translations.txt").exists()
+
+
+def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(tmp_path):
+    run, report = quality_dry_run(tmp_path, broken=("auto",))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [row] = report["results"]
+    assert_training_figures(row)
+    assert (row["test_score"], row["test_decoding"]) == ("scored", "transformers") and row["test_bleu"] is not None
+    assert row["test_failures"] == {"auto": "TypeError: an injected fault in the auto loop"}
+    assert ("dropout-0.1: scored with --decoding transformers after the default failed (--decoding auto failed: "
+            "TypeError: an injected fault in the auto loop).") in report["notes"]
+
+
+def test_quality_run_keeps_the_training_figures_where_every_loop_fails_to_score(tmp_path):
+    run, report = quality_dry_run(tmp_path, broken=("auto", "transformers"))
+    assert run.returncode == 1
+    [row] = report["results"]
+    assert_training_figures(row)
+    assert (row["test_score"], row["test_decoding"], row["test_bleu"], row["chosen"]) == ("failed", None, None, "")
+    assert row["test_failures"] == {loop: f"TypeError: an injected fault in the {loop} loop"
+                                    for loop in ("auto", "transformers")}
+    assert any(note.startswith("dropout-0.1: the test score failed with every loop") for note in report["notes"])
+    markdown = (tmp_path / "results" / "gpu-quality-cpu.md").read_text()
+    assert "| failed |" in markdown and f"| {row['train_steps']} |" in markdown
+
+
+def test_quality_report_names_each_slow_step_recompiled_or_kernel_set_up():
+    quality = load_quality()
+    row = {"recipe": "dropout-0.1", "train_slow_steps": 3, "metrics": {"train_slow_steps_named": [
+        {"step": 1, "seconds": 2.5, "graphs": 1}, {"step": 40, "seconds": 1.25, "graphs": 0}]}}
+    assert quality.slow_steps_note(row) == ("dropout-0.1's slow steps: step 1 (2.50 s, recompiled: 1 graph), "
+                                            "step 40 (1.25 s, kernel set-up: no graph built), and 1 more.")
+    assert quality.slow_steps_note({**row, "metrics": {"train_slow_steps_named": []}}) is None

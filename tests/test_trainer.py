@@ -347,7 +347,7 @@ def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path,
     losses = train(tmp_path / "warm")
     assert len(shapes) >= 5  # many shapes, one graph
     assert graphs == {"begin": 1, "end": 1, "breaks": 0}
-    metrics = json.loads((tmp_path / "warm" / "metrics.json").read_text())
+    metrics = warm = json.loads((tmp_path / "warm" / "metrics.json").read_text())
     # The run's clock starts after the compilation: the runtime, the whole run's time (one part here) and the
     # rates all leave it out.
     assert metrics["train_compile_seconds"] > 0 and metrics["train_runtime"] == metrics["train_wall_seconds"]
@@ -369,6 +369,9 @@ def test_the_step_compiles_once_before_the_clock_for_every_batch_shape(tmp_path,
     compiling = [r for r in slow_step_warnings(caplog) if "1 graph compiled" in r]
     assert len(compiling) == 2 and all("input_ids " in r and ", labels " in r for r in compiling), compiling
     assert cold["train_slow_steps"] >= 2 and cold["train_slow_steps_seconds"] > 0
+    # metrics.json names them too: the two that recompiled, apart from any a loaded machine made slow.
+    assert cold["train_slow_steps_recompiling"] == 2 and warm["train_slow_steps_recompiling"] == 0
+    assert sum(step["graphs"] for step in cold["train_slow_steps_named"]) == 2
     torch.testing.assert_close(losses, unwarmed, rtol=1e-5, atol=1e-6)
 
 

@@ -234,6 +234,9 @@ def test_slow_steps_are_judged_against_the_median_step_before_them_and_a_floor(c
     for step, seconds in enumerate([0.5, 0.01, 0.01, 0.01, 0.01, 0.05, 0.2, 0.12], start=1):
         slow.add(step, seconds, {"input_ids": (8, 5), "labels": (8, 6)}, graphs=int(step == 1))
     assert (slow.count, round(slow.seconds, 6)) == (2, 0.7)
+    # Step 1 built a graph (a recompilation); step 7 built none (a kernel's set-up, or the host waiting).
+    assert slow.recompiling == 1
+    assert slow.named == [{"step": 1, "seconds": 0.5, "graphs": 1}, {"step": 7, "seconds": 0.2, "graphs": 0}]
     named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training step ")]
     assert [m.split(" took")[0] for m in named] == ["Training step 1", "Training step 7"]
     assert "(batch input_ids 8×5, labels 8×6; 1 graph compiled during it)" in named[0]

@@ -59,6 +59,7 @@ def corpus(tmp_path):
         (["--config_overrides", "dropout=1.5"], "VaswaniConfig.dropout must be in [0, 1)"),
         (["--max_tokens_per_batch", "0"], "--max_tokens_per_batch must be positive"),
         (["--max_length", "0"], "--max_length must be a positive number"),
+        (["--max_test_samples", "-1"], "--max_test_samples must be a non-negative number"),
         (["--resume", "--overwrite_output_dir"], "pass one of them"),
     ],
 )

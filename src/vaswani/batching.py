@@ -15,14 +15,16 @@ from torch.utils.data import Sampler
 
 
 def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16, sides: bool = False) -> np.ndarray:
-    """Per example, the longer of source and target: what `TokenBatchSampler` needs to bound both sides; with
-    `sides`, both, as a (2, examples) array of source and target lengths (what `PackedBatchSampler` packs by).
-    Read from the Arrow lists' lengths a batch at a time, without turning token ids into Python objects."""
+    """Per example, the longer of source and target (32-bit: 4 bytes an example, at WMT's tens of millions), what
+    `TokenBatchSampler` needs to bound both sides; with `sides`, both, as a (2, examples) array of source and target
+    lengths (what `PackedBatchSampler` packs by). Read from the Arrow lists' lengths a batch at a time, without
+    turning token ids into Python objects."""
     lengths = [np.stack([pc.list_value_length(batch["input_ids"]).to_numpy(),
                          pc.list_value_length(batch["labels"]).to_numpy()])
                for batch in tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)]
-    lengths = np.concatenate(lengths, axis=1).astype(np.int64) if lengths else np.zeros((2, 0), dtype=np.int64)
-    return lengths if sides else lengths.max(axis=0)
+    if sides:
+        return np.concatenate(lengths, axis=1).astype(np.int64) if lengths else np.zeros((2, 0), dtype=np.int64)
+    return np.concatenate([pair.max(axis=0) for pair in lengths]).astype(np.int32) if lengths else np.zeros(0, np.int32)
 
 
 def round_up(lengths, multiple: int | None):
@@ -184,12 +186,15 @@ class TokenBatchSampler(Sampler[list[int]]):
 
     def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
                  num_replicas: int = 1, pad_to_multiple_of: int | None = None, shape_buckets: int | None = None):
-        lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = np.asarray(lengths)
+        lengths = lengths.astype(np.int32 if lengths.size and lengths.max() < 2**31 else np.int64, copy=False)
         if lengths.ndim == 2 and len(lengths) != 2 or lengths.ndim > 2:
             raise ValueError(f"lengths of shape {lengths.shape}: give each example's longer side, or a (2, examples) "
                              "array of source and target lengths.")
         self.lengths = lengths.max(axis=0) if lengths.ndim == 2 else lengths
         self._within = side_order(*lengths).astype(np.int32) if lengths.ndim == 2 else None
+        # The lengths as the order's key: numpy sorts 16-bit keys by radix, in linear time.
+        self._keys = self.lengths.astype(np.uint16) if self.lengths.size and self.lengths.max() < 2**16 else self.lengths
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
@@ -223,8 +228,9 @@ class TokenBatchSampler(Sampler[list[int]]):
     def _sorted(self, indices: np.ndarray) -> np.ndarray:
         """`indices` sorted by length, then (given both sides) by `side_order`; stable, so that examples alike in both
         keep the order they come in (a random one, when training)."""
-        keys = [self.lengths[indices]] if self._within is None else [self._within[indices], self.lengths[indices]]
-        return indices[np.lexsort(keys)]
+        if self._within is None:
+            return indices[np.argsort(self._keys[indices], kind="stable")]
+        return indices[np.lexsort([self._within[indices], self.lengths[indices]])]
 
     def _cut(self, order: np.ndarray) -> list[np.ndarray]:
         return np.split(order, self._starts[1:])
@@ -239,10 +245,10 @@ class TokenBatchSampler(Sampler[list[int]]):
             yield from self.batches_by_length()
             return
         rng = np.random.default_rng((self.seed, self.epoch))
-        permutation = rng.permutation(len(self.lengths))
-        batches = self._cut(self._sorted(permutation))
-        for position in rng.permutation(len(batches)).tolist():
-            yield batches[position].tolist()
+        order = self._sorted(rng.permutation(len(self.lengths)))
+        ends = [*self._starts[1:].tolist(), len(order)]
+        for position in rng.permutation(len(self._starts)).tolist():
+            yield order[self._starts[position]:ends[position]].tolist()
 
     def __len__(self) -> int:
         return len(self._starts)

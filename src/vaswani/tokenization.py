@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -150,19 +151,22 @@ MOSTLY_NEW = 0.35
 class WordCachedEncoder:
     """`tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]`, a word at a time from a cache.
 
-    A `VaswaniTokenizer` normalises a sentence, cuts it at its spaces and encodes each word on its own (see
-    tokenization_vaswani), so a sentence's ids are its words' ids end to end. `tokenizers` spends most of its time
+    A `VaswaniTokenizer` normalises a sentence (NFKC, every run of white space made one space, stripped), cuts it at
+    its spaces and encodes each word on its own (see tokenization_vaswani). Normalising never joins characters across
+    a space (a space is a starter that composes with nothing), so a sentence's ids are, end to end, the ids of the
+    pieces of text between its spaces, each normalised and encoded on its own. `tokenizers` spends most of its time
     per sentence on bookkeeping that training does not use (offsets, alignments, an `Encoding` object), while a
-    corpus repeats its words: looking each word up in a dict, and encoding only the words not seen yet, a batch at
-    a time, gives the same ids for much less CPU time where words repeat as in Tatoeba, and less of a gain where
-    more of them are new (benchmarks/results/data-encoder-cpu.md). A batch of mostly new words is
-    encoded a sentence at a time instead (`MOSTLY_NEW`). The cache holds at most `max_words` words and starts over
-    when full, so its memory does not grow with the corpus.
+    corpus repeats its words: looking each piece up in a dict, raw as the corpus spells it, and normalising and
+    encoding only the pieces not seen yet, a batch at a time, gives the same ids for much less CPU time where words
+    repeat as in Tatoeba, and less of a gain where more of them are new (benchmarks/results/data-encoder-cpu.md). A
+    batch of mostly new words is encoded a sentence at a time instead (`MOSTLY_NEW`). The cache holds at most
+    `max_words` pieces and starts over when full, so its memory does not grow with the corpus.
 
     The special tokens the tokenizer adds around a sentence are read from its post-processor
     (`special_tokens_around`). Sentences that might hold an added token such as "</s>" (which `tokenizers` finds in
-    the raw text, before normalising) or a "▁" are encoded whole. A tokenizer with another pipeline gets no encoder:
-    `for_tokenizer` then returns None and the tokenizer is called as usual.
+    the raw text, before normalising) or a "▁" are encoded whole. A tokenizer with another pipeline, or whose added
+    tokens could start with white space, gets no encoder: `for_tokenizer` then returns None and the tokenizer is
+    called as usual.
     """
 
     def __init__(self, backend: Tokenizer, prefix: list[int], suffix: list[int], max_length: int,
@@ -176,13 +180,14 @@ class WordCachedEncoder:
         added = [token.content for token in backend.get_added_tokens_decoder().values() if token.content]
         self._whole_if = frozenset([WORD_START, *(content[0] for content in added)])
         self._max_words = max_words
-        self._ids: dict[str, tuple[int, ...]] = {}
+        self._ids: dict[str, tuple[int, ...] | None] = {}  # None: a sentence holding this piece is encoded whole
+        self._whole_words: set[str] = set()
 
     @classmethod
     def for_tokenizer(cls, tokenizer, max_length: int, max_words: int = 500_000) -> "WordCachedEncoder | None":
-        """An encoder for `tokenizer`, or None where its pipeline does not encode words independently, its
-        post-processor is not one `special_tokens_around` can read, or `max_length` leaves no room beside the
-        special tokens."""
+        """An encoder for `tokenizer`, or None where its pipeline does not encode words independently, an added
+        token starts with white space, its post-processor is not one `special_tokens_around` can read, or
+        `max_length` leaves no room beside the special tokens."""
         if not VaswaniTokenizer.encodes_words_independently(tokenizer) or tokenizer.truncation_side != "right":
             return None
         saved = tokenizer.backend_tokenizer.to_str()
@@ -190,54 +195,66 @@ class WordCachedEncoder:
         if around is None or max_length <= len(around[0]) + len(around[1]):
             return None
         backend = Tokenizer.from_str(saved)  # a copy whose truncation and padding the tokenizer's calls leave alone
+        if any(token.content[:1].isspace() for token in backend.get_added_tokens_decoder().values()):
+            return None  # such a token would span the spaces the text is cut at
         backend.no_truncation()
         backend.no_padding()
         return cls(backend, *around, max_length, max_words)
 
     def __call__(self, texts: Sequence[str]) -> list[list[int]]:
-        sentences = [self._words(text) for text in texts]
-        cut = [words for words in sentences if words is not None]
         ids = self._ids
-        missing = {word for words in cut for word in words if word not in ids}
-        if len(missing) > MOSTLY_NEW * sum(map(len, cut)):
+        sentences = [text.split(" ") for text in texts]
+        words = set(chain.from_iterable(sentences))
+        missing = words.difference(ids)
+        if len(missing) > MOSTLY_NEW * sum(map(len, sentences)):
             # A new word costs several times its share of a whole sentence's encoding.
-            return [self._complete(encoding.ids)
-                    for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+            return self._encode_whole(texts)
         if len(ids) + len(missing) > self._max_words:
             ids.clear()
-            missing = {word for words in cut for word in words}
+            self._whole_words.clear()
+            missing = words
         if missing:
-            self._encode_words(list(missing))
-        whole = [text for text, words in zip(texts, sentences) if words is None]
-        whole = iter(encoding.ids for encoding in self._backend.encode_batch_fast(whole, add_special_tokens=False))
-        return [self._complete(next(whole) if words is None else [i for word in words for i in ids[word]])
-                for words in sentences]
+            self._encode_words(missing)
+        lookup, prefix, suffix, keep = ids.__getitem__, self._prefix, self._suffix, self._keep
+        whole_words = self._whole_words.intersection(words)
+        if not whole_words:
+            return [prefix + list(chain.from_iterable(map(lookup, pieces)))[:keep] + suffix for pieces in sentences]
+        whole = iter(self._encode_whole([text for text, pieces in zip(texts, sentences)
+                                         if not whole_words.isdisjoint(pieces)]))
+        return [prefix + list(chain.from_iterable(map(lookup, pieces)))[:keep] + suffix
+                if whole_words.isdisjoint(pieces) else next(whole) for pieces in sentences]
 
-    def _complete(self, content: list[int]) -> list[int]:
-        """A sentence's ids, truncated and with the special tokens the tokenizer adds."""
-        return self._prefix + content[:self._keep] + self._suffix
+    def _encode_whole(self, texts: Sequence[str]) -> list[list[int]]:
+        """`texts`' ids from the tokenizer itself, truncated and with the special tokens it adds."""
+        return [self._prefix + encoding.ids[:self._keep] + self._suffix
+                for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
 
-    def _encode_words(self, words: list[str]) -> None:
-        """Put `words`' ids in the cache. They are encoded many to a text, as a pre-split text whose `word_ids` say
-        which word each token comes from: `tokenizers` costs most per text, not per word."""
-        chunks = [words[start:start + WORDS_PER_TEXT] for start in range(0, len(words), WORDS_PER_TEXT)]
+    def _encode_words(self, words: Iterable[str]) -> None:
+        """Put `words`' ids in the cache: each is normalised (which may cut it into several words, or none) and its
+        words encoded many to a text, as a pre-split text whose `word_ids` say which word each token comes from:
+        `tokenizers` costs most per text, not per word. A word that might hold an added token or a "▁" is marked
+        instead, for its sentences to be encoded whole."""
+        normalized = {}
+        for word in words:
+            # Normalising leaves printable ASCII as it is, and the text was cut at its only white space, " ".
+            text = word if word.isascii() and word.isprintable() else self._normalize(word)
+            if any(start in word or start in text for start in self._whole_if):
+                self._ids[word] = None
+                self._whole_words.add(word)
+            else:
+                normalized[word] = text.split(" ") if text else []
+        pieces = list({piece for split in normalized.values() for piece in split})
+        chunks = [pieces[start:start + WORDS_PER_TEXT] for start in range(0, len(pieces), WORDS_PER_TEXT)]
+        encoded = {}
         for chunk, encoding in zip(chunks, self._backend.encode_batch(chunks, is_pretokenized=True,
                                                                      add_special_tokens=False)):
-            per_word = [[] for _ in chunk]
-            for token, word in zip(encoding.ids, encoding.word_ids):
-                per_word[word].append(token)
-            self._ids.update(zip(chunk, map(tuple, per_word)))  # tuples of ints: smaller, and not tracked by the GC
-
-    def _words(self, text: str) -> list[str] | None:
-        """`text` normalised and cut at its spaces, or None if it must be encoded whole."""
-        if text.isascii() and text.isprintable():
-            normalized, words = text, text.split()  # normalising leaves printable ASCII as it is; its only space is " "
-        else:
-            normalized = self._normalize(text)
-            words = normalized.split(" ")
-        if any(start in text or start in normalized for start in self._whole_if):
-            return None
-        return words
+            per_piece = [[] for _ in chunk]
+            for token, piece in zip(encoding.ids, encoding.word_ids):
+                per_piece[piece].append(token)
+            encoded.update(zip(chunk, per_piece))
+        # Tuples of ints: smaller than lists, and not tracked by the garbage collector.
+        self._ids.update((word, tuple(chain.from_iterable(map(encoded.__getitem__, split))))
+                         for word, split in normalized.items())
 
 
 def special_tokens_around(post_processor: dict | None) -> tuple[list[int], list[int]] | None:

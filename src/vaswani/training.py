@@ -262,11 +262,14 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         model, averaged = final_model(trainer)
         if args.average_last_checkpoints:
             metrics["averaged_checkpoints"] = len(averaged)
-        test_metrics = score_split(model, tokenizer, test, args.per_device_eval_batch_size)
-        metrics.update({f"test_{k}": v for k, v in test_metrics.items() if k != "hypotheses"})
-        metrics["test_sentences"] = len(test)
+        hypotheses = ()
+        if data_args.max_test_samples != 0:  # 0: the saved model is scored by another process
+            test_metrics = score_split(model, tokenizer, test, args.per_device_eval_batch_size)
+            hypotheses = test_metrics.pop("hypotheses")
+            metrics.update({f"test_{k}": v for k, v in test_metrics.items()})
+            metrics["test_sentences"] = len(test)
         with files.reporting_full_disk(args.output_dir, lambda: kept_after_a_full_disk(args.output_dir)):
-            save_final(trainer, tokenizer, args.output_dir, metrics, test_metrics["hypotheses"],
+            save_final(trainer, tokenizer, args.output_dir, metrics, hypotheses,
                        [os.path.basename(path) for path in averaged], command=command)
         if push:
             from .hub import push_to_hub

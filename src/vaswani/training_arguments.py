@@ -82,7 +82,9 @@ class DataArguments:
                             metadata={"help": "Truncate training sources and targets to this many tokens."})
     max_train_samples: int | None = None
     max_eval_samples: int | None = field(default=None, metadata={"help": "Validation sentences used while training."})
-    max_test_samples: int | None = field(default=None, metadata={"help": "Test sentences for the final evaluation."})
+    max_test_samples: int | None = field(default=None, metadata={
+        "help": "Test sentences for the final evaluation; 0: none, the saved model is scored elsewhere (in a process "
+                "of its own, so that a failure of the scoring leaves the model and its training metrics)."})
     preprocessing_num_workers: int | None = field(
         default=None, metadata={"help": "Processes that tokenize the corpus in parallel (default: one)."}
     )
@@ -98,9 +100,10 @@ class DataArguments:
     def __post_init__(self):
         for name in ("max_length", "max_train_samples", "max_eval_samples", "max_test_samples",
                      "preprocessing_num_workers"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name} must be a positive number, got {value}.")
+            value, least = getattr(self, name), 0 if name == "max_test_samples" else 1
+            if value is not None and value < least:
+                raise ValueError(f"--{name} must be a {'non-negative' if least == 0 else 'positive'} number, "
+                                 f"got {value}.")
 
 
 # torch.compile's default `recompile_limit`: the graphs it keeps of one function, beyond which it runs it uncompiled.

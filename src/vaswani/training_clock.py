@@ -121,15 +121,18 @@ class SlowSteps:
     it took over `factor` times the median of up to the `window` steps before it and at least `floor` seconds; the
     first `first` steps have no steps before them, so they are judged once that many are timed, against their own
     median. Each slow step is logged as it is found (the first `warnings`), with its batch's shape and the graphs
-    torch.compile built during it, which tell the causes apart; `count` and `seconds` sum them all. Host clocks
-    only: nothing is read back from the device."""
+    torch.compile built during it, which tell the causes apart; `count` and `seconds` sum them all, `recompiling`
+    counts those during which torch.compile built a graph (the others waited on a kernel's set-up or the host), and
+    `named` keeps the logged ones' step, seconds and graphs for the run's metrics. Host clocks only: nothing is read
+    back from the device."""
 
     def __init__(self, factor: float = 10.0, floor: float = 1.0, window: int = 100, first: int = 5,
                  warnings: int = 20):
         self.factor, self.floor, self.first, self.warnings = factor, floor, first, warnings
         self.recent = deque(maxlen=window)
         self.pending = []
-        self.count, self.seconds = 0, 0.0
+        self.count, self.seconds, self.recompiling = 0, 0.0, 0
+        self.named = []
 
     def add(self, step: int, seconds: float, shapes: dict[str, tuple], graphs: int) -> None:
         """Times step `step` (1-based): `seconds` on the host, `shapes` its batch's (by input name), `graphs` built
@@ -157,7 +160,9 @@ class SlowSteps:
         usual = max(usual, 1e-9)  # a clock too coarse for the usual step
         self.count += 1
         self.seconds += seconds
+        self.recompiling += graphs > 0
         if self.count <= self.warnings:
+            self.named.append({"step": step, "seconds": round(seconds, 2), "graphs": graphs})
             logger.warning("Training step %d took %.2f s in its forward and backward, %.0f× the median step's %.3f s "
                            "(batch %s; %d graph%s compiled during it)%s.", step, seconds, seconds / usual, usual,
                            ", ".join(f"{name} {'×'.join(map(str, shape))}" for name, shape in shapes.items()), graphs,
