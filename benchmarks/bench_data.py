@@ -5,13 +5,14 @@ corpora (each line joins 2-4 random fra-eng pairs, about 25 tokens a side, seede
 cached rerun, one process or two (torchrun, gloo). The script runs as a user runs it; its log is read as it comes
 and the run stopped at the first logged step. Memory: proportional set sizes of the whole process tree, sampled
 every 0.2 s (`anon`: owned by the processes; `file`: mapped files the kernel can drop). Times: wall seconds from the
-start. (results/data-encoder-cpu.md came from this script's `--encoder_shares` at commit e4633a9, removed since.)
+start.
 
     python benchmarks/bench_data.py --build 1000000 --corpus_dir /tmp/corpora       # stand-in corpora first
     python benchmarks/bench_data.py --corpora /tmp/corpora/standin-1000000.tsv.gz --processes 1 2
 """
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -25,8 +26,10 @@ import threading
 import time
 from pathlib import Path
 
+import psutil  # accelerate's dependency
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report, result_name  # noqa: E402
+from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report  # noqa: E402
 
 from vaswani.corpus import read_parallel_tsv, resolve_corpus_path  # noqa: E402
 
@@ -57,32 +60,18 @@ def build_stand_in_corpus(path: Path, pairs: int, seed: int = 0, source: Path | 
 
 
 def process_tree(root: int) -> list[int]:
-    children = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
+    with contextlib.suppress(psutil.Error):
+        return [root, *(child.pid for child in psutil.Process(root).children(recursive=True))]
+    return []
 
 
 def cpu_seconds_of(pids: list[int]) -> float:
     """CPU time of `pids` and of the children they have reaped (user + system)."""
-    total = 0
+    total = 0.0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
-    return total / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(psutil.Error):
+            total += sum(psutil.Process(pid).cpu_times()[:4])  # user, system, children_user, children_system
+    return total
 
 
 def memory_of(pids: list[int]) -> dict[str, float]:
@@ -198,7 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work_dir", type=Path, default=Path("bench-data-work"),
                         help="the cache and output directories of the measured runs (emptied before first runs)")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--append", action="store_true", help="add to the rows of an existing report")
     parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
     add_result_arguments(parser)
     args = parser.parse_args(argv)
@@ -208,9 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         print(build_stand_in_corpus(args.corpus_dir / f"standin-{pairs}.tsv.gz", pairs, source=args.source))
     if not args.corpora:
         return
-    previous = args.results_dir / f"{result_name(args, 'data', pick_device('cpu'))}.json"
-    rows = json.loads(previous.read_text())["results"] if args.append and previous.is_file() else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rows, env = [], {**os.environ, "OMP_NUM_THREADS": "1"}
     for corpus in args.corpora:
         pairs = count_lines(corpus)
         for processes in args.processes:
@@ -222,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"corpus": corpus.name, "pairs": pairs, "processes": processes, "run": run, **result,
                        "first_step_s_per_million_pairs": round(result["first_step_s"] / (pairs / 1e6), 1)}
                 print(json.dumps(row), flush=True)
-                rows = [r for r in rows if (r["pairs"], r["processes"], r["run"]) != (pairs, processes, run)] + [row]
+                rows.append(row)
                 data_report(rows, args, argv)  # after every row: a long series stopped early keeps what it measured
         shutil.rmtree(args.work_dir, ignore_errors=True)
 
@@ -239,17 +225,13 @@ def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | No
                Column("load_during", "mean load average during")]
     notes = [
         "Stand-in corpora: each line joins 2-4 random fra-eng pairs (seed 0), about 25 tokens a side.",
-        "Times: seconds from the command's start to the end of each stage, read from the training script's log; "
-        "'first step' is when the Trainer logs step 1. 'load average before' is the machine's 1-minute load "
-        "average as the run started: about 0-2 on an otherwise idle 2-core machine; well above 2, other jobs shared "
-        "the cores and wall times grow with them; 'mean load average during' is the same average over the run (about "
-        "2 when the run keeps both cores busy by itself).",
+        "Times: seconds from the command's start to the end of each stage, read from the training script's log "
+        "('first step': the Trainer logs step 1). Load averages (1-minute) before and, averaged, during the run: well "
+        "above the core count, other jobs shared the cores; CPU s (user + system of the process tree) is what such "
+        "contention inflates least.",
         "Cache on disk: the corpus' Arrow splits, the tokenizer and the tokenized splits, as the run left them.",
-        "CPU s: user + system seconds of the process tree until the first step (what contention from other jobs "
-        "inflates least); on an otherwise idle machine, the first step comes after about CPU s / 2 (two cores) "
-        "where the work is parallel (tokenization), and CPU s where it is not (reading the corpus).",
-        "Memory: proportional set sizes summed over the process tree (sampled every 0.2 s). 'anon' is what the "
-        "processes own; 'mapped files' is pages of memory-mapped files (Arrow, libraries) the kernel can drop.",
+        "Memory: proportional set sizes summed over the process tree, sampled every 0.2 s ('anon': owned by the "
+        "processes; 'mapped files': memory-mapped pages, Arrow and libraries, the kernel can drop).",
         *slope_notes(rows),
     ]
     report(__file__, argv, args, pick_device("cpu"), "data",

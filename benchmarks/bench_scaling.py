@@ -4,11 +4,9 @@
     python benchmarks/bench_scaling.py                                        # GPU: train, forward, decode
     python benchmarks/bench_scaling.py --device cpu --modes train,decode --batch_tokens 2048
 
-Modes, each on sequences cut from the real corpus' token stream:
-  train    forward + backward + Adam step, `batch_tokens // length` sequences per step (at least one);
-  forward  the same batches without gradients (a prompt's prefill);
-  decode   greedy steps with the KV cache after a `length`-token prompt (the prompt itself is not timed): the
-           regime where GQA's smaller cache matters.
+Modes, on windows of the corpus' token stream: train (forward, backward, Adam; `batch_tokens // length` sequences a
+step), forward (the same without gradients: a prefill), decode (greedy steps with the KV cache after an untimed
+`length`-token prompt: where GQA's smaller cache matters).
 """
 
 import argparse
@@ -27,6 +25,7 @@ from common import (  # noqa: E402
 
 from vaswani import VaswaniConfig, VaswaniForCausalLM  # noqa: E402
 from vaswani.modeling_vaswani import CACHE_NAME  # noqa: E402  (the cache's name in this transformers release)
+
 
 def attention_name(config) -> str:
     if config.num_key_value_heads == config.num_attention_heads:
@@ -103,11 +102,10 @@ def run(args: argparse.Namespace, argv) -> Path:
         f"{args.seed}, English then French). train/forward: max(1, {batch_tokens} // length) sequences per step, "
         f"{args.steps} timed step(s) after 1 warm-up; decode: batch {args.decode_batch}, {args.decode_tokens} "
         "greedy steps with the KV cache after an untimed prefill of the prompt.",
-        "tokens/s: train/forward = tokens processed; decode = new tokens generated. Peak memory = the highest "
-        "level reached over the warm-up and timed steps minus the level before the model was built (CUDA: "
-        "allocated tensors; CPU: process RSS), so it includes weights, optimizer state and the KV cache.",
-        "KV cache per token is measured on the cache object after a forward pass (all layers, keys + values, in "
-        f"{str(device.dtype).removeprefix('torch.')}), and equals 2 · layers · kv_heads · head_dim · bytes.",
+        "tokens/s: train/forward = tokens processed; decode = new tokens generated. Peak memory over the steps, less "
+        "the level before the model was built (CUDA: tensors; CPU: RSS): weights, optimizer state and KV cache.",
+        f"KV cache per token: measured on the cache after a forward pass (all layers, keys + values, in "
+        f"{str(device.dtype).removeprefix('torch.')}), = 2 · layers · kv_heads · head_dim · bytes.",
         f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.as_cuda else 'fp32'}; "
         "attention implementation: the transformers default (sdpa).",
     ]
@@ -210,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache_kv_heads", type=csv_of(int), default=[8, 2, 1], help="for the KV-cache table")
     parser.add_argument("--modes", type=csv_of(str), default=["train", "forward", "decode"])
     parser.add_argument("--lengths", type=csv_of(int), default=[64, 128, 256, 512, 1024, 2048, 4096])
-    parser.add_argument("--batch_tokens", type=int, default=None, help="tokens per train/forward step; default 32768 CUDA, 2048 CPU")
+    parser.add_argument("--batch_tokens", type=int, default=None, help="tokens per train/forward step; default 32768 "
+                        "CUDA, 2048 CPU")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     parser.add_argument("--decode_batch", type=int, default=None, help="default 8 CUDA, 1 CPU")
     parser.add_argument("--decode_tokens", type=int, default=32)

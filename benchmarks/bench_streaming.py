@@ -1,14 +1,12 @@
 """File translation at scale: `scripts/translate.py --input_file --output_file` (streamed in chunks by
 `vaswani.file_translation`) on 100k and 1M lines, and the streamed path against the whole-file sort it replaced.
 
-* `scale`: `--model`'s held-out test sentences repeated to each of `--lines` lines, translated by translate.py in a
-  process of its own: wall time (loading included), lines/s, peak RSS (`wait4`), one output line per input line.
-  `--stand_in tiny`: a random-weight `VaswaniConfig.tiny` with `--model`'s tokenizer instead (every sentence decodes
-  `--max_new_tokens` tokens): a million lines in minutes on 2 cores, where the trained model would take hours.
-* `whole_file`: the first `--compare_sentences` test sentences, in this process, through one engine of
-  `vaswani.loading.load_engine`: `vaswani.translation.translate` over the whole file sorted by length in batches of
-  64 (translate.py before it streamed) against `translate_file` with translate.py's defaults, interleaved, the
-  fastest of `--repeats`; lines/s and identical lines.
+* `scale`: `--model`'s test sentences repeated to `--lines` lines, translated by translate.py in a process of its own:
+  wall time (loading included), lines/s, peak RSS. `--stand_in tiny`: a random-weight tiny model with `--model`'s
+  tokenizer instead (every sentence decodes `--max_new_tokens` tokens), where the trained model would take hours.
+* `whole_file`: the first `--compare_sentences` test sentences through one `load_engine` engine in this process:
+  `translate` over the whole file sorted by length in batches of 64 against `translate_file` with translate.py's
+  defaults, interleaved, fastest of `--repeats`; lines/s and identical lines.
 
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stand_in tiny --threads 2
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stages whole_file --threads 2
@@ -22,10 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani.data import load_translation_dataset
 from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, translate_file
 from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
@@ -33,7 +27,7 @@ from vaswani.translation import translate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Column, add_common_arguments, csv_of, pick_device, report, resolve_corpus,
+    Column, add_common_arguments, csv_of, pick_device, random_checkpoint, report, test_sources,
 )
 
 STAGES = ("scale", "whole_file")
@@ -66,14 +60,8 @@ def run_translate(model: str, input_path: Path, output_path: Path, args) -> tupl
 
 
 def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
-    model = args.model
-    if args.stand_in == "tiny":
-        tokenizer = VaswaniTokenizer.from_pretrained(args.model)
-        torch.manual_seed(args.seed)
-        stand_in = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=len(tokenizer)))
-        model = str(workdir / "tiny")
-        stand_in.save_pretrained(model)
-        tokenizer.save_pretrained(model)
+    tokenizer = VaswaniTokenizer.from_pretrained(args.model)
+    model = random_checkpoint("tiny", tokenizer, args.seed, workdir / "tiny") if args.stand_in else args.model
     rows = []
     for lines in args.lines:
         input_path, output_path = workdir / f"in-{lines}.en", workdir / f"out-{lines}.fr"
@@ -144,8 +132,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     device = pick_device("cpu", args.threads)
-    corpus = resolve_corpus(args.corpus)
-    test = list(load_translation_dataset(data_file=str(corpus))["test"]["source"])
+    corpus, test = test_sources(args.corpus)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as workdir:
         rows = scale_rows(args, test, Path(workdir)) if "scale" in args.stages else []
         compared = whole_file_rows(args, test[: args.compare_sentences], Path(workdir)) \
@@ -163,9 +150,8 @@ def main(argv=None) -> Path:
             "wall time of the process (loading included); peak RSS = its ru_maxrss; RSS × smallest = peak RSS over "
             "the smallest line count's.")
     if rows and args.stand_in:
-        notes.append("scale rows ran a stand-in: VaswaniConfig.tiny (2+2 layers, width 32) with random weights and "
-                     f"{Path(args.model).name}'s tokenizer, so every sentence decodes {args.max_new_tokens} tokens; "
-                     "the trained model would take hours for a million lines on 2 cores.")
+        notes.append(f"scale rows ran a stand-in: the tiny preset with random weights and {Path(args.model).name}'s "
+                     f"tokenizer, so every sentence decodes {args.max_new_tokens} tokens.")
     if compared:
         notes.append(
             f"whole_file: {Path(args.model).name} in fp32 in this process, the first {args.compare_sentences} test "

@@ -1,8 +1,6 @@
 """Training throughput: non-padding tokens/s of full training steps (forward, backward, Adam step), Vaswani vs
-`MarianMTModel` at identical sizes, on identical batches of the real corpus (length-bucketed, or as `--batchings`
-cuts them: packed, padded to multiples of 8), at identical precision
-(bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for bf16); peak memory; on CUDA the model-FLOPs
-utilisation.
+`MarianMTModel` at identical sizes, on identical batches of the real corpus (as `--batchings` cuts them), at identical
+precision (bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for bf16); peak memory; on CUDA, MFU.
 
     python benchmarks/bench_training.py                          # GPU: tiny, base, big; 4k, 12k, 25k-token batches
     python benchmarks/bench_training.py --device cpu --sizes tiny,base --batch_tokens 2048 --steps 4
@@ -12,10 +10,9 @@ utilisation.
         --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,sides,packed --keep_freed_memory \
         --sample_pairs 30000  # batchings
 
-Model FLOPs of a step, counted on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B):
-6 × (the weights each token is multiplied by) + 12·d_model per layer per attended (query, key) pair, i.e.
-6·N·tokens for an encoder-decoder, where a source token passes the encoder (and the decoder's cross-attention
-key/value projections) and a target token the decoder and the output projection; MFU = FLOPs/s over the
+Model FLOPs of a step, on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B): 6 × the
+weights each token is multiplied by (a source token: the encoder and the cross-attention keys/values; a target token:
+the decoder and the output projection) + 12·d_model per layer per attended (query, key) pair; MFU = FLOPs/s over the
 device's dense bf16 peak.
 """
 
@@ -47,48 +44,31 @@ from common import (  # noqa: E402
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
-# Options after the model's name, joined by dashes (`vaswani-bf16-eager`): `compiled`, the model under
-# `torch.compile` as `train_translation.py --torch_compile` runs it; `flex` (vaswani, CUDA only), attention through
-# FlexAttention instead of SDPA, for padded short sentences whose SDPA kernel is a large share of the compiled step
-# on a GPU (results/gpu-notes.md); `bf16`, bf16 autocast on a CPU too, as `--bf16 --use_cpu` trains (CUDA runs every
-# engine under it); `eager`, the eager attention (results/main-job-recipes.md); `graphs` (with `compiled`, CUDA
-# only), `mode="reduce-overhead"`: CUDA graphs, one a shape, on the batches padded up to their shape buckets
-# (`--shape_buckets`) as train_translation.py pads them; a kernel's name (`efficient`, `cudnn`, `flash`, `math`),
-# SDPA pinned to that kernel for this engine alone (`--sdpa_backend` pins it for all), so that one process compares
-# kernels step by step on the same batches (`vaswani-efficient,vaswani-cudnn`).
-OPTIONS = ("compiled", "flex", "bf16", "eager", "graphs", *SDPA_BACKENDS)
-
-
-# How the batches are cut (`--batchings`): `bucketed`, length-bucketed as train_translation.py --max_tokens_per_batch
-# cuts them (by the longer side, ties at random); `sides`, the same cut with the pairs of one longer length ordered
-# by both sides (`vaswani.batching.side_order`, which the trainer does not use: benchmarks/results/README.md);
-# `packed`, several pairs a row as --packing packs them (Vaswani engines only: Marian's model takes no packed rows);
-# `-8` after any, padded to multiples of 8, as train_translation.py pads with --pad_to_multiple_of 8.
+# Options after the model's name (`vaswani-bf16-eager`): `compiled`, torch.compile as `--torch_compile` runs it;
+# `bf16`, bf16 autocast on a CPU too (`--bf16 --use_cpu`; CUDA runs every engine under it); `eager`, the eager
+# attention; `graphs` (with `compiled`, CUDA only), mode="reduce-overhead": a CUDA graph per shape, on batches padded
+# up to their `--shape_buckets`; an SDPA kernel's name, pinned for this engine alone, so that one process compares
+# kernels step by step on the same batches.
+OPTIONS = ("compiled", "bf16", "eager", "graphs", *SDPA_BACKENDS)
+# How the batches are cut (`--batchings`): `bucketed`, as train_translation.py --max_tokens_per_batch cuts them;
+# `sides`, the same with the pairs of one length ordered by both sides (`vaswani.batching.side_order`); `packed`,
+# several pairs a row as --packing packs them (Vaswani only); `-8`, padded to multiples of 8 (--pad_to_multiple_of 8).
 BATCHINGS = ("bucketed", "bucketed-8", "sides", "sides-8", "packed", "packed-8")
 
 
 def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_buckets: int | None = None,
-                  pad_to_multiple_of: int | None = None,
-                  by_sides: bool = False) -> tuple[list[list[int]], ShapeBuckets | None]:
-    """The batches `train_translation.py` trains on (`vaswani.batching.TokenBatchSampler`, as its
-    `--max_tokens_per_batch` and `--shape_buckets` cut them): pairs of similar length, at most `batch_tokens` tokens
-    per side padding included (to `pad_to_multiple_of` too), shuffled (seed); pairs longer than a whole batch are left
-    out. `by_sides`: ordered by both sides (`vaswani.batching.side_order`). Returns the batches as indices
-    and, with `shape_buckets`, the shapes they pad up to (else None)."""
+                  batching: str = "bucketed"):
+    """The batches (indices) `train_translation.py` trains on, cut as `batching` says (`vaswani.batching.
+    TokenBatchSampler`, or `vaswani.packing.PackedBatchSampler` for packed rows), and the sampler that cut them;
+    pairs longer than a whole batch are left out."""
+    multiple = 8 if batching.endswith("-8") else None
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
     sides = np.array([[len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]], dtype=np.int64)
-    sampler = TokenBatchSampler(sides if by_sides else sides.max(axis=0), batch_tokens, seed=seed,
-                                shape_buckets=shape_buckets, pad_to_multiple_of=pad_to_multiple_of)
-    return [[keep[j] for j in batch] for batch in sampler], sampler.shape_buckets
-
-
-def packed_batches(source_ids, target_ids, batch_tokens: int, seed: int, pad_to_multiple_of: int | None = None):
-    """The batches `train_translation.py --packing` trains on, as indices, and the `vaswani.packing.PackedBatchSampler`
-    that made them (their one shape, the positions they hold and compute); pairs wider than a whole batch are left
-    out."""
-    keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
-    sampler = PackedBatchSampler([len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep], batch_tokens,
-                                 seed=seed, pad_to_multiple_of=pad_to_multiple_of)
+    if batching.startswith("packed"):
+        sampler = PackedBatchSampler(*sides.tolist(), batch_tokens, seed=seed, pad_to_multiple_of=multiple)
+    else:
+        sampler = TokenBatchSampler(sides if batching.startswith("sides") else sides.max(axis=0), batch_tokens,
+                                    seed=seed, shape_buckets=shape_buckets, pad_to_multiple_of=multiple)
     return [[keep[j] for j in batch] for batch in sampler], sampler
 
 
@@ -116,15 +96,13 @@ class Trainee:
         base, *options = name.split("-")
         kernels = [option for option in options if option in SDPA_BACKENDS]
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
-                or ("flex" in options and (base != "vaswani" or "eager" in options))
                 or ("graphs" in options and "compiled" not in options)
-                or (kernels and ({"flex", "eager"} & set(options) or len(kernels) > 1 or attention_kernel))):
+                or (kernels and ("eager" in options or len(kernels) > 1 or attention_kernel))):
             raise ValueError(f"Unknown engine {name!r}: vaswani or marian, then any of -{', -'.join(OPTIONS)} "
-                             "(-flex for vaswani only, and not with -eager; -graphs with -compiled; at most one SDPA "
-                             "kernel, not with -flex, -eager or --sdpa_backend).")
+                             "(-graphs with -compiled; at most one SDPA kernel, not with -eager or --sdpa_backend).")
         self.model = build_seq2seq(base, config, device, torch.float32, seed).train()
-        if "flex" in options or "eager" in options:
-            self.model.set_attn_implementation("flex_attention" if "flex" in options else "eager")
+        if "eager" in options:
+            self.model.set_attn_implementation("eager")
         self.parameters = count_parameters(self.model)
         mode = "reduce-overhead" if "graphs" in options else None
         bucketed = shape_buckets is not None and "graphs" in options
@@ -132,9 +110,7 @@ class Trainee:
         static = bucketed or batching.startswith("packed")
         self.forward = (torch.compile(self.model, mode=mode, dynamic=False if static else None)
                         if "compiled" in options else self.model)
-        # The paper's Adam (§5.3), fused as the Trainer's default optimizer (adamw_torch_fused) is: on a CPU torch's
-        # own default steps one tensor at a time, which took 24 ms a step for the main job's model against 6 ms
-        # fused. The learning-rate schedule does not change the cost of a step.
+        # The paper's Adam (§5.3), fused as the Trainer's default (adamw_torch_fused); the schedule costs nothing.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=True)
         self.batches = batches
         if bucketed:
@@ -148,13 +124,12 @@ class Trainee:
         )
         self.attention_kernel = kernels[0] if kernels else attention_kernel
         # What the engine must run, which `check` holds it to.
-        self.attention = ({"flex"} if "flex" in options else {"eager"} if "eager" in options
+        self.attention = ({"eager"} if "eager" in options
                           else {self.attention_kernel} if self.attention_kernel else set(SDPA_BACKENDS))
         self.dtype = "bfloat16" if device.as_cuda or "bf16" in options else "float32"
 
     def check(self) -> dict:
-        """The attention kernel and dtype one forward of the engine's model (uncompiled) ran on the first batch, in
-        the engine's settings; stops the benchmark (`WrongKernel`) where they are not the engine's."""
+        """What one uncompiled forward on the first batch ran (`common.check_ran`: stops if not the engine's)."""
         batch = {k: v.to(self.device.device) for k, v in self.batches[0].items()}
         with self.autocast, sdpa_backend(self.attention_kernel):
             ran = attention_ran(lambda: self.model(**batch))
@@ -232,15 +207,10 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
     """The padding of a whole epoch of one batching's batches of these pairs at one budget, each side padded as the
     collators pad it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the
     positions computed: both sides together and each side alone."""
-    multiple = 8 if batching.endswith("-8") else None
     lengths = ([len(s) for s in source_ids], [len(t) for t in target_ids])
-    if batching.startswith("packed"):
-        order, sampler = packed_batches(source_ids, target_ids, batch_tokens, seed, multiple)
-        real, computed = sampler.positions()
-    else:
-        order, _ = token_batches(source_ids, target_ids, batch_tokens, seed, None, multiple,
-                                 by_sides=batching.startswith("sides"))
-        real, computed = batch_positions(order, *lengths, multiple)
+    order, sampler = token_batches(source_ids, target_ids, batch_tokens, seed, None, batching)
+    real, computed = (sampler.positions() if batching.startswith("packed") else
+                      batch_positions(order, *lengths, 8 if batching.endswith("-8") else None))
     return {"batch_tokens": batch_tokens, "batching": batching, "batches": len(order),
             "padding": 1 - sum(real) / sum(computed), "source_padding": 1 - real[0] / computed[0],
             "target_padding": 1 - real[1] / computed[1]}
@@ -248,9 +218,8 @@ def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed
 
 @dataclass
 class Batches:
-    """One batching's batches at one budget: token ids per batch (sources, targets), the same collated as the models
-    take them, how many of them warm up (after step 0, which measures memory), and the padding fraction of the timed
-    ones (both sides, of the positions the collated batches compute)."""
+    """One batching's batches at one budget: token ids (sources, targets) and collated; step 0 measures memory, then
+    `warmup` warm up; the padding fraction of the timed ones."""
 
     batching: str
     batches: list
@@ -266,18 +235,16 @@ class Batches:
 
 
 def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, steps, warmup) -> Batches:
-    multiple = 8 if batching.endswith("-8") else None
     warm, buckets, shapes = [], None, []
+    order, sampler = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, batching)
     if batching.startswith("packed"):
-        order, sampler = packed_batches(source_ids, target_ids, batch_tokens, args.seed, multiple)
         shape = sampler.shape
         collate = PackedSeq2SeqCollator(shape, tokenizer.pad_token_id)
         shapes = [(shape.rows, shape.source_length, shape.target_length)]
     else:
-        order, buckets = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, multiple,
-                                       by_sides=batching.startswith("sides"))
-        # Labels padded with -100, which the loss skips.
-        collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt", pad_to_multiple_of=multiple)
+        buckets = sampler.shape_buckets  # labels padded with -100, which the loss skips
+        collate = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt",
+                                         pad_to_multiple_of=8 if batching.endswith("-8") else None)
     if buckets is not None:
         # One batch of each shape, warmed up twice (a shape's CUDA graph is recorded at its second run), on
         # batches the timing does not use.
@@ -306,14 +273,13 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
 
 def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
              started, refused: list[str]) -> list[dict]:
-    """Every size × batching × engine on its batching's batches: the rows of one batch budget. Packed batches are
-    for the Vaswani engines only (Marian's model takes no packed rows). An engine whose first steps fail is left
-    out, the reason added to `refused`."""
+    """Every size × batching × engine: the rows of one batch budget. An engine whose first steps fail is left out,
+    the reason added to `refused`."""
     rows = []
     for size in args.sizes:
         dropout = {"dropout": args.dropout} if args.dropout is not None else {}
         config = VaswaniConfig.from_preset(size, vocab_size=vocab_size, **dropout)
-        trainees = [Trainee(name, config, device, batches.collated, args.seed, args.lr, args.sdpa_backend,
+        trainees = [Trainee(name, config, device, batches.collated, args.seed, 1e-4, args.sdpa_backend,
                             batches.buckets, batching)
                     for batching, batches in prepared.items() for name in engines
                     if not (batching.startswith("packed") and name.split("-")[0] != "vaswani")]
@@ -367,7 +333,7 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
         compiles_timed = compiled_graphs() - compiles_before
         if args.profile:
             for trainee in trainees:
-                _profile(trainee, indices[trainee], size, device, args.profile_rows)
+                _profile(trainee, indices[trainee], size, device)
         load_average = os.getloadavg()[0]
         for trainee in trainees:
             state, added = memory[trainee]
@@ -410,21 +376,16 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "for every engine (settings ") +
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
-        *(["Batchings (column `batches`): `bucketed` as above; `sides`, the same cut with the pairs of one longer "
-           "length ordered by both sides "
-           "(vaswani.batching.side_order); `packed`, several pairs a row as "
-           "train_translation.py --packing packs them (vaswani.packing.PackedBatchSampler, PackedSeq2SeqCollator; "
-           "settings `shapes_rows_length`: rows, source and target widths), Vaswani engines only (× Marian: against "
-           "Marian on the bucketed batches of the same multiple); `-8`: padded to multiples of 8, the budget counting "
-           "that padding. Each batching's batches are its own; × bucketed compares real tokens/s with the same "
-           "engine's on `bucketed` batches."] if args.batchings != ["bucketed"] else []),
-        *(["-graphs engines pad each batch up to its (rows, length) shape (settings `shapes_rows_length`), one static "
-           "graph per shape recorded in the warm-up (each shape twice); tokens/s counts non-padding tokens."]
-          if args.shape_buckets else []),
+        *(["Batchings (column `batches`): `sides`, the pairs of one length ordered by both sides "
+           "(vaswani.batching.side_order); `packed`, several pairs a row as --packing packs them (settings "
+           "`shapes_rows_length`: rows, source and target widths; × Marian: against Marian's bucketed batches); `-8`: "
+           "padded to multiples of 8 within the budget. × bucketed: against the same engine on `bucketed` batches."]
+          if args.batchings != ["bucketed"] else []),
+        *(["-graphs engines pad each batch up to its shape (settings `shapes_rows_length`), a graph per shape "
+           "recorded in the warm-up; tokens/s counts non-padding tokens."] if args.shape_buckets else []),
         "tokens/s = non-padding source + target tokens per second of full steps: forward with the loss, backward, "
-        "Adam (β = 0.9, 0.98, ε = 1e-9, §5.3; fused, as the Trainer's default adamw_torch_fused), zero_grad. "
-        "Vaswani's loss is label-smoothed (0.1, its backward "
-        "written out), Marian's plain cross-entropy. Engines interleaved step by step, the order rotating.",
+        "fused Adam (β = 0.9, 0.98, ε = 1e-9, §5.3), zero_grad. Vaswani's loss is label-smoothed (0.1), Marian's "
+        "plain cross-entropy. Engines interleaved step by step, the order rotating.",
         *(["keep_freed_cpu_memory(None) for the whole process, as train_translation.py on a CPU."]
           if args.keep_freed_memory and not device.is_cuda else []),
         (f"bf16 autocast with fp32 weights; MFU against a dense bf16 peak of {peak_tflops} TFLOP/s." if device.as_cuda
@@ -432,11 +393,9 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         "Memory: peak = weights + Adam state + the peak one extra untimed step adds (on CPU, a process RSS increment).",
         "Compiled engines: torch.compile(model) (-graphs: mode=\"reduce-overhead\"), compiled in the warm-up; graphs "
         "built during the timed steps are counted (column `recompiles`).",
-        f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager, "
-        "-flex: FlexAttention)" + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else ".")
-        + " Columns `attention` and `dtype`: the kernel and the weights' products' dtype one forward of each engine's "
-        "model (uncompiled, in its autocast and SDPA settings) ran, seen at torch's dispatcher; a run stops where "
-        "they are not the engine's.",
+        f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager)"
+        + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else ".") + " Columns `attention` and "
+        "`dtype`: what one uncompiled forward of each engine ran (common.attention_ran).",
     ]
     columns = [
         Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
@@ -460,9 +419,8 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
                   [("Padding of a whole epoch of the corpus", epoch, padding_columns)] if epoch else ())
 
 
-def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
-    """Print where a step's time goes: operators and kernels by self device time (self CPU time on CPU) over the
-    given steps, after the timed run (so nothing here changes the numbers above)."""
+def _profile(trainee: Trainee, steps, size: str, device) -> None:
+    """Print the top operators by self device time (CPU time on a CPU) over `steps`, after the timed run."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
@@ -472,7 +430,7 @@ def _profile(trainee: Trainee, steps, size: str, device, rows: int) -> None:
         device.sync()
     key = "self_cuda_time_total" if device.is_cuda else "self_cpu_time_total"
     print(f"\n## Profile: {size} {engine_label(trainee.name)}, {len(steps)} steps, by {key}")
-    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -488,9 +446,8 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def _rounds(first: float | None, seconds: float, batches: int, steps: int) -> dict:
-    """ms a step of an engine's first pass over the timed batches, and of its later passes over the same batches
-    (with --seconds_per_setting): with --warmup_steps 0 the first pass meets every batch's shape for the first time,
-    the later ones meet none, so the two tell apart what a new shape costs (a compilation, a kernel's plan)."""
+    """ms a step of an engine's first pass over the timed batches and of its later ones: with --warmup_steps 0, what
+    a new shape costs (a compilation, a kernel's plan)."""
     if first is None or steps <= batches:
         return {}
     return {"first_round_ms": 1000 * first / batches, "later_rounds_ms": 1000 * (seconds - first) / (steps - batches)}
@@ -518,18 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
         "has trained this long at each size and budget (a step-rate probe)")
     add("--passes", type=int, default=1, help="at least this many passes over the timed batches (with --warmup_steps "
         "0, the first meets each batch's shape for the first time: columns `ms a step, first pass` and `later passes`)")
-    add("--batchings", type=csv_of(str), default=["bucketed"], help="how the batches are cut, one or more of "
-        f"{', '.join(BATCHINGS)}: length-bucketed (sides: ordered by both sides) or packed (--packing), "
-        "-8 padded to multiples of 8; every engine "
-        "steps on each, interleaved (packed: Vaswani engines only)")
+    add("--batchings", type=csv_of(str), default=["bucketed"], help=f"one or more of {', '.join(BATCHINGS)} (see "
+        "BATCHINGS); every engine steps on each, interleaved (packed: Vaswani only)")
     add("--sample_pairs", type=int, default=None, help="time a whole epoch of a seeded sample of this many pairs "
-        "(instead of --steps batches of the whole corpus), so that every batching trains on the same pairs: batches "
-        "cut otherwise differ in their sentences' lengths, and with them in their cost a token")
+        "instead of --steps batches, so that every batching trains on the same pairs")
     add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
         "whole epoch of each batching's batches of the whole corpus (a table of its own)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
         f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
-    add("--lr", type=float, default=1e-4)
     add("--dropout", type=float, default=None, help="dropout of both models; default: the preset's")
     add("--keep_freed_memory", action="store_true", help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the "
         "whole process, as train_translation.py does on a CPU, Marian's steps included")
@@ -537,7 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(torch.compiler.save_cache_artifacts): loaded before the engines compile where the file exists, saved after "
         "the run, so that a later run on the same kind of device compiles from it")
     add("--profile", action="store_true", help="after timing, print each engine's top operators over the timed steps")
-    add("--profile_rows", type=int, default=25)
     add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU on GPUs not in BF16_PEAK_TFLOPS")
     return parser
 

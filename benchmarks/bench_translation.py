@@ -1,19 +1,12 @@
-"""Translation throughput: sentences/s and output tokens/s of greedy and beam search, Vaswani against Marian (the
-same function: `vaswani.convert.to_marian` of the same weights) and CTranslate2 (the model's export,
-`vaswani.export.export_to_ctranslate2`), each engine built by the package's factory (`vaswani.loading.load_engine`)
-as the scripts build theirs, and timed below the text: `vaswani.translation.generate_token_ids` (or the slots'
-`decode_in_slots`) and `CTranslate2Engine.generate_ids`.
+"""Translation throughput: sentences/s and output tokens/s of greedy and beam search, Vaswani against Marian
+(`vaswani.convert.to_marian` of the same weights) and CTranslate2 (the model's export), each engine built by
+`vaswani.loading.load_engine` as the scripts build theirs and timed below the text (token ids in, token ids out).
 
-Identical work across engines: the same English sentences, tokenized once, sorted by length and cut into the same
-batches. With random weights (a preset, `--sizes`) every engine generates exactly `--new_tokens` tokens per sentence
-(`--stopping forced`): transformers with `eos_token_id=None` (no stopping criterion, no logits processor),
-CTranslate2 with `min_decoding_length` = `max_decoding_length` (EOS masked in place); the count is checked on every
-output. With `--model DIR` the engines run a trained checkpoint on the first `--num_sentences` of its held-out test
-split, each stopping at its own end of sentence (`--stopping eos`) beside forced rows, and each row counts the
-translations identical to Vaswani fp32's. Only warm runs are timed.
-
-Every engine runs in a process of its own, as it would be deployed (`EngineProcess`); the parent interleaves them
-batch by batch. In one shared process, CTranslate2 and PyTorch slow each other down (`--same_process` shows it).
+Identical work: the same sentences, tokenized once, sorted by length and cut into the same batches. Random weights
+(`--sizes`) generate exactly `--new_tokens` tokens per sentence (`--stopping forced`, checked on every output);
+`--model DIR` runs a trained checkpoint on its held-out test split, each sentence stopping at its end (`eos`) beside
+forced rows. Only warm runs are timed. Every engine runs in a process of its own, as deployed; in one shared process
+CTranslate2 and PyTorch slow each other down (`--same_process`, results/translation-cpu-same-process.md).
 
     python benchmarks/bench_translation.py                     # GPU defaults: 3,000 sentences, batch 1/32/256
     python benchmarks/bench_translation.py --device cpu --batch_sizes 32 --num_sentences 320
@@ -27,14 +20,12 @@ import os
 import sys
 import tempfile
 import time
-import traceback
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-from vaswani import VaswaniConfig
 from vaswani.convert import to_marian
-from vaswani.data import load_translation_dataset
 from vaswani.export import export_to_ctranslate2
 from vaswani.slots import decode_in_slots
 from vaswani.inference import compile_for_generation, keep_freed_cpu_memory
@@ -44,17 +35,14 @@ from vaswani.translation import CTranslate2Engine, generate_token_ids, output_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, attention_ran, build_seq2seq, check_ran,
-    corpus_and_tokenizer, count_parameters, engine_label, csv_of, loaded, pick_device, report, resolve_corpus,
-    sample_sentences, sdpa_backend, timed,
+    SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, attention_ran, check_ran, corpus_and_tokenizer,
+    count_parameters, engine_label, csv_of, loaded, pick_device, random_checkpoint, report, sample_sentences,
+    sdpa_backend, test_sources, timed,
 )
 
-# An engine's options after its model's name, joined by dashes (`vaswani-int8-hfloop`): the factory's precision
-# (`int8`: `--int8`, CPU only; `bf16`: `--dtype bfloat16`), its decoding loop (`hfloop`: transformers' own, `lean`:
-# the lean loop on any device, `graphs`: the lean loop's steps replayed as CUDA graphs), `compiled`
-# (`vaswani.inference.compile_for_generation`: a static cache and the step under torch.compile) and `slots`
-# (continuous batching, `decode_in_slots`: all sentences in one call, as many slots as a batch has sentences).
-# `ct2-<compute type>` is CTranslate2 running the model's export.
+# An engine's options after its model's name (`vaswani-int8-hfloop`): `load_engine`'s precision (`int8`, CPU only;
+# `bf16`) and decoding loop (`hfloop`: transformers', `lean`, `graphs`: the lean loop as CUDA graphs), `compiled`
+# (`compile_for_generation`) and `slots` (`decode_in_slots`: all sentences in one call, a slot per batch row).
 LOOPS = {"hfloop": "transformers", "lean": "lean", "graphs": "graphs"}
 TORCH_OPTIONS = {"int8", "bf16", "compiled", "slots", *LOOPS}
 
@@ -62,14 +50,9 @@ DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-co
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
                        "ct2-int8"]
 
-# Longer than nearly every French reference of the corpus under the joint BPE, so that forced rows do about the work
-# of translating to the end of sentence, and then some.
+# Longer than nearly every French reference of the corpus under the joint BPE: forced rows do at least the real work.
 DEFAULT_NEW_TOKENS = 16
 STOPPING = ("eos", "forced")
-# The kernels of a PyTorch engine's linear layers on a CPU, as torch.profiler names them: fp32 (`aten::addmm` with a
-# bias, `aten::mm` without, as in a tied output projection) and `--int8`'s fbgemm product (its per-row quantization
-# and scaling are elementwise operators, not counted).
-LINEAR_KERNELS = {"aten::addmm", "aten::mm", "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"}
 STARTED = time.monotonic()  # for the progress lines
 
 
@@ -97,7 +80,7 @@ def build_engine(name: str, model_dir: str, device, ct2_dir: Path):
 
 class LocalEngine:
     """An engine in this process with what `measure` asks of it: timed translations (token ids), the peak memory of
-    one, and the time inside its linear layers."""
+    one."""
 
     def __init__(self, name, model_dir, device_name, threads, attention_kernel, ct2_dir, keep_freed_memory):
         self.device = pick_device(device_name, threads)
@@ -111,8 +94,7 @@ class LocalEngine:
         self.ran = None if self.ct2 or "int8" in name else self.check()
 
     def check(self) -> dict:
-        """The attention kernel and dtype the engine's encoder really ran on a few tokens, in its SDPA setting; stops
-        the benchmark (`WrongKernel`) where they are not the engine's (its attention and its weights' dtype)."""
+        """What the engine's encoder ran on a few tokens (`common.check_ran`: stops where it is not the engine's)."""
         model = self.engine.model
         ids = torch.arange(3, 8, device=model.device)[None]
         with sdpa_backend(self.attention_kernel), torch.no_grad():
@@ -150,18 +132,6 @@ class LocalEngine:
             self.translate(batch, beams, new_tokens, stop_at_eos, *slots)
         return memory.added_mib
 
-    def linear_seconds(self, batches, beams, new_tokens, stop_at_eos) -> float | None:
-        """CPU seconds inside the linear layers' kernels (`LINEAR_KERNELS`) while translating every batch once,
-        from torch.profiler's self time; None for CTranslate2, or on a GPU."""
-        if self.ct2 or self.device.is_cuda:
-            return None
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            for batch in batches:
-                self.translate(batch, beams, new_tokens, stop_at_eos)
-        return sum(event.self_cpu_time_total for event in profiler.key_averages() if event.key in LINEAR_KERNELS) / 1e6
-
     def close(self):
         self.engine = None
 
@@ -169,28 +139,19 @@ class LocalEngine:
 
 
 class EngineProcess:
-    """A `LocalEngine` in a process of its own, driven over a pipe; each call is timed inside that process.
-
-    Deployments run one engine per process, and sharing one distorts the comparison: after CTranslate2 has translated
-    once in a process, PyTorch's generate() in the same process can run slower for the rest of its life (one of
-    torch's OpenMP threads then sits idle much of the time), and CTranslate2 slower next to torch
-    (results/translation-cpu-same-process.md; `--same_process` reproduces it).
-    """
+    """A `LocalEngine` in a process of its own (a fresh interpreter), each call timed there; its errors are raised
+    here, with the engine process' traceback as their cause."""
 
     def __init__(self, **spec):
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing inherited from the parent
-        self._pipe, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, spec), daemon=True)
-        self._process.start()
-        child.close()
-        self.parameters, self.load_mib, self.ran = self._call("describe")
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            self.parameters, self.load_mib, self.ran = self._call("describe", spec)
+        except Exception:
+            self.abandon()
+            raise
 
     def _call(self, method: str, *args):
-        self._pipe.send((method, args))
-        status, value = self._pipe.recv()
-        if status == "error":
-            raise RuntimeError(f"engine process failed in {method}:\n{value}")
-        return value
+        return self._pool.submit(_serve, method, *args).result()
 
     def timed_translate(self, *args) -> tuple[list[list[int]], float]:
         return self._call("timed_translate", *args)
@@ -198,46 +159,23 @@ class EngineProcess:
     def peak_mib(self, *args) -> float | None:
         return self._call("peak_mib", *args)
 
-    def linear_seconds(self, *args) -> float | None:
-        return self._call("linear_seconds", *args)
-
     def close(self):
-        self._call("close")
-        self._process.join()
+        self._pool.shutdown()
 
     def abandon(self):
-        """After a failure (perhaps a crash): end the process without asking it."""
-        self._process.kill()
-        self._process.join()
+        """After a failure (perhaps the process' crash): leave it without waiting."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _serve(pipe, spec: dict) -> None:
-    """The engine process: build the engine, then answer calls until `close`; errors go back as tracebacks."""
-    engine = None
-    while True:
-        method, args = pipe.recv()
-        try:
-            if method == "describe":
-                engine = LocalEngine(**spec)
-                result = (engine.parameters, engine.load_mib, engine.ran)
-            else:
-                result = getattr(engine, method)(*args)
-        except Exception:  # noqa: BLE001 (reported to the parent, which raises it)
-            pipe.send(("error", traceback.format_exc()))
-            continue
-        pipe.send(("ok", result))
-        if method == "close":
-            return
+_engine = None  # in an engine's process: its LocalEngine
 
 
-def random_checkpoint(size: str, tokenizer, seed: int, directory: Path) -> str:
-    """A checkpoint of the preset `size` with random weights (seeded) and the corpus' tokenizer, for the factory to
-    load as it loads a trained one: speed does not depend on the weights' values once the output length is fixed."""
-    config = VaswaniConfig.from_preset(size, vocab_size=len(tokenizer))
-    model = build_seq2seq("vaswani", config, pick_device("cpu"), torch.float32, seed)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
+def _serve(method: str, *args):
+    global _engine
+    if method == "describe":
+        _engine = LocalEngine(**args[0])
+        return _engine.parameters, _engine.load_mib, _engine.ran
+    return getattr(_engine, method)(*args)
 
 
 def run(args: argparse.Namespace, argv) -> Path:
@@ -247,9 +185,8 @@ def run(args: argparse.Namespace, argv) -> Path:
         raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
     names = args.engines or (DEFAULT_ENGINES_CUDA if device.as_cuda else DEFAULT_ENGINES_CPU)
     if args.model:
-        corpus = resolve_corpus(args.corpus)
-        tokenizer = VaswaniTokenizer.from_pretrained(args.model)
-        english = load_translation_dataset(data_file=str(corpus))["test"]["source"][: args.num_sentences]
+        corpus, english = test_sources(args.corpus)
+        tokenizer, english = VaswaniTokenizer.from_pretrained(args.model), english[: args.num_sentences]
         args.sizes = [Path(args.model).name]
     else:
         corpus, pairs, tokenizer = corpus_and_tokenizer(args)
@@ -299,14 +236,14 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
 
     def call(name, method, *call_args):
         try:
-            extra = (slots,) if name in streams and method != "linear_seconds" else ()
+            extra = (slots,) if name in streams else ()
             result = getattr(engines[name], method)(*call_args, beams, new_tokens, stop_at_eos, *extra)
             lengths = set(map(len, result[0])) if method == "timed_translate" else {new_tokens}
             if not stop_at_eos and lengths != {new_tokens}:
                 raise RuntimeError(f"{name} produced {sorted(lengths)} tokens per sentence instead of exactly "
                                    f"{new_tokens}; the comparison would not be of identical work.")
             return result
-        except (Exception, EOFError) as error:  # an error in the engine, or its process died (a crash)
+        except Exception as error:  # an error in the engine, or its process died (BrokenProcessPool)
             if not args.keep_going:
                 raise
             last_line = (str(error).strip().splitlines() or [""])[-1]
@@ -341,7 +278,6 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
     longest = max(batches, key=lambda b: len(b) * max(map(len, b)))
     for name in [name for name in names if name in engines]:
         work_mib = call(name, "peak_mib", longest)
-        linear_seconds = call(name, "linear_seconds", batches) if args.linear_time else None
         if name not in engines:  # it failed just now
             continue
         seconds = sum(best[name])
@@ -352,16 +288,14 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
             "new_tokens_per_sentence": None if stop_at_eos else new_tokens, "output_tokens": output_tokens,
             "seconds": seconds, "sentences_per_s": sentences / seconds, "tokens_per_s": output_tokens / seconds,
             "identical_to_vaswani": sum(map(list.__eq__, translations[name], reference)) if reference else None,
-            "work_mib": work_mib, "linear_seconds": linear_seconds, "load_average": load_average,
+            "work_mib": work_mib, "load_average": load_average,
             **(engines[name].ran or {}),
         })
     return rows
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """× Marian: this engine's sentences/s over HF Marian's; Vaswani ×: Vaswani's (fp32) sentences/s over this
-    engine's; × CT2 int8: this engine's sentences/s over CTranslate2 int8's. The same sentences for every engine, so
-    with forced lengths these are the ratios of output tokens/s too; with eos stopping, of the time users wait."""
+    """× Marian, × CT2 int8: this engine's sentences/s over theirs; Vaswani ×: Vaswani fp32's over this engine's."""
     key = lambda r: (r["size"], r["batch_size"], r["beams"], r["stopping"])  # noqa: E731
     by_engine = {(key(r), r["engine"]): r["sentences_per_s"] for r in rows}
     for r in rows:
@@ -385,7 +319,6 @@ def _columns(args) -> list[Column]:
         Column("vs_marian", "× Marian", "{:.2f}"), Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
         Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"), Column("attention", "attention"), Column("dtype", "dtype"),
         *([Column("identical_to_vaswani", "identical")] if args.model else []),
-        *([Column("linear_seconds", "linear-layer s", "{:.2f}")] if args.linear_time else []),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
     ]
 
@@ -398,23 +331,19 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
              f"{sum(map(len, source_ids)) / len(source_ids):.1f} tokens incl. </s>), sorted by length and batched "
              "identically for every engine."]
     if "forced" in stopping:
-        notes.append(f"Forced rows, identical work: exactly {args.new_tokens} tokens per sentence, checked on every "
-                     "output (transformers: eos_token_id=None; CTranslate2: min_decoding_length = max_decoding_length)."
-                     + (" identical then compares the PyTorch engines only: transformers may emit the end of sentence "
-                        "and go on, CTranslate2 masks it." if args.model else ""))
+        notes.append(f"Forced rows: exactly {args.new_tokens} tokens per sentence, checked on every output"
+                     + (" (identical compares the PyTorch engines only: CTranslate2 masks the end of sentence)."
+                        if args.model else "."))
     if "eos" in stopping:
-        notes.append(f"eos rows, as users translate: each sentence stops at its end of sentence, at most "
-                     f"{args.max_new_tokens} new tokens, with the checkpoint's generation config; identical = "
-                     "translations whose token ids equal Vaswani fp32's (the end of sentence not counted).")
+        notes.append(f"eos rows, as users translate: each sentence to its end (at most {args.max_new_tokens} new "
+                     "tokens), with the checkpoint's generation config; identical = token ids equal to Vaswani fp32's.")
     notes += [
         (f"Checkpoint {args.model}." if args.model else "Random weights (seeded), saved as a checkpoint of the preset.")
-        + " Every engine comes from vaswani.loading.load_engine, as the scripts' do; Marian (HF) is that engine with "
-        "vaswani.convert.to_marian of its model (the same function and generation config); CT2 runs the checkpoint "
-        "exported by vaswani.export.export_to_ctranslate2 (inter_threads 1).",
-        f"Precision {device.dtype_name} (bf16: dtype='bfloat16'; int8: int8=True, the scripts' --int8); Vaswani = "
-        "the scripts' default (decoding='auto': on a CUDA GPU the lean loop as CUDA graphs, elsewhere generate()'s "
-        "default); lean loop / transformers' loop / CUDA graphs = decoding='lean' / "
-        "'transformers' / 'graphs'; compiled = vaswani.inference.compile_for_generation; attention: sdpa.",
+        + " Every engine from vaswani.loading.load_engine; Marian (HF) = that engine with vaswani.convert.to_marian of "
+        "its model; CT2 = the checkpoint's export (vaswani.export.export_to_ctranslate2, inter_threads 1).",
+        f"Precision {device.dtype_name} (bf16: dtype='bfloat16'; int8: int8=True); Vaswani = decoding='auto'; lean "
+        "loop / transformers' loop / CUDA graphs = decoding='lean' / 'transformers' / 'graphs'; compiled = "
+        "vaswani.inference.compile_for_generation; attention: sdpa.",
         "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
         f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",
         ("Each engine in a process of its own. " if not args.same_process else "All engines in one process. ")
@@ -422,14 +351,9 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         + "Memory: load = resident memory the engine added; work = peak added while translating the longest batch; "
         "peak = load + work (on CPU, process RSS and VmHWM increments).",
     ]
-    if args.linear_time:
-        notes.append(f"linear-layer s: one more pass under torch.profiler, the self CPU time of "
-                     f"{', '.join(sorted(LINEAR_KERNELS))}: a floor under the engine's seconds (attention's batched "
-                     "products not included).")
     if any("slots" in name.split("-") for name in names):
-        notes.append("slots = vaswani.slots.decode_in_slots (the scripts' --slots), as many slots as a batch has "
-                     "sentences: one call per repeat over all sentences in the batches' order; its memory is that of "
-                     "the longest batch decoded in slots alone.")
+        notes.append("slots = vaswani.slots.decode_in_slots, a slot per batch row: one call per repeat over all "
+                     "sentences; its memory is that of the longest batch decoded in slots alone.")
     return notes + [f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"
                     for name, why in failed.items()]
 
@@ -461,8 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--same_process", action="store_true", help="every engine in this one process instead of one process each "
         "(shows how CTranslate2 and PyTorch slow each other down in one process)")
     add("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
-    add("--linear_time", action="store_true", help="on a CPU, also each PyTorch engine's seconds inside its linear "
-        "layers' kernels (one more pass under torch.profiler): the floor the rest of decoding adds to")
     return parser
 
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Checkpoint averaging (§6.1) on the main job's recipe: a timed run writing a checkpoint every SAVE_SECONDS whose
-# final model is the average of the last AVERAGE checkpoints (train_translation.py --average_last_checkpoints); then
-# the last checkpoint alone and the averages of its last 2 … AVERAGE-1 (scripts/average_checkpoints.py) translate
-# the same test sentences. Prints test BLEU/chrF (beam 4, all references) of each as JSON.
+# Checkpoint averaging (§6.1) on the main job's recipe, a checkpoint every SAVE_SECONDS, the final model the average
+# of the last AVERAGE: test BLEU/chrF (beam 4, all references) of the last checkpoint alone and of the averages of its
+# last 2 … AVERAGE (scripts/average_checkpoints.py), as JSON.
 #
 #   TRAIN_SECONDS=240 SAVE_SECONDS=30 AVERAGE=5 TEST_SENTENCES=500 bash benchmarks/checkpoint_averaging.sh
 set -euo pipefail

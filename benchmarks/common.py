@@ -1,10 +1,6 @@
-"""What the benchmarks share: the device and its timing/memory probes, the real corpus and its tokenizer, the
-Vaswani / Marian twins at one size, and the one report runner (`report`: JSON + Markdown with the environment and
-the exact command).
-
-Every benchmark compares engines on *identical work*: the same token ids, the same batches, the same precision
-(bf16 on CUDA, fp32 on CPU) and, for generation, the same number of decoding steps. Nothing here changes a model;
-it only builds, feeds and times them.
+"""What the benchmarks share: the device and its timing/memory probes, the corpus and its tokenizer, the Vaswani /
+Marian twins, and `report` (JSON + Markdown with the environment and the exact command). Engines are compared on
+identical work: the same token ids, batches and precision and, for generation, the same number of decoding steps.
 """
 
 import argparse
@@ -59,20 +55,17 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200"
 
 @dataclass
 class Device:
-    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (where bf16 is an engine's option,
-    measured beside fp32, whatever `vaswani.loading.choose_dtype` would pick for the CPU)."""
+    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (where bf16 is an engine's option)."""
 
     device: torch.device
 
     @property
     def is_cuda(self) -> bool:
-        """Whether CUDA's own calls (synchronisation, memory statistics, graph capture) run: a GPU only."""
         return self.device.type == "cuda"
 
     @property
     def as_cuda(self) -> bool:
-        """Whether the benchmark takes CUDA's defaults (precision, sizes, engines): on a GPU, and on a CPU under
-        $VASWANI_REHEARSE_CUDA=1 (`vaswani.generation_vaswani.runs_as`)."""
+        """Whether to take CUDA's defaults: on a GPU, and on a CPU rehearsing one (`generation_vaswani.runs_as`)."""
         return runs_as(self.device) == "cuda"
 
     @property
@@ -92,8 +85,7 @@ class Device:
         return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
     def sync(self) -> None:
-        """Wait for queued kernels, so that wall-clock time covers the work and not just its launch."""
-        if self.is_cuda:
+        if self.is_cuda:  # wall-clock time covers the queued kernels' work, not just their launch
             torch.cuda.synchronize(self.device)
 
     def bf16_peak_tflops(self, override: float | None = None) -> float | None:
@@ -104,8 +96,7 @@ class Device:
 
 
 def pick_device(name: str = "auto", threads: int | None = None) -> Device:
-    """The device the package's loader would choose for `name` (`vaswani.loading.choose_device`), with the harness's
-    thread count and TF32 settings."""
+    """The device `vaswani.loading.choose_device` picks for `name`, with the thread count and TF32 set."""
     device = choose_device(name)
     if threads:
         torch.set_num_threads(threads)
@@ -143,8 +134,7 @@ def _release_memory(device: Device) -> None:
 
 
 def resident_mib(device: Device, settle: bool = False) -> float | None:
-    """Memory in use now: CUDA tensors, or the process' resident set on CPU (None off Linux). `settle` first frees
-    what earlier measurements left behind."""
+    """Memory in use now (CUDA tensors, or the resident set; None off Linux), after freeing garbage if `settle`."""
     if settle:
         _release_memory(device)
     if device.is_cuda:
@@ -157,10 +147,8 @@ def resident_mib(device: Device, settle: bool = False) -> float | None:
 
 class PeakMemory:
     """How much memory one measurement adds at its peak (`added_mib`) over what was resident when it started, or over
-    `baseline_mib` (e.g. measured before a model was built). CUDA: `torch.cuda.max_memory_allocated` (tensors only).
-    CPU: the process' peak resident set size, VmHWM, which Linux resets on writing 5 to /proc/self/clear_refs (tensors
-    and allocator slack alike; None elsewhere). Only the increase is this measurement's: other engines may be
-    resident too, and a model's own footprint is measured when it is loaded (`loaded`)."""
+    `baseline_mib`. CUDA: `max_memory_allocated` (tensors only); CPU: the peak resident set, VmHWM, which Linux resets
+    on writing 5 to /proc/self/clear_refs (tensors and allocator slack; None elsewhere)."""
 
     def __init__(self, device: Device, baseline_mib: float | None = None):
         self.device, self.added_mib, self._baseline = device, None, baseline_mib
@@ -189,7 +177,7 @@ class PeakMemory:
 
 
 def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float | None]:
-    """Build something (a model, a translator) and return it with the memory it added while staying resident."""
+    """`build()`, and the memory it added while staying resident."""
     before = resident_mib(device, settle=True)
     thing = build()
     after = resident_mib(device, settle=True)
@@ -200,9 +188,14 @@ def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float |
 
 
 def resolve_corpus(path: str | None = None) -> Path:
-    """The corpus as the scripts find it (`vaswani.corpus.resolve_corpus_path`): --corpus, else $VASWANI_FRA_ENG,
-    else the shared copy next to the repository, else manythings.org's download."""
+    """The corpus as the scripts find it: --corpus, $VASWANI_FRA_ENG, the shared copy, else a download."""
     return resolve_corpus_path(path, SHARED_CORPUS)
+
+
+def test_sources(corpus: str | None) -> tuple[Path, list[str]]:
+    """The corpus file and the English side of its held-out test split, as a trained checkpoint's was split."""
+    path = resolve_corpus(corpus)
+    return path, list(load_translation_dataset(data_file=str(path))["test"]["source"])
 
 
 def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) -> list[tuple[str, str]]:
@@ -224,17 +217,22 @@ def engine_label(name: str) -> str:
 
 
 def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: torch.dtype, seed: int = 0):
-    """A freshly initialised Vaswani translation model on `device` in `dtype` (random weights: speed does not depend
-    on their values once the number of generated tokens is fixed), or its Marian twin: `vaswani.convert.to_marian`
-    of the same weights, a `MarianMTModel` computing the same function (post-norm, sinusoidal positions,
-    √d_model-scaled shared embeddings tied to the output, the same widths, heads, depth, activation and dropouts)."""
+    """A Vaswani translation model with random weights (seeded: speed does not depend on their values once the amount
+    of work is fixed) on `device` in `dtype`, or its Marian twin (`vaswani.convert.to_marian`: the same function)."""
     if engine not in ("vaswani", "marian"):
         raise ValueError(f"Unknown PyTorch engine {engine!r}; choose vaswani or marian.")
     torch.manual_seed(seed)
-    # A copy: the model keeps its config, and an engine's own setting (`set_attn_implementation`) must not reach
-    # the other engines built from the same one.
+    # A copy: an engine's own setting (`set_attn_implementation`) must not reach the others built from `config`.
     model = VaswaniForConditionalGeneration(copy.deepcopy(config))
     return (to_marian(model) if engine == "marian" else model).to(device=device.device, dtype=dtype)
+
+
+def random_checkpoint(size: str, tokenizer, seed: int, directory: Path) -> str:
+    """A checkpoint of the preset `size` with random weights (seeded) and `tokenizer`, loaded as a trained one is."""
+    config = VaswaniConfig.from_preset(size, vocab_size=len(tokenizer))
+    build_seq2seq("vaswani", config, pick_device("cpu"), torch.float32, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -246,8 +244,7 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """The command as run (`argv` None means this process' own arguments), with the script relative to the
-    repository root, so that it can be pasted there to reproduce the result."""
+    """The command as run (`argv` None: this process' own), to be pasted in the repository root."""
     path = Path(script).resolve()
     if path.is_relative_to(REPO_ROOT):
         path = path.relative_to(REPO_ROOT)
@@ -316,10 +313,8 @@ def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, de
            settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
            ) -> Path:
     """The one way a benchmark ends: `<name>.json` (everything) and `<name>.md` (the tables, the command, the
-    environment, the notes) in --results_dir, written atomically (`vaswani.files.write_atomically`), and the main
-    table printed. The name is --output_name or `<benchmark>-<device tag>` (`result_name`); the command is the one
-    run (`argv` None: this process' own); settings are the run's arguments and `settings`; --notes follows `notes`.
-    Returns the JSON file's path."""
+    environment, the notes) written atomically in --results_dir (`result_name`), the main table printed; settings
+    are the run's arguments and `settings`. Returns the JSON file's path."""
     name, command, env = result_name(args, benchmark, device), command_line(script, argv), environment(device)
     notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
@@ -386,9 +381,8 @@ def sdpa_backend(name: str | None):
     return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
 
-# What an attention kernel leaves among the aten operators it runs (the first match names it): SDPA's kernels by
-# their own operators (`flash` on a CPU is `_scaled_dot_product_flash_attention_for_cpu`), its math fallback by its
-# `_safe_softmax`, eager attention by a plain softmax.
+# What an attention kernel leaves among the aten operators it runs (the first match names it): SDPA's kernels their
+# own operators, its math fallback `_safe_softmax`, eager attention a plain softmax.
 ATTENTION_OPERATORS = {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn",
                        "flex_attention": "flex", "_safe_softmax": "math", "aten._softmax": "eager"}
 # The weights' products, whose dtype is the engine's precision (attention's own batched products are left out: SDPA's
@@ -397,10 +391,8 @@ MATMULS = ("aten.mm", "aten.addmm", "aten.linear")
 
 
 def attention_ran(encode: Callable[[], object]) -> dict:
-    """What one call of `encode` (a model's encoder on a batch, with the engine's autocast and SDPA settings around
-    it) really ran: the attention kernels (`attention`) and the dtypes of its weights' products (`dtype`), each a
-    comma-separated sorted list, seen at torch's dispatcher below autocast, so that the record is what ran and not
-    what was asked."""
+    """What one call of `encode` (a forward in the engine's autocast and SDPA settings) ran, seen at torch's
+    dispatcher below autocast: its attention kernels and its weights' products' dtypes, each a sorted list."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     kernels, dtypes = set(), set()
@@ -424,8 +416,7 @@ class WrongKernel(RuntimeError):
 
 
 def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str) -> None:
-    """Stop the benchmark where engine `engine` ran another attention kernel than one of `attention` (None: any) or
-    its products in another dtype than `dtype`: its figures would be another engine's under its name."""
+    """Stop where `engine` ran another attention kernel than `attention` (None: any) or another dtype than `dtype`."""
     kernels = set(ran["attention"].split(",")) - {""}
     if (attention is not None and not kernels <= attention) or not kernels or ran["dtype"] != dtype:
         raise WrongKernel(f"{engine} ran attention {ran['attention'] or 'none seen'} in {ran['dtype']}, not "
@@ -433,8 +424,7 @@ def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str) ->
 
 
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:
-    """An argparse type for comma-separated lists: `--sizes tiny,base`. With `choices`, argparse refuses any other
-    item with a usage error."""
+    """An argparse type for comma-separated lists (`--sizes tiny,base`), refusing any item not in `choices`."""
 
     def parse(text: str) -> list:
         items = [cast(item) for item in text.split(",") if item]
@@ -447,9 +437,8 @@ def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Ca
 
 
 def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
-    """The corpus file, all its sentence pairs (`vaswani.corpus.read_parallel_tsv`) and the project's joint En-Fr
-    BPE as training makes it (`vaswani.tokenization.cached_corpus_tokenizer`): trained on the train split only, and
-    cached beside that split's Arrow files under --cache_dir/data, which GPU sessions carry."""
+    """The corpus file, all its sentence pairs and the joint BPE as training makes it (on the train split only,
+    `vaswani.tokenization.cached_corpus_tokenizer`), cached under --cache_dir/data, which GPU sessions carry."""
     corpus = resolve_corpus(args.corpus)
     pairs, _ = read_parallel_tsv(corpus)
     train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]

@@ -11,10 +11,9 @@ stage cut by its limit loses only its own results.
                                                     #   package, path and argument before device time is spent
     python3 benchmarks/gpu_plan.py --limits [second|STAGE …]    # each stage's limit and their sum; runs nothing
 
-The compiled stages keep torch.compile's portable cache in $COMPILE_CACHE (default .compile-cache/, carried to the
-machine) and return it in the results (compile-cache/): where a stage's file was carried, it compiles from it and gets
-its shorter `warm` limit, which is what lets the quality run and the step probe share the first plan; without it
-(the first GPU of a kind) the plan leaves out what no longer fits its budget, saying so.
+The compiled stages keep torch.compile's cache in $COMPILE_CACHE (default .compile-cache/, carried) and return it in
+the results (compile-cache/); a stage whose file was carried gets its shorter limit, so that the quality run and the
+step probe share the first plan (without, the plan leaves out what no longer fits, saying so).
 Environment: RESULTS_DIR (default benchmarks/results), ARCHIVE (a .tar.gz), INSTALL_WHEELS=0 (skip .whl/, the dry
 run's default), QUALITY_RECIPES (gpu_quality.py's, default dropout-0.1), TRANSLATION_MODEL (for translation-trained
 where this machine made no quality model). Each stage's log is gpu-<stage>.log beside its results.
@@ -65,7 +64,7 @@ class Run:
 
 
 def setup(run: Run) -> list[list[str]]:
-    """The carried wheels into a scratch folder on the import path (after src/ and benchmarks/), then the versions."""
+    """The carried wheels into a scratch folder on the import path, then the versions."""
     wheels = sorted(map(str, REPO.glob(".whl/*.whl")))
     commands = []
     if wheels and run.env.get("INSTALL_WHEELS", "0" if run.dry else "1") == "1":
@@ -86,43 +85,24 @@ def quality(run: Run) -> list[list[str]]:
                        "--compile_cache", run.cache / "quality.bin", *(["--dry_run"] if run.dry else []))]
 
 
-def probe(run: Run) -> list[list[str]]:
-    """The base step at 4,000 tokens, compiled, against MarianMTModel on the same batches."""
-    size = (["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1",
-             "--seconds_per_setting", "1"] if run.dry else
-            ["--sizes", "base", "--batch_tokens", "4000", "--steps", "10", "--seconds_per_setting", PROBE_SECONDS])
-    return [run.bench("bench_training.py", *size, "--engines", "vaswani-compiled,marian", "--compile_cache",
-                      run.cache / "probe.bin", "--output_name", "training-probe-{device}-4000")]
-
-
-def probe_packed(run: Run) -> list[list[str]]:
-    """The compiled base step on packed rows against bucketed batches, each padded to multiples of 1 and 8 (Marian on
-    the bucketed ones: it takes no packed rows): the GPU's batching and padding multiple, by real tokens/s."""
-    size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1"] if run.dry else \
-        ["--sizes", "base", "--batch_tokens", "4000", "--steps", "10", "--seconds_per_setting", PROBE_SECONDS]
-    return [run.bench("bench_training.py", *size, "--engines", "vaswani-compiled,marian", "--batchings",
-                      "bucketed,bucketed-8,packed,packed-8", "--compile_cache", run.cache / "probe-packed.bin",
-                      "--output_name", "training-packing-{device}-4000")]
-
-
-def probe_graphs(budget: int):
-    """The compiled base step at `budget` tokens, with and without CUDA graphs over 4 shape buckets, against
-    MarianMTModel on the same bucketed batches (only the -graphs engine pads them to their bucket's shape): whether
-    the graphs repay the padding, which decides --shape_buckets."""
+def probe(name: str, budget: int = 4000, engines: str = "vaswani-compiled,marian", *extra: str):
+    """The compiled base step at `budget` tokens against MarianMTModel on the same batches, for PROBE_SECONDS, with
+    bench_training.py's `extra` arguments; the compile cache `<name>.bin` where no engine has CUDA graphs."""
     def stage(run: Run) -> list[list[str]]:
         size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "1", "--warmup_steps", "1",
-                "--engines", "vaswani,marian"] if run.dry else \
-            ["--sizes", "base", "--batch_tokens", str(budget), "--steps", "10", "--seconds_per_setting",
-             PROBE_SECONDS, "--engines", "vaswani-compiled-graphs,vaswani-compiled,marian"]
-        return [run.bench("bench_training.py", *size, "--shape_buckets", "4", "--output_name",
-                          f"training-graphs-{{device}}-{budget}")]
+                "--seconds_per_setting", "1"] if run.dry else \
+            ["--sizes", "base", "--batch_tokens", budget, "--steps", "10", "--seconds_per_setting", PROBE_SECONDS]
+        graphs = "graphs" in engines  # CUDA only: the dry run steps the eager engines instead
+        cache = [] if graphs else ["--compile_cache", run.cache / f"{name}.bin"]
+        output = f"training-{name.removeprefix('probe-')}-{{device}}-{budget}"
+        return [run.bench("bench_training.py", *size, "--engines", "vaswani,marian" if graphs and run.dry else engines,
+                          *extra, *cache, "--output_name", output)]
     return stage
 
 
 def kernels(run: Run) -> list[list[str]]:
-    """The eager base step under SDPA's efficient, cuDNN and math kernels and eager attention, interleaved on the
-    same batches, no warm-up, 3 passes (the first meets each shape for the first time); a kernel the device lacks
-    costs its row. cuDNN's attention took 47% of the compiled base step in the 2026-11-23 profile."""
+    """The eager base step under each SDPA kernel and eager attention, interleaved on the same batches, no warm-up,
+    3 passes (the first meets each shape for the first time); a kernel the device lacks costs its row."""
     size = ["--sizes", "tiny", "--batch_tokens", "256", "--steps", "3"] if run.dry else \
         ["--sizes", "base", "--batch_tokens", "4000", "--steps", "20"]
     return [run.bench("bench_training.py", *size, "--engines", "vaswani-efficient,vaswani-cudnn,vaswani-math,"
@@ -168,10 +148,15 @@ STAGES = {
     "quality": Stage(quality, 370, cold=455, cache="quality.bin"),
     # the batches (10 s), the compiled step's warm-up (119 s cold on the 2026-11-28 H200), then 20 s of Marian's
     # steps and as many of the compiled engine's
-    "probe-4000": Stage(probe, 85, cold=195, cache="probe.bin"),
-    "probe-4000-packed": Stage(probe_packed, 100, cold=150, cache="probe-packed.bin"),  # by name: four batchings
-    "probe-4000-graphs": Stage(probe_graphs(4000), 150),  # by name: shape buckets with and without CUDA graphs
-    "probe-25000": Stage(probe_graphs(25000), 150),  # by name: the same at the paper's batch size
+    "probe-4000": Stage(probe("probe"), 85, cold=195, cache="probe.bin"),
+    # by name: packed rows against bucketed batches, padded to multiples of 1 and 8 (Marian on the bucketed ones)
+    "probe-4000-packed": Stage(probe("probe-packing", 4000, "vaswani-compiled,marian", "--batchings",
+                                     "bucketed,bucketed-8,packed,packed-8"), 100, cold=150, cache="probe-packing.bin"),
+    # by name: CUDA graphs over 4 shape buckets against the same bucketed batches unpadded, which decides
+    # --shape_buckets; at 4,000 tokens and at the paper's 25,000
+    **{f"probe-{budget}{'-graphs' if budget == 4000 else ''}": Stage(probe(
+        "probe-graphs", budget, "vaswani-compiled-graphs,vaswani-compiled,marian", "--shape_buckets", "4"), 150)
+       for budget in (4000, 25000)},
     "translation-trained": Stage(translation_trained, 105),  # 4 engines, each loaded and warmed, 1,000 sentences
     "kernels": Stage(kernels, 110),  # four base models, 3 passes over 20 batches with each attention
     "tests": Stage(tests, 170),  # 15 of the 18 gpu tests took 148 s on an H200
@@ -245,6 +230,9 @@ def run_stage(name: str, run: Run, limit: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     dry, limits_only = "--dry_run" in argv, "--limits" in argv
     budget, stages = plan([arg for arg in argv if arg not in ("--dry_run", "--limits")])
     cache = Path(os.environ.get("COMPILE_CACHE", REPO / ".compile-cache")).resolve()

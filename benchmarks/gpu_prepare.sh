@@ -1,21 +1,11 @@
 #!/usr/bin/env bash
 # Run here, before the first call on a lent GPU machine: it gathers what that machine lacks into folders that git
-# ignores (named in .git/info/exclude), to be carried there with the working tree.
-#
-#   .whl/     what the machine's image lacks or has too old, as wheels for Python 3.12: transformers at this
-#             checkout's version, datasets (5.x, and in .whl/datasets4/ datasets 4.0 for a pyarrow older than 24, with
-#             the dill, multiprocess and fsspec each pins) and evaluate. gpu_plan.py installs them first.
-#   .corpus/  the fra-eng corpus, which is not in the repository (../shared does not travel)
-#   benchmarks/.cache/data/ (already ignored) the corpus' splits in Arrow, found again there by the corpus' content, and
-#             the benchmarks' joint BPE tokenizer trained on the train split (its cache key includes the split file's
-#             path and time, datasets' fingerprint, so where the checkout lies elsewhere it is trained again there,
-#             offline, in seconds); beside them, the quality run's tokenizer and tokenized splits
-#             (gpu_quality.py --prepare_only, in the same cache: the splits are shared), which the call only loads
-#
-# It prints the device call to make (benchmarks/README.md, "A lent GPU"), carrying .whl, .corpus and
-# benchmarks/.cache/data (not the rest of benchmarks/.cache: converted models), and their size (64 MiB at most with
-# the working tree). Needs a package registry (pip download)
-# and the corpus ($VASWANI_FRA_ENG, else the scripts' default: scripts/shared_corpus.py).
+# ignores, to be carried there with the working tree: .whl/ (wheels for Python 3.12 of what the image lacks or has too
+# old: transformers at this checkout's version, datasets 5.x and, in .whl/datasets4/, 4.0 for a pyarrow older than 24,
+# evaluate; gpu_plan.py installs them), .corpus/ (the corpus: ../shared does not travel), benchmarks/.cache/data/ (the
+# corpus' splits, the benchmarks' tokenizer and the quality run's tokenized splits, which the call only loads).
+# Prints the device call to make (benchmarks/README.md, "A lent GPU") and the carried size (64 MiB at most with the
+# working tree). Needs a package registry (pip download) and the corpus ($VASWANI_FRA_ENG, else the scripts' default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One candidate recipe for the main job, judged on the validation split (the test split is kept for the main job's
-# own report, which is computed too but never used to choose): the main job's training with extra
-# train_translation.py arguments, then BLEU/chrF (beam 4, all references) on the first 1,000 validation sentences.
-# Appends a JSON line to benchmarks/results/main-job-recipes.jsonl.
+# One candidate recipe for the main job, judged on the first 1,000 validation sentences (BLEU/chrF, beam 4, all
+# references; the test score is reported, never used to choose): the main job's training with extra
+# train_translation.py arguments. Appends a JSON line to benchmarks/results/main-job-recipes.jsonl.
 #
 #   bash benchmarks/main_job_recipe.sh NAME [train_translation.py arguments...]
 #   TRAIN_SECONDS=300 bash benchmarks/main_job_recipe.sh linear-decay --lr_scheduler_type linear --lr_decay_over_time_budget

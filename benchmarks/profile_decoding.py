@@ -1,16 +1,11 @@
-"""Where a CPU decoding step's time goes: the PyTorch engine's greedy and beam search, split into the parts of a
-step (attention, projections, the output layer, cache handling, masks, beam bookkeeping, Python glue), beside
-CTranslate2's total on the same batches.
+"""Where a CPU decoding step's time goes: the PyTorch engine's greedy and beam search split into the parts of a step,
+beside CTranslate2's total on the same batches. The engines are `bench_translation.LocalEngine`s; the sentences the
+first `--num_sentences` of the held-out test split, sorted by length, in batches of `--batch_size`, each stopping at
+its end (`--forced N`, for random weights: exactly N tokens).
 
-The engines are the translation benchmark's (`bench_translation.LocalEngine`, built by the package's factory as the
-scripts build theirs) and decode the same sentences: the first `--num_sentences` of the checkpoint's held-out test
-split, sorted by length and cut into batches of `--batch_size`, each stopping at its end of sentence; with
-`--forced N` (random weights, which stop at arbitrary points) every sentence gets exactly N tokens instead.
-
-The split comes from timing every module of the model (forward hooks) and the loop's own functions (wrapped) with
-`time.perf_counter`, each part's *self* time (its time less that of the parts it calls). The instrumented pass is
-slower than a plain one (the hooks' own cost lands mostly in "Python glue"); the table gives both totals, and
-the plain ones (fastest of `--repeats`) are the ones to compare with CTranslate2's.
+Each part's self time (its time less that of the parts it calls) comes from forward hooks on every module and
+wrappers around the loop's functions. The instrumented pass is slower than a plain one (the hooks' cost lands mostly
+in the loop's part); the plain totals (fastest of `--repeats`) are the ones to compare with CTranslate2's.
 
     python benchmarks/profile_decoding.py --model outputs/en-fr-small --threads 2
     python benchmarks/profile_decoding.py --size base --forced 16 --threads 2    # random weights at base size
@@ -18,7 +13,6 @@ the plain ones (fastest of `--repeats`) are the ones to compare with CTranslate2
 
 import argparse
 import collections
-import json
 import sys
 import tempfile
 import time
@@ -28,12 +22,13 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from vaswani import generation_vaswani, modeling_vaswani
-from vaswani.data import load_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_translation import LocalEngine, random_checkpoint  # noqa: E402
-from common import RESULTS_DIR, command_line, environment, pick_device, resolve_corpus  # noqa: E402
+from bench_translation import LocalEngine  # noqa: E402
+from common import (  # noqa: E402
+    Column, add_result_arguments, pick_device, random_checkpoint, report, test_sources,
+)
 
 # The parts of a step, in the table's order: what each is made of (module-path rules and wrapped functions below).
 PARTS = [
@@ -147,13 +142,11 @@ def run_batches(engine, batches, beams, new_tokens, stop_at_eos) -> float:
 def profile(args) -> dict:
     device = pick_device("cpu", args.threads)
     with tempfile.TemporaryDirectory() as workdir:
+        tokenizer = VaswaniTokenizer.from_pretrained(args.model or args.tokenizer)
+        sentences = test_sources(args.corpus)[1]
         if args.model:
-            tokenizer = VaswaniTokenizer.from_pretrained(args.model)
-            sentences = load_translation_dataset(data_file=str(resolve_corpus(args.corpus)))["test"]["source"]
             model_dir, label = args.model, Path(args.model).name
         else:  # the same sentences and tokenizer as a trained checkpoint's, random weights at another size
-            tokenizer = VaswaniTokenizer.from_pretrained(args.tokenizer)
-            sentences = load_translation_dataset(data_file=str(resolve_corpus(args.corpus)))["test"]["source"]
             model_dir = random_checkpoint(args.size, tokenizer, 0, Path(workdir) / args.size)
             label = f"{args.size} preset, random weights, {len(tokenizer)}-token vocabulary of {args.tokenizer}"
         ids = sorted(tokenizer(sentences[: args.num_sentences])["input_ids"], key=len)
@@ -192,40 +185,25 @@ def profile(args) -> dict:
     return results
 
 
-def search_name(beams: int) -> str:
-    return "greedy" if beams == 1 else f"beam {beams}"
-
-
-def markdown(results: dict, env: dict, command: str) -> str:
-    searches = results["searches"]
-    names = " | ".join(f"{search_name(s['beams'])} ms | % | µs/step" for s in searches)
-    lines = [
-        "# Where a CPU decoding step's time goes", "", "```bash", command, "```", "",
-        f"Device: **{env['device_name']}** ({env['torch_threads']} torch threads, {env['cpu_count']} cores, shared and "
-        f"loaded: compare only within this run). Versions: "
-        f"{', '.join(f'{k} {v}' for k, v in env['versions'].items())}. Commit {env['git_commit']}"
-        f"{' (model code with uncommitted changes)' if env['model_code_uncommitted_changes'] else ''}.", "",
-        f"Model {results['model']}; {results['sentences']} held-out sentences in batches of {results['batch_size']}, "
-        f"stopping: {results['stopping']}.", "",
-        f"| part | {names} |", "|---|" + "---|---|---|" * len(searches),
-    ]
-    for part in PARTS:
-        cells = []
-        for s in searches:
-            seconds = s["parts_seconds"][part]
-            cells.append(f"{seconds * 1e3:.0f} | {100 * seconds / s['instrumented_seconds']:.1f} | "
-                         f"{seconds * 1e6 / max(s['decoding_steps'], 1):.0f}")
-        lines.append(f"| {part} | {' | '.join(cells)} |")
-    totals = (("total, instrumented", "instrumented_seconds"), ("**total, plain (no hooks)**", "plain_seconds"),
-              ("**CTranslate2 float32, same batches**", "ct2_float32_seconds"))
-    for label, key in totals:
-        cells = [f"{s[key] * 1e3:.0f} | | {s[key] * 1e6 / max(s['decoding_steps'], 1):.0f}" for s in searches]
-        lines.append(f"| {label} | {' | '.join(cells)} |")
-    lines.append("| decoding steps (batch calls after the first) | "
-                 + " | ".join(f"{s['decoding_steps']} | | " for s in searches) + " |")
-    lines.append("| **Vaswani ÷ CTranslate2 float32 time** | "
-                 + " | ".join(f"{s['plain_seconds'] / s['ct2_float32_seconds']:.2f} | | " for s in searches) + " |")
-    return "\n".join(lines) + "\n"
+def table(searches: list[dict]) -> tuple[list[dict], list[Column]]:
+    """One row per part, then the totals; per search, ms, % of the instrumented pass and µs per decoding step."""
+    totals = {"total, instrumented": "instrumented_seconds", "**total, plain (no hooks)**": "plain_seconds",
+              "**CTranslate2 float32, same batches**": "ct2_float32_seconds"}
+    rows = [{"part": part} for part in [*PARTS, *totals, "decoding steps (batch calls after the first)",
+                                        "**Vaswani ÷ CTranslate2 float32 time**"]]
+    columns = [Column("part", "part")]
+    for s in searches:
+        name, steps = "greedy" if s["beams"] == 1 else f"beam {s['beams']}", max(s["decoding_steps"], 1)
+        columns += [Column(f"{name} ms", f"{name} ms", "{:.0f}"), Column(f"{name} %", "%", "{:.1f}"),
+                    Column(f"{name} µs", "µs/step", "{:.0f}")]
+        seconds = [*(s["parts_seconds"][part] for part in PARTS), *(s[key] for key in totals.values())]
+        for row, part_seconds in zip(rows, seconds):
+            row.update({f"{name} ms": part_seconds * 1e3, f"{name} µs": part_seconds * 1e6 / steps})
+        for row in rows[: len(PARTS)]:
+            row[f"{name} %"] = 100 * row[f"{name} ms"] / 1e3 / s["instrumented_seconds"]
+        rows[-2][f"{name} ms"] = s["decoding_steps"]
+        rows[-1][f"{name} ms"] = f"{s['plain_seconds'] / s['ct2_float32_seconds']:.2f}"
+    return rows, columns
 
 
 def main(argv=None):
@@ -242,18 +220,16 @@ def main(argv=None):
     add("--forced", type=int, default=None, help="exactly this many tokens per sentence (random weights)")
     add("--max_new_tokens", type=int, default=128)
     add("--repeats", type=int, default=3)
-    add("--output_name", default="profile-decoding-cpu")
+    add_result_arguments(parser)
     args = parser.parse_args(argv)
     if args.model is None and (args.forced is None or args.tokenizer is None):
         parser.error("random weights stop at arbitrary points: give --forced N and --tokenizer DIR (or a --model)")
     results = profile(args)
-    env = environment(pick_device("cpu", args.threads))
-    command = command_line(__file__, argv)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / f"{args.output_name}.json").write_text(json.dumps({"command": command, "environment": env,
-                                                                      **results}, indent=1) + "\n")
-    (RESULTS_DIR / f"{args.output_name}.md").write_text(markdown(results, env, command))
-    print((RESULTS_DIR / f"{args.output_name}.md").read_text())
+    rows, columns = table(results["searches"])
+    notes = [f"Model {results['model']}; {results['sentences']} held-out sentences in batches of "
+             f"{results['batch_size']}, stopping: {results['stopping']}. A shared machine: compare within a run only."]
+    return report(__file__, argv, args, pick_device("cpu", args.threads), "profile-decoding",
+                  "Where a CPU decoding step's time goes", rows, columns, notes, results)
 
 
 if __name__ == "__main__":

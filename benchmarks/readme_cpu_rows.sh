@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The README's CPU rows, measured again on the current code and one trained main-job model (scripts/main_job.sh),
-# on a machine with nothing else running:
-#   * translation speed of the model as users run it (its test sentences, each to its end of sentence, beside the
-#     forced-length rows): fp32, bf16 and int8 (vaswani-int8) against Marian (HF, the same function through
-#     vaswani.convert.to_marian) and CTranslate2 (the checkpoint's own export);
-#   * training tokens/s of the tiny and base presets against Marian;
-#   * test BLEU of the same model decoded in fp32, bf16 (PyTorch) and int8 (CTranslate2's, the scripts' int8) (scripts/evaluate_bleu.py, beam 4);
-#   * scripts/translate.py's streamed file translation against the whole-file sort.
+# The README's CPU rows, measured again on the current code and one trained main-job model (scripts/main_job.sh), on
+# a machine with nothing else running: translation speed (each sentence to its end, beside forced lengths) of the
+# PyTorch engine in fp32 and bf16 against Marian and CTranslate2 fp32 and int8 (the checkpoint's export); training
+# tokens/s of tiny and base against Marian; test BLEU in fp32, bf16 (PyTorch) and int8 (CTranslate2, the scripts' only
+# int8); scripts/translate.py's streamed file translation against the whole-file sort.
 #
 #   MODEL=outputs/en-fr-small THREADS=2 bash benchmarks/readme_cpu_rows.sh
 # Knobs: MODEL, THREADS, SENTENCES (test sentences per measurement), RESULTS_DIR, SUFFIX (added to the result names),
@@ -25,7 +22,7 @@ mkdir -p "$results"
 if [[ $stages == *" translation "* ]]; then
 python3 benchmarks/bench_translation.py --device cpu --threads "$threads" --batch_sizes 32 --model "$model" \
   --num_sentences "$sentences" --repeats 2 --keep_freed_memory \
-  --engines vaswani,vaswani-bf16,vaswani-int8,marian,marian-bf16,ct2-float32,ct2-int8 \
+  --engines vaswani,vaswani-bf16,marian,marian-bf16,ct2-float32,ct2-int8 \
   --results_dir "$results" --output_name "translation-{device}-main-job-model$suffix"
 fi
 

@@ -72,14 +72,14 @@ def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
 @pytest.mark.parametrize("same_process", [False, True], ids=["process-per-engine", "same-process"])
 def test_translation_benchmark(corpus, tmp_path, same_process):
     """Every engine in a process of its own (a PyTorch one, Marian and CT2: each process takes about 5 s to start),
-    or all in one, with --linear_time (a profile per row). The trained-checkpoint test below runs the other engines."""
+    or all in one. The trained-checkpoint test below runs the other engines."""
     engines = "vaswani-int8,vaswani-graphs,marian" if same_process else "vaswani,marian"
     if importlib.util.find_spec("ctranslate2"):
         engines += ",ct2-int8"
     path = load("bench_translation").main(
         common_args(corpus, tmp_path)
         + ["--sizes", "tiny", "--engines", engines, "--batch_sizes", "4", "--beams", "1,2", "--num_sentences", "8",
-           "--new_tokens", "3"] + (["--same_process", "--linear_time"] if same_process else [])
+           "--new_tokens", "3"] + (["--same_process"] if same_process else [])
     )
     report = check_report(path, "bench_translation", {"engine", "batch_size", "beams", "sentences_per_s", "tokens_per_s"})
     assert len(report["results"]) == 2 * len(engines.split(","))
@@ -90,17 +90,11 @@ def test_translation_benchmark(corpus, tmp_path, same_process):
     assert {(row["engine"], row.get("attention"), row.get("dtype")) for row in report["results"]
             if row["engine"] in ("vaswani", "vaswani-graphs", "marian")} == {
         (name, "flash", "float32") for name in engines.split(",") if name in ("vaswani", "vaswani-graphs", "marian")}
-    for row in report["results"] if same_process else ():
-        # The time in the linear layers' kernels: part of a PyTorch engine's seconds, none for CT2.
-        if row["engine"].startswith("ct2-"):
-            assert row["linear_seconds"] is None
-        else:
-            assert 0 < row["linear_seconds"] < 10 * row["seconds"], row
 
 
 def test_translation_benchmark_names_a_failing_engine(corpus, tmp_path):
-    """An engine process that fails reports its traceback through the parent, which does not hang."""
-    with pytest.raises(RuntimeError, match="Unknown engine 'vaswani-fast'"):
+    """An engine process that fails reports its error through the parent, which does not hang."""
+    with pytest.raises(ValueError, match="Unknown engine 'vaswani-fast'"):
         load("bench_translation").main(
             common_args(corpus, tmp_path) + ["--sizes", "tiny", "--engines", "vaswani-fast", "--num_sentences", "4"]
         )
@@ -251,7 +245,8 @@ def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
     assert len(shapes) == 2 and all(rows * length <= 96 for rows, length in shapes)
     assert report["settings"]["warmup_steps"]["96"] == 4
     sources = [[5] * n for n in (3, 4, 9, 10, 10)]
-    batches, buckets = module.token_batches(sources, sources, 20, seed=0, shape_buckets=2)
+    batches, sampler = module.token_batches(sources, sources, 20, seed=0, shape_buckets=2)
+    buckets = sampler.shape_buckets
     assert sorted(i for b in batches for i in b) == list(range(5)) and buckets.lengths == (4, 10)
     assert buckets.shapes == [(2, 4), (2, 10)]  # [3, 4] padded to 4 columns; [9, 10] and [10] to 2 × 10
     device = module.pick_device("cpu")
@@ -336,8 +331,8 @@ def test_training_batches_are_train_translations_and_respect_the_token_budget():
     rng = random.Random(1)
     sources = [[1] * rng.randint(1, 30) for _ in range(500)] + [[1] * 101]
     targets = [[1] * rng.randint(1, 30) for _ in range(500)] + [[1]]
-    batches, buckets = training.token_batches(sources, targets, 100, seed=0)
-    assert buckets is None and sorted(i for b in batches for i in b) == list(range(500))  # the 101-token pair left out
+    batches, sampler = training.token_batches(sources, targets, 100, seed=0)
+    assert sampler.shape_buckets is None and sorted(i for b in batches for i in b) == list(range(500))  # the 101-token pair left out
     for batch in batches:
         width = max(max(len(sources[i]), len(targets[i])) for i in batch)
         assert width * len(batch) <= 100
@@ -361,14 +356,14 @@ def test_translation_benchmark_refuses_an_unknown_stopping_mode(tmp_path, capsys
 
 
 def test_training_engine_names():
-    """`vaswani-compiled-flex` trains with FlexAttention (CUDA only, so built here, not stepped), `-bf16` under bf16
-    autocast on a CPU too, `-eager` with the eager attention; other names fail."""
+    """`-bf16` trains under bf16 autocast on a CPU too, `-eager` with the eager attention, `-compiled` through
+    torch.compile; other names fail."""
     from vaswani import VaswaniConfig
 
     module = load("bench_training")
     device = module.pick_device("cpu")
-    trainee = module.Trainee("vaswani-compiled-flex", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
-    assert trainee.model.config._attn_implementation == "flex_attention" and trainee.forward is not trainee.model
+    trainee = module.Trainee("vaswani-compiled", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
+    assert trainee.forward is not trainee.model
     trainee = module.Trainee("vaswani-bf16-eager", VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
     assert trainee.model.config._attn_implementation == "eager"
     assert module.engine_label(trainee.name) == "Vaswani bf16 eager"
@@ -377,7 +372,7 @@ def test_training_engine_names():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert module.engine_label("marian") == "Marian (HF)"
     assert module.engine_label("marian-compiled") == "Marian (HF) compiled"
-    for name in ("marian-flex", "vaswani-fast", "vaswani-flex-eager", "vaswani-bf16-bf16", "t5-bf16"):
+    for name in ("vaswani-flex", "vaswani-fast", "vaswani-math-eager", "vaswani-bf16-bf16", "t5-bf16"):
         with pytest.raises(ValueError, match="Unknown engine"):
             module.Trainee(name, VaswaniConfig.tiny(vocab_size=64), device, [], seed=0, lr=1e-4)
 
