@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, List, Value
 from tokenizers import normalizers, processors
 
 from vaswani import tokenization
@@ -213,3 +213,17 @@ def test_tokenization_runs_in_parallel_and_is_reused_from_disk(small_tokenizer, 
     assert again[:] == in_memory[:] and again.cache_files == two.cache_files
     assert tokenize_translation_dataset(train, small_tokenizer, max_length=10).cache_files != two.cache_files
     assert tokenize_translation_dataset(train, small_tokenizer, max_length=12, overwrite_cache=True)[:] == in_memory[:]
+
+
+def test_a_cache_written_with_other_column_types_is_not_loaded(small_tokenizer, tmp_path, monkeypatch):
+    """An earlier version stored the labels in 64 bits: its cache beside the same split is tokenized anew, not
+    loaded against the 32-bit features (which datasets refuses with a schema error)."""
+    path = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(200))
+    train = load_translation_dataset(data_file=path, validation_fraction=0.1, test_fraction=0.1)["train"]
+    wide = tokenization.Features({**tokenization.TOKENIZED_FEATURES, "labels": List(Value("int64"))})
+    with monkeypatch.context() as patched:
+        patched.setattr(tokenization, "TOKENIZED_FEATURES", wide)
+        before = tokenize_translation_dataset(train, small_tokenizer, max_length=12, num_proc=2)
+    after = tokenize_translation_dataset(train, small_tokenizer, max_length=12, num_proc=2)
+    assert after.features == tokenization.TOKENIZED_FEATURES and after[:] == before[:]
+    assert after.cache_files != before.cache_files

@@ -139,7 +139,9 @@ def tokenize_translation_dataset(
 
     cache = {}
     if dataset.cache_files:
-        key = cache_key(dataset._fingerprint, tokenizer_state_digest(tokenizer), max_length, CACHE_FORMAT)
+        # The features are part of the key: a cache written with other column types is not one this call can load.
+        key = cache_key(dataset._fingerprint, tokenizer_state_digest(tokenizer), max_length, CACHE_FORMAT,
+                        *([features.to_dict()] if features else []))
         path = Path(dataset.cache_files[0]["filename"]).parent / f"tokenized-{key}.arrow"
         cache = {"cache_file_name": str(path), "new_fingerprint": key, "load_from_cache_file": not overwrite_cache}
         if not overwrite_cache and any(path.parent.glob(f"{path.stem}*.arrow")):
