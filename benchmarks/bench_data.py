@@ -109,11 +109,14 @@ def measure(command: list[str], env: dict, timeout: float, cache_dir: Path) -> d
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
     peak = {"anon": 0.0, "file": 0.0, "largest_rss": 0.0}
+    by_stage = {stage: 0.0 for stage, _ in STAGES}  # the peak anon memory while each stage was under way
     cpu, loads = 0.0, []
     while process.poll() is None and "first_step" not in times and time.monotonic() - start < timeout:
         tree = process_tree(process.pid)
         sample = memory_of(tree)
         peak = {key: max(peak[key], sample[key]) for key in peak}
+        under_way = next((stage for stage, _ in STAGES if stage not in times), STAGES[-1][0])
+        by_stage[under_way] = max(by_stage[under_way], sample["anon"])
         cpu = max(cpu, cpu_seconds_of(tree))
         loads.append(os.getloadavg()[0])
         time.sleep(0.2)
@@ -126,6 +129,7 @@ def measure(command: list[str], env: dict, timeout: float, cache_dir: Path) -> d
     return {**{f"{stage}_s": round(seconds, 1) for stage, seconds in times.items()}, "cpu_s": round(cpu),
             "peak_anon_gib": round(peak["anon"] / GIB, 2), "peak_file_gib": round(peak["file"] / GIB, 2),
             "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2), "load_before": round(load, 1),
+            "peak_anon_by_stage_gib": " / ".join(f"{by_stage[stage] / GIB:.2f}" for stage, _ in STAGES),
             "load_during": round(sum(loads) / max(len(loads), 1), 1), "cache_gib": round(disk_size(cache_dir) / GIB, 4)}
 
 
@@ -219,7 +223,9 @@ def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | No
                Column("read_s", "corpus read (s)"), Column("tokenizer_s", "tokenizer ready (s)"),
                Column("tokenized_s", "tokenized, training starts (s)"), Column("first_step_s", "first step (s)"),
                Column("first_step_s_per_million_pairs", "s per M pairs"), Column("cpu_s", "CPU s to first step"),
-               Column("peak_anon_gib", "peak anon (GiB)"), Column("peak_file_gib", "peak mapped files (GiB)"),
+               Column("peak_anon_gib", "peak anon (GiB)"),
+               Column("peak_anon_by_stage_gib", "peak anon while reading / tokenizer / tokenizing / to step 1 (GiB)"),
+               Column("peak_file_gib", "peak mapped files (GiB)"),
                Column("peak_process_rss_gib", "largest process RSS (GiB)"),
                Column("cache_gib", "cache on disk (GiB)", "{:.2f}"), Column("load_before", "load average before"),
                Column("load_during", "mean load average during")]

@@ -419,6 +419,7 @@ def test_data_benchmark(corpus, tmp_path):
     # Every stage is found in the script's log (a renamed logger or message would leave it out), in order.
     assert 0 < first["read_s"] <= first["tokenizer_s"] <= first["tokenized_s"] <= first["first_step_s"]
     assert first["cache_gib"] > 0 and first["load_during"] >= 0
+    assert len(first["peak_anon_by_stage_gib"].split(" / ")) == 4
 
 
 def test_gpu_quality_gives_train_translation_arguments_it_parses():
