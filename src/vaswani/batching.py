@@ -19,12 +19,13 @@ def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16, sides: bool =
     `TokenBatchSampler` needs to bound both sides; with `sides`, both, as a (2, examples) array of source and target
     lengths (what `PackedBatchSampler` packs by). Read from the Arrow lists' lengths a batch at a time, without
     turning token ids into Python objects."""
-    lengths = [np.stack([pc.list_value_length(batch["input_ids"]).to_numpy(),
-                         pc.list_value_length(batch["labels"]).to_numpy()])
-               for batch in tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)]
+    batches = tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)
+    pairs = ((pc.list_value_length(batch["input_ids"]).to_numpy(), pc.list_value_length(batch["labels"]).to_numpy())
+             for batch in batches)
     if sides:
+        lengths = [np.stack(pair) for pair in pairs]
         return np.concatenate(lengths, axis=1).astype(np.int64) if lengths else np.zeros((2, 0), dtype=np.int64)
-    return np.concatenate([pair.max(axis=0) for pair in lengths]).astype(np.int32) if lengths else np.zeros(0, np.int32)
+    return np.concatenate([np.zeros(0, np.int32), *(np.maximum(*pair) for pair in pairs)]).astype(np.int32)
 
 
 def round_up(lengths, multiple: int | None):
@@ -245,7 +246,10 @@ class TokenBatchSampler(Sampler[list[int]]):
             yield from self.batches_by_length()
             return
         rng = np.random.default_rng((self.seed, self.epoch))
-        order = self._sorted(rng.permutation(len(self.lengths)))
+        permutation = rng.permutation(len(self.lengths))
+        if len(permutation) < 2**31:
+            permutation = permutation.astype(np.int32)  # half the memory, the same values
+        order = self._sorted(permutation)
         ends = [*self._starts[1:].tolist(), len(order)]
         for position in rng.permutation(len(self._starts)).tolist():
             yield order[self._starts[position]:ends[position]].tolist()

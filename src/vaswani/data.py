@@ -113,15 +113,29 @@ def group_references(pairs: Dataset) -> Dataset:
     Translations that differ only in Unicode form (U+202F vs U+00A0 before "!" in Tatoeba) count once.
     """
     references: dict[str, list[str]] = {}
-    seen: dict[str, set[str]] = {}
     # `dataset[column][:]` reads the whole column at once; iterating `dataset[column]` goes row by row.
     existing = pairs["references"][:] if "references" in pairs.column_names else ([t] for t in pairs["target"][:])
     for source, translations in zip(pairs["source"][:], existing):
         for translation in translations:
-            form = unicodedata.normalize("NFKC", translation)
-            if form not in seen.setdefault(source, set()):
-                seen[source].add(form)
-                references.setdefault(source, []).append(translation)
+            add_reference(references, source, translation)
+    return references_dataset(references)
+
+
+def add_reference(references: dict[str, list[str]], source: str, translation: str) -> None:
+    """Add `translation` to `source`'s references, unless one that differs from it only in Unicode form is there.
+    Most sources have one translation: only a repeated source's are normalised, and nothing else is kept per source,
+    so that a corpus' millions of held-out pairs are grouped in little more memory than their text."""
+    known = references.get(source)
+    if known is None:
+        references[source] = [translation]
+        return
+    form = unicodedata.normalize("NFKC", translation)
+    if all(unicodedata.normalize("NFKC", kept) != form for kept in known):
+        known.append(translation)
+
+
+def references_dataset(references: dict[str, list[str]]) -> Dataset:
+    """`references` (source -> its translations, as `add_reference` groups them) as rows of the eval schema."""
     return Dataset.from_dict(
         {
             "source": list(references),
@@ -262,7 +276,7 @@ def _write_tsv_splits(path: Path, source_column: int, target_column: int, valida
 def _write_splits_into(staging: Path, path: Path, source_column: int, target_column: int, validation_fraction: float,
                        test_fraction: float) -> None:
     summary = ReadSummary(path=str(path))
-    held = {"validation": ([], []), "test": ([], [])}
+    held = {"validation": {}, "test": {}}  # grouped as they are read (`add_reference`)
     schema = PAIR_FEATURES.arrow_schema
     logger.info("Reading %s into %s.", path, staging.parent)
     sources, targets = [], []
@@ -278,8 +292,7 @@ def _write_splits_into(staging: Path, path: Path, source_column: int, target_col
             source, target = pair[source_column], pair[target_column]
             split = split_of(source, validation_fraction, test_fraction)
             if split != "train":
-                held[split][0].append(source)
-                held[split][1].append(target)
+                add_reference(held[split], source, target)
                 continue
             sources.append(source)
             targets.append(target)
@@ -289,9 +302,8 @@ def _write_splits_into(staging: Path, path: Path, source_column: int, target_col
             write_held_rows()
     log_read_summary(summary)
     require_pairs(summary)
-    for name, (sources, targets) in held.items():
-        grouped = group_references(Dataset.from_dict({"source": sources, "target": targets}, features=PAIR_FEATURES))
-        table = grouped.data.table
+    for name in list(held):
+        table = references_dataset(held.pop(name)).data.table
         with pa.OSFile(str(staging / f"{name}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
     (staging / "read.json").write_text(json.dumps(summary.__dict__, indent=1) + "\n")
