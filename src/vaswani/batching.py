@@ -188,14 +188,15 @@ class TokenBatchSampler(Sampler[list[int]]):
     def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
                  num_replicas: int = 1, pad_to_multiple_of: int | None = None, shape_buckets: int | None = None):
         lengths = np.asarray(lengths)
-        lengths = lengths.astype(np.int32 if lengths.size and lengths.max() < 2**31 else np.int64, copy=False)
+        longest = int(lengths.max()) if lengths.size else 0
+        lengths = lengths.astype(np.int32 if longest < 2**31 else np.int64, copy=False)
         if lengths.ndim == 2 and len(lengths) != 2 or lengths.ndim > 2:
             raise ValueError(f"lengths of shape {lengths.shape}: give each example's longer side, or a (2, examples) "
                              "array of source and target lengths.")
         self.lengths = lengths.max(axis=0) if lengths.ndim == 2 else lengths
         self._within = side_order(*lengths).astype(np.int32) if lengths.ndim == 2 else None
         # The lengths as the order's key: numpy sorts 16-bit keys by radix, in linear time.
-        self._keys = self.lengths.astype(np.uint16) if self.lengths.size and self.lengths.max() < 2**16 else self.lengths
+        self._keys = self.lengths.astype(np.uint16) if longest < 2**16 else self.lengths
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
@@ -233,13 +234,17 @@ class TokenBatchSampler(Sampler[list[int]]):
             return indices[np.argsort(self._keys[indices], kind="stable")]
         return indices[np.lexsort([self._within[indices], self.lengths[indices]])]
 
-    def _cut(self, order: np.ndarray) -> list[np.ndarray]:
-        return np.split(order, self._starts[1:])
+    def _batch(self, order: np.ndarray, position: int) -> list[int]:
+        """The `position`-th batch of `order` (examples sorted by `_sorted`): a slice, so that an epoch's million
+        batches are not a million arrays at once."""
+        end = self._starts[position + 1] if position + 1 < len(self._starts) else len(order)
+        return order[self._starts[position]:end].tolist()
 
     def batches_by_length(self) -> list[list[int]]:
         """Every batch of an epoch, shortest examples first: the batches without the shuffling (whose sizes and
         lengths, so the shapes they pad to, are those of every epoch)."""
-        return [batch.tolist() for batch in self._cut(self._sorted(np.arange(len(self.lengths))))]
+        order = self._sorted(np.arange(len(self.lengths)))
+        return [self._batch(order, position) for position in range(len(self._starts))]
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self.shuffle:
@@ -250,9 +255,8 @@ class TokenBatchSampler(Sampler[list[int]]):
         if len(permutation) < 2**31:
             permutation = permutation.astype(np.int32)  # half the memory, the same values
         order = self._sorted(permutation)
-        ends = [*self._starts[1:].tolist(), len(order)]
         for position in rng.permutation(len(self._starts)).tolist():
-            yield order[self._starts[position]:ends[position]].tolist()
+            yield self._batch(order, position)
 
     def __len__(self) -> int:
         return len(self._starts)

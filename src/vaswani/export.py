@@ -160,8 +160,7 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
 
 def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_overrides) -> bool:
     """Whether `load_default_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on
-    a CPU,
-    where CTranslate2 float32 decoded faster than the PyTorch engine at the same precision, greedy and with beam
+    a CPU, where CTranslate2 float32 decoded faster than the PyTorch engine at the same precision, greedy and with beam
     search (benchmarks/results/translation-cpu-main-job-model.md), for a local checkpoint that the exporter takes,
     with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding settings
     it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False`
@@ -178,7 +177,6 @@ def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_over
         read_generation_config(model_dir), positions=config.max_position_embeddings, learned=is_learned(config),
         origin=generation_config_name(model_dir), **decoding_overrides)
     return CTranslate2Engine.follows(settings)
-
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:
