@@ -408,3 +408,32 @@ def test_a_count_out_of_range_is_refused_when_parsed_and_nothing_is_written(tmp_
     assert exit_info.value.code == 2
     assert message in last_line(capsys.readouterr().err)
     assert list(tmp_path.iterdir()) == []
+
+
+DECLINING_HANDLER = """
+import os, signal, sys, time
+from vaswani.preemption import catching_stop_signals
+taken = []
+print("default" if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else "other", flush=True)
+with catching_stop_signals(lambda signum: taken.append(signum) or len(taken) > 1):
+    os.kill(os.getpid(), signal.SIGINT)  # declined: Python's own handler raises KeyboardInterrupt
+    time.sleep(0.1)
+    print("not interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["declining", "taking"])
+def test_a_declined_stop_signal_acts_as_without_the_handler(tmp_path, handler):
+    """A stop-signal handler that declines (returns False: training's before it begins) leaves SIGINT to Python's
+    KeyboardInterrupt and SIGTERM to its default action, which ends the process; one that takes it only records."""
+    script = tmp_path / "handler.py"
+    script.write_text(DECLINING_HANDLER if handler == "declining" else DECLINING_HANDLER.replace(
+        "len(taken) > 1", "True") + "    os.kill(os.getpid(), signal.SIGTERM)\n    print('kept', taken, flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    if handler == "taking":
+        assert done.returncode == 0 and done.stdout.split("\n")[1:] == ["not interrupted", "kept [2, 15]", ""]
+        return
+    assert "KeyboardInterrupt" in done.stderr and "not interrupted" not in done.stdout, done.stderr
+    script.write_text(DECLINING_HANDLER.replace("SIGINT", "SIGTERM"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "default\n", (done.stdout, done.stderr)

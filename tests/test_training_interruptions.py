@@ -20,32 +20,47 @@ from test_interruptions import last_line, small_tmpfs
 from training_script import SCRIPTS, synthetic_corpus, train_args
 
 # The training script with every step slowed down (so that a signal or a second run lands mid-way), writing a
-# marker file once training has begun.
+# marker file once training has begun. Optionally, to place a kill: from step HOLD_AFTER on, process 1 sleeps before
+# its step and process 0 writes HELD_MARKER as it goes into its own, where it then waits for process 1 in a
+# collective; and `LOST_DELAY` seconds more to work out which process ended, as on a loaded machine.
 SLOW_STEPS = """
 import os, runpy, sys, time
 from pathlib import Path
+from vaswani.peers import Peers
 from vaswani.trainer import VaswaniSeq2SeqTrainer
 step, delay, marker = VaswaniSeq2SeqTrainer.training_step, float(sys.argv[1]), Path(os.environ["STEP_MARKER"])
+hold_after, rank = int(os.environ.get("HOLD_AFTER", 1 << 30)), os.environ.get("RANK")
+lost, lost_delay = Peers.lost, float(os.environ.get("LOST_DELAY", 0))
 
 def slow_step(self, *args, **kwargs):
     marker.touch()
     time.sleep(delay)
+    if self.state.global_step >= hold_after:
+        if rank == "1":
+            time.sleep(600)
+        Path(os.environ["HELD_MARKER"]).touch()
     return step(self, *args, **kwargs)
 
+def slow_lost(self, *args, **kwargs):
+    time.sleep(lost_delay)
+    return lost(self, *args, **kwargs)
+
 VaswaniSeq2SeqTrainer.training_step = slow_step
+Peers.lost = slow_lost
 sys.argv = sys.argv[2:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def start(command, tmp_path, slow: float | None = None, launcher=()):
-    """`python [launcher] SCRIPT ARGS` (`command`: SCRIPT ARGS), each step `slow` seconds longer if given."""
+def start(command, tmp_path, slow: float | None = None, launcher=(), **environment):
+    """`python [launcher] SCRIPT ARGS` (`command`: SCRIPT ARGS), each step `slow` seconds longer if given;
+    `environment`: SLOW_STEPS' options."""
     if slow is not None:
         wrapper = tmp_path / "slow_steps.py"
         wrapper.write_text(SLOW_STEPS)
         command = [str(wrapper), str(slow), *command]
-    env = {**subprocess_env(), "STEP_MARKER": str(tmp_path / "training-began")}
+    env = {**subprocess_env(), "STEP_MARKER": str(tmp_path / "training-began"), **environment}
     return subprocess.Popen([sys.executable, *launcher, *command], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -231,16 +246,20 @@ def test_two_process_runs_end_cleanly_every_time(corpus, tmp_path):
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_process_killed_mid_run_ends_the_other_in_one_line_and_resume_gives_the_uninterrupted_run(
         corpus, tmp_path, uninterrupted_two_processes, launcher):
-    """SIGKILL (the out-of-memory killer, a lost node) to process 1 of 2 after the first checkpoint: process 0 ends
-    within seconds with one line of ours naming the process that died and the last complete checkpoint
-    (torchrun then reports the launch's failure); no staging directory or lock is left; `--resume` gives every
-    step's loss and the final weights of the run never stopped."""
+    """SIGKILL (the out-of-memory killer, a lost node) to process 1 of 2 after the first checkpoint, while process 0
+    waits for it in a collective: process 0 ends within seconds with one line of ours naming the process that died
+    and the last complete checkpoint, though the launcher's SIGTERM reaches it while it works that out (slowed down
+    here, as on a loaded machine); torchrun then reports the launch's failure. No staging directory or lock is left;
+    `--resume` gives every step's loss and the final weights of the run never stopped."""
     output_dir = tmp_path / "ddp"
     argv = two_process_argv(corpus, output_dir, tmp_path)
-    process = start(argv, tmp_path, slow=0.5, launcher=LAUNCHERS[launcher]())
-    while not (output_dir / "checkpoint-4").exists():
+    held = tmp_path / "held"
+    process = start(argv, tmp_path, slow=0.5, launcher=LAUNCHERS[launcher](), HOLD_AFTER="4", HELD_MARKER=str(held),
+                    LOST_DELAY="1")
+    while not held.exists():
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.05)
+    time.sleep(0.5)  # process 0's forward and backward, up to the gradients' all-reduce
     victim = rank_process(process, 1)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()

@@ -46,13 +46,28 @@ def resume_command(command: Sequence[str]) -> str:
 
 
 @contextmanager
-def catching_stop_signals(handler: Callable[[int], None]):
-    """Call `handler(signum)` on SIGTERM and SIGINT during the block, then put the previous handlers back. Python
-    runs signal handlers in the main thread only; elsewhere the block runs with the handlers as they are."""
+def catching_stop_signals(handler: Callable[[int], bool | None]):
+    """Call `handler(signum)` on SIGTERM and SIGINT during the block, then put the previous handlers back. Where the
+    handler returns False it declines the signal, which then acts as it would have without the block (the previous
+    handler, or the default action: the process ends). Python runs signal handlers in the main thread only;
+    elsewhere the block runs with the handlers as they are."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, lambda signum, frame: handler(signum)) for signum in STOP_SIGNALS}
+    previous = {}
+
+    def on_signal(signum, frame):
+        if handler(signum) is not False:
+            return
+        before = previous[signum]
+        if callable(before):
+            before(signum, frame)
+        elif before != signal.SIG_IGN:  # the default action (or one set outside Python): end as it would
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            signal.signal(signum, on_signal)
+
+    previous.update({signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS})
     try:
         yield
     finally:
@@ -111,10 +126,15 @@ class PreemptionCallback(TrainerCallback):
     def __init__(self):
         self.signum = 0
         self.stopped_by = 0
+        self.listening = False
         self._agreement = StepLateMaximum()
 
-    def request(self, signum: int) -> None:
-        self.signum = self.signum or signum
+    def request(self, signum: int) -> bool:
+        """The handler: records the signal while `listening` (training, and a failed training's way out, where a
+        peer's end is being worked out), else declines it (False), so that it acts as it would without this."""
+        if self.listening:
+            self.signum = self.signum or signum
+        return self.listening
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.stopped_by = 0

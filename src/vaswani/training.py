@@ -204,21 +204,25 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
     that resumes from it."""
     created = not os.path.exists(args.output_dir)
     peers = Peers.gather()
-    try:
-        with files.exclusive(args.output_dir) if args.process_index == 0 else nullcontext():
-            return _run_training(model_args, data_args, args, command)
-    except BaseException as error:
-        if created and args.should_save and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
-            os.rmdir(args.output_dir)  # the Trainer creates it on start
-        lost = peers.lost(error) if peers and isinstance(error, Exception) else None
-        if lost:
-            raise PeerLost(f"{lost} of this run ended (killed or crashed), so process {args.process_index} stops "
-                           f"too; {kept_after_a_lost_process(args.output_dir, command)}.") from None
-        raise
+    # The stop signals' handler outlives a failed training until its end is told: torchrun's agent sends SIGTERM to
+    # the survivors of a process that died, which must not end one while it works out which process that was.
+    preemption = PreemptionCallback()
+    with catching_stop_signals(preemption.request):
+        try:
+            with files.exclusive(args.output_dir) if args.process_index == 0 else nullcontext():
+                return _run_training(model_args, data_args, args, command, preemption)
+        except BaseException as error:
+            if created and args.should_save and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
+                os.rmdir(args.output_dir)  # the Trainer creates it on start
+            lost = peers.lost(error) if peers and isinstance(error, Exception) else None
+            if lost:
+                raise PeerLost(f"{lost} of this run ended (killed or crashed), so process {args.process_index} "
+                               f"stops too; {kept_after_a_lost_process(args.output_dir, command)}.") from None
+            raise
 
 
 def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments,
-                  command: Sequence[str]) -> dict:
+                  command: Sequence[str], preemption: PreemptionCallback) -> dict:
     finished = finished_run(args.output_dir, args) if args.resume and not args.resume_from_checkpoint else None
     if finished is not None:
         # A requeued `--resume` of a run that has ended: nothing to train, and the final model stays as it is.
@@ -247,10 +251,10 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     # an upload at every save) would publish intermediate states.
     push, args.push_to_hub = args.push_to_hub, False
     trainer = build_trainer(model, tokenizer, args, train_features, validation_features, data.validation)
-    preemption = PreemptionCallback()
     trainer.add_callback(preemption)
-    with catching_stop_signals(preemption.request):
-        metrics = train(trainer, last_checkpoint)
+    preemption.listening = True  # until training returns; where it raises, until the run's end is told
+    metrics = train(trainer, last_checkpoint)
+    preemption.listening = False
     if preemption.stopped_by:
         raise preemption.stopped(args.output_dir, trainer.state.global_step, command)
     if data.tokenizer_sentences is not None:
