@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
@@ -90,10 +89,11 @@ class StepLateMaximum:
         """Called by every process at the start of training (making the group is a collective)."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo")
-            # What the all-reduce reads and writes: a host array, read and refilled by NumPy (no tensor is read or
-            # made at a step), seen by the all-reduce through one tensor over its memory.
-            self._value = np.zeros(1, dtype=np.float64)
-            self._shared = torch.from_numpy(self._value)
+            # What the all-reduce reads and writes: one tensor, read and refilled through a NumPy view of its memory
+            # (no tensor is read or made at a step). The tensor owns the memory, not the view: a tensor over NumPy's
+            # memory holds a Python object, which gloo's threads would have to release, at the interpreter's exit too.
+            self._shared = torch.zeros(1, dtype=torch.float64)
+            self._value = self._shared.numpy()
 
     def exchange(self, value: float, first: float) -> float:
         """Post `value`; the largest value posted at the previous exchange (`first` at the first), or `value`
