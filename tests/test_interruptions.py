@@ -410,33 +410,36 @@ def test_a_count_out_of_range_is_refused_when_parsed_and_nothing_is_written(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-DECLINING_HANDLER = """
+STOP_SIGNAL_HANDLER = """
 import os, signal, sys, time
 from vaswani.preemption import catching_stop_signals
-taken = []
 # What a process has before the block, whatever it inherited (a shell's background job starts with SIGINT ignored).
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 print("set", flush=True)
-with catching_stop_signals(lambda signum: taken.append(signum) or len(taken) > 1):
-    os.kill(os.getpid(), signal.SIGINT)  # declined: Python's own handler raises KeyboardInterrupt
-    time.sleep(0.1)
-    print("not interrupted", flush=True)
+taken, take = [], sys.argv[1] == "take"
+with catching_stop_signals(lambda signum: taken.append(signum) or take):  # take: None (taken); decline: False
+    for name in sys.argv[2:]:
+        os.kill(os.getpid(), getattr(signal, name))
+        time.sleep(0.1)
+        print("after", name, flush=True)
+print("taken", taken, flush=True)
 """
 
 
-@pytest.mark.parametrize("handler", ["declining", "taking"])
-def test_a_declined_stop_signal_acts_as_without_the_handler(tmp_path, handler):
+def test_a_declined_stop_signal_acts_as_without_the_handler(tmp_path):
     """A stop-signal handler that declines (returns False: training's before it begins) leaves SIGINT to Python's
     KeyboardInterrupt and SIGTERM to its default action, which ends the process; one that takes it only records."""
     script = tmp_path / "handler.py"
-    script.write_text(DECLINING_HANDLER if handler == "declining" else DECLINING_HANDLER.replace(
-        "len(taken) > 1", "True") + "    os.kill(os.getpid(), signal.SIGTERM)\n    print('kept', taken, flush=True)\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    if handler == "taking":
-        assert done.returncode == 0 and done.stdout.split("\n")[1:] == ["not interrupted", "kept [2, 15]", ""]
-        return
-    assert "KeyboardInterrupt" in done.stderr and "not interrupted" not in done.stdout, done.stderr
-    script.write_text(DECLINING_HANDLER.replace("SIGINT", "SIGTERM"))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    script.write_text(STOP_SIGNAL_HANDLER)
+
+    def run(*argv):
+        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
+
+    done = run("take", "SIGINT", "SIGTERM")
+    assert done.returncode == 0 and done.stdout.split("\n") == ["set", "after SIGINT", "after SIGTERM", "taken [2, 15]",
+                                                                ""], done.stderr
+    done = run("decline", "SIGINT")
+    assert "KeyboardInterrupt" in done.stderr and done.stdout == "set\n", (done.stdout, done.stderr)
+    done = run("decline", "SIGTERM")
     assert done.returncode == -signal.SIGTERM and done.stdout == "set\n", (done.stdout, done.stderr)
