@@ -21,16 +21,21 @@ decided by a hash of the normalised source sentence: all its translations land i
 sentence's split depends on nothing else, so it does not move when the corpus grows.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, List, Value, load_dataset, load_from_disk
+from datasets.table import InMemoryTable
 
 from .corpus import (
     TSV_LANGUAGES,
@@ -55,6 +60,7 @@ PAIR_FEATURES = Features({"source": Value("string"), "target": Value("string")})
 EVAL_FEATURES = Features(
     {"source": Value("string"), "target": Value("string"), "references": List(Value("string"))}
 )
+EVAL_SCHEMA = EVAL_FEATURES.arrow_schema
 
 # Part of every cache key: raise it when the rules that made a cached result change, so stale results are not reused.
 CACHE_FORMAT = 1
@@ -112,38 +118,51 @@ def group_references(pairs: Dataset) -> Dataset:
 
     Translations that differ only in Unicode form (U+202F vs U+00A0 before "!" in Tatoeba) count once.
     """
-    references: dict[str, list[str]] = {}
-    # `dataset[column][:]` reads the whole column at once; iterating `dataset[column]` goes row by row.
-    existing = pairs["references"][:] if "references" in pairs.column_names else ([t] for t in pairs["target"][:])
-    for source, translations in zip(pairs["source"][:], existing):
-        for translation in translations:
-            add_reference(references, source, translation)
-    return references_dataset(references)
+    table = pairs.with_format("arrow")[:]  # the rows `pairs` shows (after a filter), as one Arrow table
+    if "references" in table.column_names:  # already grouped: one row per (source, translation) again
+        references = table.column("references")
+        table = pa.table({"source": table.column("source").take(pc.list_parent_indices(references)),
+                          "target": pc.list_flatten(references)})
+    return Dataset(InMemoryTable(pa.Table.from_batches(list(grouped_batches(table)), schema=EVAL_SCHEMA)))
 
 
-def add_reference(references: dict[str, list[str]], source: str, translation: str) -> None:
-    """Add `translation` to `source`'s references, unless one that differs from it only in Unicode form is there.
-    Most sources have one translation: only a repeated source's are normalised, and nothing else is kept per source,
-    so that a corpus' millions of held-out pairs are grouped in little more memory than their text."""
-    known = references.get(source)
-    if known is None:
-        references[source] = [translation]
+def grouped_batches(pairs: pa.Table) -> Iterator[pa.RecordBatch]:
+    """`group_references`' rows for a {"source", "target"} table, in record batches of `WRITE_BATCH_ROWS` sources.
+
+    Arrow numbers the distinct sources in order of first appearance and NumPy orders the rows by that number, so a
+    million held-out pairs are grouped in little more memory than their text (as Python objects they take several
+    times it); only one batch's translations are Python strings at a time, to drop those that differ from an
+    earlier one only in Unicode form.
+    """
+    if not pairs.num_rows:
         return
-    form = unicodedata.normalize("NFKC", translation)
-    if all(unicodedata.normalize("NFKC", kept) != form for kept in known):
-        known.append(translation)
+    encoded = pc.dictionary_encode(pairs.column("source"))  # every chunk shares one dictionary: the distinct sources
+    sources = encoded.chunk(0).dictionary
+    codes = np.concatenate([chunk.indices.to_numpy() for chunk in encoded.chunks])
+    rows = np.argsort(codes, kind="stable")  # each source's rows in row order, source after source
+    ends = np.cumsum(np.bincount(codes, minlength=len(sources)))  # where each source's rows end in `rows`
+    for first in range(0, len(sources), WRITE_BATCH_ROWS):
+        last = min(first + WRITE_BATCH_ROWS, len(sources))
+        bounds = np.concatenate([[ends[first - 1] if first else 0], ends[first:last]])
+        translations = pairs.column("target").take(rows[bounds[0]:bounds[-1]]).to_pylist()
+        references = [_distinct_forms(translations[start - bounds[0]:end - bounds[0]])
+                      for start, end in zip(bounds[:-1], bounds[1:])]
+        targets = pa.array([kept[0] for kept in references], pa.string())
+        yield pa.record_batch([sources.slice(first, last - first), targets, pa.array(references, pa.list_(pa.string()))],
+                              schema=EVAL_SCHEMA)
 
 
-def references_dataset(references: dict[str, list[str]]) -> Dataset:
-    """`references` (source -> its translations, as `add_reference` groups them) as rows of the eval schema."""
-    return Dataset.from_dict(
-        {
-            "source": list(references),
-            "target": [translations[0] for translations in references.values()],
-            "references": list(references.values()),
-        },
-        features=EVAL_FEATURES,
-    )
+def _distinct_forms(translations: list[str]) -> list[str]:
+    """`translations` without those that differ from an earlier one only in Unicode form (most have one)."""
+    if len(translations) == 1:
+        return translations
+    kept, forms = [], set()
+    for translation in translations:
+        form = unicodedata.normalize("NFKC", translation)
+        if form not in forms:
+            forms.add(form)
+            kept.append(translation)
+    return kept
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,9 +250,9 @@ def _tsv_splits(path: Path, source_lang: str, target_lang: str, validation_fract
                 cache_dir: Path, overwrite_cache: bool) -> DatasetDict:
     """The splits of a tab-separated corpus as memory-mapped Arrow files, read once and then reused.
 
-    One pass over the file: each pair is parsed, given its split by `split_of`, and train pairs are written to
-    `train.arrow` a batch at a time, so memory does not grow with the corpus. Validation and test pairs (a few
-    percent) are grouped by `group_references` at the end. The read summary is kept beside the files and logged
+    One pass over the file: each pair is parsed, given its split by `split_of`, and written to its split's file a
+    batch at a time, so memory does not grow with the corpus. Validation and test pairs (a few percent) are then
+    grouped by source (`grouped_batches`). The read summary is kept beside the files and logged
     again on reuse, so skipped lines are never forgotten.
     """
     if source_lang not in TSV_LANGUAGES or target_lang not in TSV_LANGUAGES:
@@ -279,37 +298,59 @@ def _write_tsv_splits(path: Path, source_column: int, target_column: int, valida
 def _write_splits_into(staging: Path, path: Path, source_column: int, target_column: int, validation_fraction: float,
                        test_fraction: float) -> None:
     summary = ReadSummary(path=str(path))
-    held = {"validation": {}, "test": {}}  # grouped as they are read (`add_reference`)
-    schema = PAIR_FEATURES.arrow_schema
     logger.info("Reading %s into %s.", path, staging.parent)
-    sources, targets = [], []
-    with pa.OSFile(str(staging / "train.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-
-        def write_held_rows():
-            writer.write_batch(pa.record_batch([pa.array(sources, pa.string()), pa.array(targets, pa.string())],
-                                               schema=schema))
-            sources.clear()
-            targets.clear()
-
+    # Each split's pairs go to their own file a batch at a time, so what reading holds does not grow with the corpus;
+    # held-out pairs are then grouped by source from their memory-mapped file.
+    names = ("train", "validation", "test")
+    with contextlib.ExitStack() as files:
+        writers = {name: files.enter_context(_PairWriter(staging / (name if name == "train" else f"{name}-pairs")))
+                   for name in names}
         for pair in iter_parallel_tsv(path, summary):
-            source, target = pair[source_column], pair[target_column]
-            split = split_of(source, validation_fraction, test_fraction)
-            if split != "train":
-                add_reference(held[split], source, target)
-                continue
-            sources.append(source)
-            targets.append(target)
-            if len(sources) == WRITE_BATCH_ROWS:
-                write_held_rows()
-        if sources:
-            write_held_rows()
+            source = pair[source_column]
+            writers[split_of(source, validation_fraction, test_fraction)].add(source, pair[target_column])
     log_read_summary(summary)
     require_pairs(summary)
-    for name in list(held):
-        table = references_dataset(held.pop(name)).data.table
-        with pa.OSFile(str(staging / f"{name}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
+    for name in names[1:]:
+        pairs_file = staging / f"{name}-pairs.arrow"
+        with pa.memory_map(str(pairs_file)) as source, pa.OSFile(str(staging / f"{name}.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, EVAL_SCHEMA) as writer:
+            for batch in grouped_batches(pa.ipc.open_stream(source).read_all()):
+                writer.write_batch(batch)
+        pairs_file.unlink()
     (staging / "read.json").write_text(json.dumps(summary.__dict__, indent=1) + "\n")
+
+
+class _PairWriter:
+    """Appends (source, target) pairs to `{stem}.arrow` as an Arrow stream, `WRITE_BATCH_ROWS` at a time."""
+
+    def __init__(self, stem: Path):
+        self.path = stem.with_suffix(".arrow")
+        self.sources, self.targets = [], []
+
+    def __enter__(self):
+        self.sink = pa.OSFile(str(self.path), "wb")
+        self.writer = pa.ipc.new_stream(self.sink, PAIR_FEATURES.arrow_schema)
+        return self
+
+    def add(self, source: str, target: str) -> None:
+        self.sources.append(source)
+        self.targets.append(target)
+        if len(self.sources) == WRITE_BATCH_ROWS:
+            self._write()
+
+    def _write(self) -> None:
+        columns = [pa.array(self.sources, pa.string()), pa.array(self.targets, pa.string())]
+        self.writer.write_batch(pa.record_batch(columns, schema=PAIR_FEATURES.arrow_schema))
+        self.sources.clear()
+        self.targets.clear()
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            if self.sources and exc_info[0] is None:
+                self._write()
+            self.writer.close()
+        finally:
+            self.sink.close()
 
 
 def _to_pairs(split: Dataset, source_lang: str, target_lang: str) -> Dataset:
