@@ -73,7 +73,7 @@ def bucket_lengths(lengths: Sequence[int], count: int, pad_to_multiple_of: int |
     tokens are fewest: each example takes the smallest one that holds it, so the longest is the longest example's.
     An exact dynamic programme over the distinct padded lengths (a few hundred at most): the fewest padded tokens
     of the examples up to each length with j buckets, the last one at that length."""
-    values, counts = np.unique(padded_lengths(lengths, pad_to_multiple_of), return_counts=True)
+    values, counts = _padded_histogram(np.asarray(lengths, dtype=np.int64), pad_to_multiple_of)
     below = np.concatenate([[0], np.cumsum(counts)]).astype(np.float64)  # below[i]: examples shorter than values[i]
     cost = values * below[1:]  # with one bucket: every example up to values[i] padded to it
     choices = []
@@ -202,20 +202,22 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.epoch = 0
         buckets = bucket_lengths(self.lengths, shape_buckets, pad_to_multiple_of) if shape_buckets else None
-        padded = padded_lengths(self.lengths, pad_to_multiple_of, buckets)
-        too_long = np.flatnonzero(padded > max_tokens)
-        if too_long.size:
+        # Batch boundaries depend only on the sorted padded lengths, which ties do not change: they are fixed, and
+        # worked out from how many examples take each padded length (padded lengths sort as the lengths do).
+        widths, counts = _padded_histogram(self.lengths, pad_to_multiple_of, buckets)
+        if widths.size and widths[-1] > max_tokens:
+            padded = padded_lengths(self.lengths, pad_to_multiple_of, buckets)
+            too_long = np.flatnonzero(padded > max_tokens)
             raise ValueError(f"{too_long.size} examples (e.g. index {too_long[0]}, {padded[too_long[0]]} tokens "
                              f"padded) are longer than max_tokens={max_tokens}; truncate them or raise max_tokens.")
-        # Batch boundaries depend only on the sorted lengths, which ties do not change: they are fixed. Padded
-        # lengths sort as the lengths do, so the cut by padded lengths applies to the order by lengths.
-        padded = np.sort(padded)
-        self._starts = _even_out(_greedy_starts(padded, max_tokens), len(self.lengths), num_replicas)
+        self._starts = _even_out(_greedy_starts(widths, counts, max_tokens), len(self.lengths), num_replicas)
         self.shape_buckets = None
-        if buckets is not None and len(padded):
+        if buckets is not None and widths.size:
             # A batch's length is its last (longest) example's; its bucket's rows, the most any batch of it has.
-            widths, sizes = padded[np.append(self._starts[1:], len(padded)) - 1], np.diff([*self._starts, len(padded)])
-            rows = {int(width): int(sizes[widths == width].max()) for width in np.unique(widths)}
+            ends = np.append(self._starts[1:], len(self.lengths))
+            last = widths[np.searchsorted(np.cumsum(counts), ends - 1, side="right")]
+            sizes = ends - self._starts
+            rows = {int(width): int(sizes[last == width].max()) for width in np.unique(last)}
             self.shape_buckets = ShapeBuckets(tuple(rows), tuple(rows.values()))
 
     def set_epoch(self, epoch: int) -> None:
@@ -231,7 +233,7 @@ class TokenBatchSampler(Sampler[list[int]]):
         """`indices` sorted by length, then (given both sides) by `side_order`; stable, so that examples alike in both
         keep the order they come in (a random one, when training)."""
         if self._within is None:
-            return indices[np.argsort(self._keys[indices], kind="stable")]
+            return _ordered_by_key(indices, self._keys)
         return indices[np.lexsort([self._within[indices], self.lengths[indices]])]
 
     def _batch(self, order: np.ndarray, position: int) -> list[int]:
@@ -251,10 +253,9 @@ class TokenBatchSampler(Sampler[list[int]]):
             yield from self.batches_by_length()
             return
         rng = np.random.default_rng((self.seed, self.epoch))
-        permutation = rng.permutation(len(self.lengths))
-        if len(permutation) < 2**31:
-            permutation = permutation.astype(np.int32)  # half the memory, the same values
-        order = self._sorted(permutation)
+        # The permutation of an int32 range is `rng.permutation(examples)`'s, in half the memory.
+        index_type = np.int32 if len(self.lengths) < 2**31 else np.int64
+        order = self._sorted(rng.permutation(np.arange(len(self.lengths), dtype=index_type)))
         for position in rng.permutation(len(self._starts)).tolist():
             yield self._batch(order, position)
 
@@ -273,14 +274,55 @@ def side_order(source_lengths: Sequence[int], target_lengths: Sequence[int]) -> 
     return (source - target) * np.where(np.maximum(source, target) % 2, -1, 1)
 
 
-def _greedy_starts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Where each batch starts in `sorted_lengths` under the greedy cut: each new example is the longest of its
-    batch so far, and joins it while (batch size + 1) * its length <= max_tokens. Worked out per run of equal
-    lengths (a few hundred at most), not per example, so millions of examples take milliseconds."""
-    values, counts = np.unique(sorted_lengths, return_counts=True)
+def _padded_histogram(lengths: np.ndarray, pad_to_multiple_of: int | None = None,
+                      buckets: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct padded lengths of `lengths` (`padded_lengths`), ascending, and how many examples take each:
+    counted per length, so that tens of millions of examples need no padded or sorted copy."""
+    counts = _bincount(lengths)
+    present = np.flatnonzero(counts)
+    widths = padded_lengths(present, pad_to_multiple_of, buckets)  # non-decreasing, as the lengths
+    values, first = np.unique(widths, return_index=True)
+    return values, np.add.reduceat(counts[present], first) if present.size else np.zeros(0, dtype=np.int64)
+
+
+def _bincount(values: np.ndarray, minlength: int = 0, chunk: int = 1 << 18) -> np.ndarray:
+    """`np.bincount(values, minlength=minlength)`, a chunk at a time: bincount makes a 64-bit copy of what it counts."""
+    counts = np.zeros(max(minlength, int(values.max()) + 1 if len(values) else 0), dtype=np.int64)
+    for start in range(0, len(values), chunk):
+        counts += np.bincount(values[start:start + chunk], minlength=len(counts))
+    return counts
+
+
+def _ordered_by_key(indices: np.ndarray, keys: np.ndarray, chunk: int = 1 << 18) -> np.ndarray:
+    """`indices[np.argsort(keys[indices], kind="stable")]` for small non-negative integer `keys`, a chunk of indices
+    at a time: each index goes straight to its place in its key's run, so an epoch of tens of millions of examples
+    needs no whole-epoch argsort (8 bytes an example) beside its order."""
+    top = int(keys.max()) + 1 if keys.size else 1
+    counts = np.zeros(top, dtype=np.int64)
+    for start in range(0, len(indices), chunk):
+        counts += np.bincount(keys[indices[start:start + chunk]], minlength=top)
+    cursor = np.cumsum(counts) - counts  # where the next index of each key goes
+    order = np.empty_like(indices)
+    for start in range(0, len(indices), chunk):
+        part = indices[start:start + chunk]
+        by_key = np.argsort(keys[part], kind="stable")
+        part_keys = keys[part[by_key]]
+        part_counts = np.bincount(part_keys, minlength=top)
+        within = np.arange(len(part)) - (np.cumsum(part_counts) - part_counts)[part_keys]  # rank within its key's run
+        order[cursor[part_keys] + within] = part[by_key]
+        cursor += part_counts
+    return order
+
+
+def _greedy_starts(widths: np.ndarray, counts: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Where each batch starts in the examples sorted by padded length (`counts[i]` of them `widths[i]` long) under
+    the greedy cut: each new example is the longest of its batch so far, and joins it while (batch size + 1) * its
+    length <= max_tokens. Worked out per length (a few hundred at most), not per example, so millions of examples
+    take milliseconds."""
+    total = int(counts.sum())
     starts, size, position = [], 0, 0
-    for length, count in zip(values.tolist(), counts.tolist()):
-        capacity = max_tokens // length if length > 0 else len(sorted_lengths)
+    for length, count in zip(widths.tolist(), counts.tolist()):
+        capacity = max_tokens // length if length > 0 else total
         if size and size >= capacity:  # the open batch is full at this length
             size = 0
         if size == 0:
