@@ -7,8 +7,8 @@ precision (bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for b
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
         --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
     python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
-        --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,sides,packed --keep_freed_memory \
-        --sample_pairs 30000  # batchings
+        --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,bucketed-8,packed --keep_freed_memory \
+        --steps 12 --warmup_steps 2 --seconds_per_setting 30  # batchings
 
 Model FLOPs of a step, on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B): 6 × the
 weights each token is multiplied by (a source token: the encoder and the cross-attention keys/values; a target token:
@@ -51,9 +51,9 @@ ENGINES = ("vaswani", "vaswani-compiled", "marian")
 # kernels step by step on the same batches.
 OPTIONS = ("compiled", "bf16", "eager", "graphs", *SDPA_BACKENDS)
 # How the batches are cut (`--batchings`): `bucketed`, as train_translation.py --max_tokens_per_batch cuts them;
-# `sides`, the same with the pairs of one length ordered by both sides (`vaswani.batching.side_order`); `packed`,
-# several pairs a row as --packing packs them (Vaswani only); `-8`, padded to multiples of 8 (--pad_to_multiple_of 8).
-BATCHINGS = ("bucketed", "bucketed-8", "sides", "sides-8", "packed", "packed-8")
+# `packed`, several pairs a row as --packing packs them (Vaswani only); `-8`, padded to multiples of 8
+# (--pad_to_multiple_of 8).
+BATCHINGS = ("bucketed", "bucketed-8", "packed", "packed-8")
 
 
 def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_buckets: int | None = None,
@@ -63,12 +63,12 @@ def token_batches(source_ids, target_ids, batch_tokens: int, seed: int, shape_bu
     pairs longer than a whole batch are left out."""
     multiple = 8 if batching.endswith("-8") else None
     keep = [i for i, (s, t) in enumerate(zip(source_ids, target_ids)) if max(len(s), len(t)) <= batch_tokens]
-    sides = np.array([[len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]], dtype=np.int64)
+    sources, targets = [len(source_ids[i]) for i in keep], [len(target_ids[i]) for i in keep]
     if batching.startswith("packed"):
-        sampler = PackedBatchSampler(*sides.tolist(), batch_tokens, seed=seed, pad_to_multiple_of=multiple)
+        sampler = PackedBatchSampler(sources, targets, batch_tokens, seed=seed, pad_to_multiple_of=multiple)
     else:
-        sampler = TokenBatchSampler(sides if batching.startswith("sides") else sides.max(axis=0), batch_tokens,
-                                    seed=seed, shape_buckets=shape_buckets, pad_to_multiple_of=multiple)
+        sampler = TokenBatchSampler(np.maximum(sources, targets), batch_tokens, seed=seed,
+                                    shape_buckets=shape_buckets, pad_to_multiple_of=multiple)
     return [[keep[j] for j in batch] for batch in sampler], sampler
 
 
@@ -167,11 +167,8 @@ def run(args: argparse.Namespace, argv) -> Path:
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
-    epoch = [epoch_padding(source_ids, target_ids, batching, budget, args.seed)  # of the whole corpus
+    epoch = [epoch_padding(source_ids, target_ids, batching, budget, args.seed)
              for budget in args.epoch_padding for batching in args.batchings]
-    if args.sample_pairs:  # a seeded sample, whose whole epoch every batching then trains on
-        sample = np.sort(np.random.default_rng(args.seed).choice(len(source_ids), args.sample_pairs, replace=False))
-        source_ids, target_ids = [source_ids[i] for i in sample], [target_ids[i] for i in sample]
     rows, batch_sentences, padding, shapes, warmups, refused = [], {}, {}, {}, {}, []
     carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
     if carried:
@@ -179,7 +176,7 @@ def run(args: argparse.Namespace, argv) -> Path:
     for batch_tokens in budgets:
         prepared = {}
         for batching in args.batchings:
-            # Settings keyed by the budget alone for today's batches, as reports before --batchings were.
+            # Settings keyed by the budget alone for the trainer's default batches.
             key = batch_tokens if batching == "bucketed" else f"{batch_tokens} {batching}"
             prepared[batching] = batches = _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens,
                                                     steps, warmup)
@@ -253,12 +250,12 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
         order = [b for b in order if not any(b is w for w in last.values())]
         shapes = buckets.shapes
     warm = (warm + order[1:])[: max(warmup, len(warm))]
-    if not args.sample_pairs and len(order) < len(warm) + steps + 1:
+    if len(order) < len(warm) + steps + 1:
         raise ValueError(f"The corpus gives {len(order)} {batching} batches of {batch_tokens} tokens; need "
                          f"{len(warm) + steps + 1}.")
     # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches (but a shape's two
-    # warm-ups), the same for every engine; with --sample_pairs, the timed steps are every batch of the sample.
-    timed = order if args.sample_pairs else [b for b in order[1:] if not any(b is w for w in warm)][:steps]
+    # warm-ups), the same for every engine.
+    timed = [b for b in order[1:] if not any(b is w for w in warm)][:steps]
     chosen = order[:1] + warm + timed
     batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
     collated = [collate([{"input_ids": s, "labels": t} for s, t in zip(*batch)]) for batch in batches]
@@ -313,16 +310,10 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
         # has trained that long (every engine takes as many steps, each on its batching's batches).
         indices = {trainee: list(range(1 + prepared[trainee.batching].warmup, len(trainee.batches)))
                    for trainee in trainees}
-        rounds = 0
-        # A sample's whole epoch: each engine every batch of its batching, however many that batching cuts.
-        epoch = max(map(len, indices.values())) if args.sample_pairs else min(map(len, indices.values()))
-        passes = 1 if args.sample_pairs else args.passes
-        timing = args.seconds_per_setting
-        while rounds < epoch * passes or (timing and max(seconds.values()) < timing):
+        rounds, epoch, timing = 0, min(map(len, indices.values())), args.seconds_per_setting
+        while rounds < epoch * args.passes or (timing and max(seconds.values()) < timing):
             rotation = rounds % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
-                if args.sample_pairs and rounds >= len(indices[trainee]):
-                    continue
                 i = indices[trainee][rounds % len(indices[trainee])]
                 _, elapsed = timed(device, lambda: trainee.step(i))
                 seconds[trainee] += elapsed
@@ -366,18 +357,14 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
                     padding_fraction=padding, **({"shapes_rows_length": shapes} if shapes else {}))
     notes = [
         *(f"Refused, no row: {why}" for why in refused),
-        (f"Batches: a seeded sample of {args.sample_pairs} of the {len(pairs)} pairs" if args.sample_pairs
-         else f"Batches: all {len(pairs)} pairs") + f" of {corpus.name} tokenized by the project's joint BPE "
+        f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE "
         f"({len(tokenizer)} tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler"
         + (f", shape_buckets={args.shape_buckets}" if args.shape_buckets else "") + f") into batches of at most "
         f"{', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}), collated by "
-        "DataCollatorForSeq2Seq; at each budget " + ("every batch of the sample's epoch, timed once, for every engine "
-        "(the warm-up steps repeat some of them; settings " if args.sample_pairs else f"the same {steps} timed batches "
-        "for every engine (settings ") +
+        f"DataCollatorForSeq2Seq; at each budget the same {steps} timed batches for every engine (settings "
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
-        *(["Batchings (column `batches`): `sides`, the pairs of one length ordered by both sides "
-           "(vaswani.batching.side_order); `packed`, several pairs a row as --packing packs them (settings "
+        *(["Batchings (column `batches`): `packed`, several pairs a row as --packing packs them (settings "
            "`shapes_rows_length`: rows, source and target widths; × Marian: against Marian's bucketed batches); `-8`: "
            "padded to multiples of 8 within the budget. × bucketed: against the same engine on `bucketed` batches."]
           if args.batchings != ["bucketed"] else []),
@@ -435,7 +422,7 @@ def _profile(trainee: Trainee, steps, size: str, device) -> None:
 
 def _add_ratios(rows: list[dict]) -> None:
     """Each row's real tokens/s over Marian's on the same (or, for packed rows, the same multiple's bucketed)
-    batches, and over the same engine's on today's batches (`bucketed`)."""
+    batches, and over the same engine's on the trainer's default batches (`bucketed`)."""
     rate = {(r["size"], r["batch_tokens"], r["batching"], r["engine"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         key = (r["size"], r["batch_tokens"])
@@ -477,8 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
         "0, the first meets each batch's shape for the first time: columns `ms a step, first pass` and `later passes`)")
     add("--batchings", type=csv_of(str), default=["bucketed"], help=f"one or more of {', '.join(BATCHINGS)} (see "
         "BATCHINGS); every engine steps on each, interleaved (packed: Vaswani only)")
-    add("--sample_pairs", type=int, default=None, help="time a whole epoch of a seeded sample of this many pairs "
-        "instead of --steps batches, so that every batching trains on the same pairs")
     add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
         "whole epoch of each batching's batches of the whole corpus (a table of its own)")
     add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "

@@ -264,44 +264,28 @@ def test_training_benchmark_on_shape_bucketed_batches(corpus, tmp_path):
 
 
 def test_training_benchmark_compares_packed_and_bucketed_batches(corpus, tmp_path):
-    """--batchings: every engine on bucketed batches padded to multiples of 1 and 8 and on batches ordered by both
-    sides, the Vaswani engines on packed ones too (Marian's model takes no packed rows), with each
-    batching's padding (over the timed batches, and over a whole epoch with --epoch_padding) and the ratio to
-    today's batches."""
+    """--batchings: every engine on bucketed batches padded to multiples of 1 and 8, the Vaswani engines on packed
+    ones too (Marian's model takes no packed rows), with each batching's padding (over the timed batches, and over a
+    whole epoch with --epoch_padding) and the ratio to the trainer's default batches."""
     module = load("bench_training")
     path = module.main(common_args(corpus, tmp_path) + [
         "--sizes", "tiny", "--batch_tokens", "128", "--steps", "1", "--warmup_steps", "0", "--engines", "vaswani,marian",
-        "--batchings", "sides,bucketed,bucketed-8,packed", "--epoch_padding", "128,512"])
+        "--batchings", "bucketed,bucketed-8,packed", "--epoch_padding", "128,512"])
     report = check_report(path, "bench_training", {"engine", "batching", "tokens_per_s", "vs_bucketed"})
     assert sorted((row["batching"], row["engine"]) for row in report["results"]) == [
         ("bucketed", "marian"), ("bucketed", "vaswani"), ("bucketed-8", "marian"), ("bucketed-8", "vaswani"),
-        ("packed", "vaswani"), ("sides", "marian"), ("sides", "vaswani")]
+        ("packed", "vaswani")]
     epoch = {(row["batch_tokens"], row["batching"]): row for row in report["Padding of a whole epoch of the corpus"]}
-    assert len(epoch) == 8
+    assert len(epoch) == 6
     for budget in (128, 512):
-        padding = {name: epoch[budget, name]["padding"] for name in ("sides", "bucketed", "bucketed-8", "packed")}
-        assert padding["sides"] < padding["bucketed"] < padding["bucketed-8"] and padding["packed"] < padding["bucketed"]
-        assert epoch[budget, "sides"]["batches"] == epoch[budget, "bucketed"]["batches"]  # the same cut
+        padding = {name: epoch[budget, name]["padding"] for name in ("bucketed", "bucketed-8", "packed")}
+        assert padding["bucketed"] < padding["bucketed-8"] and padding["packed"] < padding["bucketed"]
     assert report["settings"]["padding_fraction"]["128 packed"] < report["settings"]["padding_fraction"]["128"]
     rows, source_width, target_width = report["settings"]["shapes_rows_length"]["128 packed"][0]
     assert rows * max(source_width, target_width) <= 128
     assert all((row["vs_bucketed"] is None) == (row["batching"] == "bucketed") for row in report["results"])
     with pytest.raises(SystemExit, match="--batchings"):
-        module.main(common_args(corpus, tmp_path) + ["--batchings", "packed,sorted"])
-
-
-def test_training_benchmark_times_a_whole_sample_in_every_batching(corpus, tmp_path):
-    """--sample_pairs N: every batching trains on every pair of the same seeded sample, once, however many batches
-    it cuts them into (packed rows fewer), so that their rates compare the same sentences."""
-    path = load("bench_training").main(common_args(corpus, tmp_path) + [
-        "--sizes", "tiny", "--batch_tokens", "128", "--warmup_steps", "0", "--engines", "vaswani",
-        "--batchings", "bucketed,sides,packed", "--sample_pairs", "120"])
-    report = check_report(path, "bench_training", {"batching", "sentences", "source_tokens", "target_tokens"})
-    trained = {row["batching"]: (row["sentences"], row["source_tokens"], row["target_tokens"])
-               for row in report["results"]}
-    assert set(trained) == {"bucketed", "sides", "packed"} and len(set(trained.values())) == 1
-    assert trained["bucketed"][0] == 120
-    assert report["results"][0]["steps"] != report["results"][2]["steps"]  # packed rows: fewer batches
+        module.main(common_args(corpus, tmp_path) + ["--batchings", "packed,sides"])
 
 
 def test_scaling_benchmark(corpus, tmp_path):
