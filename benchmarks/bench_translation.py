@@ -341,8 +341,8 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         (f"Checkpoint {args.model}." if args.model else "Random weights (seeded), saved as a checkpoint of the preset.")
         + " Every engine from vaswani.loading.load_engine; Marian (HF) = that engine with vaswani.convert.to_marian of "
         "its model; CT2 = the checkpoint's export (vaswani.export.export_to_ctranslate2, inter_threads 1).",
-        f"Precision {device.dtype_name} (bf16: dtype='bfloat16'; int8: int8=True); Vaswani = decoding='auto'; lean "
-        "loop / transformers' loop / CUDA graphs = decoding='lean' / 'transformers' / 'graphs'; compiled = "
+        f"Precision {device.dtype_name} (bf16: dtype='bfloat16'); Vaswani = decoding='auto'; lean loop / "
+        "transformers' loop / CUDA graphs = decoding='lean' / 'transformers' / 'graphs'; compiled = "
         "vaswani.inference.compile_for_generation; attention: sdpa.",
         "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
         f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",
@@ -351,6 +351,10 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         + "Memory: load = resident memory the engine added; work = peak added while translating the longest batch; "
         "peak = load + work (on CPU, process RSS and VmHWM increments).",
     ]
+    if any(name.startswith("vaswani-") and "int8" in name.split("-") for name in names):
+        notes.append("int8 = load_engine(int8=True): vaswani.inference.quantize_for_cpu (every nn.Linear, the output "
+                     "projection included, int8 weights with a scale per output row, activations quantized per row "
+                     "at each call) and keep_freed_cpu_memory().")
     if any("slots" in name.split("-") for name in names):
         notes.append("slots = vaswani.slots.decode_in_slots, a slot per batch row: one call per repeat over all "
                      "sentences; its memory is that of the longest batch decoded in slots alone.")
@@ -379,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max_new_tokens", type=int, default=128, help="at most this many new tokens in the eos rows (the limit of "
         "the README's committed rows)")
     add("--keep_freed_memory", action="store_true", help="vaswani.inference.keep_freed_cpu_memory() in every "
-        "engine's process, Marian's included (--int8 applies it anyway)")
+        "engine's process, Marian's included (the int8 engines apply it anyway)")
     add("--keep_going", action="store_true", help="leave out an engine that fails (an error, or its process dies), "
         "named in the report's notes, and go on with the others (for unattended GPU runs)")
     add("--same_process", action="store_true", help="every engine in this one process instead of one process each "
