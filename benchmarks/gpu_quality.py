@@ -49,10 +49,7 @@ from vaswani.training import (
 # (§6.3); 0.3 is the usual choice for corpora of this size (IWSLT'14's 160k pairs) trained for dozens of epochs.
 # Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
 # alone is the default.
-# `dropout-0.1-eager` trains with eager attention (matmul and softmax) instead of SDPA's kernels, for where
-# `gpu_plan.py kernels` measures it faster on this corpus's short sentences.
-RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"],
-           "dropout-0.1-eager": ["--config_overrides", "dropout=0.1", "--attn_implementation", "eager"]}
+RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"]}
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).
 TEST_SUBSET = 1000
 # The test sentences a dry run scores.
