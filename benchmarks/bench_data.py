@@ -153,31 +153,6 @@ def count_lines(path: Path) -> int:
         return sum(block.count(b"\n") for block in iter(lambda: file.read(1 << 24), b""))
 
 
-def slope_notes(rows: list[dict]) -> list[str]:
-    """The paper's En-Fr size (36M pairs) by linear extrapolation from the two largest corpora measured."""
-    notes = []
-    for processes in sorted({row["processes"] for row in rows}):
-        first = sorted((row for row in rows if row["processes"] == processes and row["run"] == "first"),
-                       key=lambda row: row["pairs"])
-        if len(first) < 2:
-            continue
-        small, large = first[-2], first[-1]
-        millions = (large["pairs"] - small["pairs"]) / 1e6
-        further = 36 - large["pairs"] / 1e6
-
-        def slope(key):
-            return (large[key] - small[key]) / millions
-
-        notes.append(f"{processes} process(es), first run, between {small['pairs'] / 1e6:g}M and "
-                     f"{large['pairs'] / 1e6:g}M pairs: {slope('first_step_s'):.0f} s (wall) and "
-                     f"{slope('cpu_s'):.0f} CPU s per million pairs. Extrapolated linearly, not measured, to WMT14 "
-                     f"En-Fr's 36M pairs: first step after about {(large['first_step_s'] + slope('first_step_s') * further) / 60:.0f} "
-                     f"min here, {(large['cpu_s'] + slope('cpu_s') * further) / 60:.0f} CPU min; peak anon memory about "
-                     f"{large['peak_anon_gib'] + slope('peak_anon_gib') * further:.1f} GiB "
-                     f"({slope('peak_anon_gib'):+.3f} GiB per million pairs).")
-    return notes
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
@@ -238,7 +213,6 @@ def data_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | No
         "Cache on disk: the corpus' Arrow splits, the tokenizer and the tokenized splits, as the run left them.",
         "Memory: proportional set sizes summed over the process tree, sampled every 0.2 s ('anon': owned by the "
         "processes; 'mapped files': memory-mapped pages, Arrow and libraries, the kernel can drop).",
-        *slope_notes(rows),
     ]
     report(__file__, argv, args, pick_device("cpu"), "data",
            "Data path at scale: time to the first training step and peak memory", rows, columns, notes,
