@@ -187,14 +187,9 @@ def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float |
 # Corpus and tokenizer --------------------------------------------------------------------------------------------
 
 
-def resolve_corpus(path: str | None = None) -> Path:
-    """The corpus as the scripts find it: --corpus, $VASWANI_FRA_ENG, the shared copy, else a download."""
-    return resolve_corpus_path(path, SHARED_CORPUS)
-
-
 def test_sources(corpus: str | None) -> tuple[Path, list[str]]:
     """The corpus file and the English side of its held-out test split, as a trained checkpoint's was split."""
-    path = resolve_corpus(corpus)
+    path = resolve_corpus_path(corpus, SHARED_CORPUS)  # as the scripts find it
     return path, list(load_translation_dataset(data_file=str(path))["test"]["source"])
 
 
@@ -279,7 +274,8 @@ def environment(device: Device) -> dict:
     env = {
         "device": device.tag,
         "device_name": torch.cuda.get_device_name(device.device) if device.is_cuda else _cpu_name(),
-        "dtype": device.dtype_name, "rehearsing_cuda": device.as_cuda and not device.is_cuda, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "dtype": device.dtype_name, "rehearsing_cuda": device.as_cuda and not device.is_cuda,
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
@@ -439,7 +435,7 @@ def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Ca
 def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
     """The corpus file, all its sentence pairs and the joint BPE as training makes it (on the train split only,
     `vaswani.tokenization.cached_corpus_tokenizer`), cached under --cache_dir/data, which GPU sessions carry."""
-    corpus = resolve_corpus(args.corpus)
+    corpus = resolve_corpus_path(args.corpus, SHARED_CORPUS)
     pairs, _ = read_parallel_tsv(corpus)
     train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
     return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
