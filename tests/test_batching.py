@@ -16,7 +16,6 @@ from vaswani.batching import (
     example_lengths,
     pad_to_shape,
     padded_lengths,
-    side_order,
     token_budget_batches,
 )
 from vaswani.data import load_translation_dataset
@@ -73,6 +72,8 @@ def test_an_epochs_batches_are_its_permutation_sorted_stably_by_length_then_shuf
     cut = np.split(order, sampler._starts[1:])
     assert list(sampler) == [cut[position].tolist() for position in rng.permutation(len(cut))]
     assert len(list(TokenBatchSampler([], max_tokens=256))) == len(TokenBatchSampler([], max_tokens=256)) == 0
+    with pytest.raises(ValueError, match="one length per example"):
+        TokenBatchSampler([[3, 4], [5, 6]], max_tokens=256)
 
 
 def test_an_epoch_of_millions_of_examples_is_ordered_in_little_more_memory_than_its_order():
@@ -92,59 +93,6 @@ def test_an_epoch_of_millions_of_examples_is_ordered_in_little_more_memory_than_
     finally:
         tracemalloc.stop()
     assert building < 3 * examples + (8 << 20) and ordering < 12 * examples + (16 << 20), (building, ordering)
-
-
-def random_pairs(count: int = 3000, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Source and target lengths drawn independently, as a corpus' short and long sentences pair up."""
-    rng = random.Random(seed)
-    return [rng.randint(1, 40) for _ in range(count)], [rng.randint(1, 40) for _ in range(count)]
-
-
-def padding(batches, sources, targets) -> float:
-    """Padded over computed positions, both sides, each side padded to its longest in the batch."""
-    real = sum(sources) + sum(targets)
-    return 1 - real / sum(len(b) * (max(sources[i] for i in b) + max(targets[i] for i in b)) for b in batches)
-
-
-@pytest.mark.parametrize("replicas", [1, 3])
-def test_batches_ordered_by_both_sides_pad_the_shorter_side_little(replicas):
-    """Given both sides' lengths, the batches are those of the longer side's lengths (the same cut, the same
-    budget), but the pairs of one longer length come in `side_order`, so that a batch's shorter side is even too:
-    far less padding than the longer side's order with ties at random gives the same pairs."""
-    sources, targets = random_pairs()
-    longest = [max(s, t) for s, t in zip(sources, targets)]
-    both = TokenBatchSampler([sources, targets], max_tokens=256, seed=3, num_replicas=replicas)
-    alone = TokenBatchSampler(longest, max_tokens=256, seed=3, num_replicas=replicas)
-    for epoch in range(2):
-        both.set_epoch(epoch)
-        batches = list(both)
-        assert len(batches) == len(both) == len(alone) and len(batches) % replicas == 0
-        assert sorted(i for b in batches for i in b) == list(range(len(sources)))
-        assert all(len(b) * max(longest[i] for i in b) <= 256 for b in batches)
-    assert sorted(map(len, batches)) == sorted(map(len, alone))
-    assert padding(batches, sources, targets) < 0.06 < 0.2 < padding(list(alone), sources, targets)  # 5% and 25%
-    ordered = [i for b in both.batches_by_length() for i in b]
-    assert [longest[i] for i in ordered] == sorted(longest)
-    # Still shuffled: another seed, other batches; the same seed and epoch, the same ones.
-    assert list(TokenBatchSampler([sources, targets], max_tokens=256, seed=4)) != list(
-        TokenBatchSampler([sources, targets], max_tokens=256, seed=3))
-    assert list(TokenBatchSampler([sources, targets], max_tokens=256, seed=3)) == list(
-        TokenBatchSampler([sources, targets], max_tokens=256, seed=3))
-    with pytest.raises(ValueError, match="source and target lengths"):
-        TokenBatchSampler([sources, targets, targets], max_tokens=256)
-
-
-def test_side_order_walks_each_length_from_one_short_side_to_the_other_and_back():
-    """Within a longer length L the pairs go (1, L) … (L, L) … (L, 1), one token apart on one side, and the next
-    length starts where this one ended: L = 2 ends on a short target and L = 3 starts on one, L = 3 ends on a
-    short source and L = 4 starts on one."""
-    cells = [(s, t) for s in range(1, 5) for t in range(1, 5)]
-    sources, targets = zip(*cells)
-    keys = side_order(sources, targets)
-    order = sorted(range(len(cells)), key=lambda i: (max(cells[i]), keys[i]))
-    walk = [cells[i] for i in order]
-    assert walk == [(1, 1), (1, 2), (2, 2), (2, 1), (3, 1), (3, 2), (3, 3), (2, 3), (1, 3),
-                    (1, 4), (2, 4), (3, 4), (4, 4), (4, 3), (4, 2), (4, 1)]
 
 
 @pytest.mark.parametrize("replicas", [1, 3])

@@ -163,13 +163,6 @@ class TokenBatchSampler(Sampler[list[int]]):
     the collator's `pad_to_multiple_of`, if it pads so, and the bound holds after that padding too
     (`padded_lengths`).
 
-    `lengths` is each example's longer side, or both sides as a (2, examples) array of source and target lengths
-    (`example_lengths(..., sides=True)`). The batches are cut by the longer side either way; with both sides, the
-    examples of one longer length are ordered by their difference (`side_order`), so that a batch's shorter side is
-    as even as its longer one: ordered by the longer side alone, a batch of 20-token targets mixes 5- and 19-token
-    sources and pads every source to 19 (benchmarks/results/training-cpu-batch-order.md has the padding and the
-    speed of both orders).
-
     Examples are sorted by length, ties broken at random, cut greedily into batches, and the batches are
     shuffled. The order depends only on `seed` and the epoch given to `set_epoch`, so every process of a
     distributed run and every resumed run sees the same batches. Use as `DataLoader(dataset,
@@ -188,13 +181,10 @@ class TokenBatchSampler(Sampler[list[int]]):
     def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0,
                  num_replicas: int = 1, pad_to_multiple_of: int | None = None, shape_buckets: int | None = None):
         lengths = np.asarray(lengths)
+        if lengths.ndim != 1:
+            raise ValueError(f"lengths of shape {lengths.shape}: give one length per example, its longer side.")
         longest = int(lengths.max()) if lengths.size else 0
-        lengths = lengths.astype(np.int32 if longest < 2**31 else np.int64, copy=False)
-        if lengths.ndim == 2 and len(lengths) != 2 or lengths.ndim > 2:
-            raise ValueError(f"lengths of shape {lengths.shape}: give each example's longer side, or a (2, examples) "
-                             "array of source and target lengths.")
-        self.lengths = lengths.max(axis=0) if lengths.ndim == 2 else lengths
-        self._within = side_order(*lengths).astype(np.int32) if lengths.ndim == 2 else None
+        self.lengths = lengths.astype(np.int32 if longest < 2**31 else np.int64, copy=False)
         # The lengths as the order's key: numpy sorts 16-bit keys by radix, in linear time.
         self._keys = self.lengths.astype(np.uint16) if longest < 2**16 else self.lengths
         self.max_tokens = max_tokens
@@ -229,15 +219,8 @@ class TokenBatchSampler(Sampler[list[int]]):
         `.sampler.set_epoch`, not to the sampler itself: this way the epoch reaches the batches there too."""
         return self
 
-    def _sorted(self, indices: np.ndarray) -> np.ndarray:
-        """`indices` sorted by length, then (given both sides) by `side_order`; stable, so that examples alike in both
-        keep the order they come in (a random one, when training)."""
-        if self._within is None:
-            return _ordered_by_key(indices, self._keys)
-        return indices[np.lexsort([self._within[indices], self.lengths[indices]])]
-
     def _batch(self, order: np.ndarray, position: int) -> list[int]:
-        """The `position`-th batch of `order` (examples sorted by `_sorted`): a slice, so that an epoch's million
+        """The `position`-th batch of `order` (examples sorted stably by length): a slice, so that an epoch's million
         batches are not a million arrays at once."""
         end = self._starts[position + 1] if position + 1 < len(self._starts) else len(order)
         return order[self._starts[position]:end].tolist()
@@ -245,7 +228,7 @@ class TokenBatchSampler(Sampler[list[int]]):
     def batches_by_length(self) -> list[list[int]]:
         """Every batch of an epoch, shortest examples first: the batches without the shuffling (whose sizes and
         lengths, so the shapes they pad to, are those of every epoch)."""
-        order = self._sorted(np.arange(len(self.lengths)))
+        order = _ordered_by_key(np.arange(len(self.lengths)), self._keys)
         return [self._batch(order, position) for position in range(len(self._starts))]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -255,23 +238,12 @@ class TokenBatchSampler(Sampler[list[int]]):
         rng = np.random.default_rng((self.seed, self.epoch))
         # The permutation of an int32 range is `rng.permutation(examples)`'s, in half the memory.
         index_type = np.int32 if len(self.lengths) < 2**31 else np.int64
-        order = self._sorted(rng.permutation(np.arange(len(self.lengths), dtype=index_type)))
+        order = _ordered_by_key(rng.permutation(np.arange(len(self.lengths), dtype=index_type)), self._keys)
         for position in rng.permutation(len(self._starts)).tolist():
             yield self._batch(order, position)
 
     def __len__(self) -> int:
         return len(self._starts)
-
-
-def side_order(source_lengths: Sequence[int], target_lengths: Sequence[int]) -> np.ndarray:
-    """The order of sentence pairs within one longer length L, as a key to sort by: along the pairs' (source,
-    target) lengths from (1, L) through (L, L) to (L, 1), so that neighbours differ by a token on one side (the
-    difference s - t, ascending), and back again at the next length (descending for odd L), so that where one
-    length's pairs end the next length's begin alike, with the same short side. Batches cut from this order then
-    pad little on either side (fairseq orders by source, then target, length; this order keeps `TokenBatchSampler`'s
-    cut by the longer side)."""
-    source, target = np.asarray(source_lengths, dtype=np.int64), np.asarray(target_lengths, dtype=np.int64)
-    return (source - target) * np.where(np.maximum(source, target) % 2, -1, 1)
 
 
 def _padded_histogram(lengths: np.ndarray, pad_to_multiple_of: int | None = None,
