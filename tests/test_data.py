@@ -261,16 +261,22 @@ print(before - anon())
 def test_reading_a_corpus_gives_back_what_arrow_freed(tmp_path):
     """After a corpus is read (a million pairs here), Arrow's allocator holds no freed memory for the run to carry:
     releasing it once more gives back less than 8 MiB (about 35 MiB before)."""
+    printed = read_in_a_process(tmp_path, ARROW_RETAINED, pairs=1_000_000, sources=1_000_000)
+    assert float(printed.split()[-1]) < 8, printed
+
+
+def read_in_a_process(tmp_path, script: str, pairs: int, sources: int) -> str:
+    """What `script` prints, run in a fresh process on a corpus of `pairs` made-up pairs of `sources` distinct
+    English sentences."""
     corpus = tmp_path / "corpus.tsv"
     with open(corpus, "w", encoding="utf-8") as out:
-        for i in range(1_000_000):
-            out.write(f"sentence number {i} is here and long enough\tla phrase numéro {i} est ici\n")
-    script = tmp_path / "read.py"
-    script.write_text(ARROW_RETAINED)
-    done = subprocess.run([sys.executable, str(script), str(corpus), str(tmp_path / "cache")], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for i in range(pairs):
+            out.write(f"sentence number {i % sources} is here and long enough\tla phrase numéro {i} est ici\n")
+    (tmp_path / "read.py").write_text(script)
+    done = subprocess.run([sys.executable, str(tmp_path / "read.py"), str(corpus), str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.split()[-1]) < 8, done.stdout
+    return done.stdout
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process' memory from /proc")
@@ -278,17 +284,9 @@ def test_reading_holds_the_held_out_pairs_on_disk_not_in_memory(tmp_path):
     """Held-out pairs go to disk as they are read and are grouped there by Arrow, so reading's peak does not grow with
     them: 270,000 held-out pairs (of 300,000) raise it by under 70 MiB (49 here; 149 when they were grouped as Python
     objects, 83 with Arrow's own group_by)."""
-    corpus = tmp_path / "corpus.tsv"
-    with open(corpus, "w", encoding="utf-8") as out:
-        for i in range(300_000):
-            out.write(f"sentence number {i % 150_000} is here and long enough\tla phrase numéro {i} est ici\n")
-    script = tmp_path / "read.py"
-    script.write_text(READING_PEAK)
-    done = subprocess.run([sys.executable, str(script), str(corpus), str(tmp_path / "cache")], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    held, peak = done.stdout.split()[-2:]
-    assert int(held) > 250_000 and float(peak) < 70, done.stdout
+    printed = read_in_a_process(tmp_path, READING_PEAK, pairs=300_000, sources=150_000)
+    held, peak = printed.split()[-2:]
+    assert int(held) > 250_000 and float(peak) < 70, printed
 
 
 READING_PEAK = """
