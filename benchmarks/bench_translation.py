@@ -24,11 +24,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from vaswani.convert import to_marian
 from vaswani.export import export_to_ctranslate2
 from vaswani.slots import decode_in_slots
-from vaswani.inference import compile_for_generation, keep_freed_cpu_memory
+from vaswani.inference import PackedLinear, compile_for_generation, keep_freed_cpu_memory
 from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
@@ -42,9 +43,10 @@ from common import (  # noqa: E402
 
 # An engine's options after its model's name (`vaswani-int8-hfloop`): `load_engine`'s precision (`int8`, CPU only;
 # `bf16`) and decoding loop (`hfloop`: transformers', `lean`, `graphs`: the lean loop as CUDA graphs), `compiled`
-# (`compile_for_generation`) and `slots` (`decode_in_slots`: all sentences in one call, a slot per batch row).
+# (`compile_for_generation`), `slots` (`decode_in_slots`: all sentences in one call, a slot per batch row) and
+# `unpacked` (plain `nn.Linear` layers, torch's own products, where `load_engine` packs fp32 weights for oneDNN).
 LOOPS = {"hfloop": "transformers", "lean": "lean", "graphs": "graphs"}
-TORCH_OPTIONS = {"int8", "bf16", "compiled", "slots", *LOOPS}
+TORCH_OPTIONS = {"int8", "bf16", "compiled", "slots", "unpacked", *LOOPS}
 
 DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-graphs", "vaswani-compiled", "marian"]
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
@@ -67,12 +69,19 @@ def build_engine(name: str, model_dir: str, device, ct2_dir: Path):
     loops = [LOOPS[option] for option in options if option in LOOPS]
     if (base not in ("vaswani", "marian") or set(options) - TORCH_OPTIONS or len(loops) > 1
             or (base == "marian" and set(options) - {"bf16"}) or {"int8", "bf16"} <= set(options)):
-        raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs|-slots][-compiled], "
-                         "marian[-bf16] or ct2-<compute type>.")
+        raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs|-slots][-compiled]"
+                         "[-unpacked], marian[-bf16] or ct2-<compute type>.")
     engine = load_engine(model_dir, device=device.device, dtype="bfloat16" if "bf16" in options else device.dtype_name,
                          int8="int8" in options, decoding=loops[0] if loops else "auto", slots=0)
     if base == "marian":  # the same engine and settings, running the MarianMTModel that computes the same function
         engine.model = to_marian(engine.model).to(engine.model.device, engine.model.dtype)
+    if "unpacked" in options:
+        for path, module in list(engine.model.named_modules()):
+            if isinstance(module, PackedLinear):
+                linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+                linear.weight, linear.bias = module.weight, module.bias
+                parent, _, attribute = path.rpartition(".")
+                setattr(engine.model.get_submodule(parent), attribute, linear)
     if "compiled" in options:
         engine.model = compile_for_generation(engine.model)
     return engine
@@ -101,7 +110,9 @@ class LocalEngine:
             ran = attention_ran(lambda: model.get_encoder()(input_ids=ids))
         eager = model.config._attn_implementation == "eager"
         kernels = {self.attention_kernel} if self.attention_kernel else {"eager"} if eager else set(SDPA_BACKENDS)
-        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."))
+        packed = any(isinstance(module, PackedLinear) for module in model.modules())
+        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."),
+                  "aten" if "unpacked" in self.name.split("-") or not packed else "onednn-packed")
         return ran
 
     def translate(self, batch, beams, new_tokens, stop_at_eos, slots=None) -> list[list[int]]:
@@ -318,6 +329,7 @@ def _columns(args) -> list[Column]:
         Column("sentences_per_s", "sentences/s", "{:.1f}"), Column("tokens_per_s", "output tokens/s", "{:.0f}"),
         Column("vs_marian", "× Marian", "{:.2f}"), Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
         Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"), Column("attention", "attention"), Column("dtype", "dtype"),
+        Column("linear", "linear"),
         *([Column("identical_to_vaswani", "identical")] if args.model else []),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
     ]

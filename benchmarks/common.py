@@ -382,41 +382,48 @@ def sdpa_backend(name: str | None):
 ATTENTION_OPERATORS = {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn",
                        "flex_attention": "flex", "_safe_softmax": "math", "aten._softmax": "eager"}
 # The weights' products, whose dtype is the engine's precision (attention's own batched products are left out: SDPA's
-# math kernel computes them in fp32 for bf16 inputs on a CPU).
-MATMULS = ("aten.mm", "aten.addmm", "aten.linear")
+# math kernel computes them in fp32 for bf16 inputs on a CPU), and which kernel family ran them: torch's own
+# products, or oneDNN's with weights laid out once (`vaswani.inference.PackedLinear`).
+MATMULS = {"aten.mm": "aten", "aten.addmm": "aten", "aten.linear": "aten", "mkldnn._linear_pointwise": "onednn-packed"}
 
 
 def attention_ran(encode: Callable[[], object]) -> dict:
     """What one call of `encode` (a forward in the engine's autocast and SDPA settings) ran, seen at torch's
-    dispatcher below autocast: its attention kernels and its weights' products' dtypes, each a sorted list."""
+    dispatcher below autocast: its attention kernels, its weights' products' dtypes and their kernel family
+    (`MATMULS`), each a sorted list."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    kernels, dtypes = set(), set()
+    kernels, dtypes, linear = set(), set(), set()
 
     class Seen(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)
+            name = str(func.overloadpacket)
             kernel = next((kernel for key, kernel in ATTENTION_OPERATORS.items() if key in name), None)
             kernels.update([kernel] if kernel else [])
-            if kernel in ("flash", "efficient", "cudnn") or name.startswith(MATMULS):  # a softmax may run in fp32
+            linear.update([MATMULS[name]] if name in MATMULS else [])
+            if kernel in ("flash", "efficient", "cudnn") or name in MATMULS:  # a softmax may run in fp32
                 dtypes.update(str(a.dtype).removeprefix("torch.") for a in args[:2] if torch.is_tensor(a))
             return func(*args, **(kwargs or {}))
 
     with Seen():  # with gradients, as a training step chooses its kernels
         encode()
-    return {"attention": ",".join(sorted(kernels)), "dtype": ",".join(sorted(dtypes))}
+    return {"attention": ",".join(sorted(kernels)), "dtype": ",".join(sorted(dtypes)), "linear": ",".join(sorted(linear))}
 
 
 class WrongKernel(RuntimeError):
-    """An engine ran another attention kernel or dtype than its name says."""
+    """An engine ran another attention kernel, dtype or linear kernel family than its name says."""
 
 
-def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str) -> None:
-    """Stop where `engine` ran another attention kernel than `attention` (None: any) or another dtype than `dtype`."""
+def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str, linear: str | None = None) -> None:
+    """Stop where `engine` ran another attention kernel than `attention` (None: any), another dtype than `dtype`, or
+    its linear layers on another kernel family than `linear` (None: any)."""
     kernels = set(ran["attention"].split(",")) - {""}
     if (attention is not None and not kernels <= attention) or not kernels or ran["dtype"] != dtype:
         raise WrongKernel(f"{engine} ran attention {ran['attention'] or 'none seen'} in {ran['dtype']}, not "
-                           f"{'/'.join(sorted(attention or {'any'}))} in {dtype}; its row would not be its own.")
+                          f"{'/'.join(sorted(attention or {'any'}))} in {dtype}; its row would not be its own.")
+    if linear is not None and ran["linear"] != linear:
+        raise WrongKernel(f"{engine} ran its linear layers on {ran['linear'] or 'none seen'}, not {linear}; its row "
+                          "would not be its own.")
 
 
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:

@@ -13,6 +13,7 @@ from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
 from vaswani.export import cached_export, export_to_ctranslate2, load_default_engine
+from vaswani.inference import cpu_packs_linear_weights
 from vaswani.loading import load_engine
 from vaswani.translation import translate as translate_with
 
@@ -188,7 +189,8 @@ def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_
     assert engine_lines == [f"engine: CTranslate2 float32 on cpu, the cached export of {path} "
                             f"({load_default_engine(str(path), device='cpu').path})"]
     pytorch_lines = [line for line in pytorch.err.splitlines() if line.startswith("engine: ")]
-    assert pytorch_lines == ["engine: PyTorch float32 on cpu"]
+    packed = " with oneDNN-packed linear layers" if cpu_packs_linear_weights() else ""
+    assert pytorch_lines == [f"engine: PyTorch float32{packed} on cpu"]
     assert exported.out == pytorch.out and exported.out.count("\n") == len(SOURCES)
 
 

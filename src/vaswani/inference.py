@@ -23,6 +23,7 @@ import ctypes.util
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -48,6 +49,91 @@ def compile_for_generation(model: nn.Module) -> nn.Module:
     model.generation_config.cache_implementation = "static"
     model.generation_config.disable_compile = True  # ours below covers beam search too
     model.forward = torch.compile(model.forward, fullgraph=True)
+    return model
+
+
+# oneDNN's linear operators, as torch's inductor calls them for frozen CPU models: private, and the only ones that take a
+# weight laid out once in oneDNN's blocked format. `check_packing_operators` names them if a release changes them.
+PACKING_OPERATORS = {"_reorder_linear_weight": ("self", "batch_size"),
+                     "_linear_pointwise": ("X", "W", "B", "attr", "scalars", "algorithm")}
+
+
+def check_packing_operators() -> list[str]:
+    """The oneDNN operators `PackedLinear` calls that this torch lacks or has changed (empty: all as expected)."""
+    problems = []
+    for name, arguments in PACKING_OPERATORS.items():
+        try:
+            schema = getattr(torch.ops.mkldnn, name).default._schema
+        except (AttributeError, RuntimeError):
+            problems.append(f"torch.ops.mkldnn.{name} is missing")
+            continue
+        if tuple(argument.name for argument in schema.arguments) != arguments:
+            problems.append(f"torch.ops.mkldnn.{name} now takes {schema}")
+    return problems
+
+
+def cpu_packs_linear_weights() -> bool:
+    """Whether this torch can run `PackedLinear`'s oneDNN path (built with oneDNN, the operators as expected)."""
+    return torch.backends.mkldnn.is_available() and not check_packing_operators()
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` for fp32 inference on a CPU that multiplies with oneDNN, its weight laid out once in oneDNN's
+    blocked format instead of at every call.
+
+    torch's fp32 `F.linear` on a CPU calls MKL's sgemm, which multiplies the decoding step's small matrices (tens to
+    hundreds of rows) more slowly than oneDNN given a pre-laid-out weight: the output projection most of all, and
+    it is the largest product of a step. What a translation gains is in benchmarks/results/README.md ("CPU linear
+    layers"). oneDNN's result rows also do not depend on how many rows a call has (MKL's single-row path rounds
+    otherwise), so a sentence's numbers stay the same as finished sentences leave the batch.
+
+    `weight` and `bias` stay the layer's own parameters (the same objects: the state dict, tied weights and
+    `save_pretrained` are unchanged). The laid-out copy is made again whenever the weight changes (in place, or
+    replaced), so it never goes stale. Where oneDNN is not the path (another device or dtype, or autograd through
+    the layer) the layer is `F.linear`, exactly.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self._packed, self._packed_from = None, None
+
+    def _packed_weight(self) -> torch.Tensor:
+        weight = self.weight
+        source = (weight.data_ptr(), weight._version)
+        if source != self._packed_from:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._packed_from = source
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
+                or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return F.linear(x, weight, self.bias)
+        rows = x.reshape(-1, self.in_features).contiguous()  # (tokens, in_features)
+        bias = None if self.bias is None else self.bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight(), bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def __getstate__(self):
+        # oneDNN's laid-out tensor has no storage to copy or pickle; a copy lays its weight out again when first called.
+        return {**self.__dict__, "_packed": None, "_packed_from": None}
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_for_cpu(model: nn.Module) -> nn.Module:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear`, in place; return `model`. Where this torch has no
+    oneDNN path (`cpu_packs_linear_weights`), nothing changes."""
+    if not cpu_packs_linear_weights():
+        return model
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear:
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, PackedLinear(module))
     return model
 
 

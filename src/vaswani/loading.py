@@ -32,7 +32,7 @@ from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .files import read_json_object
 from .generation_vaswani import runs_as
-from .inference import keep_freed_cpu_memory, quantize_for_cpu
+from .inference import keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
@@ -207,7 +207,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     `dtype`: a torch dtype, or a name that `choose_dtype` decides ("auto" or None, "float32", "bfloat16"), "auto"
     from the model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
     generation_config). With `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory
-    reused). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice
+    reused); otherwise fp32 weights on a CPU multiply with oneDNN, laid out once (`vaswani.inference.pack_for_cpu`). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice
     for the device (on a GPU "graphs", elsewhere the model's default: `generation_vaswani`'s lean loop on a CPU),
     "lean" the lean loop on any device (the same outputs as transformers' loop), "graphs" the lean loop with
     `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU), "transformers" transformers' own
@@ -256,6 +256,8 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     if int8:
         model = quantize_for_cpu(model)
         keep_freed_cpu_memory()
+    elif runs_as(device) == "cpu" and model.dtype == torch.float32:
+        model = pack_for_cpu(model)
     decoding = decoding_loop(decoding, device)
     if decoding == "graphs":
         model = use_lean_decoding(model, cuda_graphs=True)

@@ -220,8 +220,10 @@ class TorchEngine:
     @property
     def description(self) -> str:
         """Which engine this is, for the one line a run logs."""
-        int8 = any(type(module).__name__ == "Int8Linear" for module in self.model.modules())
-        return (f"PyTorch {self.decoding.precision}{' with int8 linear layers' if int8 else ''} on "
+        kinds = {type(module).__name__ for module in self.model.modules()}
+        linear = (" with int8 linear layers" if "Int8Linear" in kinds
+                  else " with oneDNN-packed linear layers" if "PackedLinear" in kinds else "")
+        return (f"PyTorch {self.decoding.precision}{linear} on "
                 f"{self.model.device}{f', {self.slots} slots' if self.continuous else ''}")
 
     @property
