@@ -29,7 +29,7 @@ from torch import nn
 from vaswani.convert import to_marian
 from vaswani.export import export_to_ctranslate2
 from vaswani.slots import decode_in_slots
-from vaswani.inference import PackedLinear, compile_for_generation, keep_freed_cpu_memory
+from vaswani.inference import PackedLinear, compile_for_generation
 from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
@@ -91,10 +91,8 @@ class LocalEngine:
     """An engine in this process with what `measure` asks of it: timed translations (token ids), the peak memory of
     one."""
 
-    def __init__(self, name, model_dir, device_name, threads, attention_kernel, ct2_dir, keep_freed_memory):
+    def __init__(self, name, model_dir, device_name, threads, attention_kernel, ct2_dir):
         self.device = pick_device(device_name, threads)
-        if keep_freed_memory and not keep_freed_cpu_memory():
-            raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
         self.engine, self.load_mib = loaded(self.device, lambda: build_engine(name, model_dir, self.device, ct2_dir))
         self.name, self.ct2 = name, isinstance(self.engine, CTranslate2Engine)
         # None for CTranslate2 and int8 (whose weights are buffers): the fp32 rows of the same weights count them.
@@ -212,8 +210,8 @@ def run(args: argparse.Namespace, argv) -> Path:
             model_dir = args.model or random_checkpoint(size, tokenizer, args.seed, Path(workdir) / size)
             start = LocalEngine if args.same_process else EngineProcess
             engines = {name: start(name=name, model_dir=model_dir, device_name=args.device, threads=args.threads,
-                                   attention_kernel=args.sdpa_backend, ct2_dir=Path(workdir) / f"{size}-ct2",
-                                   keep_freed_memory=args.keep_freed_memory) for name in names}
+                                   attention_kernel=args.sdpa_backend, ct2_dir=Path(workdir) / f"{size}-ct2")
+                       for name in names}
             for batch_size in args.batch_sizes:
                 chosen = source_ids
                 if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
@@ -359,14 +357,15 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
         f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",
         ("Each engine in a process of its own. " if not args.same_process else "All engines in one process. ")
-        + ("Every PyTorch engine with keep_freed_cpu_memory(). " if args.keep_freed_memory else "")
+        + ("On a CPU, load_engine's keep_freed_cpu_memory() holds in every PyTorch engine's process, Marian's "
+           "included. " if device.device.type == "cpu" else "")
         + "Memory: load = resident memory the engine added; work = peak added while translating the longest batch; "
         "peak = load + work (on CPU, process RSS and VmHWM increments).",
     ]
     if any(name.startswith("vaswani-") and "int8" in name.split("-") for name in names):
         notes.append("int8 = load_engine(int8=True): vaswani.inference.quantize_for_cpu (every nn.Linear, the output "
                      "projection included, int8 weights with a scale per output row, activations quantized per row "
-                     "at each call) and keep_freed_cpu_memory().")
+                     "at each call).")
     if any("slots" in name.split("-") for name in names):
         notes.append("slots = vaswani.slots.decode_in_slots, a slot per batch row: one call per repeat over all "
                      "sentences; its memory is that of the longest batch decoded in slots alone.")
@@ -394,8 +393,6 @@ def build_parser() -> argparse.ArgumentParser:
         "of sentence (needs --model) / exactly --new_tokens; default: eos,forced with --model, else forced")
     add("--max_new_tokens", type=int, default=128, help="at most this many new tokens in the eos rows (the limit of "
         "the README's committed rows)")
-    add("--keep_freed_memory", action="store_true", help="vaswani.inference.keep_freed_cpu_memory() in every "
-        "engine's process, Marian's included (the int8 engines apply it anyway)")
     add("--keep_going", action="store_true", help="leave out an engine that fails (an error, or its process dies), "
         "named in the report's notes, and go on with the others (for unattended GPU runs)")
     add("--same_process", action="store_true", help="every engine in this one process instead of one process each "

@@ -1,7 +1,7 @@
 """fp32 CPU inference through oneDNN with weights laid out once (`vaswani.inference.pack_for_cpu`, which
-`load_engine` applies to an fp32 model on a CPU): the same parameters and translations as the plain model, a row's
-numbers independent of its batch, a copy that never goes stale, and a decoding step that multiplies with the
-laid-out weights and never lays them out again."""
+`load_engine` applies to an fp32 model on a CPU, beside reusing freed memory): the same parameters and translations
+as the plain model, a row's numbers independent of its batch, a copy that never goes stale, and a decoding step that
+multiplies with the laid-out weights and never lays them out again."""
 
 import copy
 import pickle
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny_translation_model import SOURCES
-from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, generation_vaswani
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, generation_vaswani, loading
 from vaswani.inference import PackedLinear, check_packing_operators, cpu_packs_linear_weights, pack_for_cpu
 from vaswani.loading import load_engine
 
@@ -119,15 +119,18 @@ def test_a_decoding_step_multiplies_with_the_laid_out_weights_only(trained):
     assert not {"aten.mm", "aten.addmm", "aten.linear"} & seen.calls.keys(), seen.calls
 
 
-def test_load_engine_packs_fp32_weights_on_a_cpu_only(checkpoint, monkeypatch):
+def test_load_engine_packs_fp32_weights_and_reuses_freed_memory_on_a_cpu_only(checkpoint, monkeypatch):
+    kept = []  # the real call would change this test process' malloc for good
+    monkeypatch.setattr(loading, "keep_freed_cpu_memory", lambda: kept.append(True) or True)
     engine = load_engine(str(checkpoint), device="cpu", dtype="float32")
-    assert linears(engine.model, nn.Linear) == [] and "oneDNN-packed" in engine.description
+    assert linears(engine.model, nn.Linear) == [] and "oneDNN-packed" in engine.description and kept == [True]
     for options in (dict(dtype="bfloat16"), dict(int8=True)):
         engine = load_engine(str(checkpoint), device="cpu", **options)
         assert not linears(engine.model, PackedLinear) and "oneDNN" not in engine.description, options
+    assert kept == [True] * 3
     monkeypatch.setattr(generation_vaswani, "rehearsing_cuda", True)  # a GPU multiplies with its own kernels
     engine = load_engine(str(checkpoint), device="cpu", dtype="float32")
-    assert not linears(engine.model, PackedLinear)
+    assert not linears(engine.model, PackedLinear) and kept == [True] * 3
 
 
 def test_a_model_without_the_operators_is_left_as_it_was(monkeypatch):

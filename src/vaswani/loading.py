@@ -206,8 +206,10 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
 
     `dtype`: a torch dtype, or a name that `choose_dtype` decides ("auto" or None, "float32", "bfloat16"), "auto"
     from the model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
-    generation_config). With `int8`, the CPU decoding path of `vaswani.inference` (int8 linear layers, freed memory
-    reused); otherwise fp32 weights on a CPU multiply with oneDNN, laid out once (`vaswani.inference.pack_for_cpu`). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice
+    generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise
+    fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused, process-wide
+    (`keep_freed_cpu_memory`). Both decoded faster with the same translations
+    (benchmarks/results/README.md, "CPU linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice
     for the device (on a GPU "graphs", elsewhere the model's default: `generation_vaswani`'s lean loop on a CPU),
     "lean" the lean loop on any device (the same outputs as transformers' loop), "graphs" the lean loop with
     `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU), "transformers" transformers' own
@@ -255,9 +257,10 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     model = model.to(device).eval()
     if int8:
         model = quantize_for_cpu(model)
-        keep_freed_cpu_memory()
     elif runs_as(device) == "cpu" and model.dtype == torch.float32:
         model = pack_for_cpu(model)
+    if runs_as(device) == "cpu":
+        keep_freed_cpu_memory()
     decoding = decoding_loop(decoding, device)
     if decoding == "graphs":
         model = use_lean_decoding(model, cuda_graphs=True)
