@@ -128,8 +128,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
 
     `ctranslate2`: True, CTranslate2 decodes the export in `model_dir` (`model.bin`); False, the PyTorch checkpoint
     decodes; None (the default), whichever `model_dir` holds. `export_of`: the checkpoint that `model_dir` is the
-    cached export of (`vaswani.export.load_default_engine`, which also decides when a checkpoint's export decodes
-    instead of the checkpoint), named in the engine's description and its truncation warning.
+    cached export of (`vaswani.export.load_default_engine`, which makes it when asked to decode a checkpoint with
+    CTranslate2), named in the engine's description and its truncation warning.
 
     `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
     `int8`, `decoding` and `attn_implementation` as `load_translator` takes them, `slots` as `TorchEngine` does; for
