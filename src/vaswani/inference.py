@@ -84,8 +84,8 @@ class PackedLinear(nn.Module):
     torch's fp32 `F.linear` on a CPU calls MKL's sgemm, which multiplies the decoding step's small matrices (tens to
     hundreds of rows) more slowly than oneDNN given a pre-laid-out weight: the output projection most of all, and
     it is the largest product of a step. What a translation gains is in benchmarks/results/README.md ("CPU linear
-    layers"). oneDNN's result rows also do not depend on how many rows a call has (MKL's single-row path rounds
-    otherwise), so a sentence's numbers stay the same as finished sentences leave the batch.
+    layers"). The sums run in another order than MKL's, so the last bits of a result differ; and, as with MKL, they
+    may depend on how many rows a call has (with torch 2.11's oneDNN on AVX2 they do, with 2.15's they did not).
 
     `weight` and `bias` stay the layer's own parameters (the same objects: the state dict, tied weights and
     `save_pretrained` are unchanged). The laid-out copy is made again whenever the weight changes (in place, or
