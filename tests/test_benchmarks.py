@@ -470,7 +470,7 @@ def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
     from vaswani.translation import translate
 
     bench = load("bench_translation")
-    engine = bench.LocalEngine(name, _tiny_checkpoint(tmp_path), "cpu", 1, None, tmp_path / "ct2", False)
+    engine = bench.LocalEngine(name, _tiny_checkpoint(tmp_path), "cpu", 1, None, tmp_path / "ct2")
     tokenizer = engine.engine.tokenizer
     encoded = tokenizer(SOURCES)["input_ids"]
     batch = [encoded[i] for i in sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)]
@@ -493,7 +493,7 @@ def test_benchmark_int8_engine_is_the_loaders_int8_path(tmp_path):
     from vaswani.inference import Int8Linear
 
     engine = load("bench_translation").LocalEngine("vaswani-int8", _tiny_checkpoint(tmp_path), "cpu", 1, None,
-                                                   tmp_path / "ct2", False)
+                                                   tmp_path / "ct2")
     model = engine.engine.model
     assert [name for name, module in model.named_modules() if type(module) is torch.nn.Linear] == []
     assert isinstance(model.lm_head, Int8Linear)
