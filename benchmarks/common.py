@@ -407,7 +407,7 @@ def attention_ran(encode: Callable[[], object]) -> dict:
 
     with Seen():  # with gradients, as a training step chooses its kernels
         encode()
-    return {"attention": ",".join(sorted(kernels)), "dtype": ",".join(sorted(dtypes)), "linear": ",".join(sorted(linear))}
+    return {name: ",".join(sorted(seen)) for name, seen in (("attention", kernels), ("dtype", dtypes), ("linear", linear))}
 
 
 class WrongKernel(RuntimeError):

@@ -109,7 +109,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "the checkpoint's float32 export, made once and cached (rebuilt when the weights change). "
                         "--no-ctranslate2: the PyTorch checkpoint decodes. Default: an export decodes with "
                         "CTranslate2, a checkpoint with PyTorch, which decoded at least as fast as the checkpoint's "
-                        "float32 export on a CPU (benchmarks/results/README.md, \"CPU linear layers\")")
+                        "float32 export on a CPU at the scripts' thread count (benchmarks/results/README.md)")
     parser.add_argument("--compute_type", default="default",
                         help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--num_beams", type=positive_int, default=None,

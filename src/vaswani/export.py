@@ -140,7 +140,8 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
     `model_dir`, or a checkpoint's float32 export, made once and cached (`cached_export` in `cache_dir`, made again
     when the weights change); False, the PyTorch checkpoint; None (the default), whichever `model_dir` holds. A
     checkpoint decodes with PyTorch unless told otherwise: on a CPU its fp32 engine decoded at least as fast as its
-    CTranslate2 float32 export, with the same translations (benchmarks/results/README.md, "CPU linear layers").
+    CTranslate2 float32 export at the scripts' thread count, with the same translations (benchmarks/results/README.md,
+    "A checkpoint's CTranslate2 float32 export by default").
     `options`: `load_engine`'s."""
     device = choose_device(device)
     if ctranslate2 and not os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS)):

@@ -1,6 +1,7 @@
-"""Opt-in fast decoding paths: `compile_for_generation(model)` (a static KV cache and a compiled decoding step, for any
-device and decoding method) and, for CPUs, int8 weights with `quantize_for_cpu(model)` and a malloc that reuses
-freed memory, `keep_freed_cpu_memory()`.
+"""Fast decoding paths: `compile_for_generation(model)` (a static KV cache and a compiled decoding step, for any
+device and decoding method, opt-in) and, for CPUs, fp32 linear layers through oneDNN with weights laid out once,
+`pack_for_cpu(model)`, and a malloc that reuses freed memory, `keep_freed_cpu_memory()` (both applied by
+`vaswani.loading` to every CPU engine), and int8 weights with `quantize_for_cpu(model)`.
 
 Why: on a CPU, `generate()` is bound by fp32 matrix multiplications — the linear layers and the vocabulary-sized
 output projection take most of its time (benchmarks/results/profile-cpu.md). `quantize_for_cpu` stores every
@@ -52,8 +53,8 @@ def compile_for_generation(model: nn.Module) -> nn.Module:
     return model
 
 
-# oneDNN's linear operators, as torch's inductor calls them for frozen CPU models: private, and the only ones that take a
-# weight laid out once in oneDNN's blocked format. `check_packing_operators` names them if a release changes them.
+# oneDNN's linear operators, as torch's inductor calls them for frozen CPU models: private, and the only ones that take
+# a weight laid out once in oneDNN's blocked format. `check_packing_operators` names them if a release changes them.
 PACKING_OPERATORS = {"_reorder_linear_weight": ("self", "batch_size"),
                      "_linear_pointwise": ("X", "W", "B", "attr", "scalars", "algorithm")}
 
@@ -109,8 +110,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
-                or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        on_cpu = x.device.type == weight.device.type == "cpu"
+        if training or not on_cpu or {x.dtype, weight.dtype} != {torch.float32}:
             return F.linear(x, weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous()  # (tokens, in_features)
         bias = None if self.bias is None else self.bias.detach()

@@ -208,12 +208,12 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     from the model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
     generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise
     fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused, process-wide
-    (`keep_freed_cpu_memory`). Both decoded faster with the same translations
-    (benchmarks/results/README.md, "CPU linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice
-    for the device (on a GPU "graphs", elsewhere the model's default: `generation_vaswani`'s lean loop on a CPU),
-    "lean" the lean loop on any device (the same outputs as transformers' loop), "graphs" the lean loop with
-    `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU), "transformers" transformers' own
-    loop (`lean_decoding=False`). The checks are the module docstring's.
+    (`keep_freed_cpu_memory`). Both decoded faster with the same translations (benchmarks/results/README.md, "CPU
+    linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`):
+    "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs", elsewhere the model's default:
+    `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the same outputs as transformers'
+    loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU),
+    "transformers" transformers' own loop (`lean_decoding=False`). The checks are the module docstring's.
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 
