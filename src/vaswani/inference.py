@@ -109,13 +109,12 @@ class PackedLinear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        weight, bias = self.weight, self.bias
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         on_cpu = x.device.type == weight.device.type == "cpu"
         if training or not on_cpu or {x.dtype, weight.dtype} != {torch.float32}:
-            return F.linear(x, weight, self.bias)
+            return F.linear(x, weight, bias)
         rows = x.reshape(-1, self.in_features).contiguous()  # (tokens, in_features)
-        bias = None if self.bias is None else self.bias.detach()
         out = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight(), bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
