@@ -29,7 +29,7 @@ from torch import nn
 from vaswani.convert import to_marian
 from vaswani.export import export_to_ctranslate2
 from vaswani.slots import decode_in_slots
-from vaswani.inference import PackedLinear, compile_for_generation
+from vaswani.inference import PackedLinear, compile_for_generation, replace_modules
 from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
@@ -76,15 +76,17 @@ def build_engine(name: str, model_dir: str, device, ct2_dir: Path):
     if base == "marian":  # the same engine and settings, running the MarianMTModel that computes the same function
         engine.model = to_marian(engine.model).to(engine.model.device, engine.model.dtype)
     if "unpacked" in options:
-        for path, module in list(engine.model.named_modules()):
-            if isinstance(module, PackedLinear):
-                linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-                linear.weight, linear.bias = module.weight, module.bias
-                parent, _, attribute = path.rpartition(".")
-                setattr(engine.model.get_submodule(parent), attribute, linear)
+        replace_modules(engine.model, PackedLinear, _plain_linear)
     if "compiled" in options:
         engine.model = compile_for_generation(engine.model)
     return engine
+
+
+def _plain_linear(packed: PackedLinear) -> nn.Linear:
+    """The `nn.Linear` of a `PackedLinear`'s own parameters."""
+    linear = nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None, device="meta")
+    linear.weight, linear.bias = packed.weight, packed.bias
+    return linear
 
 
 class LocalEngine:
@@ -109,8 +111,7 @@ class LocalEngine:
         eager = model.config._attn_implementation == "eager"
         kernels = {self.attention_kernel} if self.attention_kernel else {"eager"} if eager else set(SDPA_BACKENDS)
         packed = any(isinstance(module, PackedLinear) for module in model.modules())
-        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."),
-                  "aten" if "unpacked" in self.name.split("-") or not packed else "onednn-packed")
+        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."), "onednn-packed" if packed else "aten")
         return ran
 
     def translate(self, batch, beams, new_tokens, stop_at_eos, slots=None) -> list[list[int]]:

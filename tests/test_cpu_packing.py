@@ -14,7 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny_translation_model import SOURCES
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, generation_vaswani, loading
-from vaswani.inference import PackedLinear, check_packing_operators, cpu_packs_linear_weights, pack_for_cpu
+from vaswani.inference import (
+    PackedLinear, check_packing_operators, compile_for_generation, cpu_packs_linear_weights, pack_for_cpu,
+)
 from vaswani.loading import load_engine
 
 pytestmark = pytest.mark.skipif(not cpu_packs_linear_weights(), reason="this torch has no oneDNN linear path")
@@ -127,3 +129,15 @@ def test_a_model_without_the_operators_is_left_as_it_was(monkeypatch):
     monkeypatch.setattr(inference, "check_packing_operators", lambda: ["torch.ops.mkldnn._linear_pointwise is missing"])
     model = VaswaniForConditionalGeneration(VaswaniConfig.tiny(vocab_size=32))
     assert linears(pack_for_cpu(model), PackedLinear) == []
+
+
+def test_a_packed_model_compiles_as_the_plain_one_does(trained):
+    """`compile_for_generation` on an engine's packed model: Dynamo cannot trace oneDNN's laid-out copy, so under
+    torch.compile the layers are `F.linear`, and inductor decodes what the eager model decodes."""
+    model, tokenizer = trained
+    batch = tokenizer(SOURCES[:2], return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        expected = model.generate(**batch, num_beams=1, max_new_tokens=6)
+    compiled = compile_for_generation(pack_for_cpu(copy.deepcopy(model)))
+    with torch.inference_mode():
+        assert torch.equal(compiled.generate(**batch, num_beams=1, max_new_tokens=6), expected)

@@ -90,8 +90,8 @@ class PackedLinear(nn.Module):
 
     `weight` and `bias` stay the layer's own parameters (the same objects: the state dict, tied weights and
     `save_pretrained` are unchanged). The laid-out copy is made again whenever the weight changes (in place, or
-    replaced), so it never goes stale. Where oneDNN is not the path (another device or dtype, or autograd through
-    the layer) the layer is `F.linear`, exactly.
+    replaced), so it never goes stale. Where oneDNN is not the path (another device or dtype, autograd through the
+    layer, or torch.compile) the layer is `F.linear`, exactly.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -112,7 +112,9 @@ class PackedLinear(nn.Module):
         weight, bias = self.weight, self.bias
         training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         on_cpu = x.device.type == weight.device.type == "cpu"
-        if training or not on_cpu or {x.dtype, weight.dtype} != {torch.float32}:
+        # Under torch.compile, inductor chooses the kernels (and lays CPU weights out itself when it freezes them);
+        # Dynamo cannot trace the laid-out copy.
+        if training or not on_cpu or {x.dtype, weight.dtype} != {torch.float32} or torch.compiler.is_compiling():
             return F.linear(x, weight, bias)
         rows = x.reshape(-1, self.in_features).contiguous()  # (tokens, in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight(), bias, "none", [], "")
@@ -129,13 +131,17 @@ class PackedLinear(nn.Module):
 def pack_for_cpu(model: nn.Module) -> nn.Module:
     """Replace every `nn.Linear` of `model` by a `PackedLinear`, in place; return `model`. Where this torch has no
     oneDNN path (`cpu_packs_linear_weights`), nothing changes."""
-    if not cpu_packs_linear_weights():
-        return model
-    for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear:
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent), attribute, PackedLinear(module))
+    if cpu_packs_linear_weights():
+        replace_modules(model, nn.Linear, PackedLinear)
     return model
+
+
+def replace_modules(model: nn.Module, kind: type, make) -> None:
+    """Replace every module of `model` whose type is exactly `kind` by `make(module)`, in place."""
+    for name, module in list(model.named_modules()):
+        if type(module) is kind:
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, make(module))
 
 
 def keep_freed_cpu_memory(largest_block_mib: int | None = 32) -> bool:
@@ -245,13 +251,10 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
     if dtypes != {torch.float32}:
         raise ValueError(f"int8 quantization starts from fp32 weights, but the model's are {sorted(map(str, dtypes))}; "
                          "load it in fp32 (model.float()).")
-    linears = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
     with warnings.catch_warnings():
         # torch marks its quantized-tensor functions deprecated in favour of torchao, whose eager int8 kernels measured
         # slower (above); these still run, so silence only their notice.
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
                                 category=UserWarning)
-        for name, linear in linears:
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent), attribute, Int8Linear(linear))
+        replace_modules(model, nn.Linear, Int8Linear)
     return model.eval()

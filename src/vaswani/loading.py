@@ -255,11 +255,12 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
                          "weights in their place. Use the checkpoint's own directory, or re-save it.")
     check_tokenizer_fits(model, tokenizer)
     model = model.to(device).eval()
+    on_cpu = runs_as(device) == "cpu"
     if int8:
         model = quantize_for_cpu(model)
-    elif runs_as(device) == "cpu" and model.dtype == torch.float32:
+    elif on_cpu and model.dtype == torch.float32:
         model = pack_for_cpu(model)
-    if runs_as(device) == "cpu":
+    if on_cpu:
         keep_freed_cpu_memory()
     decoding = decoding_loop(decoding, device)
     if decoding == "graphs":
