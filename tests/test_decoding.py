@@ -225,3 +225,19 @@ def test_finished_sentences_leave_the_batch(trained, monkeypatch, num_beams):
     reference, lean = generate_both(model, batch, num_beams=num_beams)
     assert torch.equal(reference, lean)
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(SENTENCES)
+
+
+@pytest.mark.parametrize("search", [dict(num_beams=4), dict(num_beams=3, no_repeat_ngram_size=2)],
+                         ids=["beams", "beams-with-a-logits-processor"])
+def test_beam_searchs_first_step_decodes_one_row_per_sentence(trained, monkeypatch, search):
+    """Item 4 of generation_vaswani: the beams start as copies of one prompt, so the first step decodes a row per
+    sentence and every later step a row per beam; the outputs stay generate()'s."""
+    model, tokenizer = trained
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    rows = []
+    original = generation_vaswani._next_token_logits
+    monkeypatch.setattr(generation_vaswani, "_next_token_logits",
+                        lambda model, tokens, *state: rows.append(len(tokens)) or original(model, tokens, *state))
+    reference, lean = generate_both(model, batch, **search)
+    assert torch.equal(reference, lean)
+    assert rows[0] == len(SENTENCES) and rows[1] == len(SENTENCES) * search["num_beams"], rows

@@ -39,7 +39,9 @@ multiplications are int8 (benchmarks/README.md):
    sentence here).
 4. Beam search keeps one copy of each source encoding, not one per beam (generate() repeats it): the model's
    cross-attention then attends with all of a sentence's beams at once (`VaswaniAttention`), and the
-   cross-attention keys/values are projected and cached once per sentence instead of once per beam.
+   cross-attention keys/values are projected and cached once per sentence instead of once per beam. The first step
+   decodes one row per sentence too: a sentence's beams start as copies of one prompt, so their log-probabilities
+   are one row's, repeated; the self-attention cache grows to a row per beam when it is first reordered.
 5. Finished sentences leave the batch. transformers decodes every row until the whole batch stops; here a greedy
    row leaves once it has stopped (it gets padding from then on, as in transformers), and a beam-search sentence
    leaves once transformers' own early-stopping test says no later step can change its finished hypotheses (that
@@ -635,15 +637,17 @@ def _beam(model, input_ids, state, logits_processor, stopping_criteria, generati
     final_sequences, final_beam_indices = beams.sequences.clone(), beams.beam_indices.clone()
     live = torch.arange(beams.sequences.shape[0], device=input_ids.device)
 
-    new_tokens = input_ids
+    new_tokens, first_step = input_ids[::num_beams], True  # the beams' prompts are copies (4 in the module docstring)
     while True:
         log_probs = torch.log_softmax(_next_token_logits(model, new_tokens, *state).float(), dim=-1)  # (B·N, vocab)
+        if first_step:  # (B, vocab) → (B·N, vocab)
+            log_probs = log_probs.repeat_interleave(num_beams, dim=0)
         if logits_processor:
             rows = log_probs.shape[0]
             log_probs = logits_processor(beams.running_sequences[:, :, :cur_len].reshape(rows, cur_len), log_probs)
         beams, hits_stop, parent_rows = _advance(model, log_probs, beams, cur_len, stopping_criteria, settings)
-        model._reorder_cache(state[2], parent_rows)
-        cur_len += 1
+        model._reorder_cache(state[2], parent_rows // num_beams if first_step else parent_rows)
+        cur_len, first_step = cur_len + 1, False
         if not Upstream.has_unfinished_sentences(model, beams.improvable, beams.is_sent_finished, hits_stop,
                                                   settings.early_stopping):
             break

@@ -116,9 +116,7 @@ class PackedLinear(nn.Module):
         # Dynamo cannot trace the laid-out copy.
         if training or not on_cpu or {x.dtype, weight.dtype} != {torch.float32} or torch.compiler.is_compiling():
             return F.linear(x, weight, bias)
-        rows = x.reshape(-1, self.in_features).contiguous()  # (tokens, in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight(), bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")  # (..., out_features)
 
     def __getstate__(self):
         # oneDNN's laid-out tensor has no storage to copy or pickle; a copy lays its weight out again when first called.
