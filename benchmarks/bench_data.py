@@ -28,16 +28,15 @@ from pathlib import Path
 
 import psutil  # accelerate's dependency
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report  # noqa: E402
+from vaswani.corpus import read_parallel_tsv, resolve_corpus_path
 
-from vaswani.corpus import read_parallel_tsv, resolve_corpus_path  # noqa: E402
+from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"
 # The main job's batches; max_steps only bounds a run that is not stopped.
-TRAINING_ARGUMENTS = ["--max_tokens_per_batch", "1000", "--max_steps", "3",
-                      "--logging_steps", "1", "--disable_tqdm", "true", "--eval_strategy", "no", "--save_strategy", "no",
-                      "--report_to", "none", "--log_level", "info", "--use_cpu", "--seed", "0"]
+TRAINING_ARGUMENTS = ["--max_tokens_per_batch", "1000", "--max_steps", "3", "--logging_steps", "1", "--disable_tqdm",
+                      "true", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--log_level",
+                      "info", "--use_cpu", "--seed", "0"]
 # Log lines that end a stage, as (stage, pattern); the first match's time is recorded.
 STAGES = [("read", re.compile(r"\[vaswani\.corpus\] Read |\[vaswani\.data\] Reusing .*read earlier")),
           ("tokenizer", re.compile(r"\[vaswani\.tokenization\] (Tokenizing|Reusing the tokenized)")),
@@ -59,34 +58,25 @@ def build_stand_in_corpus(path: Path, pairs: int, seed: int = 0, source: Path | 
     return path
 
 
-def process_tree(root: int) -> list[int]:
-    with contextlib.suppress(psutil.Error):
-        return [root, *(child.pid for child in psutil.Process(root).children(recursive=True))]
-    return []
-
-
-def cpu_seconds_of(pids: list[int]) -> float:
-    """CPU time of `pids` and of the children they have reaped (user + system)."""
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            total += sum(psutil.Process(pid).cpu_times()[:4])  # user, system, children_user, children_system
-    return total
-
-
-def memory_of(pids: list[int]) -> dict[str, float]:
-    """Summed proportional set sizes (bytes) of `pids`, by kind, and the largest single resident set."""
-    total = {"anon": 0.0, "file": 0.0, "largest_rss": 0.0}
+def sample_tree(root: int) -> tuple[float, dict[str, float]]:
+    """CPU seconds of the process tree under `root` (user + system, the children it has reaped included), and its
+    memory: summed proportional set sizes (bytes) by kind, and the largest single resident set."""
+    cpu, memory = 0.0, {"anon": 0.0, "file": 0.0, "largest_rss": 0.0}
+    try:
+        pids = [root, *(child.pid for child in psutil.Process(root).children(recursive=True))]
+    except psutil.Error:
+        return cpu, memory
     for pid in pids:
         try:
+            cpu += sum(psutil.Process(pid).cpu_times()[:4])  # user, system, children_user, children_system
             fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
-        except (OSError, ValueError):
+        except (psutil.Error, OSError, ValueError):
             continue
         kib = {name: float(value.split()[0]) * 1024 for name, value in fields.items()}
-        total["anon"] += kib.get("Pss_Anon", 0.0) + kib.get("Pss_Shmem", 0.0)
-        total["file"] += kib.get("Pss_File", 0.0)
-        total["largest_rss"] = max(total["largest_rss"], kib.get("Rss", 0.0))
-    return total
+        memory["anon"] += kib.get("Pss_Anon", 0.0) + kib.get("Pss_Shmem", 0.0)
+        memory["file"] += kib.get("Pss_File", 0.0)
+        memory["largest_rss"] = max(memory["largest_rss"], kib.get("Rss", 0.0))
+    return cpu, memory
 
 
 def measure(command: list[str], env: dict, timeout: float, cache_dir: Path) -> dict:
@@ -112,12 +102,11 @@ def measure(command: list[str], env: dict, timeout: float, cache_dir: Path) -> d
     by_stage = {stage: 0.0 for stage, _ in STAGES}  # the peak anon memory while each stage was under way
     cpu, loads = 0.0, []
     while process.poll() is None and "first_step" not in times and time.monotonic() - start < timeout:
-        tree = process_tree(process.pid)
-        sample = memory_of(tree)
+        tree_cpu, sample = sample_tree(process.pid)
         peak = {key: max(peak[key], sample[key]) for key in peak}
         under_way = next((stage for stage, _ in STAGES if stage not in times), STAGES[-1][0])
         by_stage[under_way] = max(by_stage[under_way], sample["anon"])
-        cpu = max(cpu, cpu_seconds_of(tree))
+        cpu = max(cpu, tree_cpu)
         loads.append(os.getloadavg()[0])
         time.sleep(0.2)
     if process.poll() is None:
@@ -130,12 +119,8 @@ def measure(command: list[str], env: dict, timeout: float, cache_dir: Path) -> d
             "peak_anon_gib": round(peak["anon"] / GIB, 2), "peak_file_gib": round(peak["file"] / GIB, 2),
             "peak_process_rss_gib": round(peak["largest_rss"] / GIB, 2), "load_before": round(load, 1),
             "peak_anon_by_stage_gib": " / ".join(f"{by_stage[stage] / GIB:.2f}" for stage, _ in STAGES),
-            "load_during": round(sum(loads) / max(len(loads), 1), 1), "cache_gib": round(disk_size(cache_dir) / GIB, 4)}
-
-
-def disk_size(directory: Path) -> int:
-    """Bytes of the files under `directory`."""
-    return sum(entry.stat().st_size for entry in directory.rglob("*") if entry.is_file())
+            "load_during": round(sum(loads) / max(len(loads), 1), 1),
+            "cache_gib": round(sum(file.stat().st_size for file in cache_dir.rglob("*") if file.is_file()) / GIB, 4)}
 
 
 def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: Path, args) -> list[str]:
@@ -148,25 +133,21 @@ def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: 
             "29517", *arguments, "--ddp_backend", "gloo"]
 
 
-def count_lines(path: Path) -> int:
-    with gzip.open(path, "rb") as file:
-        return sum(block.count(b"\n") for block in iter(lambda: file.read(1 << 24), b""))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
-    parser.add_argument("--source", type=Path, default=None, help="the corpus they are drawn from (default: fra-eng)")
-    parser.add_argument("--corpus_dir", type=Path, default=Path("stand-in-corpora"))
-    parser.add_argument("--corpora", type=Path, nargs="*", default=[], help="measure on these corpus files")
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--workers", type=int, default=2, help="--preprocessing_num_workers")
-    parser.add_argument("--preset", default="small", help="the model trained (its size matters little here)")
-    parser.add_argument("--vocab_size", type=int, default=8000)
-    parser.add_argument("--work_dir", type=Path, default=Path("bench-data-work"),
-                        help="the cache and output directories of the measured runs (emptied before first runs)")
-    parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
+    add = parser.add_argument
+    add("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
+    add("--source", type=Path, default=None, help="the corpus they are drawn from (default: fra-eng)")
+    add("--corpus_dir", type=Path, default=Path("stand-in-corpora"))
+    add("--corpora", type=Path, nargs="*", default=[], help="measure on these corpus files")
+    add("--processes", type=int, nargs="+", default=[1, 2])
+    add("--workers", type=int, default=2, help="--preprocessing_num_workers")
+    add("--preset", default="small", help="the model trained (its size matters little here)")
+    add("--vocab_size", type=int, default=8000)
+    add("--work_dir", type=Path, default=Path("bench-data-work"),
+        help="the cache and output directories of the measured runs (emptied before first runs)")
+    add("--timeout", type=float, default=1800)
+    add("--notes", default=None, help="a sentence to add to the report's notes")
     add_result_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -177,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows, env = [], {**os.environ, "OMP_NUM_THREADS": "1"}
     for corpus in args.corpora:
-        pairs = count_lines(corpus)
+        with gzip.open(corpus, "rb") as file:
+            pairs = sum(block.count(b"\n") for block in iter(lambda: file.read(1 << 24), b""))
         for processes in args.processes:
             cache_dir = args.work_dir / "cache"
             shutil.rmtree(cache_dir, ignore_errors=True)

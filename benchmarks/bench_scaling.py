@@ -12,19 +12,17 @@ step), forward (the same without gradients: a prefill), decode (greedy steps wit
 import argparse
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, count_parameters, csv_of, pick_device, report,
-    resident_mib, sample_sentences, timed, sdpa_backend,
-)
+from vaswani import VaswaniConfig, VaswaniForCausalLM
+from vaswani.modeling_vaswani import CACHE_NAME  # the cache's name in this transformers release
 
-from vaswani import VaswaniConfig, VaswaniForCausalLM  # noqa: E402
-from vaswani.modeling_vaswani import CACHE_NAME  # noqa: E402  (the cache's name in this transformers release)
+from common import (
+    Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, csv_of, pick_device, report, resident_mib,
+    sample_sentences, timed, sdpa_backend,
+)
 
 
 def attention_name(config) -> str:
@@ -50,76 +48,12 @@ def token_stream(pairs, tokenizer, needed: int, seed: int) -> torch.Tensor:
     """Real text as one long id stream: sampled sentence pairs, English then French, each ending with </s>."""
     ids: list[int] = []
     sample = sample_sentences(pairs, len(pairs), seed)
-    chunk = 2000
-    for start in range(0, len(sample), chunk):
-        texts = [text for pair in sample[start : start + chunk] for text in pair]
+    for start in range(0, len(sample), 2000):  # a chunk at a time, until there are enough
+        texts = [text for pair in sample[start : start + 2000] for text in pair]
         ids.extend(token for row in tokenizer(texts)["input_ids"] for token in row)
         if len(ids) >= needed:
             break
-    repeats = -(-needed // len(ids))
-    return torch.tensor((ids * repeats)[:needed])
-
-
-def run(args: argparse.Namespace, argv) -> Path:
-    device = pick_device(args.device, args.threads)
-    batch_tokens = args.batch_tokens or (32768 if device.as_cuda else 2048)
-    corpus, pairs, tokenizer = corpus_and_tokenizer(args)
-    args.decode_batch = args.decode_batch or (8 if device.as_cuda else 1)
-    batch_of = {length: max(1, batch_tokens // length) for length in args.lengths}
-    per_step = max(max(batch_of[n] * n for n in args.lengths), args.decode_batch * max(args.lengths))
-    stream = token_stream(pairs, tokenizer, per_step * (1 + args.steps), args.seed)
-    peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
-
-    rows = []
-    for kv_heads in args.kv_heads:
-        config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=kv_heads,
-                                           dropout=0.0)
-        for mode in args.modes:
-            for length in args.lengths:
-                with sdpa_backend(args.sdpa_backend):
-                    row = measure(mode, config, length, batch_of[length], stream, args, device)
-                row.update(preset=args.preset, kv_heads=kv_heads, attention=attention_name(config), mode=mode, length=length)
-                if row.get("flops"):
-                    row["model_tflops_per_s"] = row["flops"] / row["seconds"] / 1e12
-                    row["mfu"] = row["flops"] / row["seconds"] / (peak_tflops * 1e12) if peak_tflops else None
-                rows.append(row)
-                print(_progress(row), flush=True)
-
-    cache_rows = [kv_cache_row(VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=k,
-                                                         dropout=0.0), device) for k in args.cache_kv_heads]
-    base = next((r["bytes_per_token"] for r in cache_rows if r["kv_heads"] == cache_rows[0]["num_heads"]), None)
-    for r in cache_rows:
-        r["vs_mha"] = r["bytes_per_token"] / base if base else None
-
-    settings = dict(batch_tokens=batch_tokens, sequences_per_batch=batch_of, peak_tflops=peak_tflops,
-                    corpus=str(corpus), vocab_size_actual=len(tokenizer))
-    config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer))
-    notes = [
-        f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
-        f"{config.num_attention_heads} query heads, {config.position_embedding_type} positions, "
-        f"{config.ffn_activation} FFN), vocabulary {len(tokenizer)}, dropout 0; only num_key_value_heads varies.",
-        f"Sequences are consecutive windows of the corpus' token stream (sentence pairs sampled with seed "
-        f"{args.seed}, English then French). train/forward: max(1, {batch_tokens} // length) sequences per step, "
-        f"{args.steps} timed step(s) after 1 warm-up; decode: batch {args.decode_batch}, {args.decode_tokens} "
-        "greedy steps with the KV cache after an untimed prefill of the prompt.",
-        "tokens/s: train/forward = tokens processed; decode = new tokens generated. Peak memory over the steps, less "
-        "the level before the model was built (CUDA: tensors; CPU: RSS): weights, optimizer state and KV cache.",
-        f"KV cache per token: measured on the cache after a forward pass (all layers, keys + values, in "
-        f"{str(device.dtype).removeprefix('torch.')}), = 2 · layers · kv_heads · head_dim · bytes.",
-        f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.as_cuda else 'fp32'}; "
-        "attention implementation: the transformers default (sdpa).",
-    ]
-    columns = [
-        Column("mode", "mode"), Column("attention", "attention"), Column("length", "length"), Column("batch", "batch"),
-        Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
-        Column("mfu", "MFU", "{:.1%}"), Column("peak_mib", "peak MiB", "{:.0f}"),
-        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"), Column("load_average", "load avg", "{:.1f}"),
-    ]
-    cache_columns = [Column("attention", "attention"), Column("kv_heads", "kv heads"),
-                     Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
-                     Column("kib_per_token", "KiB/token", "{:.1f}"), Column("vs_mha", "× MHA", "{:.3f}")]
-    return report(__file__, argv, args, device, "scaling", "Sequence-length scaling (decoder-only)", rows, columns,
-                  notes, settings, extra_tables=[("KV cache per token", cache_rows, cache_columns)])
+    return torch.tensor((ids * -(-needed // len(ids)))[:needed])  # repeated where the corpus is short
 
 
 def measure(mode, config, length, batch, stream, args, device) -> dict:
@@ -129,9 +63,9 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
     dtype = torch.float32 if train or not device.as_cuda else device.dtype
     model = VaswaniForCausalLM(config).to(device.device, dtype).train(train)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9) if train else None
-    autocast = torch.autocast(device.device.type, dtype=torch.bfloat16) if train and device.as_cuda else contextlib.nullcontext()
-    if mode == "decode":
-        batch = args.decode_batch
+    bf16 = train and device.as_cuda
+    autocast = torch.autocast(device.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    batch = args.decode_batch if mode == "decode" else batch
     windows = stream[: (1 + args.steps) * batch * length].view(1 + args.steps, batch, length).to(device.device)
 
     def train_step(ids):
@@ -171,8 +105,8 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
             if step:  # the first is the warm-up
                 seconds += elapsed
     new_tokens = batch * (args.decode_tokens if mode == "decode" else length) * args.steps
-    row = {"batch": batch, "parameters": count_parameters(model), "steps": args.steps, "seconds": seconds,
-           "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib, "kv_cache_mib": kv_mib,
+    row = {"batch": batch, "parameters": model.num_parameters(only_trainable=True), "steps": args.steps,
+           "seconds": seconds, "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib, "kv_cache_mib": kv_mib,
            "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
            "load_average": os.getloadavg()[0]}
     del model, optimizer
@@ -193,32 +127,82 @@ def kv_cache_row(config, device) -> dict:
             "num_heads": config.num_attention_heads, "bytes_per_token": measured, "kib_per_token": measured / 1024}
 
 
-def _progress(row: dict) -> str:
-    return (
-        f"{row['mode']:>7} {row['attention']:>14} length {row['length']:>5} batch {row['batch']:>4}: "
-        f"{row['tokens_per_s']:9.0f} tokens/s, peak {row['peak_mib'] or 0:.0f} MiB"
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser)
-    parser.add_argument("--preset", default="modern", help="VaswaniConfig preset of the decoder")
-    parser.add_argument("--kv_heads", type=csv_of(int), default=[8, 2], help="num_key_value_heads to time")
-    parser.add_argument("--cache_kv_heads", type=csv_of(int), default=[8, 2, 1], help="for the KV-cache table")
-    parser.add_argument("--modes", type=csv_of(str), default=["train", "forward", "decode"])
-    parser.add_argument("--lengths", type=csv_of(int), default=[64, 128, 256, 512, 1024, 2048, 4096])
-    parser.add_argument("--batch_tokens", type=int, default=None, help="tokens per train/forward step; default 32768 "
-                        "CUDA, 2048 CPU")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
-    parser.add_argument("--decode_batch", type=int, default=None, help="default 8 CUDA, 1 CPU")
-    parser.add_argument("--decode_tokens", type=int, default=32)
-    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU")
-    return parser
+    add = parser.add_argument
+    add("--preset", default="modern", help="VaswaniConfig preset of the decoder")
+    add("--kv_heads", type=csv_of(int), default=[8, 2], help="num_key_value_heads to time")
+    add("--cache_kv_heads", type=csv_of(int), default=[8, 2, 1], help="for the KV-cache table")
+    add("--modes", type=csv_of(str), default=["train", "forward", "decode"])
+    add("--lengths", type=csv_of(int), default=[64, 128, 256, 512, 1024, 2048, 4096])
+    add("--batch_tokens", type=int, default=None, help="tokens per train/forward step; default 32768 CUDA, 2048 CPU")
+    add("--steps", type=int, default=2, help="timed steps after one warm-up")
+    add("--decode_batch", type=int, default=None, help="default 8 CUDA, 1 CPU")
+    add("--decode_tokens", type=int, default=32)
+    add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU")
+    args = parser.parse_args(argv)
+    device = pick_device(args.device, args.threads)
+    batch_tokens = args.batch_tokens or (32768 if device.as_cuda else 2048)
+    corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+    args.decode_batch = args.decode_batch or (8 if device.as_cuda else 1)
+    batch_of = {length: max(1, batch_tokens // length) for length in args.lengths}
+    per_step = max(max(batch_of[n] * n for n in args.lengths), args.decode_batch * max(args.lengths))
+    stream = token_stream(pairs, tokenizer, per_step * (1 + args.steps), args.seed)
+    peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
 
+    rows = []
+    for kv_heads in args.kv_heads:
+        config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=kv_heads,
+                                           dropout=0.0)
+        for mode in args.modes:
+            for length in args.lengths:
+                with sdpa_backend(args.sdpa_backend):
+                    row = measure(mode, config, length, batch_of[length], stream, args, device)
+                row.update(preset=args.preset, kv_heads=kv_heads, attention=attention_name(config), mode=mode,
+                           length=length)
+                if row["flops"]:
+                    row["model_tflops_per_s"] = row["flops"] / row["seconds"] / 1e12
+                    row["mfu"] = row["model_tflops_per_s"] / peak_tflops if peak_tflops else None
+                rows.append(row)
+                print(f"{mode:>7} {row['attention']:>14} length {length:>5} batch {row['batch']:>4}: "
+                      f"{row['tokens_per_s']:9.0f} tokens/s, peak {row['peak_mib'] or 0:.0f} MiB", flush=True)
 
-def main(argv=None) -> Path:
-    return run(build_parser().parse_args(argv), argv)
+    cache_rows = [kv_cache_row(VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=k,
+                                                         dropout=0.0), device) for k in args.cache_kv_heads]
+    base = next((r["bytes_per_token"] for r in cache_rows if r["kv_heads"] == cache_rows[0]["num_heads"]), None)
+    for r in cache_rows:
+        r["vs_mha"] = r["bytes_per_token"] / base if base else None
+
+    settings = dict(batch_tokens=batch_tokens, sequences_per_batch=batch_of, peak_tflops=peak_tflops,
+                    corpus=str(corpus), vocab_size_actual=len(tokenizer))
+    config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer))
+    notes = [
+        f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
+        f"{config.num_attention_heads} query heads, {config.position_embedding_type} positions, "
+        f"{config.ffn_activation} FFN), vocabulary {len(tokenizer)}, dropout 0; only num_key_value_heads varies.",
+        f"Sequences are consecutive windows of the corpus' token stream (sentence pairs sampled with seed "
+        f"{args.seed}, English then French). train/forward: max(1, {batch_tokens} // length) sequences per step, "
+        f"{args.steps} timed step(s) after 1 warm-up; decode: batch {args.decode_batch}, {args.decode_tokens} "
+        "greedy steps with the KV cache after an untimed prefill of the prompt.",
+        "tokens/s: train/forward = tokens processed; decode = new tokens generated. Peak memory over the steps, less "
+        "the level before the model was built (CUDA: tensors; CPU: RSS): weights, optimizer state and KV cache.",
+        f"KV cache per token: measured on the cache after a forward pass (all layers, keys + values, in "
+        f"{str(device.dtype).removeprefix('torch.')}), = 2 · layers · kv_heads · head_dim · bytes.",
+        f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.as_cuda else 'fp32'}; "
+        "attention implementation: the transformers default (sdpa).",
+    ]
+    columns = [
+        Column("mode", "mode"), Column("attention", "attention"), Column("length", "length"), Column("batch", "batch"),
+        Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
+        Column("mfu", "MFU", "{:.1%}"), Column("peak_mib", "peak MiB", "{:.0f}"),
+        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"), Column("load_average", "load avg", "{:.1f}"),
+    ]
+    cache_columns = [Column("attention", "attention"), Column("kv_heads", "kv heads"),
+                     Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
+                     Column("kib_per_token", "KiB/token", "{:.1f}"), Column("vs_mha", "× MHA", "{:.3f}")]
+    return report(__file__, argv, args, device, "scaling", "Sequence-length scaling (decoder-only)", rows, columns,
+                  notes, settings, extra_tables=[("KV cache per token", cache_rows, cache_columns)])
 
 
 if __name__ == "__main__":

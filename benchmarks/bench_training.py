@@ -30,17 +30,16 @@ import torch
 from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
-from vaswani.batching import ShapeBuckets, TokenBatchSampler, batch_positions, pad_to_shape
+from vaswani.batching import ShapeBuckets, TokenBatchSampler, pad_to_shape
 from vaswani.files import write_atomically
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.packing import PackedBatchSampler, PackedSeq2SeqCollator
 from vaswani.training import MAX_SHAPE_BUCKETS
 from vaswani.training_clock import compile_cache_hits, compiled_graphs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     SDPA_BACKENDS, Column, PeakMemory, WrongKernel, add_common_arguments, attention_ran, build_seq2seq, check_ran,
-    corpus_and_tokenizer, count_parameters, engine_label, csv_of, pick_device, report, sdpa_backend, timed,
+    corpus_and_tokenizer, engine_label, csv_of, pick_device, report, sdpa_backend, timed,
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
@@ -92,7 +91,7 @@ class Trainee:
 
     def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None, shape_buckets=None,
                  batching="bucketed"):
-        self.name, self.batching = name, batching
+        self.name, self.batching, self.device = name, batching, device
         base, *options = name.split("-")
         kernels = [option for option in options if option in SDPA_BACKENDS]
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
@@ -103,30 +102,24 @@ class Trainee:
         self.model = build_seq2seq(base, config, device, torch.float32, seed).train()
         if "eager" in options:
             self.model.set_attn_implementation("eager")
-        self.parameters = count_parameters(self.model)
-        mode = "reduce-overhead" if "graphs" in options else None
+        self.parameters = self.model.num_parameters(only_trainable=True)
         bucketed = shape_buckets is not None and "graphs" in options
         # Padded up to a few shapes, or packed into one, static ones: a graph each, not one with dynamic sizes.
         static = bucketed or batching.startswith("packed")
-        self.forward = (torch.compile(self.model, mode=mode, dynamic=False if static else None)
-                        if "compiled" in options else self.model)
+        self.forward = (torch.compile(self.model, mode="reduce-overhead" if "graphs" in options else None,
+                                      dynamic=False if static else None) if "compiled" in options else self.model)
         # The paper's Adam (§5.3), fused as the Trainer's default (adamw_torch_fused); the schedule costs nothing.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=True)
-        self.batches = batches
-        if bucketed:
-            pad_values = {"input_ids": self.model.config.pad_token_id, "attention_mask": 0, "labels": -100}
-            self.batches = [pad_to_shape(b, *shape_buckets.shape(max(b["input_ids"].shape[1], b["labels"].shape[1])),
-                                         pad_values) for b in batches]
-        self.device = device
-        self.autocast = (
-            torch.autocast(device.device.type, dtype=torch.bfloat16) if device.as_cuda or "bf16" in options
-            else contextlib.nullcontext()
-        )
+        pad_values = {"input_ids": self.model.config.pad_token_id, "attention_mask": 0, "labels": -100}
+        self.batches = [pad_to_shape(b, *shape_buckets.shape(max(b["input_ids"].shape[1], b["labels"].shape[1])),
+                                     pad_values) for b in batches] if bucketed else batches
+        bf16 = device.as_cuda or "bf16" in options
+        self.autocast = torch.autocast(device.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        self.dtype = "bfloat16" if bf16 else "float32"
         self.attention_kernel = kernels[0] if kernels else attention_kernel
         # What the engine must run, which `check` holds it to.
         self.attention = ({"eager"} if "eager" in options
                           else {self.attention_kernel} if self.attention_kernel else set(SDPA_BACKENDS))
-        self.dtype = "bfloat16" if device.as_cuda or "bf16" in options else "float32"
 
     def check(self) -> dict:
         """What one uncompiled forward on the first batch ran (`common.check_ran`: stops if not the engine's)."""
@@ -146,10 +139,8 @@ class Trainee:
 
     def state_mib(self) -> float:
         """Weights and optimizer state: what stays resident between steps."""
-        tensors = list(self.model.parameters()) + [
-            value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
-        ]
-        return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        states = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *states]) / 2**20
 
 
 def run(args: argparse.Namespace, argv) -> Path:
@@ -167,58 +158,44 @@ def run(args: argparse.Namespace, argv) -> Path:
     corpus, pairs, tokenizer = corpus_and_tokenizer(args)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
-    epoch = [epoch_padding(source_ids, target_ids, batching, budget, args.seed)
-             for budget in args.epoch_padding for batching in args.batchings]
-    rows, batch_sentences, padding, shapes, warmups, refused = [], {}, {}, {}, {}, []
+    rows, refused = [], []
+    settings = {"batch_tokens": budgets, "steps": steps, "warmup_steps": {}, "peak_tflops": peak_tflops,
+                "corpus": str(corpus), "vocab_size_actual": len(tokenizer), "batch_sizes_sentences": {},
+                "padding_fraction": {}, "shapes_rows_length": {}}
     carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
     if carried:
         torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
     for batch_tokens in budgets:
         prepared = {}
         for batching in args.batchings:
-            # Settings keyed by the budget alone for the trainer's default batches.
-            key = batch_tokens if batching == "bucketed" else f"{batch_tokens} {batching}"
-            prepared[batching] = batches = _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens,
-                                                    steps, warmup)
-            warmups[key] = batches.warmup
-            batch_sentences[key] = [len(s) for s, _ in batches.timed]
-            padding.update({str(key) if suffix == "" else f"{key}{suffix}": fraction
-                            for suffix, fraction in batches.padding.items()})
+            key = batch_tokens if batching == "bucketed" else f"{batch_tokens} {batching}"  # the default by budget
+            prepared[batching] = batches = prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens,
+                                                   steps, warmup)
+            settings["warmup_steps"][key] = batches.warmup
+            settings["batch_sizes_sentences"][key] = [len(s) for s, _ in batches.batches[1 + batches.warmup:]]
+            settings["padding_fraction"].update({f"{key}{suffix}": share for suffix, share in batches.padding.items()})
             if batches.shapes:
-                shapes[key] = batches.shapes
+                settings["shapes_rows_length"][key] = batches.shapes
             # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
             print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        rows += _measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started,
-                         refused)
-    _add_ratios(rows)
+        rows += measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started, refused)
+    add_ratios(rows)
     # As train_translation.py does: written where none was carried or the one carried served nothing.
     if (args.compile_cache and not (carried and compile_cache_hits() > hits)
             and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
         write_atomically(args.compile_cache, artifacts[0])
-    return _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
-                   batch_sentences, padding, shapes, epoch, refused)
-
-
-def epoch_padding(source_ids, target_ids, batching: str, batch_tokens: int, seed: int) -> dict:
-    """The padding of a whole epoch of one batching's batches of these pairs at one budget, each side padded as the
-    collators pad it (to its longest in the batch, or the packed rows' width; -8: up to multiples of 8), over the
-    positions computed: both sides together and each side alone."""
-    lengths = ([len(s) for s in source_ids], [len(t) for t in target_ids])
-    order, sampler = token_batches(source_ids, target_ids, batch_tokens, seed, None, batching)
-    real, computed = (sampler.positions() if batching.startswith("packed") else
-                      batch_positions(order, *lengths, 8 if batching.endswith("-8") else None))
-    return {"batch_tokens": batch_tokens, "batching": batching, "batches": len(order),
-            "padding": 1 - sum(real) / sum(computed), "source_padding": 1 - real[0] / computed[0],
-            "target_padding": 1 - real[1] / computed[1]}
+    if not settings["shapes_rows_length"]:
+        del settings["shapes_rows_length"]
+    return report(__file__, argv, args, device, "training", "Training throughput", rows, COLUMNS,
+                  notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused), settings)
 
 
 @dataclass
 class Batches:
     """One batching's batches at one budget: token ids (sources, targets) and collated; step 0 measures memory, then
-    `warmup` warm up; the padding fraction of the timed ones."""
+    `warmup` warm up; the padding fraction of the timed ones, the shapes they are cut to."""
 
-    batching: str
     batches: list
     collated: list
     warmup: int
@@ -226,12 +203,8 @@ class Batches:
     shapes: list
     buckets: ShapeBuckets | None
 
-    @property
-    def timed(self) -> list:
-        return self.batches[1 + self.warmup:]
 
-
-def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, steps, warmup) -> Batches:
+def prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, steps, warmup) -> Batches:
     warm, buckets, shapes = [], None, []
     order, sampler = token_batches(source_ids, target_ids, batch_tokens, args.seed, args.shape_buckets, batching)
     if batching.startswith("packed"):
@@ -256,8 +229,7 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
     # Step 0 measures memory, then warm-up, then the timed steps: all on distinct batches (but a shape's two
     # warm-ups), the same for every engine.
     timed = [b for b in order[1:] if not any(b is w for w in warm)][:steps]
-    chosen = order[:1] + warm + timed
-    batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in chosen]
+    batches = [([source_ids[i] for i in b], [target_ids[i] for i in b]) for b in order[:1] + warm + timed]
     collated = [collate([{"input_ids": s, "labels": t} for s, t in zip(*batch)]) for batch in batches]
     real = sum(len(x) for s, t in batches[1 + len(warm):] for x in s + t)
     computed = sum(c["input_ids"].numel() + c["labels"].numel() for c in collated[1 + len(warm):])
@@ -265,11 +237,11 @@ def _prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, st
     if buckets is not None:  # what the -graphs engines compute: both sides padded up to the batch's shape
         padded = sum(2 * math.prod(buckets.shape(max(map(len, s + t)))) for s, t in batches[1 + len(warm):])
         padding[" in shape buckets"] = round(1 - real / padded, 4)
-    return Batches(batching, batches, collated, len(warm), padding, shapes, buckets)
+    return Batches(batches, collated, len(warm), padding, shapes, buckets)
 
 
-def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
-             started, refused: list[str]) -> list[dict]:
+def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
+            started, refused: list[str]) -> list[dict]:
     """Every size × batching × engine: the rows of one batch budget. An engine whose first steps fail is left out,
     the reason added to `refused`."""
     rows = []
@@ -302,8 +274,9 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
                 trainees.remove(trainee)
                 continue
             memory[trainee] = (trainee.state_mib(), peak.added_mib)
-        seconds = {trainee: 0.0 for trainee in trainees}
-        first_round = {}  # each engine's seconds when its first pass over the timed batches ended
+        if not trainees:
+            continue
+        seconds, first_pass = {trainee: 0.0 for trainee in trainees}, {}
         done = {trainee: [] for trainee in trainees}
         compiles_before = compiled_graphs()  # any built in the timed steps count
         # Each timed batch once; with --seconds_per_setting, round after round over them until the slowest engine
@@ -315,52 +288,53 @@ def _measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, 
             rotation = rounds % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
             for trainee in trainees[rotation:] + trainees[:rotation]:
                 i = indices[trainee][rounds % len(indices[trainee])]
-                _, elapsed = timed(device, lambda: trainee.step(i))
-                seconds[trainee] += elapsed
+                seconds[trainee] += timed(device, lambda: trainee.step(i))[1]
                 done[trainee].append(prepared[trainee.batching].batches[i])
                 if len(done[trainee]) == len(indices[trainee]):
-                    first_round[trainee] = seconds[trainee]
+                    first_pass[trainee] = seconds[trainee]
             rounds += 1
         compiles_timed = compiled_graphs() - compiles_before
         if args.profile:
             for trainee in trainees:
-                _profile(trainee, indices[trainee], size, device)
+                print_profile(trainee, indices[trainee], size, device)
         load_average = os.getloadavg()[0]
         for trainee in trainees:
-            state, added = memory[trainee]
-            elapsed = seconds[trainee]
-            source_tokens = sum(len(s) for sources, _ in done[trainee] for s in sources)
-            target_tokens = sum(len(t) for _, targets in done[trainee] for t in targets)
-            flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in done[trainee])
+            (state, added), elapsed, trained = memory[trainee], seconds[trainee], done[trainee]
+            source_tokens = sum(len(s) for sources, _ in trained for s in sources)
+            target_tokens = sum(len(t) for _, targets in trained for t in targets)
+            flops = sum(model_flops(config, list(map(len, s)), list(map(len, t))) for s, t in trained)
             rows.append({
                 "size": size, "batch_tokens": batch_tokens, "batching": trainee.batching, "engine": trainee.name,
                 "engine_label": engine_label(trainee.name), "parameters": trainee.parameters,
-                "parameters_m": trainee.parameters / 1e6, "steps": len(done[trainee]),
-                "sentences": sum(len(s) for s, _ in done[trainee]),
-                "source_tokens": source_tokens, "target_tokens": target_tokens, "seconds": elapsed,
-                "steps_per_s": len(done[trainee]) / elapsed, "tokens_per_s": (source_tokens + target_tokens) / elapsed,
+                "parameters_m": trainee.parameters / 1e6, "steps": len(trained),
+                "sentences": sum(len(s) for s, _ in trained), "source_tokens": source_tokens,
+                "target_tokens": target_tokens, "seconds": elapsed, "steps_per_s": len(trained) / elapsed,
+                "tokens_per_s": (source_tokens + target_tokens) / elapsed,
                 "target_tokens_per_s": target_tokens / elapsed, "model_tflops_per_s": flops / elapsed / 1e12,
                 "mfu": flops / elapsed / (peak_tflops * 1e12) if peak_tflops else None, "state_mib": state,
                 "step_added_mib": added, "peak_mib": state + added if added is not None else None,
                 "load_average": load_average, "compilations_while_timed": compiles_timed, **ran[trainee],
-                **_rounds(first_round.get(trainee), elapsed, len(indices[trainee]), len(done[trainee])),
             })
-            print(_progress(rows[-1]), flush=True)
+            # ms a step of the first pass over the timed batches and of the later ones: with --warmup_steps 0, what
+            # a new shape costs (a compilation, a kernel's plan).
+            per_pass = len(indices[trainee])
+            if trainee in first_pass and len(trained) > per_pass:
+                rows[-1].update(first_round_ms=1000 * first_pass[trainee] / per_pass,
+                                later_rounds_ms=1000 * (elapsed - first_pass[trainee]) / (len(trained) - per_pass))
+            print(f"{size:>5} {batch_tokens:>6} {trainee.batching:>10} {rows[-1]['engine_label']:>12}: "
+                  f"{rows[-1]['tokens_per_s']:9.0f} tokens/s {rows[-1]['model_tflops_per_s']:.3f} model TFLOP/s, "
+                  f"peak {rows[-1]['peak_mib'] or 0:.0f} MiB", flush=True)
         del trainees
     return rows
 
 
-def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corpus, pairs, tokenizer,
-            batch_sentences, padding, shapes, epoch, refused) -> Path:
-    settings = dict(batch_tokens=budgets, steps=steps, warmup_steps=warmups, peak_tflops=peak_tflops,
-                    corpus=str(corpus), vocab_size_actual=len(tokenizer), batch_sizes_sentences=batch_sentences,
-                    padding_fraction=padding, **({"shapes_rows_length": shapes} if shapes else {}))
-    notes = [
+def notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused) -> list[str]:
+    buckets = f", shape_buckets={args.shape_buckets}" if args.shape_buckets else ""
+    return [
         *(f"Refused, no row: {why}" for why in refused),
-        f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE "
-        f"({len(tokenizer)} tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler"
-        + (f", shape_buckets={args.shape_buckets}" if args.shape_buckets else "") + f") into batches of at most "
-        f"{', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}), collated by "
+        f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
+        f"tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler{buckets}) into batches of "
+        f"at most {', '.join(map(str, budgets))} padded tokens per side, shuffled (seed {args.seed}), collated by "
         f"DataCollatorForSeq2Seq; at each budget the same {steps} timed batches for every engine (settings "
         "`batch_sizes_sentences`, `padding_fraction`: padded over computed positions, both sides), after the warm-up "
         "steps of settings `warmup_steps`.",
@@ -384,29 +358,23 @@ def _report(args, argv, device, rows, budgets, steps, warmups, peak_tflops, corp
         + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else ".") + " Columns `attention` and "
         "`dtype`: what one uncompiled forward of each engine ran (common.attention_ran).",
     ]
-    columns = [
-        Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
-        Column("engine_label", "engine"),
-        Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"),
-        Column("seconds", "seconds", "{:.2f}"),
-        Column("steps_per_s", "steps/s", "{:.2f}"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
-        Column("target_tokens_per_s", "target tokens/s", "{:.0f}"), Column("vs_marian", "× Marian", "{:.2f}"),
-        Column("vs_bucketed", "× bucketed", "{:.3f}"),
-        Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
-        Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
-        Column("compilations_while_timed", "recompiles"), Column("attention", "attention"),
-        Column("dtype", "dtype"),
-        Column("first_round_ms", "ms a step, first pass", "{:.1f}"),
-        Column("later_rounds_ms", "ms a step, later passes", "{:.1f}"),
-    ]
-    padding_columns = [Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
-                       Column("batches", "batches an epoch"), Column("padding", "padding", "{:.2%}"),
-                       Column("source_padding", "source", "{:.2%}"), Column("target_padding", "target", "{:.2%}")]
-    return report(__file__, argv, args, device, "training", "Training throughput", rows, columns, notes, settings,
-                  [("Padding of a whole epoch of the corpus", epoch, padding_columns)] if epoch else ())
 
 
-def _profile(trainee: Trainee, steps, size: str, device) -> None:
+COLUMNS = [
+    Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
+    Column("engine_label", "engine"), Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"),
+    Column("seconds", "seconds", "{:.2f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
+    Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("target_tokens_per_s", "target tokens/s", "{:.0f}"),
+    Column("vs_marian", "× Marian", "{:.2f}"), Column("vs_bucketed", "× bucketed", "{:.3f}"),
+    Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
+    Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
+    Column("compilations_while_timed", "recompiles"), Column("attention", "attention"), Column("dtype", "dtype"),
+    Column("first_round_ms", "ms a step, first pass", "{:.1f}"),
+    Column("later_rounds_ms", "ms a step, later passes", "{:.1f}"),
+]
+
+
+def print_profile(trainee: Trainee, steps, size: str, device) -> None:
     """Print the top operators by self device time (CPU time on a CPU) over `steps`, after the timed run."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -420,7 +388,7 @@ def _profile(trainee: Trainee, steps, size: str, device) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
 
 
-def _add_ratios(rows: list[dict]) -> None:
+def add_ratios(rows: list[dict]) -> None:
     """Each row's real tokens/s over Marian's on the same (or, for packed rows, the same multiple's bucketed)
     batches, and over the same engine's on the trainer's default batches (`bucketed`)."""
     rate = {(r["size"], r["batch_tokens"], r["batching"], r["engine"]): r["tokens_per_s"] for r in rows}
@@ -432,23 +400,7 @@ def _add_ratios(rows: list[dict]) -> None:
         r["vs_bucketed"] = r["tokens_per_s"] / bucketed if r["batching"] != "bucketed" and bucketed else None
 
 
-def _rounds(first: float | None, seconds: float, batches: int, steps: int) -> dict:
-    """ms a step of an engine's first pass over the timed batches and of its later ones: with --warmup_steps 0, what
-    a new shape costs (a compilation, a kernel's plan)."""
-    if first is None or steps <= batches:
-        return {}
-    return {"first_round_ms": 1000 * first / batches, "later_rounds_ms": 1000 * (seconds - first) / (steps - batches)}
-
-
-def _progress(row: dict) -> str:
-    return (
-        f"{row['size']:>5} {row['batch_tokens']:>6} {row['batching']:>10} {row['engine_label']:>12}: "
-        f"{row['tokens_per_s']:9.0f} tokens/s "
-        f"{row['model_tflops_per_s']:.3f} model TFLOP/s, peak {row['peak_mib'] or 0:.0f} MiB"
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser)
     add = parser.add_argument
@@ -464,25 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
         "0, the first meets each batch's shape for the first time: columns `ms a step, first pass` and `later passes`)")
     add("--batchings", type=csv_of(str), default=["bucketed"], help=f"one or more of {', '.join(BATCHINGS)} (see "
         "BATCHINGS); every engine steps on each, interleaved (packed: Vaswani only)")
-    add("--epoch_padding", type=csv_of(int), default=[], help="budgets at which to count, untimed, the padding of a "
-        "whole epoch of each batching's batches of the whole corpus (a table of its own)")
-    add("--shape_buckets", type=int, default=None, help="cut the batches as train_translation.py --shape_buckets "
-        f"does (at most {MAX_SHAPE_BUCKETS}); the -graphs engines pad them up to those shapes")
+    add("--shape_buckets", type=int, default=None, choices=range(1, MAX_SHAPE_BUCKETS + 1), metavar="K",
+        help="cut the batches as train_translation.py --shape_buckets K; -graphs engines pad each up to its shape")
     add("--dropout", type=float, default=None, help="dropout of both models; default: the preset's")
     add("--keep_freed_memory", action="store_true", help="CPU: vaswani.inference.keep_freed_cpu_memory(None) for the "
         "whole process, as train_translation.py does on a CPU, Marian's steps included")
-    add("--compile_cache", type=Path, default=None, help="torch.compile's portable cache "
-        "(torch.compiler.save_cache_artifacts): loaded before the engines compile where the file exists, saved after "
-        "the run, so that a later run on the same kind of device compiles from it")
+    add("--compile_cache", type=Path, default=None, help="torch.compile's portable cache (save_cache_artifacts): "
+        "loaded before the engines compile where the file exists, saved after the run for the next of this device")
     add("--profile", action="store_true", help="after timing, print each engine's top operators over the timed steps")
     add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU on GPUs not in BF16_PEAK_TFLOPS")
-    return parser
-
-
-def main(argv=None) -> Path:
-    args = build_parser().parse_args(argv)
-    if args.shape_buckets is not None and not 1 <= args.shape_buckets <= MAX_SHAPE_BUCKETS:
-        raise SystemExit(f"--shape_buckets must be between 1 and {MAX_SHAPE_BUCKETS}.")
+    args = parser.parse_args(argv)
     if set(args.batchings) - set(BATCHINGS) or len(set(args.batchings)) < len(args.batchings):
         raise SystemExit(f"--batchings: each of {', '.join(BATCHINGS)} at most once; got {','.join(args.batchings)}.")
     return run(args, argv)

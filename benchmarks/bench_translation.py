@@ -34,11 +34,10 @@ from vaswani.loading import load_engine
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, attention_ran, check_ran, corpus_and_tokenizer,
-    count_parameters, engine_label, csv_of, loaded, pick_device, random_checkpoint, report, sample_sentences,
-    sdpa_backend, test_sources, timed,
+    engine_label, csv_of, pick_device, random_checkpoint, report, resident_mib, sample_sentences, sdpa_backend,
+    test_sources, timed,
 )
 
 # An engine's options after its model's name (`vaswani-int8-hfloop`): `load_engine`'s precision (`int8`, CPU only;
@@ -95,12 +94,16 @@ class LocalEngine:
 
     def __init__(self, name, model_dir, device_name, threads, attention_kernel, ct2_dir):
         self.device = pick_device(device_name, threads)
-        self.engine, self.load_mib = loaded(self.device, lambda: build_engine(name, model_dir, self.device, ct2_dir))
+        before = resident_mib(self.device, settle=True)
+        self.engine = build_engine(name, model_dir, self.device, ct2_dir)
+        after = resident_mib(self.device, settle=True)  # the memory the engine added while staying resident
+        self.load_mib = None if None in (before, after) else after - before
         self.name, self.ct2 = name, isinstance(self.engine, CTranslate2Engine)
-        # None for CTranslate2 and int8 (whose weights are buffers): the fp32 rows of the same weights count them.
-        self.parameters = None if self.ct2 or "int8" in name else count_parameters(self.engine.model)
         self.slots, self.attention_kernel = "slots" in name.split("-"), attention_kernel
-        self.ran = None if self.ct2 or "int8" in name else self.check()
+        # None for CTranslate2 and int8 (whose weights are buffers): the fp32 rows of the same weights count them.
+        torch_weights = not self.ct2 and "int8" not in name
+        self.parameters = self.engine.model.num_parameters(only_trainable=True) if torch_weights else None
+        self.ran = self.check() if torch_weights else None
 
     def check(self) -> dict:
         """What the engine's encoder ran on a few tokens (`common.check_ran`: stops where it is not the engine's)."""
@@ -110,8 +113,8 @@ class LocalEngine:
             ran = attention_ran(lambda: model.get_encoder()(input_ids=ids))
         eager = model.config._attn_implementation == "eager"
         kernels = {self.attention_kernel} if self.attention_kernel else {"eager"} if eager else set(SDPA_BACKENDS)
-        packed = any(isinstance(module, PackedLinear) for module in model.modules())
-        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."), "onednn-packed" if packed else "aten")
+        linear = "onednn-packed" if any(isinstance(module, PackedLinear) for module in model.modules()) else "aten"
+        check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."), linear)
         return ran
 
     def translate(self, batch, beams, new_tokens, stop_at_eos, slots=None) -> list[list[int]]:
@@ -186,53 +189,6 @@ def _serve(method: str, *args):
         _engine = LocalEngine(**args[0])
         return _engine.parameters, _engine.load_mib, _engine.ran
     return getattr(_engine, method)(*args)
-
-
-def run(args: argparse.Namespace, argv) -> Path:
-    device = pick_device(args.device, args.threads)
-    stopping = args.stopping or (list(STOPPING) if args.model else ["forced"])
-    if "eos" in stopping and not args.model:
-        raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
-    names = args.engines or (DEFAULT_ENGINES_CUDA if device.as_cuda else DEFAULT_ENGINES_CPU)
-    if args.model:
-        corpus, english = test_sources(args.corpus)
-        tokenizer, english = VaswaniTokenizer.from_pretrained(args.model), english[: args.num_sentences]
-        args.sizes = [Path(args.model).name]
-    else:
-        corpus, pairs, tokenizer = corpus_and_tokenizer(args)
-        english = [source for source, _ in sample_sentences(pairs, args.num_sentences, args.seed)]
-    sampled_ids = tokenizer(english)["input_ids"]  # each ends with </s>
-    # Sorted by length so that batches pad little; every engine gets exactly these batches.
-    source_ids = sorted(sampled_ids, key=len)
-    rows, failed = [], {}  # failed: engine → why it was dropped (--keep_going)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
-        for size in args.sizes:
-            model_dir = args.model or random_checkpoint(size, tokenizer, args.seed, Path(workdir) / size)
-            start = LocalEngine if args.same_process else EngineProcess
-            engines = {name: start(name=name, model_dir=model_dir, device_name=args.device, threads=args.threads,
-                                   attention_kernel=args.sdpa_backend, ct2_dir=Path(workdir) / f"{size}-ct2")
-                       for name in names}
-            for batch_size in args.batch_sizes:
-                chosen = source_ids
-                if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
-                    chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
-                batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
-                for beams, mode in ((beams, mode) for mode in stopping for beams in args.beams):
-                    for row in measure(engines, batches, beams, mode == "eos", args, failed):
-                        row.update(size=size, batch_size=batch_size, load_mib=engines[row["engine"]].load_mib)
-                        row["peak_mib"] = None if None in (row["load_mib"], row["work_mib"]) else (
-                            row["load_mib"] + row["work_mib"])
-                        rows.append(row)
-                        print(_progress(row), flush=True)
-            for engine in engines.values():
-                engine.close()
-    _add_ratios(rows)
-    return report(__file__, argv, args, device, "translation", "Translation throughput", rows,
-                  _columns(args), _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device),
-                  dict(engines=names, corpus=str(corpus), vocab_size_actual=len(tokenizer),
-                       source_tokens_total=sum(map(len, source_ids)),
-                       source_tokens_mean=sum(map(len, source_ids)) / len(source_ids)))
 
 
 def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, failed: dict) -> list[dict]:
@@ -315,11 +271,6 @@ def _add_ratios(rows: list[dict]) -> None:
         r["vs_ct2_int8"] = r["sentences_per_s"] / ct2_int8 if ct2_int8 and r["engine"] != "ct2-int8" else None
 
 
-def _progress(row: dict) -> str:
-    return (f"{row['size']:>5} {row['engine_label']:>12} {row['stopping']:>6} batch {row['batch_size']:>4} beams "
-            f"{row['beams']}: {row['sentences_per_s']:8.1f} sentences/s {row['tokens_per_s']:9.0f} tokens/s")
-
-
 def _columns(args) -> list[Column]:
     return [
         Column("size", "model" if args.model else "size"), Column("engine_label", "engine"),
@@ -328,8 +279,7 @@ def _columns(args) -> list[Column]:
         Column("sentences_per_s", "sentences/s", "{:.1f}"), Column("tokens_per_s", "output tokens/s", "{:.0f}"),
         Column("vs_marian", "× Marian", "{:.2f}"), Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
         Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"), Column("attention", "attention"), Column("dtype", "dtype"),
-        Column("linear", "linear"),
-        *([Column("identical_to_vaswani", "identical")] if args.model else []),
+        Column("linear", "linear"), *([Column("identical_to_vaswani", "identical")] if args.model else []),
         Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
     ]
 
@@ -357,24 +307,24 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         "vaswani.inference.compile_for_generation; attention: sdpa.",
         "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
         f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",
-        ("Each engine in a process of its own. " if not args.same_process else "All engines in one process. ")
+        ("All engines in one process. " if args.same_process else "Each engine in a process of its own. ")
         + ("On a CPU, load_engine's keep_freed_cpu_memory() holds in every PyTorch engine's process, Marian's "
            "included. " if device.device.type == "cpu" else "")
         + "Memory: load = resident memory the engine added; work = peak added while translating the longest batch; "
         "peak = load + work (on CPU, process RSS and VmHWM increments).",
+        *(["int8 = load_engine(int8=True): vaswani.inference.quantize_for_cpu (every nn.Linear, the output projection "
+           "included, int8 weights with a scale per output row, activations quantized per row at each call)."]
+          if any(name.startswith("vaswani-") and "int8" in name.split("-") for name in names) else []),
+        *(["slots = vaswani.slots.decode_in_slots, a slot per batch row: one call per repeat over all sentences; its "
+           "memory is that of the longest batch decoded in slots alone."]
+          if any("slots" in name.split("-") for name in names) else []),
+        *(f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"
+          for name, why in failed.items()),
     ]
-    if any(name.startswith("vaswani-") and "int8" in name.split("-") for name in names):
-        notes.append("int8 = load_engine(int8=True): vaswani.inference.quantize_for_cpu (every nn.Linear, the output "
-                     "projection included, int8 weights with a scale per output row, activations quantized per row "
-                     "at each call).")
-    if any("slots" in name.split("-") for name in names):
-        notes.append("slots = vaswani.slots.decode_in_slots, a slot per batch row: one call per repeat over all "
-                     "sentences; its memory is that of the longest batch decoded in slots alone.")
-    return notes + [f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"
-                    for name, why in failed.items()]
+    return notes
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser)
     add = parser.add_argument
@@ -399,11 +349,53 @@ def build_parser() -> argparse.ArgumentParser:
     add("--same_process", action="store_true", help="every engine in this one process instead of one process each "
         "(shows how CTranslate2 and PyTorch slow each other down in one process)")
     add("--repeats", type=int, default=1, help="timed passes; the fastest per batch counts")
-    return parser
-
-
-def main(argv=None) -> Path:
-    return run(build_parser().parse_args(argv), argv)
+    args = parser.parse_args(argv)
+    device = pick_device(args.device, args.threads)
+    stopping = args.stopping or (list(STOPPING) if args.model else ["forced"])
+    if "eos" in stopping and not args.model:
+        raise SystemExit("--stopping eos needs a trained model (--model): random weights stop at arbitrary points.")
+    names = args.engines or (DEFAULT_ENGINES_CUDA if device.as_cuda else DEFAULT_ENGINES_CPU)
+    if args.model:
+        corpus, english = test_sources(args.corpus)
+        tokenizer, english = VaswaniTokenizer.from_pretrained(args.model), english[: args.num_sentences]
+        args.sizes = [Path(args.model).name]
+    else:
+        corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+        english = [source for source, _ in sample_sentences(pairs, args.num_sentences, args.seed)]
+    sampled_ids = tokenizer(english)["input_ids"]  # each ends with </s>
+    # Sorted by length so that batches pad little; every engine gets exactly these batches.
+    source_ids = sorted(sampled_ids, key=len)
+    rows, failed = [], {}  # failed: engine → why it was dropped (--keep_going)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
+        for size in args.sizes:
+            model_dir = args.model or random_checkpoint(size, tokenizer, args.seed, Path(workdir) / size)
+            start = LocalEngine if args.same_process else EngineProcess
+            engines = {name: start(name=name, model_dir=model_dir, device_name=args.device, threads=args.threads,
+                                   attention_kernel=args.sdpa_backend, ct2_dir=Path(workdir) / f"{size}-ct2")
+                       for name in names}
+            for batch_size in args.batch_sizes:
+                chosen = source_ids
+                if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
+                    chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
+                batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
+                for beams, mode in ((beams, mode) for mode in stopping for beams in args.beams):
+                    for row in measure(engines, batches, beams, mode == "eos", args, failed):
+                        load = engines[row["engine"]].load_mib
+                        row.update(size=size, batch_size=batch_size, load_mib=load,
+                                   peak_mib=None if None in (load, row["work_mib"]) else load + row["work_mib"])
+                        rows.append(row)
+                        print(f"{size:>5} {row['engine_label']:>12} {row['stopping']:>6} batch {batch_size:>4} beams "
+                              f"{beams}: {row['sentences_per_s']:8.1f} sentences/s {row['tokens_per_s']:9.0f} "
+                              "tokens/s", flush=True)
+            for engine in engines.values():
+                engine.close()
+    _add_ratios(rows)
+    return report(__file__, argv, args, device, "translation", "Translation throughput", rows,
+                  _columns(args), _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device),
+                  dict(engines=names, corpus=str(corpus), vocab_size_actual=len(tokenizer),
+                       source_tokens_total=sum(map(len, source_ids)),
+                       source_tokens_mean=sum(map(len, source_ids)) / len(source_ids)))
 
 
 if __name__ == "__main__":

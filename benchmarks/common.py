@@ -9,6 +9,7 @@ import copy
 import ctypes
 import gc
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.convert import to_marian
@@ -50,39 +50,18 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200"
                     "A100": 312.0, "L40S": 362.0, "L4": 121.0}
 
 
-# Device, timing, memory -------------------------------------------------------------------------------------------
-
-
-@dataclass
 class Device:
-    """Where a benchmark runs and at which precision: bf16 on CUDA, fp32 on CPU (where bf16 is an engine's option)."""
+    """Where a benchmark runs and at which precision: bf16 where CUDA's defaults are taken (`as_cuda`: on a GPU, and
+    on a CPU rehearsing one, `generation_vaswani.runs_as`), fp32 on a CPU (where bf16 is an engine's option)."""
 
-    device: torch.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def as_cuda(self) -> bool:
-        """Whether to take CUDA's defaults: on a GPU, and on a CPU rehearsing one (`generation_vaswani.runs_as`)."""
-        return runs_as(self.device) == "cuda"
-
-    @property
-    def dtype_name(self) -> str:
-        return "bfloat16" if self.as_cuda else "float32"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return named_dtype(self.dtype_name)
-
-    @property
-    def tag(self) -> str:
-        """A short name for result files: `cpu`, or the GPU's model, e.g. `cuda-h100-80gb-hbm3`."""
-        if not self.is_cuda:
-            return "cpu"
-        name = torch.cuda.get_device_name(self.device).lower().replace("nvidia", "")
-        return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    def __init__(self, device: torch.device):
+        self.device, self.is_cuda, self.as_cuda = device, device.type == "cuda", runs_as(device) == "cuda"
+        self.dtype_name = "bfloat16" if self.as_cuda else "float32"
+        self.dtype = named_dtype(self.dtype_name)
+        self.name = torch.cuda.get_device_name(device) if self.is_cuda else None
+        # A short name for result files: `cpu`, or the GPU's model, e.g. `cuda-h100-80gb-hbm3`.
+        self.tag = ("cuda-" + re.sub(r"[^a-z0-9]+", "-", self.name.lower().replace("nvidia", "")).strip("-")
+                    if self.is_cuda else "cpu")
 
     def sync(self) -> None:
         if self.is_cuda:  # wall-clock time covers the queued kernels' work, not just their launch
@@ -91,8 +70,7 @@ class Device:
     def bf16_peak_tflops(self, override: float | None = None) -> float | None:
         if override or not self.is_cuda:
             return override
-        name = torch.cuda.get_device_name(self.device)
-        return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
+        return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in self.name), None)
 
 
 def pick_device(name: str = "auto", threads: int | None = None) -> Device:
@@ -100,10 +78,8 @@ def pick_device(name: str = "auto", threads: int | None = None) -> Device:
     device = choose_device(name)
     if threads:
         torch.set_num_threads(threads)
-    if device.type == "cuda":
-        # TF32 matmuls for any fp32 leftovers (bf16 autocast covers the model itself).
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":  # TF32 matmuls for any fp32 leftovers (bf16 autocast covers the model itself)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return Device(device)
 
 
@@ -116,33 +92,24 @@ def timed(device: Device, fn: Callable[[], object]) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def _cpu_mib(field: str) -> float:
-    """A memory figure of this process from /proc/self/status: VmRSS (resident now) or VmHWM (its peak)."""
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def _release_memory(device: Device) -> None:
-    """Free what earlier measurements left, so that the next peak is its own."""
-    gc.collect()
-    if device.is_cuda:
-        torch.cuda.empty_cache()
-    elif sys.platform.startswith("linux"):
-        try:  # glibc keeps freed small blocks; hand them back so the RSS baseline is honest
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
+def _proc_status_mib(field: str) -> float | None:
+    """VmRSS (resident now) or VmHWM (its peak) of this process, from /proc/self/status; None off Linux."""
+    try:
+        return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+    except (OSError, AttributeError):
+        return None
 
 
 def resident_mib(device: Device, settle: bool = False) -> float | None:
-    """Memory in use now (CUDA tensors, or the resident set; None off Linux), after freeing garbage if `settle`."""
+    """Memory in use now (CUDA tensors, or the resident set; None off Linux), after freeing garbage if `settle`, so
+    that the next peak is its own."""
     if settle:
-        _release_memory(device)
-    if device.is_cuda:
-        return torch.cuda.memory_allocated(device.device) / 2**20
-    try:
-        return _cpu_mib("VmRSS")
-    except (OSError, AttributeError):
-        return None
+        gc.collect()
+        if device.is_cuda:
+            torch.cuda.empty_cache()
+        elif sys.platform.startswith("linux"):  # glibc keeps freed small blocks: handed back, the baseline is honest
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return torch.cuda.memory_allocated(device.device) / 2**20 if device.is_cuda else _proc_status_mib("VmRSS")
 
 
 class PeakMemory:
@@ -155,36 +122,21 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         if self._baseline is None:  # with a given baseline the caller has just settled memory
-            _release_memory(self.device)
+            self._baseline = resident_mib(self.device, settle=True)
         if self.device.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device.device)
         else:
             try:
                 Path("/proc/self/clear_refs").write_text("5")
-            except OSError:
+            except OSError:  # no peak to reset, none to measure
                 self._baseline = None
-                return self
-        if self._baseline is None:
-            self._baseline = resident_mib(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._baseline is None:
-            return
         peak = (torch.cuda.max_memory_allocated(self.device.device) / 2**20 if self.device.is_cuda
-                else _cpu_mib("VmHWM"))
-        self.added_mib = max(peak - self._baseline, 0.0)
-
-
-def loaded(device: Device, build: Callable[[], object]) -> tuple[object, float | None]:
-    """`build()`, and the memory it added while staying resident."""
-    before = resident_mib(device, settle=True)
-    thing = build()
-    after = resident_mib(device, settle=True)
-    return thing, (after - before if before is not None and after is not None else None)
-
-
-# Corpus and tokenizer --------------------------------------------------------------------------------------------
+                else _proc_status_mib("VmHWM"))
+        if self._baseline is not None and peak is not None:
+            self.added_mib = max(peak - self._baseline, 0.0)
 
 
 def test_sources(corpus: str | None) -> tuple[Path, list[str]]:
@@ -198,7 +150,14 @@ def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) ->
     return random.Random(seed).sample(list(pairs), min(count, len(pairs)))
 
 
-# The twin models ------------------------------------------------------------------------------------------------
+def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
+    """The corpus file, all its sentence pairs and the joint BPE as training makes it (on the train split only,
+    `vaswani.tokenization.cached_corpus_tokenizer`), cached under --cache_dir/data, which GPU sessions carry."""
+    corpus = resolve_corpus_path(args.corpus, SHARED_CORPUS)
+    pairs, _ = read_parallel_tsv(corpus)
+    train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
+    return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
+
 
 ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2": "CT2"}
 OPTION_LABELS = {"hfloop": "transformers' loop", "lean": "lean loop", "graphs": "CUDA graphs", "float32": "fp32"}
@@ -214,8 +173,6 @@ def engine_label(name: str) -> str:
 def build_seq2seq(engine: str, config: VaswaniConfig, device: Device, dtype: torch.dtype, seed: int = 0):
     """A Vaswani translation model with random weights (seeded: speed does not depend on their values once the amount
     of work is fixed) on `device` in `dtype`, or its Marian twin (`vaswani.convert.to_marian`: the same function)."""
-    if engine not in ("vaswani", "marian"):
-        raise ValueError(f"Unknown PyTorch engine {engine!r}; choose vaswani or marian.")
     torch.manual_seed(seed)
     # A copy: an engine's own setting (`set_attn_implementation`) must not reach the others built from `config`.
     model = VaswaniForConditionalGeneration(copy.deepcopy(config))
@@ -230,142 +187,9 @@ def random_checkpoint(size: str, tokenizer, seed: int, directory: Path) -> str:
     return str(directory)
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct trainable parameters (tied matrices once)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-# Reports ----------------------------------------------------------------------------------------------------------
-
-
-def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """The command as run (`argv` None: this process' own), to be pasted in the repository root."""
-    path = Path(script).resolve()
-    if path.is_relative_to(REPO_ROOT):
-        path = path.relative_to(REPO_ROOT)
-    return shlex.join(["python", str(path), *(sys.argv[1:] if argv is None else argv)])
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        return match.group(1).strip() if match else platform.processor()
-    except OSError:
-        return platform.processor()
-
-
-def environment(device: Device) -> dict:
-    """The device, the library versions and the model code's revision (uncommitted edits are flagged)."""
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    for name in ("ctranslate2", "tokenizers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = None
-    modeling = REPO_ROOT / "src" / "vaswani" / "modeling_vaswani.py"
-    env = {
-        "device": device.tag,
-        "device_name": torch.cuda.get_device_name(device.device) if device.is_cuda else _cpu_name(),
-        "dtype": device.dtype_name, "rehearsing_cuda": device.as_cuda and not device.is_cuda,
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
-        "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,
-    }
-    if device.is_cuda:
-        env["cuda"] = torch.version.cuda
-        env["bf16_peak_tflops"] = device.bf16_peak_tflops()
-    return env
-
-
-@dataclass
-class Column:
-    key: str
-    header: str
-    fmt: str = "{}"
-
-    def render(self, row: dict) -> str:
-        value = row.get(self.key)
-        return "–" if value is None else value if isinstance(value, str) else self.fmt.format(value)
-
-
-def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
-    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(c.render(row) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, device: Device, benchmark: str,
-           title: str, rows: Sequence[dict], columns: Sequence[Column], notes: Sequence[str],
-           settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
-           ) -> Path:
-    """The one way a benchmark ends: `<name>.json` (everything) and `<name>.md` (the tables, the command, the
-    environment, the notes) written atomically in --results_dir (`result_name`), the main table printed; settings
-    are the run's arguments and `settings`. Returns the JSON file's path."""
-    name, command, env = result_name(args, benchmark, device), command_line(script, argv), environment(device)
-    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
-    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
-    payload = {"benchmark": title, "command": command, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "environment": env, "settings": settings, "results": list(rows), "notes": notes,
-               **{heading: list(extra_rows) for heading, extra_rows, _ in extra_tables}}
-    table = markdown_table(rows, columns)
-    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    md = [f"# {title}", "", "```bash", command, "```", "",
-          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads)."
-          " "
-          f"Versions: {versions}. Model code: commit {env['git_commit']}"
-          + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
-          + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).", "", table]
-    for heading, extra_rows, extra_columns in extra_tables:
-        md += ["", f"## {heading}", "", markdown_table(extra_rows, extra_columns)]
-    if notes:
-        md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = args.results_dir / f"{name}.json", args.results_dir / f"{name}.md"
-    write_atomically(json_path, json.dumps(payload, indent=2, default=str) + "\n")
-    write_atomically(md_path, "\n".join(md) + "\n")
-    print(f"{table}\n\nwrote {json_path} and {md_path}")
-    return json_path
-
-
-# Command line ---------------------------------------------------------------------------------------------------
-
-
-def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where a benchmark writes its report: --results_dir and --output_name (read by `report`)."""
-    parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
-                        "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
-
-
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments every benchmark of the corpus takes: device, threads, corpus, vocabulary, caches, report, seed."""
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
-    parser.add_argument("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
-    parser.add_argument("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else "
-                        f"{SHARED_CORPUS}, else a download")
-    parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
-    parser.add_argument("--cache_dir", type=Path, default=CACHE_DIR,
-                        help="the corpus' splits and tokenizer (under data/), converted models")
-    add_result_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--notes", default=None, help="a sentence to add to the report's notes")
-    parser.add_argument("--sdpa_backend", default=None, choices=sorted(SDPA_BACKENDS),
-                        help="restrict torch's scaled_dot_product_attention to one kernel, for every engine alike; "
-                        "default: torch's own choice")
-
-
 # torch.nn.attention.SDPBackend members by short name (efficient and cudnn exist on CUDA only).
-SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "cudnn": "CUDNN_ATTENTION"}
 
 
 def sdpa_backend(name: str | None):
@@ -407,7 +231,8 @@ def attention_ran(encode: Callable[[], object]) -> dict:
 
     with Seen():  # with gradients, as a training step chooses its kernels
         encode()
-    return {name: ",".join(sorted(seen)) for name, seen in (("attention", kernels), ("dtype", dtypes), ("linear", linear))}
+    return {name: ",".join(sorted(found))
+            for name, found in (("attention", kernels), ("dtype", dtypes), ("linear", linear))}
 
 
 class WrongKernel(RuntimeError):
@@ -426,6 +251,124 @@ def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str, li
                           "would not be its own.")
 
 
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command as run (`argv` None: this process' own), to be pasted in the repository root."""
+    path = Path(script).resolve()
+    path = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    return shlex.join(["python", str(path), *(sys.argv[1:] if argv is None else argv)])
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        return match.group(1).strip() if match else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def environment(device: Device) -> dict:
+    """The device, the library versions and the model code's revision (uncommitted edits are flagged)."""
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "ctranslate2", "tokenizers"):
+        versions[name] = getattr(importlib.util.find_spec(name) and importlib.import_module(name), "__version__", None)
+    modeling = REPO_ROOT / "src" / "vaswani" / "modeling_vaswani.py"
+    return {
+        "device": device.tag, "device_name": device.name or _cpu_name(), "dtype": device.dtype_name,
+        "rehearsing_cuda": device.as_cuda and not device.is_cuda, "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
+        "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,
+        **({"cuda": torch.version.cuda, "bf16_peak_tflops": device.bf16_peak_tflops()} if device.is_cuda else {}),
+    }
+
+
+@dataclass
+class Column:
+    key: str
+    header: str
+    fmt: str = "{}"
+
+    def render(self, row: dict) -> str:
+        value = row.get(self.key)
+        return "–" if value is None else value if isinstance(value, str) else self.fmt.format(value)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c.render(row) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, device: Device, benchmark: str,
+           title: str, rows: Sequence[dict], columns: Sequence[Column], notes: Sequence[str],
+           settings: dict | None = None, extra_tables: Sequence[tuple[str, Sequence[dict], Sequence[Column]]] = (),
+           ) -> Path:
+    """The one way a benchmark ends: `<name>.json` (everything) and `<name>.md` (the tables, the command, the
+    environment, the notes) written atomically in --results_dir (`result_name`), the main table printed; settings
+    are the run's arguments and `settings`. Returns the JSON file's path."""
+    name, command, env = result_name(args, benchmark, device), command_line(script, argv), environment(device)
+    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
+    payload = {"benchmark": title, "command": command, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "environment": env, "settings": settings, "results": list(rows), "notes": notes,
+               **{heading: list(extra_rows) for heading, extra_rows, _ in extra_tables}}
+    table = markdown_table(rows, columns)
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    md = [f"# {title}", "", "```bash", command, "```", "",
+          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
+          f"Versions: {versions}. Model code: commit {env['git_commit']}"
+          + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
+          + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).", "", table]
+    for heading, extra_rows, extra_columns in extra_tables:
+        md += ["", f"## {heading}", "", markdown_table(extra_rows, extra_columns)]
+    if notes:
+        md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = args.results_dir / f"{name}.json", args.results_dir / f"{name}.md"
+    write_atomically(json_path, json.dumps(payload, indent=2, default=str) + "\n")
+    write_atomically(md_path, "\n".join(md) + "\n")
+    print(f"{table}\n\nwrote {json_path} and {md_path}")
+    return json_path
+
+
+def result_name(args: argparse.Namespace, benchmark: str, device: Device) -> str:
+    """The result file stem: --output_name with {device} filled in, or <benchmark>-<device tag>."""
+    return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)
+
+
+def add_result_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a benchmark writes its report: --results_dir and --output_name (read by `report`)."""
+    parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
+                        "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every benchmark of the corpus takes: device, threads, corpus, vocabulary, caches, report, seed."""
+    add = parser.add_argument
+    add("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
+    add("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
+    add("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else {SHARED_CORPUS}, "
+        "else a download")
+    add("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
+    add("--cache_dir", type=Path, default=CACHE_DIR, help="the corpus' splits and tokenizer (under data/), converted "
+        "models")
+    add_result_arguments(parser)
+    add("--seed", type=int, default=0)
+    add("--notes", default=None, help="a sentence to add to the report's notes")
+    add("--sdpa_backend", default=None, choices=sorted(SDPA_BACKENDS), help="restrict torch's "
+        "scaled_dot_product_attention to one kernel, for every engine alike; default: torch's own choice")
+
+
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:
     """An argparse type for comma-separated lists (`--sizes tiny,base`), refusing any item not in `choices`."""
 
@@ -437,17 +380,3 @@ def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Ca
         return items
 
     return parse
-
-
-def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
-    """The corpus file, all its sentence pairs and the joint BPE as training makes it (on the train split only,
-    `vaswani.tokenization.cached_corpus_tokenizer`), cached under --cache_dir/data, which GPU sessions carry."""
-    corpus = resolve_corpus_path(args.corpus, SHARED_CORPUS)
-    pairs, _ = read_parallel_tsv(corpus)
-    train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
-    return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
-
-
-def result_name(args: argparse.Namespace, benchmark: str, device: Device) -> str:
-    """The result file stem: --output_name with {device} filled in, or <benchmark>-<device tag>."""
-    return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)

@@ -15,8 +15,8 @@ The compiled stages keep torch.compile's cache in $COMPILE_CACHE (default .compi
 the results (compile-cache/); a stage whose file was carried gets its shorter limit, so that the quality run and the
 step probe share the first plan (without, the plan leaves out what no longer fits, saying so).
 Environment: RESULTS_DIR (default benchmarks/results), ARCHIVE (a .tar.gz), INSTALL_WHEELS=0 (skip .whl/, the dry
-run's default), QUALITY_RECIPES (gpu_quality.py's, default dropout-0.1), TRANSLATION_MODEL (for translation-trained
-where this machine made no quality model). Each stage's log is gpu-<stage>.log beside its results.
+run's default), TRANSLATION_MODEL (for translation-trained where this machine made no quality model). Each stage's log
+is gpu-<stage>.log beside its results.
 """
 
 import os
@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE_SECONDS = 20  # the step probe repeats its batches until Marian, the slowest, has trained this long
-DRY_RUN_LIMIT = 480  # a dry run checks paths, not times: a shared CPU compiles the tiny model slower than a GPU the base
+DRY_RUN_LIMIT = 480  # a dry run checks paths, not times: a shared CPU compiles the tiny model slower than a GPU base
 # The torch the package supports (pyproject.toml), checked before anything else runs.
 CHECK_TORCH = """import importlib, re, sys, torch
 from packaging.specifiers import SpecifierSet
@@ -66,13 +66,12 @@ class Run:
 def setup(run: Run) -> list[list[str]]:
     """The carried wheels into a scratch folder on the import path, then the versions."""
     wheels = sorted(map(str, REPO.glob(".whl/*.whl")))
-    commands = []
-    if wheels and run.env.get("INSTALL_WHEELS", "0" if run.dry else "1") == "1":
-        site = tempfile.mkdtemp()
-        commands.append(run.python("-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                                   "--no-cache-dir", "--upgrade", "--target", site, *wheels))
-        run.env["PYTHONPATH"] += os.pathsep + site
-    return commands + [run.python("-c", CHECK_TORCH)]
+    if not wheels or run.env.get("INSTALL_WHEELS", "0" if run.dry else "1") != "1":
+        return [run.python("-c", CHECK_TORCH)]
+    site = tempfile.mkdtemp()
+    run.env["PYTHONPATH"] += os.pathsep + site
+    return [run.python("-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                       "--upgrade", "--target", site, *wheels), run.python("-c", CHECK_TORCH)]
 
 
 def quality(run: Run) -> list[list[str]]:
@@ -81,8 +80,8 @@ def quality(run: Run) -> list[list[str]]:
     a step, tokens/s; TORCH_LOGS names each recompilation's reason in the recipe's log."""
     run.env.setdefault("TORCH_LOGS", "recompiles")
     return [run.python("benchmarks/gpu_quality.py", "--results_dir", run.results, "--data_cache_dir",
-                       "benchmarks/.cache/data", "--recipes", run.env.get("QUALITY_RECIPES", "dropout-0.1"),
-                       "--compile_cache", run.cache / "quality.bin", *(["--dry_run"] if run.dry else []))]
+                       "benchmarks/.cache/data", "--compile_cache", run.cache / "quality.bin",
+                       *(["--dry_run"] if run.dry else []))]
 
 
 def probe(name: str, budget: int = 4000, engines: str = "vaswani-compiled,marian", *extra: str):

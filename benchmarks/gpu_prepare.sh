@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run here, before the first call on a lent GPU machine: it gathers what that machine lacks into folders that git
 # ignores, to be carried there with the working tree: .whl/ (wheels for Python 3.12 of what the image lacks or has too
-# old: transformers at this checkout's version, datasets 5.x and, in .whl/datasets4/, 4.0 for a pyarrow older than 24,
-# evaluate; gpu_plan.py installs them), .corpus/ (the corpus: ../shared does not travel), benchmarks/.cache/data/ (the
-# corpus' splits, the benchmarks' tokenizer and the quality run's tokenized splits, which the call only loads).
+# old: transformers at this checkout's version, datasets 5.x, evaluate; gpu_plan.py installs them), .corpus/ (the
+# corpus: ../shared does not travel), benchmarks/.cache/data/ (the corpus' splits, the benchmarks' tokenizer and the
+# quality run's tokenized splits, which the call only loads).
 # Prints the device call to make (benchmarks/README.md, "A lent GPU") and the carried size (64 MiB at most with the
 # working tree). Needs a package registry (pip download) and the corpus ($VASWANI_FRA_ENG, else the scripts' default).
 set -euo pipefail
@@ -24,24 +24,16 @@ download() {  # wheels for the machine's Python 3.12, without their dependencies
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$@"
 }
-rm -rf .whl/*.whl .whl/datasets4
+rm -rf .whl/*.whl .whl/datasets4  # datasets4/: what an earlier version downloaded, which nothing installs
 versions=$(python3 -c "import transformers, datasets, dill, multiprocess, fsspec
 print(f'transformers=={transformers.__version__} datasets=={datasets.__version__} dill=={dill.__version__} '
       f'multiprocess=={multiprocess.__version__} fsspec=={fsspec.__version__}')")
 download --dest .whl $versions evaluate==0.4.6
-download --dest .whl/datasets4 datasets==4.0.0 dill==0.3.8 multiprocess==0.70.16 fsspec==2025.3.0
 # The corpus' splits and the tokenizer, which the benchmarks otherwise make on first use.
-python3 - <<'EOF'
-import argparse
-import sys
-
-sys.path.insert(0, "benchmarks")
-from common import add_common_arguments, corpus_and_tokenizer
-
+PYTHONPATH=benchmarks:${PYTHONPATH:-} python3 -c 'import argparse, common
 parser = argparse.ArgumentParser()
-add_common_arguments(parser)
-corpus_and_tokenizer(parser.parse_args(["--corpus", ".corpus/fra_eng.tsv.gz"]))
-EOF
+common.add_common_arguments(parser)
+common.corpus_and_tokenizer(parser.parse_args(["--corpus", ".corpus/fra_eng.tsv.gz"]))'
 VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \
     python3 benchmarks/gpu_quality.py --prepare_only --data_cache_dir benchmarks/.cache/data
 

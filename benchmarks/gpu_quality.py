@@ -1,25 +1,18 @@
 """The GPU quality run: the `base` preset trained for a fixed time budget on one GPU (`scripts/train_translation.py`),
-then multi-reference BLEU (beam 4) on the held-out fra-eng test split (`scripts/evaluate_bleu.py`, from the saved model).
+then multi-reference BLEU (beam 4) on the held-out fra-eng test split (`scripts/evaluate_bleu.py`, the saved model).
 
-One recipe trains with the GPU to itself (the default). Several can train side by side on the one GPU (each gets the
-whole budget, sharing the GPU, so each sees fewer steps than it would alone); the one reported is then chosen on the
-validation split (multi-reference BLEU of `scripts/evaluate_bleu.py --split validation`), never on the test split,
-and every recipe's figures are recorded.
-
-    python benchmarks/gpu_quality.py                                  # on a GPU: base, 300 s, recipe dropout-0.1
-    python benchmarks/gpu_quality.py --recipes dropout-0.1,dropout-0.3   # both side by side, validation picks
-    python benchmarks/gpu_quality.py --recipes dropout-0.1 --train_seconds 600
+    python benchmarks/gpu_quality.py                                  # on a GPU: base, 300 s
+    python benchmarks/gpu_quality.py --train_seconds 600
     python benchmarks/gpu_quality.py --dry_run                        # anywhere: tiny, 20 s, 64 test sentences
 
-Writes `gpu-quality-<device>.json/.md` (commands, per-recipe metrics, the choice), one log per recipe, the chosen
-model's test translations (`gpu-quality-<device>-test-translations.txt`) and `gpu-quality-selected.txt` (the chosen
-checkpoint's directory, for the translation benchmark that follows). Per recipe: test BLEU on the whole split and on
-its first 1,000 sentences (the CPU main job's subset), steps, ms a step and real and padded tokens/s after the
-compilation, and `train_compile_seconds` (torch.compile's time, before the budget's clock starts), and its slow
-steps, each named as recompiled or kernel set-up. The report is written as soon as training ends, with the training's
-figures, then again with the scores: the test score runs in a process of its own, once more with transformers' loop
-where the default loop fails (`score_test`), and a score that fails still leaves the training's figures, the score
-marked failed with its reason.
+Writes `gpu-quality-<device>.json/.md` (the command, the metrics), the training's log, the model's test translations
+(`gpu-quality-<device>-test-translations.txt`) and `gpu-quality-selected.txt` (the model's directory, for the
+translation benchmark that follows). Reported: test BLEU on the whole split and on its first 1,000 sentences (the CPU
+main job's subset), steps, ms a step and real and padded tokens/s after the compilation, `train_compile_seconds`
+(torch.compile's time, before the budget's clock starts), and the slow steps, each named as recompiled or kernel
+set-up. The report is written as soon as training ends, with the training's figures, then again with the scores: the
+test score runs in a process of its own, once more with transformers' loop where the default loop fails
+(`score_test`), and a score that fails still leaves the training's figures, the score marked failed with its reason.
 The corpus is train_translation.py's default ($VASWANI_FRA_ENG, ../shared/data/fra-eng, or its download);
 `--data_cache_dir` keeps its splits, tokenizer and tokenized splits where `--prepare_only` made them beforehand (on
 another machine too: the caches are keyed by the corpus' content).
@@ -36,20 +29,13 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import (
-    REPO_ROOT, SHARED_CORPUS, Column, Device, add_result_arguments, pick_device, report, result_name,
-)
+from common import REPO_ROOT, SHARED_CORPUS, Column, Device, add_result_arguments, pick_device, report, result_name
 from vaswani.batching import TokenBatchSampler, batch_positions, example_lengths
 from vaswani.evaluation import score_corpus
 from vaswani.training import (
     DataArguments, ModelArguments, VaswaniTrainingArguments, build_model_and_tokenizer, prepare_data, tokenize_splits,
 )
 
-# Each recipe's own arguments, on top of the shared ones below. The paper's base model regularizes with dropout 0.1
-# (§6.3); 0.3 is the usual choice for corpora of this size (IWSLT'14's 160k pairs) trained for dozens of epochs.
-# Side by side in a 300 s budget, 0.1 won on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md), so 0.1
-# alone is the default.
-RECIPES = {"dropout-0.1": ["--config_overrides", "dropout=0.1"], "dropout-0.3": ["--config_overrides", "dropout=0.3"]}
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).
 TEST_SUBSET = 1000
 # The test sentences a dry run scores.
@@ -70,8 +56,9 @@ def device_arguments(device: Device) -> list[str]:
 
 
 def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device | None) -> list[str]:
-    """train_translation.py's arguments common to every recipe. Adam β2 0.98, ε 1e-9 and the inverse-square-root
-    schedule are the paper's (§5.3), with a warm-up shortened to the budget; the device's (`device_arguments`;
+    """train_translation.py's arguments. Adam β2 0.98, ε 1e-9 and the inverse-square-root schedule are the paper's
+    (§5.3), with a warm-up shortened to the budget; dropout 0.1, the paper's base model's (§6.3), chosen over 0.3
+    side by side on validation BLEU (results/gpu-quality-cuda-h100-80gb-hbm3.md); the device's (`device_arguments`;
     none with `device` None, for --prepare_only, whose data caches do not depend on them); beam 4 with length
     penalty 0.6 (§6.1), saved with the model for the test split, which `score_test` scores in a process of its own
     (`--max_test_samples 0`: training saves the model and its metrics, and scores nothing)."""
@@ -87,16 +74,17 @@ def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device 
             "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "100", "--report_to", "none",
             "--generation_num_beams", "4", "--generation_length_penalty", "0.6",
             "--per_device_eval_batch_size", str(args.eval_batch_size), "--dataloader_num_workers", "2",
-            "--disable_tqdm", "true", "--seed", "0", "--max_test_samples", "0", *cache]
+            "--disable_tqdm", "true", "--seed", "0", "--max_test_samples", "0", *cache,
+            "--config_overrides", "dropout=0.1"]
 
 
 def prepare_caches(argv: list[str]) -> tuple[dict, list]:
-    """Read the corpus, train the tokenizer and tokenize the splits once, into the caches every recipe then loads
-    (`vaswani.data`), so that recipes started together do not all do it at once. Returns the tokens of an epoch's
-    batches (`epoch_tokens`) and the test split's references, in its order."""
+    """Read the corpus, train the tokenizer and tokenize the splits once, into the caches the training then loads
+    (`vaswani.data`), so that `--prepare_only` can fill them beforehand. Returns the tokens of an epoch's batches
+    (`epoch_tokens`) and the test split's references, in its order."""
     model_args, data_args, training_args = HfArgumentParser(
         (ModelArguments, DataArguments, VaswaniTrainingArguments)).parse_args_into_dataclasses(args=argv)
-    data_args.default_corpus = str(SHARED_CORPUS)  # as train_translation.py, which the recipes run, finds it
+    data_args.default_corpus = str(SHARED_CORPUS)  # as train_translation.py, which the run starts, finds it
     data = prepare_data(model_args, data_args, training_args)
     _, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, None)
     train, _ = tokenize_splits(data, tokenizer, data_args, training_args)
@@ -106,8 +94,8 @@ def prepare_caches(argv: list[str]) -> tuple[dict, list]:
 
 
 def failure_line(log: Path) -> str | None:
-    """Why a recipe's training failed, from its log: the last line the script's error handler printed
-    (`error: ...`), else the log's last line, else None (no log)."""
+    """Why a run failed, from its log: the last line the script's error handler printed (`error: ...`), else the
+    log's last line, else None (no log)."""
     if not log.exists():
         return None
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
@@ -148,10 +136,8 @@ def subset_bleu(translations: Path, references: list, count: int) -> float | Non
 
 def launch(command: list[str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
-    handle = log.open("w")
-    handle.write("$ " + shlex.join(command) + "\n")
-    handle.flush()
-    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT)
+    log.write_text("$ " + shlex.join(command) + "\n")
+    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
 def read_json(path: Path) -> dict | None:
@@ -163,106 +149,76 @@ def read_json(path: Path) -> dict | None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", default="dropout-0.1", help=f"comma-separated, of {', '.join(RECIPES)}")
-    parser.add_argument("--preset", default="base")
-    parser.add_argument("--train_seconds", type=float, default=300)
-    parser.add_argument("--vocab_size", type=int, default=16000)
+    add = parser.add_argument
+    add("--preset", default="base")
+    add("--train_seconds", type=float, default=300)
+    add("--vocab_size", type=int, default=16000)
     # Smaller batches than the first GPU run's 12,000 tokens give more steps in the budget, and a 400-step warm-up
     # (the CPU main job's, results/main-job-recipes.md) leaves most of them past the peak rate
     # (results/gpu-quality-cuda-h100-80gb-hbm3.md ended just as a 1,000-step warm-up peaked).
-    parser.add_argument("--max_tokens", type=int, default=4000, help="padded tokens per side per batch")
-    parser.add_argument("--lr", type=float, default=7e-4)
-    parser.add_argument("--warmup", type=int, default=400)
-    parser.add_argument("--eval_batch_size", type=int, default=256)
-    parser.add_argument("--validation_samples", type=int, default=None, help="default: the whole validation split")
-    parser.add_argument("--output_root", type=Path, default=REPO_ROOT / "outputs" / "gpu-quality")
-    parser.add_argument("--data_cache_dir", type=Path, default=None, help="train_translation.py's data caches "
-                        "(default: its own, $HF_DATASETS_CACHE/vaswani)")
-    parser.add_argument("--dry_run", action="store_true", help="tiny preset, 20 s, 64 test and validation sentences: "
-                        "checks the whole path on any machine (with VASWANI_REHEARSE_CUDA=1 on a CPU, with the "
-                        "GPU's bf16 and torch.compile)")
-    parser.add_argument("--compile_cache", type=Path, default=None, help="train_translation.py's --compile_cache: "
-                        "torch.compile's cache, loaded where the file exists and saved after the compilation")
-    parser.add_argument("--prepare_only", action="store_true", help="only fill the data caches the recipes load "
-                        "(the corpus' splits, the tokenizer, the tokenized splits), then exit")
+    add("--max_tokens", type=int, default=4000, help="padded tokens per side per batch")
+    add("--lr", type=float, default=7e-4)
+    add("--warmup", type=int, default=400)
+    add("--eval_batch_size", type=int, default=256)
+    add("--output_root", type=Path, default=REPO_ROOT / "outputs" / "gpu-quality")
+    add("--data_cache_dir", type=Path, default=None, help="train_translation.py's data caches (default: its own, "
+        "$HF_DATASETS_CACHE/vaswani)")
+    add("--dry_run", action="store_true", help="tiny preset, 20 s, 64 test sentences: checks the whole path on any "
+        "machine (with VASWANI_REHEARSE_CUDA=1 on a CPU, with the GPU's bf16 and torch.compile)")
+    add("--compile_cache", type=Path, default=None, help="train_translation.py's --compile_cache: torch.compile's "
+        "cache, loaded where the file exists and saved after the compilation")
+    add("--prepare_only", action="store_true", help="only fill the data caches the training loads (the corpus' "
+        "splits, the tokenizer, the tokenized splits), then exit")
     add_result_arguments(parser)
     args = parser.parse_args(argv)
     if args.dry_run:
         args.preset, args.train_seconds, args.warmup, args.max_tokens = "tiny", min(args.train_seconds, 20), 50, 1000
-        args.validation_samples, args.eval_batch_size = 64, 32
-    recipes = [name for name in args.recipes.split(",") if name]
-    if unknown := [name for name in recipes if name not in RECIPES]:
-        parser.error(f"unknown recipe {', '.join(unknown)}")
+        args.eval_batch_size = 32
     device = pick_device("auto")
     name = result_name(args, "gpu-quality", device)
-    results_dir = args.results_dir
 
     started = time.monotonic()
-    tokens, references = prepare_caches(shared_arguments(args, args.output_root / "prepare", None)
-                                        + RECIPES[recipes[0]])
+    tokens, references = prepare_caches(shared_arguments(args, args.output_root / "prepare", None))
     prepare_seconds = time.monotonic() - started
     print(f"data ready in {prepare_seconds:.0f} s", flush=True)
     if args.prepare_only:
         return 0
 
-    runs = {}
-    for recipe in recipes:
-        output_dir = args.output_root / recipe
-        command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir, device),
-                   *RECIPES[recipe],
-                   "--overwrite_output_dir", "true"]
-        runs[recipe] = {"recipe": recipe, "output_dir": output_dir, "command": command,
-                        "process": launch(command, results_dir / f"{name}-{recipe}.log")}
-    for run in runs.values():
-        run["returncode"] = run.pop("process").wait()
-        run["metrics"] = read_json(run["output_dir"] / "metrics.json") if run["returncode"] == 0 else None
+    output_dir = args.output_root / "model"
+    command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir, device),
+               "--overwrite_output_dir", "true"]
+    run = {"output_dir": output_dir, "command": command,
+           "returncode": launch(command, args.results_dir / f"{name}-train.log").wait()}
+    run["metrics"] = read_json(output_dir / "metrics.json") if run["returncode"] == 0 else None
     print(f"training done in {time.monotonic() - started:.0f} s", flush=True)
     # The training figures are reported now, before anything scores: a scoring that fails, or a device taken back
     # during it, leaves them.
-    write_report(argv, args, device, runs, tokens, references, prepare_seconds)
-
-    # Validation BLEU of every finished recipe, side by side; the best one is the result. A single recipe needs no
-    # choice, so its validation pass is skipped (the device time goes to the stages after it).
-    evaluations = {}
-    for recipe, run in runs.items():
-        if run["metrics"] is None or len(recipes) == 1:
-            continue
-        output_file = args.output_root / f"{recipe}-validation.json"
-        command = [sys.executable, "scripts/evaluate_bleu.py", "--model", str(run["output_dir"]),
-                   "--split", "validation",
-                   "--num_beams", "4", "--batch_size", str(args.eval_batch_size), "--output_file", str(output_file)]
-        if args.validation_samples:
-            command += ["--max_samples", str(args.validation_samples)]
-        evaluations[recipe] = (output_file, launch(command, results_dir / f"{name}-{recipe}-validation.log"))
-    for recipe, (output_file, process) in evaluations.items():
-        validation = read_json(output_file) if process.wait() == 0 else None
-        runs[recipe]["validation_bleu"] = validation and validation.get("bleu")
-
-    for recipe, run in runs.items():
-        if run["metrics"] is not None:
-            run.update(score_test(recipe, run["output_dir"], args, results_dir / f"{name}-{recipe}"))
-            if run["test"]:
-                (run["output_dir"] / "test_translations.txt").write_text(
-                    "".join(line.replace("\n", " ") + "\n" for line in run["test"]["hypotheses"]), encoding="utf-8")
-    chosen = write_report(argv, args, device, runs, tokens, references, prepare_seconds)
-    if chosen:
-        chosen_dir = runs[chosen["recipe"]]["output_dir"]
-        (results_dir / "gpu-quality-selected.txt").write_text(str(chosen_dir) + "\n")
-        # The test split's translations, so that the score can be recomputed against the split's references.
-        shutil.copyfile(chosen_dir / "test_translations.txt", results_dir / f"{name}-test-translations.txt")
-    return 0 if chosen else 1
+    write_report(argv, args, device, run, tokens, references, prepare_seconds)
+    if run["metrics"] is None:
+        return 1
+    run.update(score_test(output_dir, args, args.results_dir / name))
+    if run["test"]:
+        (output_dir / "test_translations.txt").write_text(
+            "".join(line.replace("\n", " ") + "\n" for line in run["test"]["hypotheses"]), encoding="utf-8")
+    write_report(argv, args, device, run, tokens, references, prepare_seconds)
+    if not run["test"]:
+        return 1
+    (args.results_dir / "gpu-quality-selected.txt").write_text(str(output_dir) + "\n")
+    # The test split's translations, so that the score can be recomputed against the split's references.
+    shutil.copyfile(output_dir / "test_translations.txt", args.results_dir / f"{name}-test-translations.txt")
+    return 0
 
 
-def score_test(recipe: str, model_dir: Path, args: argparse.Namespace, log_stem: Path) -> dict:
-    """The test split's scores of a recipe's saved model, by scripts/evaluate_bleu.py in a process of its own (so
-    that its failure leaves the training's figures): beam 4 with length penalty 0.6 (the checkpoint's generation
-    config, which training wrote), PyTorch in float32 (the saved weights, as training's own evaluations decode
-    them). The loops of `SCORING_LOOPS` are tried in turn until one scores. Returns `test` (evaluate_bleu.py's
-    report, None where every loop failed), `test_decoding` (the loop that scored) and `test_failures` (each failed
-    loop's one-line reason, from its log)."""
+def score_test(model_dir: Path, args: argparse.Namespace, log_stem: Path) -> dict:
+    """The test split's scores of the saved model, by scripts/evaluate_bleu.py in a process of its own (so that its
+    failure leaves the training's figures): beam 4 with length penalty 0.6 (the checkpoint's generation config,
+    which training wrote), PyTorch in float32 (the saved weights, as training's own evaluations decode them). The
+    loops of `SCORING_LOOPS` are tried in turn until one scores. Returns `test` (evaluate_bleu.py's report, None
+    where every loop failed), `test_decoding` (the loop that scored) and `test_failures` (each failed loop's one-line
+    reason, from its log)."""
     failures = {}
     for loop in SCORING_LOOPS:
-        output_file = args.output_root / f"{recipe}-test-{loop}.json"
+        output_file = args.output_root / f"test-{loop}.json"
         output_file.unlink(missing_ok=True)
         command = [sys.executable, "scripts/evaluate_bleu.py", "--model", str(model_dir), "--split", "test",
                    "--batch_size", str(args.eval_batch_size), "--no-ctranslate2", "--dtype", "float32",
@@ -274,39 +230,30 @@ def score_test(recipe: str, model_dir: Path, args: argparse.Namespace, log_stem:
         if result is not None:
             return {"test": result, "test_decoding": loop, "test_failures": failures}
         failures[loop] = failure_line(log) or "no result"
-        print(f"{recipe}: the test score with --decoding {loop} failed: {failures[loop]}", flush=True)
+        print(f"the test score with --decoding {loop} failed: {failures[loop]}", flush=True)
     return {"test": None, "test_decoding": None, "test_failures": failures}
 
 
-def recipe_row(recipe: str, run: dict, tokens: dict, references: list) -> dict:
-    """A recipe's row of the report: its training's figures (metrics.json, written when training ended) and, once
-    `score_test` has run, its test scores or why they failed (`test_score`)."""
+def result_row(run: dict, tokens: dict, references: list) -> dict:
+    """The report's row: the training's figures (metrics.json, written when training ended) and, once `score_test`
+    has run, the test scores or why they failed (`test_score`)."""
     metrics, test = run["metrics"] or {}, run.get("test") or {}
-    if not metrics:
-        state = None
-    elif "test_failures" not in run:
-        state = "not scored yet"
-    else:
-        state = "scored" if test else "failed"
+    state = ("scored" if test else "failed") if "test_failures" in run else "not scored yet" if metrics else None
     first = subset_bleu(run["output_dir"] / "test_translations.txt", references, TEST_SUBSET) if test else None
-    return {"recipe": recipe, "returncode": run["returncode"], "validation_bleu": run.get("validation_bleu"),
-            f"test_bleu_first_{TEST_SUBSET}": first,
+    return {"returncode": run["returncode"], f"test_bleu_first_{TEST_SUBSET}": first,
             "test_bleu": test.get("bleu"), "test_chrf": test.get("chrf"), "test_ter": test.get("ter"),
             "test_sentences": test.get("sentences"), "test_score": state, "test_decoding": run.get("test_decoding"),
             "test_failures": run.get("test_failures"), "train_steps": metrics.get("train_steps"),
             "train_seconds": metrics.get("train_wall_seconds"), "train_loss": metrics.get("train_loss"),
-            "train_compile_seconds": metrics.get("train_compile_seconds"),
-            "train_graphs_compiled_on_the_clock": metrics.get("train_graphs_compiled_on_the_clock"),
-            "train_slow_steps": metrics.get("train_slow_steps"),
-            "train_slow_steps_recompiling": metrics.get("train_slow_steps_recompiling"),
-            "train_slow_steps_seconds": metrics.get("train_slow_steps_seconds"),
-            **step_rates(metrics, tokens),
-            "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
+            **{f"train_{key}": metrics.get(f"train_{key}") for key in (
+                "compile_seconds", "graphs_compiled_on_the_clock", "slow_steps", "slow_steps_recompiling",
+                "slow_steps_seconds")},
+            **step_rates(metrics, tokens), "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
 
 
 def slow_steps_note(row: dict) -> str | None:
-    """The recipe's slow steps by name, each with its cause: recompiled (torch.compile built a graph during it) or
-    kernel set-up (none built: a kernel's plan or autotuning for a shape new to the process, or the host waiting)."""
+    """The slow steps by name, each with its cause: recompiled (torch.compile built a graph during it) or kernel
+    set-up (none built: a kernel's plan or autotuning for a shape new to the process, or the host waiting)."""
     named = row["metrics"].get("train_slow_steps_named")
     if not named:
         return None
@@ -314,48 +261,35 @@ def slow_steps_note(row: dict) -> str | None:
                       + (f"recompiled: {step['graphs']} graph{'s' if step['graphs'] > 1 else ''})" if step["graphs"]
                          else "kernel set-up: no graph built)") for step in named)
     more = row["train_slow_steps"] - len(named)
-    return f"{row['recipe']}'s slow steps: {steps}" + (f", and {more} more." if more else ".")
+    return f"Slow steps: {steps}" + (f", and {more} more." if more else ".")
 
 
 def score_note(row: dict) -> str | None:
-    """What the test score of a recipe came to where its default loop did not score it."""
-    failures, recipe = row["test_failures"] or {}, row["recipe"]
+    """What the test score came to where the default loop did not score it."""
+    failures = row["test_failures"] or {}
     reasons = "; ".join(f"--decoding {loop} failed: {why}" for loop, why in failures.items())
     if row["test_score"] == "not scored yet":
-        return f"{recipe}: trained; its test score has not run yet (or did not end)."
+        return "Trained; the test score has not run yet (or did not end)."
     if row["test_score"] == "failed":
-        return f"{recipe}: the test score failed with every loop ({reasons}); its training figures stand."
+        return f"The test score failed with every loop ({reasons}); the training figures stand."
     if failures:
-        return f"{recipe}: scored with --decoding {row['test_decoding']} after the default failed ({reasons})."
+        return f"Scored with --decoding {row['test_decoding']} after the default failed ({reasons})."
     return None
 
 
-def write_report(argv, args: argparse.Namespace, device: Device, runs: dict, tokens: dict, references: list,
-                 prepare_seconds: float) -> dict | None:
-    """The report of the runs as they stand (`report`'s JSON and Markdown, rewritten at each stage); returns the
-    chosen recipe's row, None before the test scores or where none scored."""
+def write_report(argv, args: argparse.Namespace, device: Device, run: dict, tokens: dict, references: list,
+                 prepare_seconds: float) -> None:
+    """The report of the run as it stands (`report`'s JSON and Markdown, rewritten at each stage)."""
     name = result_name(args, "gpu-quality", device)
-    rows = [recipe_row(recipe, run, tokens, references) for recipe, run in runs.items()]
-    if len(runs) == 1:
-        finished = [row for row in rows if row["test_bleu"] is not None]
-    else:
-        finished = [row for row in rows if row["validation_bleu"] is not None and row["test_bleu"] is not None]
-    chosen = max(finished, key=lambda row: row["validation_bleu"] or 0) if finished else None
-    for row in rows:
-        row["chosen"] = "yes" if row is chosen else ""
-
-    target = (f"Targets (beam 4, multi-reference): test BLEU ≥ 62 on the first {TEST_SUBSET} sentences and ≥ 45 on "
-              "the whole split; a steady 4,000-token base step ≤ 15 ms on an H100 or H200.")
+    row = result_row(run, tokens, references)
     notes = [
-        (f"One recipe, with the device to itself, for {args.train_seconds:.0f} s." if len(runs) == 1 else
-         f"{len(runs)} recipes trained side by side on the one device, each for {args.train_seconds:.0f} s "
-         "(so each had a share of the GPU, fewer steps than alone); the chosen one has the best validation BLEU."),
+        f"Trained for {args.train_seconds:.0f} s with the device to itself.",
         "torch.compile compiles the step before the budget starts (column `compile s`), so the budget is training "
         "alone; `graphs on the clock` counts the graphs it built after that (0 where the warm-up built all a run "
-        "needed; the recipe's log names each recompilation's reason). `slow steps` counts the steps whose forward "
+        "needed; the training's log names each recompilation's reason). `slow steps` counts the steps whose forward "
         "and backward took over 10× the median step and at least 1 s, `recompiled` those during which it built a "
         "graph (the others: a kernel's plan or autotuning for a shape new to the process, or the host waiting), "
-        "and `slow s` their seconds; a note names the first of them, and the recipe's log each with its batch's "
+        "and `slow s` their seconds; a note names the first of them, and the training's log each with its batch's "
         "shape." if "--torch_compile" in device_arguments(device)
         else "No compilation on this device.",
         f"ms/step and tokens/s: the training after the compilation (metrics.json's train_runtime over its steps); "
@@ -367,26 +301,20 @@ def write_report(argv, args: argparse.Namespace, device: Device, runs: dict, tok
         "scored by evaluate_bleu.py from the saved model (PyTorch, float32) with the loop in column `decoding` "
         f"({' where it fails, then '.join(f'--decoding {loop}' for loop in SCORING_LOOPS)}).",
         f"Data preparation in this process (corpus read, tokenizer trained, splits tokenized; nothing to do where "
-        f"`--prepare_only` filled the caches before) took {prepare_seconds:.0f} s, before the budgets started.",
-        target,
+        f"`--prepare_only` filled the caches before) took {prepare_seconds:.0f} s, before the budget started.",
+        f"Targets (beam 4, multi-reference): test BLEU ≥ 62 on the first {TEST_SUBSET} sentences and ≥ 45 on the "
+        "whole split; a steady 4,000-token base step ≤ 15 ms on an H100 or H200.",
         "Data: Tatoeba via manythings.org (fra-eng), CC-BY 2.0.",
     ]
-    for row in rows:
-        if row["returncode"] != 0:  # the reason in the report itself: a device's logs may not all come back
-            why = failure_line(args.results_dir / f"{name}-{row['recipe']}.log")
-            notes.insert(0, f"{row['recipe']} failed (exit {row['returncode']})" + (f": {why}" if why else "."))
-        for note in (score_note(row), slow_steps_note(row)):
-            if note:
-                notes.insert(0, note)
-    if chosen:
-        validation = "" if chosen["validation_bleu"] is None else f" (validation {chosen['validation_bleu']:.2f})"
-        first = chosen[f"test_bleu_first_{TEST_SUBSET}"]
+    if row["returncode"] != 0:  # the reason in the report itself: a device's logs may not all come back
+        why = failure_line(args.results_dir / f"{name}-train.log")
+        notes.insert(0, f"Training failed (exit {row['returncode']})" + (f": {why}" if why else "."))
+    notes[:0] = [note for note in (score_note(row), slow_steps_note(row)) if note]
+    if row["test_bleu"] is not None:
+        first = row[f"test_bleu_first_{TEST_SUBSET}"]
         first = "" if first is None else f", {first:.2f} on the first {TEST_SUBSET} sentences"
-        notes.insert(0, f"Result: {chosen['recipe']}, test BLEU {chosen['test_bleu']:.2f}{first}{validation}, "
-                        f"{chosen['train_steps']} steps.")
-    columns = [Column("recipe", "recipe"), Column("chosen", "chosen"),
-               Column("validation_bleu", "valid BLEU", "{:.2f}"),
-               Column(f"test_bleu_first_{TEST_SUBSET}", f"test BLEU first {TEST_SUBSET}", "{:.2f}"),
+        notes.insert(0, f"Result: test BLEU {row['test_bleu']:.2f}{first}, {row['train_steps']} steps.")
+    columns = [Column(f"test_bleu_first_{TEST_SUBSET}", f"test BLEU first {TEST_SUBSET}", "{:.2f}"),
                Column("test_bleu", "test BLEU", "{:.2f}"), Column("test_chrf", "test chrF", "{:.2f}"),
                Column("test_ter", "test TER", "{:.2f}"), Column("test_score", "test score"),
                Column("test_decoding", "decoding"), Column("train_steps", "steps"),
@@ -398,8 +326,7 @@ def write_report(argv, args: argparse.Namespace, device: Device, runs: dict, tok
                Column("train_slow_steps", "slow steps"), Column("train_slow_steps_recompiling", "recompiled"),
                Column("train_slow_steps_seconds", "slow s", "{:.1f}"), Column("train_loss", "train loss", "{:.3f}")]
     report(__file__, argv, args, device, "gpu-quality", "Quality: base preset, fixed time budget, multi-reference "
-           "BLEU on the held-out test split", rows, columns, notes, {"commands": {r["recipe"]: r["command"] for r in rows}})
-    return chosen
+           "BLEU on the held-out test split", [row], columns, notes, {"command": row["command"]})
 
 
 if __name__ == "__main__":

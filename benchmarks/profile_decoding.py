@@ -13,7 +13,6 @@ in the loop's part); the plain totals (fastest of `--repeats`) are the ones to c
 
 import argparse
 import collections
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,30 +23,17 @@ from transformers.cache_utils import DynamicLayer
 from vaswani import generation_vaswani, modeling_vaswani
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_translation import LocalEngine  # noqa: E402
-from common import (  # noqa: E402
-    Column, add_result_arguments, pick_device, random_checkpoint, report, test_sources,
-)
+from bench_translation import LocalEngine
+from common import Column, add_result_arguments, csv_of, pick_device, random_checkpoint, report, test_sources
 
 # The parts of a step, in the table's order: what each is made of (module-path rules and wrapped functions below).
 PARTS = [
-    "encoder (once per batch)",
-    "self-attention q/k/v/o projections",
-    "cross-attention q/o projections",
-    "cross-attention k/v projections (once per sentence)",
-    "attention math (scores, softmax, weighted sum)",
-    "attention glue (head reshapes, beam views)",
-    "cache handling (append, reorder, drop rows)",
-    "feed-forward (fc1, ReLU, fc2)",
-    "layer norms",
-    "residual adds, dropout calls (decoder layers)",
-    "masks (causal, cross)",
-    "embeddings and positions",
-    "model forward glue (decoder, model, outputs)",
-    "output layer (lm_head)",
-    "top-k / argmax",
-    "beam bookkeeping (rank, finished hypotheses)",
+    "encoder (once per batch)", "self-attention q/k/v/o projections", "cross-attention q/o projections",
+    "cross-attention k/v projections (once per sentence)", "attention math (scores, softmax, weighted sum)",
+    "attention glue (head reshapes, beam views)", "cache handling (append, reorder, drop rows)",
+    "feed-forward (fc1, ReLU, fc2)", "layer norms", "residual adds, dropout calls (decoder layers)",
+    "masks (causal, cross)", "embeddings and positions", "model forward glue (decoder, model, outputs)",
+    "output layer (lm_head)", "top-k / argmax", "beam bookkeeping (rank, finished hypotheses)",
     "generate() and the loop (setup, log-softmax, tokens, stopping)",
 ]
 
@@ -58,9 +44,7 @@ def module_part(path: str, module: torch.nn.Module) -> str:
     if path.startswith("model.encoder"):
         return PARTS[0]
     if leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if ".self_attn." in path:
-            return PARTS[1]
-        return PARTS[3] if leaf in ("k_proj", "v_proj") else PARTS[2]
+        return PARTS[1] if ".self_attn." in path else PARTS[3] if leaf in ("k_proj", "v_proj") else PARTS[2]
     if leaf in ("self_attn", "encoder_attn"):
         return PARTS[5]
     if ".mlp" in path:
@@ -216,7 +200,7 @@ def main(argv=None):
     add("--threads", type=int, default=2)
     add("--batch_size", type=int, default=32)
     add("--num_sentences", type=int, default=320)
-    add("--beams", type=lambda text: [int(b) for b in text.split(",")], default=[1, 4])
+    add("--beams", type=csv_of(int), default=[1, 4])
     add("--forced", type=int, default=None, help="exactly this many tokens per sentence (random weights)")
     add("--max_new_tokens", type=int, default=128)
     add("--repeats", type=int, default=3)

@@ -139,10 +139,10 @@ def test_quality_run_scores_the_test_splits_first_sentences(tmp_path):
     assert quality.subset_bleu(tmp_path / "missing.txt", references, 2) is None
 
 
-def test_quality_report_says_why_a_recipe_failed(tmp_path):
-    """A recipe that stopped (as the 2026-11-27 H200 run's NaN loss did) is named with the error its log ends on."""
+def test_quality_report_says_why_the_training_failed(tmp_path):
+    """A training that stopped (as the 2026-11-27 H200 run's NaN loss did) is named with the error its log ends on."""
     quality = load_quality()
-    log = tmp_path / "recipe.log"
+    log = tmp_path / "train.log"
     log.write_text("$ python3 scripts/train_translation.py ...\n{'loss': '3.685'}\n"
                    "error: Training loss became NaN/inf at step 1869. Lower the learning rate.\n\n"
                    "[W] a data loader worker's warning, printed after the error\n")
@@ -206,7 +206,7 @@ def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(t
     [row] = report["results"]
     assert_training_figures(row)
     assert (row["test_score"], row["test_decoding"], row["test_failures"]) == ("scored", "auto", {})
-    assert row["test_bleu"] is not None and row["chosen"] == "yes"
+    assert row["test_bleu"] is not None and report["notes"][0].startswith("Result: test BLEU ")
     assert (tmp_path / "results" / "gpu-quality-cpu-test-translations.txt").exists()
 
 
@@ -217,7 +217,7 @@ def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(
     assert_training_figures(row)
     assert (row["test_score"], row["test_decoding"]) == ("scored", "transformers") and row["test_bleu"] is not None
     assert row["test_failures"] == {"auto": "TypeError: an injected fault in the auto loop"}
-    assert ("dropout-0.1: scored with --decoding transformers after the default failed (--decoding auto failed: "
+    assert ("Scored with --decoding transformers after the default failed (--decoding auto failed: "
             "TypeError: an injected fault in the auto loop).") in report["notes"]
 
 
@@ -226,18 +226,18 @@ def test_quality_run_keeps_the_training_figures_where_every_loop_fails_to_score(
     assert run.returncode == 1
     [row] = report["results"]
     assert_training_figures(row)
-    assert (row["test_score"], row["test_decoding"], row["test_bleu"], row["chosen"]) == ("failed", None, None, "")
+    assert (row["test_score"], row["test_decoding"], row["test_bleu"]) == ("failed", None, None)
     assert row["test_failures"] == {loop: f"TypeError: an injected fault in the {loop} loop"
                                     for loop in ("auto", "transformers")}
-    assert any(note.startswith("dropout-0.1: the test score failed with every loop") for note in report["notes"])
+    assert any(note.startswith("The test score failed with every loop") for note in report["notes"])
     markdown = (tmp_path / "results" / "gpu-quality-cpu.md").read_text()
     assert "| failed |" in markdown and f"| {row['train_steps']} |" in markdown
 
 
 def test_quality_report_names_each_slow_step_recompiled_or_kernel_set_up():
     quality = load_quality()
-    row = {"recipe": "dropout-0.1", "train_slow_steps": 3, "metrics": {"train_slow_steps_named": [
+    row = {"train_slow_steps": 3, "metrics": {"train_slow_steps_named": [
         {"step": 1, "seconds": 2.5, "graphs": 1}, {"step": 40, "seconds": 1.25, "graphs": 0}]}}
-    assert quality.slow_steps_note(row) == ("dropout-0.1's slow steps: step 1 (2.50 s, recompiled: 1 graph), "
+    assert quality.slow_steps_note(row) == ("Slow steps: step 1 (2.50 s, recompiled: 1 graph), "
                                             "step 40 (1.25 s, kernel set-up: no graph built), and 1 more.")
     assert quality.slow_steps_note({**row, "metrics": {"train_slow_steps_named": []}}) is None
