@@ -9,7 +9,7 @@ import copy
 import ctypes
 import gc
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -108,7 +108,10 @@ def resident_mib(device: Device, settle: bool = False) -> float | None:
         if device.is_cuda:
             torch.cuda.empty_cache()
         elif sys.platform.startswith("linux"):  # glibc keeps freed small blocks: handed back, the baseline is honest
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:  # not glibc (musl): nothing kept to hand back
+                pass
     return torch.cuda.memory_allocated(device.device) / 2**20 if device.is_cuda else _proc_status_mib("VmRSS")
 
 
@@ -278,7 +281,10 @@ def environment(device: Device) -> dict:
     """The device, the library versions and the model code's revision (uncommitted edits are flagged)."""
     versions = {"python": platform.python_version()}
     for name in ("torch", "transformers", "ctranslate2", "tokenizers"):
-        versions[name] = getattr(importlib.util.find_spec(name) and importlib.import_module(name), "__version__", None)
+        try:
+            versions[name] = importlib.import_module(name).__version__
+        except ImportError:
+            versions[name] = None
     modeling = REPO_ROOT / "src" / "vaswani" / "modeling_vaswani.py"
     return {
         "device": device.tag, "device_name": device.name or _cpu_name(), "dtype": device.dtype_name,
