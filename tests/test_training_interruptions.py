@@ -92,9 +92,13 @@ def corpus(tmp_path):
     return synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
 
 
-@pytest.fixture
-def uninterrupted(corpus, tmp_path):
-    """The same run, never interrupted: the final model every interrupted and resumed run must end with."""
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same run, never interrupted: the final model every interrupted and resumed run must end with, once for
+    every test that compares with it (on the same corpus as theirs: `synthetic_corpus` is the same text wherever it is
+    written)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     output_dir = tmp_path / "uninterrupted"
     process = start([str(SCRIPTS / "train_translation.py"), *train_args(corpus, output_dir, "--max_steps", "20",
                                                                         "--data_cache_dir", str(tmp_path / "cache"))],
