@@ -147,7 +147,6 @@ def main(argv: list[str] | None = None) -> None:
     add("--work_dir", type=Path, default=Path("bench-data-work"),
         help="the cache and output directories of the measured runs (emptied before first runs)")
     add("--timeout", type=float, default=1800)
-    add("--notes", default=None, help="a sentence to add to the report's notes")
     add_result_arguments(parser)
     args = parser.parse_args(argv)
 

@@ -21,7 +21,7 @@ from vaswani.modeling_vaswani import CACHE_NAME  # the cache's name in this tran
 
 from common import (
     Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, csv_of, pick_device, report, resident_mib,
-    sample_sentences, timed, sdpa_backend,
+    sample_sentences, timed,
 )
 
 
@@ -140,16 +140,15 @@ def main(argv=None) -> Path:
     add("--steps", type=int, default=2, help="timed steps after one warm-up")
     add("--decode_batch", type=int, default=None, help="default 8 CUDA, 1 CPU")
     add("--decode_tokens", type=int, default=32)
-    add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU")
     args = parser.parse_args(argv)
     device = pick_device(args.device, args.threads)
     batch_tokens = args.batch_tokens or (32768 if device.as_cuda else 2048)
-    corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+    corpus, pairs, tokenizer = corpus_and_tokenizer(args.corpus, args.cache_dir, args.vocab_size)
     args.decode_batch = args.decode_batch or (8 if device.as_cuda else 1)
     batch_of = {length: max(1, batch_tokens // length) for length in args.lengths}
     per_step = max(max(batch_of[n] * n for n in args.lengths), args.decode_batch * max(args.lengths))
     stream = token_stream(pairs, tokenizer, per_step * (1 + args.steps), args.seed)
-    peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
+    peak_tflops = device.bf16_peak_tflops
 
     rows = []
     for kv_heads in args.kv_heads:
@@ -157,8 +156,7 @@ def main(argv=None) -> Path:
                                            dropout=0.0)
         for mode in args.modes:
             for length in args.lengths:
-                with sdpa_backend(args.sdpa_backend):
-                    row = measure(mode, config, length, batch_of[length], stream, args, device)
+                row = measure(mode, config, length, batch_of[length], stream, args, device)
                 row.update(preset=args.preset, kv_heads=kv_heads, attention=attention_name(config), mode=mode,
                            length=length)
                 if row["flops"]:

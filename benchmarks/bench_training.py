@@ -89,16 +89,15 @@ class Trainee:
     """One engine's model and optimizer, and the batches it steps through: the collated batches every engine shares
     (Marian's twin pads as Vaswani does), padded up to their shape buckets for a -graphs engine."""
 
-    def __init__(self, name, config, device, batches, seed, lr, attention_kernel=None, shape_buckets=None,
-                 batching="bucketed"):
+    def __init__(self, name, config, device, batches, seed, lr, shape_buckets=None, batching="bucketed"):
         self.name, self.batching, self.device = name, batching, device
         base, *options = name.split("-")
         kernels = [option for option in options if option in SDPA_BACKENDS]
         if (base not in ("vaswani", "marian") or set(options) - set(OPTIONS) or len(set(options)) < len(options)
                 or ("graphs" in options and "compiled" not in options)
-                or (kernels and ("eager" in options or len(kernels) > 1 or attention_kernel))):
+                or (kernels and ("eager" in options or len(kernels) > 1))):
             raise ValueError(f"Unknown engine {name!r}: vaswani or marian, then any of -{', -'.join(OPTIONS)} "
-                             "(-graphs with -compiled; at most one SDPA kernel, not with -eager or --sdpa_backend).")
+                             "(-graphs with -compiled; at most one SDPA kernel, not with -eager).")
         self.model = build_seq2seq(base, config, device, torch.float32, seed).train()
         if "eager" in options:
             self.model.set_attn_implementation("eager")
@@ -116,10 +115,9 @@ class Trainee:
         bf16 = device.as_cuda or "bf16" in options
         self.autocast = torch.autocast(device.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         self.dtype = "bfloat16" if bf16 else "float32"
-        self.attention_kernel = kernels[0] if kernels else attention_kernel
+        self.attention_kernel = kernels[0] if kernels else None
         # What the engine must run, which `check` holds it to.
-        self.attention = ({"eager"} if "eager" in options
-                          else {self.attention_kernel} if self.attention_kernel else set(SDPA_BACKENDS))
+        self.attention = {"eager"} if "eager" in options else set(kernels) or set(SDPA_BACKENDS)
 
     def check(self) -> dict:
         """What one uncompiled forward on the first batch ran (`common.check_ran`: stops if not the engine's)."""
@@ -151,17 +149,17 @@ def run(args: argparse.Namespace, argv) -> Path:
         print(f"skipped without CUDA: {', '.join(sorted(set(args.engines) - set(engines)))}", file=sys.stderr)
     steps = args.steps or (20 if device.as_cuda else 4)
     warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.as_cuda else 1)
-    peak_tflops = device.bf16_peak_tflops(args.peak_tflops)
+    peak_tflops = device.bf16_peak_tflops
     if args.keep_freed_memory and not device.is_cuda and not keep_freed_cpu_memory(largest_block_mib=None):
         raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
     started = time.monotonic()
-    corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+    corpus, pairs, tokenizer = corpus_and_tokenizer(args.corpus, args.cache_dir, args.vocab_size)
     encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
     source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
     rows, refused = [], []
     settings = {"batch_tokens": budgets, "steps": steps, "warmup_steps": {}, "peak_tflops": peak_tflops,
                 "corpus": str(corpus), "vocab_size_actual": len(tokenizer), "batch_sizes_sentences": {},
-                "padding_fraction": {}, "shapes_rows_length": {}}
+                "padding_fraction": {}}
     carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
     if carried:
         torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
@@ -175,7 +173,7 @@ def run(args: argparse.Namespace, argv) -> Path:
             settings["batch_sizes_sentences"][key] = [len(s) for s, _ in batches.batches[1 + batches.warmup:]]
             settings["padding_fraction"].update({f"{key}{suffix}": share for suffix, share in batches.padding.items()})
             if batches.shapes:
-                settings["shapes_rows_length"][key] = batches.shapes
+                settings.setdefault("shapes_rows_length", {})[key] = batches.shapes
             # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
             print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
@@ -185,8 +183,6 @@ def run(args: argparse.Namespace, argv) -> Path:
     if (args.compile_cache and not (carried and compile_cache_hits() > hits)
             and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
         write_atomically(args.compile_cache, artifacts[0])
-    if not settings["shapes_rows_length"]:
-        del settings["shapes_rows_length"]
     return report(__file__, argv, args, device, "training", "Training throughput", rows, COLUMNS,
                   notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused), settings)
 
@@ -248,8 +244,7 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
     for size in args.sizes:
         dropout = {"dropout": args.dropout} if args.dropout is not None else {}
         config = VaswaniConfig.from_preset(size, vocab_size=vocab_size, **dropout)
-        trainees = [Trainee(name, config, device, batches.collated, args.seed, 1e-4, args.sdpa_backend,
-                            batches.buckets, batching)
+        trainees = [Trainee(name, config, device, batches.collated, args.seed, 1e-4, batches.buckets, batching)
                     for batching, batches in prepared.items() for name in engines
                     if not (batching.startswith("packed") and name.split("-")[0] != "vaswani")]
         memory, ran = {}, {}
@@ -354,9 +349,8 @@ def notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, r
         "Memory: peak = weights + Adam state + the peak one extra untimed step adds (on CPU, a process RSS increment).",
         "Compiled engines: torch.compile(model) (-graphs: mode=\"reduce-overhead\"), compiled in the warm-up; graphs "
         "built during the timed steps are counted (column `recompiles`).",
-        f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager)"
-        + (f", torch's {args.sdpa_backend} kernel." if args.sdpa_backend else ".") + " Columns `attention` and "
-        "`dtype`: what one uncompiled forward of each engine ran (common.attention_ran).",
+        f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager). "
+        "Columns `attention` and `dtype`: what one uncompiled forward of each engine ran (common.attention_ran).",
     ]
 
 
@@ -424,7 +418,6 @@ def main(argv=None) -> Path:
     add("--compile_cache", type=Path, default=None, help="torch.compile's portable cache (save_cache_artifacts): "
         "loaded before the engines compile where the file exists, saved after the run for the next of this device")
     add("--profile", action="store_true", help="after timing, print each engine's top operators over the timed steps")
-    add("--peak_tflops", type=float, default=None, help="dense bf16 peak for MFU on GPUs not in BF16_PEAK_TFLOPS")
     args = parser.parse_args(argv)
     if set(args.batchings) - set(BATCHINGS) or len(set(args.batchings)) < len(args.batchings):
         raise SystemExit(f"--batchings: each of {', '.join(BATCHINGS)} at most once; got {','.join(args.batchings)}.")

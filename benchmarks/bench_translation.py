@@ -36,8 +36,7 @@ from vaswani.translation import CTranslate2Engine, generate_token_ids, output_id
 
 from common import (
     SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, attention_ran, check_ran, corpus_and_tokenizer,
-    engine_label, csv_of, pick_device, random_checkpoint, report, resident_mib, sample_sentences, sdpa_backend,
-    test_sources, timed,
+    engine_label, csv_of, pick_device, random_checkpoint, report, resident_mib, sample_sentences, test_sources, timed,
 )
 
 # An engine's options after its model's name (`vaswani-int8-hfloop`): `load_engine`'s precision (`int8`, CPU only;
@@ -92,14 +91,14 @@ class LocalEngine:
     """An engine in this process with what `measure` asks of it: timed translations (token ids), the peak memory of
     one."""
 
-    def __init__(self, name, model_dir, device_name, threads, attention_kernel, ct2_dir):
+    def __init__(self, name, model_dir, device_name, threads, ct2_dir):
         self.device = pick_device(device_name, threads)
         before = resident_mib(self.device, settle=True)
         self.engine = build_engine(name, model_dir, self.device, ct2_dir)
         after = resident_mib(self.device, settle=True)  # the memory the engine added while staying resident
         self.load_mib = None if None in (before, after) else after - before
         self.name, self.ct2 = name, isinstance(self.engine, CTranslate2Engine)
-        self.slots, self.attention_kernel = "slots" in name.split("-"), attention_kernel
+        self.slots = "slots" in name.split("-")
         # None for CTranslate2 and int8 (whose weights are buffers): the fp32 rows of the same weights count them.
         torch_weights = not self.ct2 and "int8" not in name
         self.parameters = self.engine.model.num_parameters(only_trainable=True) if torch_weights else None
@@ -109,10 +108,9 @@ class LocalEngine:
         """What the engine's encoder ran on a few tokens (`common.check_ran`: stops where it is not the engine's)."""
         model = self.engine.model
         ids = torch.arange(3, 8, device=model.device)[None]
-        with sdpa_backend(self.attention_kernel), torch.no_grad():
+        with torch.no_grad():
             ran = attention_ran(lambda: model.get_encoder()(input_ids=ids))
-        eager = model.config._attn_implementation == "eager"
-        kernels = {self.attention_kernel} if self.attention_kernel else {"eager"} if eager else set(SDPA_BACKENDS)
+        kernels = {"eager"} if model.config._attn_implementation == "eager" else set(SDPA_BACKENDS)
         linear = "onednn-packed" if any(isinstance(module, PackedLinear) for module in model.modules()) else "aten"
         check_ran(self.name, ran, kernels, str(model.dtype).removeprefix("torch."), linear)
         return ran
@@ -127,15 +125,14 @@ class LocalEngine:
         # The engine's settings at this row's beam count: beam search's own settings go along only with beams.
         decoding = dataclasses.replace(engine.decoding, num_beams=beams, do_sample=False)
         options = {**decoding.generate_options(), **({} if stop_at_eos else {"eos_token_id": None})}
-        with sdpa_backend(self.attention_kernel):
-            if self.slots:
-                eos = engine.model.generation_config.eos_token_id if stop_at_eos else None
-                with torch.inference_mode():
-                    outputs = decode_in_slots(engine.model, batch, new_tokens, slots=slots or len(batch), **options)
-                return [output_ids(output[1:], eos) for output in outputs]
-            padded = engine.tokenizer.pad({"input_ids": batch}, return_tensors="pt").to(engine.model.device)
-            return generate_token_ids(engine.model, padded["input_ids"], padded["attention_mask"],
-                                      max_new_tokens=new_tokens, **options)
+        if self.slots:
+            eos = engine.model.generation_config.eos_token_id if stop_at_eos else None
+            with torch.inference_mode():
+                outputs = decode_in_slots(engine.model, batch, new_tokens, slots=slots or len(batch), **options)
+            return [output_ids(output[1:], eos) for output in outputs]
+        padded = engine.tokenizer.pad({"input_ids": batch}, return_tensors="pt").to(engine.model.device)
+        return generate_token_ids(engine.model, padded["input_ids"], padded["attention_mask"],
+                                  max_new_tokens=new_tokens, **options)
 
     def timed_translate(self, batch, beams, new_tokens, stop_at_eos, *slots) -> tuple[list[list[int]], float]:
         return timed(self.device, lambda: self.translate(batch, beams, new_tokens, stop_at_eos, *slots))
@@ -360,7 +357,7 @@ def main(argv=None) -> Path:
         tokenizer, english = VaswaniTokenizer.from_pretrained(args.model), english[: args.num_sentences]
         args.sizes = [Path(args.model).name]
     else:
-        corpus, pairs, tokenizer = corpus_and_tokenizer(args)
+        corpus, pairs, tokenizer = corpus_and_tokenizer(args.corpus, args.cache_dir, args.vocab_size)
         english = [source for source, _ in sample_sentences(pairs, args.num_sentences, args.seed)]
     sampled_ids = tokenizer(english)["input_ids"]  # each ends with </s>
     # Sorted by length so that batches pad little; every engine gets exactly these batches.
@@ -372,8 +369,7 @@ def main(argv=None) -> Path:
             model_dir = args.model or random_checkpoint(size, tokenizer, args.seed, Path(workdir) / size)
             start = LocalEngine if args.same_process else EngineProcess
             engines = {name: start(name=name, model_dir=model_dir, device_name=args.device, threads=args.threads,
-                                   attention_kernel=args.sdpa_backend, ct2_dir=Path(workdir) / f"{size}-ct2")
-                       for name in names}
+                                   ct2_dir=Path(workdir) / f"{size}-ct2") for name in names}
             for batch_size in args.batch_sizes:
                 chosen = source_ids
                 if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample

@@ -62,15 +62,13 @@ class Device:
         # A short name for result files: `cpu`, or the GPU's model, e.g. `cuda-h100-80gb-hbm3`.
         self.tag = ("cuda-" + re.sub(r"[^a-z0-9]+", "-", self.name.lower().replace("nvidia", "")).strip("-")
                     if self.is_cuda else "cpu")
+        # The dense bf16 peak that MFU is measured against; None on a CPU and on a GPU the table lacks.
+        self.bf16_peak_tflops = (next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in self.name), None)
+                                 if self.is_cuda else None)
 
     def sync(self) -> None:
         if self.is_cuda:  # wall-clock time covers the queued kernels' work, not just their launch
             torch.cuda.synchronize(self.device)
-
-    def bf16_peak_tflops(self, override: float | None = None) -> float | None:
-        if override or not self.is_cuda:
-            return override
-        return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in self.name), None)
 
 
 def pick_device(name: str = "auto", threads: int | None = None) -> Device:
@@ -153,13 +151,15 @@ def sample_sentences(pairs: Sequence[tuple[str, str]], count: int, seed: int) ->
     return random.Random(seed).sample(list(pairs), min(count, len(pairs)))
 
 
-def corpus_and_tokenizer(args: argparse.Namespace) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
-    """The corpus file, all its sentence pairs and the joint BPE as training makes it (on the train split only,
-    `vaswani.tokenization.cached_corpus_tokenizer`), cached under --cache_dir/data, which GPU sessions carry."""
-    corpus = resolve_corpus_path(args.corpus, SHARED_CORPUS)
+def corpus_and_tokenizer(corpus: str | None, cache_dir: Path = CACHE_DIR, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                         ) -> tuple[Path, list[tuple[str, str]], VaswaniTokenizer]:
+    """The corpus file (`corpus`, else found as the scripts find it), all its sentence pairs and the joint BPE as
+    training makes it (on the train split only, `vaswani.tokenization.cached_corpus_tokenizer`), cached under
+    `cache_dir`/data, which GPU sessions carry."""
+    corpus = resolve_corpus_path(corpus, SHARED_CORPUS)
     pairs, _ = read_parallel_tsv(corpus)
-    train = load_translation_dataset(data_file=corpus, cache_dir=args.cache_dir / "data")["train"]
-    return corpus, pairs, cached_corpus_tokenizer(train, args.vocab_size)[0]
+    train = load_translation_dataset(data_file=corpus, cache_dir=cache_dir / "data")["train"]
+    return corpus, pairs, cached_corpus_tokenizer(train, vocab_size)[0]
 
 
 ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2": "CT2"}
@@ -293,7 +293,7 @@ def environment(device: Device) -> dict:
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
         "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,
-        **({"cuda": torch.version.cuda, "bf16_peak_tflops": device.bf16_peak_tflops()} if device.is_cuda else {}),
+        **({"cuda": torch.version.cuda, "bf16_peak_tflops": device.bf16_peak_tflops} if device.is_cuda else {}),
     }
 
 
@@ -322,7 +322,6 @@ def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, de
     environment, the notes) written atomically in --results_dir (`result_name`), the main table printed; settings
     are the run's arguments and `settings`. Returns the JSON file's path."""
     name, command, env = result_name(args, benchmark, device), command_line(script, argv), environment(device)
-    notes = [*notes, *([args.notes] if getattr(args, "notes", None) else [])]
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **(settings or {})}
     payload = {"benchmark": title, "command": command, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "environment": env, "settings": settings, "results": list(rows), "notes": notes,
@@ -370,9 +369,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "models")
     add_result_arguments(parser)
     add("--seed", type=int, default=0)
-    add("--notes", default=None, help="a sentence to add to the report's notes")
-    add("--sdpa_backend", default=None, choices=sorted(SDPA_BACKENDS), help="restrict torch's "
-        "scaled_dot_product_attention to one kernel, for every engine alike; default: torch's own choice")
 
 
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:

@@ -30,10 +30,7 @@ print(f'transformers=={transformers.__version__} datasets=={datasets.__version__
       f'multiprocess=={multiprocess.__version__} fsspec=={fsspec.__version__}')")
 download --dest .whl $versions evaluate==0.4.6
 # The corpus' splits and the tokenizer, which the benchmarks otherwise make on first use.
-PYTHONPATH=benchmarks:${PYTHONPATH:-} python3 -c 'import argparse, common
-parser = argparse.ArgumentParser()
-common.add_common_arguments(parser)
-common.corpus_and_tokenizer(parser.parse_args(["--corpus", ".corpus/fra_eng.tsv.gz"]))'
+PYTHONPATH=benchmarks:${PYTHONPATH:-} python3 -c 'import common; common.corpus_and_tokenizer(".corpus/fra_eng.tsv.gz")'
 VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \
     python3 benchmarks/gpu_quality.py --prepare_only --data_cache_dir benchmarks/.cache/data
 

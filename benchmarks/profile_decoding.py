@@ -136,8 +136,7 @@ def profile(args) -> dict:
         ids = sorted(tokenizer(sentences[: args.num_sentences])["input_ids"], key=len)
         batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
         stop_at_eos, new_tokens = args.forced is None, args.forced or args.max_new_tokens
-        spec = dict(model_dir=model_dir, device_name="cpu", threads=args.threads, attention_kernel=None,
-                    ct2_dir=Path(workdir) / "ct2")
+        spec = dict(model_dir=model_dir, device_name="cpu", threads=args.threads, ct2_dir=Path(workdir) / "ct2")
         torch_engine = LocalEngine(name="vaswani", **spec)
         ct2_engine = LocalEngine(name="ct2-float32", **spec)
         results = {"model": label, "sentences": len(ids), "batch_size": args.batch_size,

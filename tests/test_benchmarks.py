@@ -202,9 +202,9 @@ def test_training_benchmark_pins_a_kernel_per_engine_and_times_first_and_later_p
     # 4 timed steps, 1 for memory, 1 forward that records what ran
     assert set(pinned) == {"math", "flash"} and pinned["math"] == pinned["flash"] == 6
     config, device = VaswaniConfig.tiny(vocab_size=64), module.pick_device("cpu")
-    for name, kernel in (("vaswani-eager-math", None), ("vaswani-math-flash", None), ("vaswani-math", "flash")):
+    for name in ("vaswani-eager-math", "vaswani-math-flash"):
         with pytest.raises(ValueError, match="at most one SDPA kernel"):
-            module.Trainee(name, config, device, [], seed=0, lr=1e-4, attention_kernel=kernel)
+            module.Trainee(name, config, device, [], seed=0, lr=1e-4)
 
 
 def test_training_benchmark_records_what_each_engine_ran_and_drops_a_refused_one(corpus, tmp_path):
@@ -464,7 +464,7 @@ def test_benchmark_times_what_the_package_engine_translates(tmp_path, name):
     from vaswani.translation import translate
 
     bench = load("bench_translation")
-    engine = bench.LocalEngine(name, _tiny_checkpoint(tmp_path), "cpu", 1, None, tmp_path / "ct2")
+    engine = bench.LocalEngine(name, _tiny_checkpoint(tmp_path), "cpu", 1, tmp_path / "ct2")
     tokenizer = engine.engine.tokenizer
     encoded = tokenizer(SOURCES)["input_ids"]
     batch = [encoded[i] for i in sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)]
@@ -486,7 +486,7 @@ def test_benchmark_int8_engine_is_the_loaders_int8_path(tmp_path):
 
     from vaswani.inference import Int8Linear
 
-    engine = load("bench_translation").LocalEngine("vaswani-int8", _tiny_checkpoint(tmp_path), "cpu", 1, None,
+    engine = load("bench_translation").LocalEngine("vaswani-int8", _tiny_checkpoint(tmp_path), "cpu", 1,
                                                    tmp_path / "ct2")
     model = engine.engine.model
     assert [name for name, module in model.named_modules() if type(module) is torch.nn.Linear] == []
