@@ -254,11 +254,18 @@ def check_ran(engine: str, ran: dict, attention: set[str] | None, dtype: str, li
                           "would not be its own.")
 
 
+# The variables that limit torch's CPU kernels to an older instruction set (ATen's, oneDNN's, fbgemm's), as .ci/run
+# sets them to run an AVX2-only CPU's kernels; CTranslate2's bundled oneDNN reads ONEDNN_MAX_CPU_ISA too.
+KERNEL_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """The command as run (`argv` None: this process' own), to be pasted in the repository root."""
+    """The command as run (`argv` None: this process' own), to be pasted in the repository root; preceded by the
+    kernel-limiting variables that are set, since they change what runs."""
     path = Path(script).resolve()
     path = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    return shlex.join(["python", str(path), *(sys.argv[1:] if argv is None else argv)])
+    limits = [f"{name}={os.environ[name]}" for name in KERNEL_ISA_VARIABLES if os.environ.get(name)]
+    return shlex.join([*limits, "python", str(path), *(sys.argv[1:] if argv is None else argv)])
 
 
 def _git(*args: str) -> str | None:
@@ -289,6 +296,7 @@ def environment(device: Device) -> dict:
     return {
         "device": device.tag, "device_name": device.name or _cpu_name(), "dtype": device.dtype_name,
         "rehearsing_cuda": device.as_cuda and not device.is_cuda, "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the instruction set of ATen's CPU kernels
         "cpu_count": os.cpu_count(), "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
@@ -329,7 +337,8 @@ def report(script: str, argv: Sequence[str] | None, args: argparse.Namespace, de
     table = markdown_table(rows, columns)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     md = [f"# {title}", "", "```bash", command, "```", "",
-          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads). "
+          f"Device: **{env['device_name']}** ({env['device']}, {env['dtype']}, {env['torch_threads']} torch threads, "
+          f"ATen CPU kernels {env['cpu_capability']}). "
           f"Versions: {versions}. Model code: commit {env['git_commit']}"
           + (" with uncommitted changes" if env["model_code_uncommitted_changes"] else "")
           + f" (modeling_vaswani.py sha1 {env['modeling_vaswani_sha1']}).", "", table]

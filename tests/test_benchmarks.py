@@ -56,8 +56,13 @@ def common_args(corpus: Path, tmp_path: Path) -> list[str]:
 
 
 def check_report(json_path: Path, script: str, row_fields: set[str]) -> dict:
+    from common import KERNEL_ISA_VARIABLES
+
     report = json.loads(json_path.read_text())
-    assert report["command"].startswith(f"python benchmarks/{script}.py ")
+    # The command as run, preceded by the kernel-limiting variables that are set (as in CI's AVX2 suite).
+    limits = "".join(f"{name}={os.environ[name]} " for name in KERNEL_ISA_VARIABLES if os.environ.get(name))
+    assert report["command"].startswith(f"{limits}python benchmarks/{script}.py ")
+    assert report["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert report["environment"]["device"] == "cpu"
     assert report["environment"]["dtype"] == "float32"
     assert {"torch", "transformers"} <= set(report["environment"]["versions"])
