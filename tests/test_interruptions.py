@@ -30,12 +30,13 @@ CHUNK = 5
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint, tmp_path_factory):
-    """The output of an uninterrupted run of the script."""
+def expected(trained, tmp_path_factory):
+    """The output of an uninterrupted translation of the file, as the script translates it (`translate_file`, with the
+    script's chunks and batches), in this process: every interrupted run of the script below must end with it."""
     directory = tmp_path_factory.mktemp("uninterrupted")
     output = directory / "out.fr"
-    process = start(translate_argv(checkpoint, write_input(directory), output))
-    assert process.wait(timeout=120) == 0, process.communicate()[1]
+    translate_file(engine_for_model(*trained, **GREEDY), write_input(directory), str(output), chunk_lines=CHUNK,
+                   progress=False)
     return output.read_bytes()
 
 
@@ -288,8 +289,7 @@ def test_a_real_full_disk_under_translate_then_resume_after_freeing_space(traine
         process = start(argv)
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
-        # The same file translated in one go, in this process: the script's translation of a file is
-        # `translate_file`'s (the full-disk tests above hold the two to the same bytes).
+        # The same file translated in one go, as `expected` is.
         again = tmp_path / "uninterrupted.fr"
         translate_file(engine_for_model(*trained, **GREEDY), write_input(tmp_path, lines), str(again),
                        chunk_lines=CHUNK, progress=False)
