@@ -174,24 +174,28 @@ if sys.argv[0].endswith("evaluate_bleu.py") and decoding in {broken!r}:
 '''
 
 
-def quality_dry_run(tmp_path, broken: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict]:
-    """gpu_quality.py --dry_run for real, in processes of its own, on a small synthetic corpus for 2 s of training;
-    `broken` names the decoding loops that fail in the scoring process (`BROKEN_LOOPS`). Returns the run and its
-    report."""
+def quality_dry_run(tmp_path, monkeypatch, broken: tuple[str, ...] = ()) -> tuple[int, dict, str]:
+    """gpu_quality.py --dry_run for real on a small synthetic corpus for 2 s of training: its `main` in this process,
+    which starts the training and each scoring in processes of their own, as on a GPU; `broken` names the decoding
+    loops that fail in the scoring process (`BROKEN_LOOPS`). Returns the exit status, the report, and the tails of
+    the processes' logs (for a failure's message)."""
     from training_script import synthetic_corpus
 
     faults = tmp_path / "faults"
     faults.mkdir()
     (faults / "sitecustomize.py").write_text(BROKEN_LOOPS.format(broken=broken))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "VASWANI_FRA_ENG": str(synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)),
-           "PYTHONPATH": os.pathsep.join([str(faults), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_quality.py"), "--dry_run",
-                          "--train_seconds", "2", "--vocab_size", "300", "--output_root", str(tmp_path / "out"),
-                          "--results_dir", str(tmp_path / "results"), "--data_cache_dir", str(tmp_path / "cache")],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    report = json.loads((tmp_path / "results" / "gpu-quality-cpu.json").read_text())
-    return run, report
+    # What the processes it starts inherit.
+    for name, value in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                        "VASWANI_FRA_ENG": str(synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)),
+                        "PYTHONPATH": os.pathsep.join([str(faults), str(REPO / "src"),
+                                                       os.environ.get("PYTHONPATH", "")])}.items():
+        monkeypatch.setenv(name, value)
+    results = tmp_path / "results"
+    status = load_quality().main(["--dry_run", "--train_seconds", "2", "--vocab_size", "300", "--output_root",
+                                  str(tmp_path / "out"), "--results_dir", str(results), "--data_cache_dir",
+                                  str(tmp_path / "cache")])
+    logs = "".join(f"{log.name}:\n{log.read_text()[-2000:]}\n" for log in sorted(results.glob("*.log")))
+    return status, json.loads((results / "gpu-quality-cpu.json").read_text()), logs
 
 
 def assert_training_figures(row: dict) -> None:
@@ -200,9 +204,9 @@ def assert_training_figures(row: dict) -> None:
     assert row["train_compile_seconds"] is not None and row["train_slow_steps"] is not None
 
 
-def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(tmp_path):
-    run, report = quality_dry_run(tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(tmp_path, monkeypatch):
+    status, report, logs = quality_dry_run(tmp_path, monkeypatch)
+    assert status == 0, logs
     [row] = report["results"]
     assert_training_figures(row)
     assert (row["test_score"], row["test_decoding"], row["test_failures"]) == ("scored", "auto", {})
@@ -210,9 +214,9 @@ def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(t
     assert (tmp_path / "results" / "gpu-quality-cpu-test-translations.txt").exists()
 
 
-def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(tmp_path):
-    run, report = quality_dry_run(tmp_path, broken=("auto",))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(tmp_path, monkeypatch):
+    status, report, logs = quality_dry_run(tmp_path, monkeypatch, broken=("auto",))
+    assert status == 0, logs
     [row] = report["results"]
     assert_training_figures(row)
     assert (row["test_score"], row["test_decoding"]) == ("scored", "transformers") and row["test_bleu"] is not None
@@ -221,9 +225,9 @@ def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(
             "TypeError: an injected fault in the auto loop).") in report["notes"]
 
 
-def test_quality_run_keeps_the_training_figures_where_every_loop_fails_to_score(tmp_path):
-    run, report = quality_dry_run(tmp_path, broken=("auto", "transformers"))
-    assert run.returncode == 1
+def test_quality_run_keeps_the_training_figures_where_every_loop_fails_to_score(tmp_path, monkeypatch):
+    status, report, logs = quality_dry_run(tmp_path, monkeypatch, broken=("auto", "transformers"))
+    assert status == 1, logs
     [row] = report["results"]
     assert_training_figures(row)
     assert (row["test_score"], row["test_decoding"], row["test_bleu"]) == ("failed", None, None)
