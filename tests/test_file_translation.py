@@ -348,7 +348,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.mark.parametrize("mode", ["slow", "after_write", "before_output", "before_first_chunk"])
 def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, mode):
-    """The same command line twice, `--resume` included, as a scheduler requeues a preempted job."""
+    """The same command line twice, `--resume` included, as a scheduler requeues a preempted job: the first in a
+    process of its own, killed; the second through the script's `main` in this process."""
     output = tmp_path / "out.fr"
     argv = ["-c", KILLABLE, str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu",
             "--input_file", write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "5",
@@ -373,9 +374,7 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
     if mode == "after_write":  # the third chunk reached the file, its record did not
         assert output.stat().st_size > recorded["bytes"]
 
-    resumed = run_script(argv[2:])
-    _, err = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, err.decode()
+    script_main("translate")(argv[3:])
     assert output.read_text(encoding="utf-8") == expected
     assert json.loads(state.read_text())["complete"] is True and not (tmp_path / "out.fr.parts").exists()
 
