@@ -23,6 +23,7 @@ more than one key/value head, which CTranslate2 offers only for decoder-only mod
 vocabularies; banned sequences of several tokens.
 """
 
+import contextlib
 import hashlib
 import json
 import math
@@ -45,7 +46,26 @@ FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("S
                    "swiglu": ("SWISH", True), "geglu": ("GELU", True)}
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch's CPU work on the calling thread alone for the span of the block (as a decorator: of the call).
+
+    In a process that imported torch before CTranslate2, CTranslate2's threads run on torch's OpenMP runtime. Once
+    torch has run one multi-threaded operation, its own OpenMP threads stay in that runtime, which then counts more
+    threads than cores and makes CTranslate2's threads sleep between its many small parallel steps instead of spinning:
+    CTranslate2 float32 decoded at about half its speed for the rest of a process that had made its export at two
+    threads (benchmarks/results/README.md, "CTranslate2 in a process that used torch's threads"). An export, made
+    once, costs little more on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @locking("output_dir")
+@one_torch_thread()
 def export_to_ctranslate2(model, output_dir: str, tokenizer=None, quantization: str | None = None,
                           max_positions: int | None = None, force: bool = False,
                           measure_on: Sequence[str] | None = None) -> str:
