@@ -176,41 +176,57 @@ def greedy_checkpoint(checkpoint, path, **generation):
     return path
 
 
-def test_with_ctranslate2_the_scripts_translate_a_checkpoint_with_its_cached_export_and_say_so(checkpoint, tmp_path,
-                                                                                               capsys):
+def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_say_so(checkpoint, tmp_path, capsys):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
     translate_script = script_main("translate")
 
-    translate_script(["--model", str(path), "--device", "cpu", "--ctranslate2", *SOURCES])
-    exported = capsys.readouterr()
     translate_script(["--model", str(path), "--device", "cpu", *SOURCES])
+    exported = capsys.readouterr()
+    translate_script(["--model", str(path), "--device", "cpu", "--no-ctranslate2", *SOURCES])
     pytorch = capsys.readouterr()
 
     engine_lines = [line for line in exported.err.splitlines() if line.startswith("engine: ")]
     assert engine_lines == [f"engine: CTranslate2 float32 on cpu, the cached export of {path} "
-                            f"({load_default_engine(str(path), device='cpu', ctranslate2=True).path})"]
+                            f"({load_default_engine(str(path), device='cpu').path})"]
     pytorch_lines = [line for line in pytorch.err.splitlines() if line.startswith("engine: ")]
     packed = " with oneDNN-packed linear layers" if cpu_packs_linear_weights() else ""
     assert pytorch_lines == [f"engine: PyTorch float32{packed} on cpu"]
     assert exported.out == pytorch.out and exported.out.count("\n") == len(SOURCES)
 
 
-def test_a_checkpoint_decodes_with_pytorch_unless_ctranslate2_is_asked_for(checkpoint, tmp_path):
-    """The PyTorch engine decoded a checkpoint at least as fast as its CTranslate2 float32 export on a CPU
-    (benchmarks/results/README.md), so a checkpoint's export is made and used only when asked for; an export
-    decodes with CTranslate2."""
+def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path):
     greedy = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    beams = greedy_checkpoint(checkpoint, tmp_path / "beams", num_beams=3)  # transformers' early_stopping=False
     stopping = greedy_checkpoint(checkpoint, tmp_path / "stopping", num_beams=3, early_stopping=True)
-    export_to_ctranslate2(str(greedy), str(tmp_path / "ct2"))
 
     def engine(path, **options):
-        return load_default_engine(str(path), device="cpu", cache_dir=str(tmp_path / "cache"), **options)
+        return load_default_engine(str(path), device="cpu", **options).settings["engine"]
 
-    assert engine(greedy).settings["engine"] == "pytorch" and engine(stopping).settings["engine"] == "pytorch"
-    assert not (tmp_path / "cache").exists()
-    assert engine(greedy, ctranslate2=True).settings["engine"] == "ctranslate2"
-    assert engine(stopping, ctranslate2=True).settings["engine"] == "ctranslate2"
-    assert engine(tmp_path / "ct2").settings["engine"] == "ctranslate2"
+    assert engine(greedy) == "ctranslate2" and engine(stopping) == "ctranslate2"
+    assert engine(beams) == "pytorch"  # CTranslate2 stops a beam search as early_stopping=True does
+    assert engine(beams, early_stopping=True) == "ctranslate2"
+    assert engine(greedy, ctranslate2=False) == "pytorch"
+    for pytorch_only in ({"int8": True}, {"dtype": "float32"}, {"slots": 0}, {"decoding": "lean"},
+                         {"no_repeat_ngram_size": 2}):
+        assert engine(greedy, **pytorch_only) == "pytorch", pytorch_only
+    assert engine(greedy, do_sample=True) == "pytorch"
+
+
+def test_an_export_does_torchs_work_on_one_thread_and_gives_the_count_back(checkpoint, tmp_path, monkeypatch):
+    """An export starts no team of torch threads: in the process that then decodes with CTranslate2 (on torch's
+    OpenMP runtime), such a team halved CTranslate2's speed (`vaswani.export.one_torch_thread`)."""
+    import vaswani.export
+
+    seen, model_spec = [], vaswani.export.model_spec
+    monkeypatch.setattr(vaswani.export, "model_spec", lambda *args: seen.append(torch.get_num_threads())
+                        or model_spec(*args))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        export_to_ctranslate2(str(checkpoint), str(tmp_path / "ct2"), measure_on=SOURCES[:2])
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_cached_export_is_reused_and_made_again_when_the_weights_change(checkpoint, tmp_path):
@@ -229,8 +245,7 @@ def test_a_cached_export_is_reused_and_made_again_when_the_weights_change(checkp
     rebuilt, made = cached_export(str(path), str(cache))
 
     assert made and rebuilt == first and (Path(first) / "model.bin").stat().st_mtime_ns != weights
-    exported = translate_with(load_default_engine(str(path), device="cpu", ctranslate2=True, cache_dir=str(cache)),
-                              SOURCES).texts
+    exported = translate_with(load_default_engine(str(path), device="cpu", cache_dir=str(cache)), SOURCES).texts
     pytorch = translate_with(load_engine(str(path), device="cpu", ctranslate2=False), SOURCES).texts
     assert exported == pytorch
 

@@ -25,6 +25,7 @@ vocabularies; banned sequences of several tokens.
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -32,13 +33,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from transformers import AutoConfig
 from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
 from .configuration_vaswani import OUTPUT_SLACK
 from .files import exclusive, locking, staged_directory, write_atomically
-from .loading import (CTRANSLATE2_WEIGHTS, check_checkpoint_dir, choose_device, engine_for_model, load_engine,
-                      load_translator)
-from .translation import model_decoding, translate
+from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, choose_device, engine_for_model,
+                      generation_config_name, load_engine, load_translator, pytorch_options,
+                      read_generation_config)
+from .translation import CTranslate2Engine, DecodingSettings, is_learned, model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
@@ -158,17 +161,42 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
                         cache_dir: str | None = None, **options):
     """`vaswani.loading.load_engine` as the scripts build it: `ctranslate2` True, CTranslate2 decodes: the export in
     `model_dir`, or a checkpoint's float32 export, made once and cached (`cached_export` in `cache_dir`, made again
-    when the weights change); False, the PyTorch checkpoint; None (the default), whichever `model_dir` holds. A
-    checkpoint decodes with PyTorch unless told otherwise: on a CPU its fp32 engine decoded at least as fast as its
-    CTranslate2 float32 export at the scripts' thread count, with the same translations (benchmarks/results/README.md,
-    "A checkpoint's CTranslate2 float32 export by default").
-    `options`: `load_engine`'s."""
+    when the weights change); False, the PyTorch checkpoint; None (the default), an export, and a checkpoint's
+    export where `ctranslate2_by_default` says CTranslate2 gives its translations faster. `options`: `load_engine`'s."""
     device = choose_device(device)
-    if ctranslate2 and not os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS)):
+    exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
+    if not exported and ctranslate2 is None:
+        rest = {name: value for name, value in options.items() if name != "compute_type"}
+        decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
+        ctranslate2 = (not any(pytorch_options(**rest).values())
+                       and options.get("compute_type", "default") == "default"
+                       and ctranslate2_by_default(model_dir, device, **decoding))
+    if ctranslate2 and not exported:
         check_checkpoint_dir(model_dir)
         export_dir, _ = cached_export(model_dir, cache_dir)
         return load_engine(export_dir, device=device, ctranslate2=True, export_of=model_dir, **options)
     return load_engine(model_dir, device=device, ctranslate2=ctranslate2, **options)
+
+
+def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_overrides) -> bool:
+    """Whether `load_default_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on
+    a CPU, where CTranslate2 float32 decoded faster than the PyTorch engine at the same precision, greedy and with beam
+    search (benchmarks/results/translation-cpu-main-job-model.md), for a local checkpoint that the exporter takes,
+    with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding settings
+    it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False`
+    is not one of them, and stays with PyTorch)."""
+    if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
+        return False
+    check_checkpoint_dir(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    try:
+        check_exportable(config)
+    except ValueError:
+        return False
+    settings = DecodingSettings.resolve(
+        read_generation_config(model_dir), positions=config.max_position_embeddings, learned=is_learned(config),
+        origin=generation_config_name(model_dir), **decoding_overrides)
+    return CTranslate2Engine.follows(settings)
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:

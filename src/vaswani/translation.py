@@ -325,6 +325,14 @@ class CTranslate2Engine:
                  else self.path or "a CTranslate2 model")
         return f"CTranslate2 {self.decoding.precision} on {self.translator.device}, {where}"
 
+    @staticmethod
+    def follows(decoding: DecodingSettings) -> bool:
+        """Whether CTranslate2 decodes with these settings exactly as `generate()` does
+        (tests/test_decoding_contract.py): greedy search, or beam search with `early_stopping=True`; no sampling, no
+        other `generate()` option."""
+        return (not decoding.options and not decoding.do_sample
+                and (decoding.num_beams == 1 or decoding.early_stopping is True))
+
     @classmethod
     def pytorch_only(cls, engine_options: dict[str, bool], decoding_overrides: dict) -> dict[str, bool]:
         """Which of the PyTorch engine's own options a caller gave, by flag: `engine_options` (flag → given) and the
