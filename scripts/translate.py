@@ -25,9 +25,9 @@ multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp
 not given (--num_beams, --max_new_tokens, --length_penalty, the sampling ones) is the checkpoint's, from its
 generation_config.json; without a max_new_tokens there, each output may run to its source's length plus 50 tokens.
 The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does: on a CPU with ctranslate2 installed,
-a checkpoint whose decoding settings CTranslate2 follows exactly (greedy search, or beams with early_stopping)
-translates through its float32 CTranslate2 export, made once, cached and made again when the weights change, which
-gives the same translations faster (vaswani.export.ctranslate2_by_default); --no-ctranslate2 keeps the PyTorch
+a checkpoint at most 256 wide (d_model) whose decoding settings CTranslate2 follows exactly (greedy search, or
+beams with early_stopping) translates through its float32 CTranslate2 export, made once, cached and made again when
+the weights change, which gives the same translations faster (vaswani.export.ctranslate2_by_default); --no-ctranslate2 keeps the PyTorch
 engine. The first line on stderr names the engine that runs.
 """
 

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 from conftest import fails_with_one_line, other_names, script_main, snapshot
 from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
-from vaswani.export import cached_export, export_to_ctranslate2, load_default_engine
+from vaswani.export import CPU_CTRANSLATE2_MAX_D_MODEL, cached_export, export_to_ctranslate2, load_default_engine
 from vaswani.inference import cpu_packs_linear_weights
 from vaswani.loading import load_engine
 from vaswani.translation import translate as translate_with
@@ -210,6 +211,15 @@ def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_t
                          {"no_repeat_ngram_size": 2}):
         assert engine(greedy, **pytorch_only) == "pytorch", pytorch_only
     assert engine(greedy, do_sample=True) == "pytorch"
+    # Wider than CPU_CTRANSLATE2_MAX_D_MODEL, the PyTorch engine decoded faster.
+    wide = tmp_path / "wide"
+    config = AutoConfig.from_pretrained(greedy)
+    config.d_model, config.d_ff = CPU_CTRANSLATE2_MAX_D_MODEL * 2, 64
+    VaswaniForConditionalGeneration(config).save_pretrained(wide)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (greedy / name).is_file():
+            shutil.copy(greedy / name, wide / name)
+    assert engine(wide) == "pytorch" and engine(wide, ctranslate2=True) == "ctranslate2"
 
 
 def test_an_export_does_torchs_work_on_one_thread_and_gives_the_count_back(checkpoint, tmp_path, monkeypatch):

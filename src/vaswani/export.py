@@ -178,13 +178,20 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
     return load_engine(model_dir, device=device, ctranslate2=ctranslate2, **options)
 
 
+# The widest model whose CTranslate2 float32 export decodes faster than the PyTorch engine on a CPU, two threads,
+# greedy / beam 4: at the main job's width, 256, CTranslate2 took 0.64 / 0.70 × the time
+# (benchmarks/results/translation-cpu-main-job-model.md); at base's 512, where oneDNN's laid-out products pay most,
+# 2.04 / 1.39 × (translation-cpu-base.md).
+CPU_CTRANSLATE2_MAX_D_MODEL = 256
+
+
 def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_overrides) -> bool:
     """Whether `load_default_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on
-    a CPU, where CTranslate2 float32 decoded faster than the PyTorch engine at the same precision, greedy and with beam
-    search (benchmarks/results/translation-cpu-main-job-model.md), for a local checkpoint that the exporter takes,
-    with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding settings
-    it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False`
-    is not one of them, and stays with PyTorch)."""
+    a CPU, for a model at most `CPU_CTRANSLATE2_MAX_D_MODEL` wide (where CTranslate2 float32 decoded faster than the
+    PyTorch engine at the same precision, greedy and with beam search), for a local checkpoint that the exporter
+    takes, with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding
+    settings it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default
+    `early_stopping=False` is not one of them, and stays with PyTorch)."""
     if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
         return False
     check_checkpoint_dir(model_dir)
@@ -192,6 +199,8 @@ def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_over
     try:
         check_exportable(config)
     except ValueError:
+        return False
+    if config.d_model > CPU_CTRANSLATE2_MAX_D_MODEL:
         return False
     settings = DecodingSettings.resolve(
         read_generation_config(model_dir), positions=config.max_position_embeddings, learned=is_learned(config),
