@@ -10,8 +10,9 @@ Whichever engine decodes, the sources go through `vaswani.translation.translate`
 batches of --batch_size sentences, longest first; sources longer than the model takes are truncated (a warning on
 stderr counts them). A decoding setting not given (--num_beams, --max_new_tokens, --length_penalty) is the
 checkpoint's, from its generation_config.json, as training evaluated it. The engine is load_engine's choice, as in
-scripts/translate.py (a checkpoint decodes with PyTorch; --ctranslate2 with its cached CTranslate2 export), named on
-stderr and in the report's "engine".
+scripts/translate.py (on a CPU, its cached CTranslate2 float32 export where that is faster and gives the checkpoint's
+translations, vaswani.export.ctranslate2_by_default; --ctranslate2 / --no-ctranslate2 decide it), named on stderr and
+in the report's "engine".
 """
 
 import argparse
