@@ -53,12 +53,12 @@ FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("S
 def one_torch_thread():
     """torch's CPU work on the calling thread alone for the span of the block (as a decorator: of the call).
 
-    In a process that imported torch before CTranslate2, CTranslate2's threads run on torch's OpenMP runtime. Once
-    torch has run one multi-threaded operation, its own OpenMP threads stay in that runtime, which then counts more
-    threads than cores and makes CTranslate2's threads sleep between its many small parallel steps instead of spinning:
     CTranslate2 float32 decoded at about half its speed for the rest of a process that had made its export at two
-    threads (benchmarks/results/README.md, "CTranslate2 in a process that used torch's threads"). An export, made
-    once, costs little more on one thread."""
+    threads (benchmarks/results/README.md, "CTranslate2 in a process that used torch's threads"). What was measured:
+    not when ctranslate2 is imported before torch, or when torch never ran on several threads; as slow when
+    CTranslate2's OpenMP threads are made to sleep between its many small parallel steps (`OMP_WAIT_POLICY=PASSIVE`).
+    So, it appears, CTranslate2 runs on torch's OpenMP runtime where torch was imported first, and torch's idle
+    threads there stop CTranslate2's from spinning. An export, made once, costs little more on one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
