@@ -6,7 +6,7 @@ Identical work: the same sentences, tokenized once, sorted by length and cut int
 (`--sizes`) generate exactly `--new_tokens` tokens per sentence (`--stopping forced`, checked on every output);
 `--model DIR` runs a trained checkpoint on its held-out test split, each sentence stopping at its end (`eos`) beside
 forced rows. Only warm runs are timed. Every engine runs in a process of its own, as deployed; in one shared process
-CTranslate2 and PyTorch slow each other down (`--same_process`, results/translation-cpu-same-process.md).
+CTranslate2 and PyTorch slow each other down (`--same_process`; benchmarks/README.md, "One process per engine").
 
     python benchmarks/bench_translation.py                     # GPU defaults: 3,000 sentences, batch 1/32/256
     python benchmarks/bench_translation.py --device cpu --batch_sizes 32 --num_sentences 320
