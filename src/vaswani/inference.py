@@ -4,8 +4,8 @@ device and decoding method, opt-in) and, for CPUs, fp32 linear layers through on
 `vaswani.loading` to every CPU engine), and int8 weights with `quantize_for_cpu(model)`.
 
 Why: on a CPU, `generate()` is bound by fp32 matrix multiplications — the linear layers and the vocabulary-sized
-output projection take most of its time (benchmarks/results/profile-cpu.md). `quantize_for_cpu` stores every
-`nn.Linear` weight as int8 (one scale per output row) and quantizes each activation row on the fly (one scale per
+output projection take most of its time (benchmarks/results/profile-decoding-cpu-after.md). `quantize_for_cpu` stores
+every `nn.Linear` weight as int8 (one scale per output row) and quantizes each activation row on the fly (one scale per
 row, that is per token), so the GEMMs run on fbgemm's int8 kernels with int32 accumulation. This is what
 CTranslate2's `int8` compute type does. Because integer products accumulate exactly, a row's result depends on that
 row alone, on any CPU: int8 makes a sentence's translation depend on its batch no more than fp32 does
