@@ -3,7 +3,7 @@
 # time budget, report multi-reference BLEU/chrF/TER on the held-out test split, translate the seed sentences and
 # write attention heatmaps. Corpus: $VASWANI_FRA_ENG, else scripts/shared_corpus.py's, else a download.
 # Knobs (environment): OUTPUT_DIR, TRAIN_SECONDS, TEST_SENTENCES; arguments are passed on to train_translation.py
-# after the recipe's own, so they override it (benchmarks/main_job_recipe.sh tries recipes that way).
+# after the recipe's own, so they override it (benchmarks/results/main-job-recipes.md tried recipes that way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
