@@ -12,7 +12,6 @@ start.
 """
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
@@ -30,7 +29,7 @@ import psutil  # accelerate's dependency
 
 from vaswani.corpus import read_parallel_tsv, resolve_corpus_path
 
-from common import SHARED_CORPUS, Column, add_result_arguments, pick_device, report
+from common import SHARED_CORPUS, Column, argument_parser, pick_device, report
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_translation.py"
 # The main job's batches; max_steps only bounds a run that is not stopped.
@@ -134,7 +133,7 @@ def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__, corpus=False)
     add = parser.add_argument
     add("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
     add("--source", type=Path, default=None, help="the corpus they are drawn from (default: fra-eng)")
@@ -147,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     add("--work_dir", type=Path, default=Path("bench-data-work"),
         help="the cache and output directories of the measured runs (emptied before first runs)")
     add("--timeout", type=float, default=1800)
-    add_result_arguments(parser)
     args = parser.parse_args(argv)
 
     for pairs in args.build:

@@ -9,7 +9,6 @@ step), forward (the same without gradients: a prefill), decode (greedy steps wit
 `length`-token prompt: where GQA's smaller cache matters).
 """
 
-import argparse
 import contextlib
 import os
 from pathlib import Path
@@ -20,7 +19,7 @@ from vaswani import VaswaniConfig, VaswaniForCausalLM
 from vaswani.modeling_vaswani import CACHE_NAME  # the cache's name in this transformers release
 
 from common import (
-    Column, PeakMemory, add_common_arguments, corpus_and_tokenizer, csv_of, pick_device, report, resident_mib,
+    Column, PeakMemory, argument_parser, corpus_and_tokenizer, csv_of, pick_device, report, resident_mib,
     sample_sentences, timed,
 )
 
@@ -109,7 +108,6 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
            "seconds": seconds, "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib, "kv_cache_mib": kv_mib,
            "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
            "load_average": os.getloadavg()[0]}
-    del model, optimizer
     return row
 
 
@@ -128,8 +126,7 @@ def kv_cache_row(config, device) -> dict:
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
+    parser = argument_parser(__doc__)
     add = parser.add_argument
     add("--preset", default="modern", help="VaswaniConfig preset of the decoder")
     add("--kv_heads", type=csv_of(int), default=[8, 2], help="num_key_value_heads to time")

@@ -8,7 +8,6 @@ instead (every sentence decodes `--max_new_tokens` tokens), where the trained mo
     python benchmarks/bench_streaming.py --model outputs/en-fr-small --stand_in tiny --threads 2
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 from common import (
-    Column, add_common_arguments, csv_of, pick_device, random_checkpoint, report, test_sources,
+    Column, argument_parser, csv_of, pick_device, random_checkpoint, report, test_sources,
 )
 
 TRANSLATE = Path(__file__).resolve().parent.parent / "scripts" / "translate.py"
@@ -66,8 +65,7 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", required=True, help="a trained checkpoint (its tokenizer and corpus test split)")
     parser.add_argument("--stand_in", choices=["tiny"], default=None,
                         help="a random-weight tiny model with --model's tokenizer instead of --model")

@@ -38,7 +38,7 @@ from vaswani.training import MAX_SHAPE_BUCKETS
 from vaswani.training_clock import compile_cache_hits, compiled_graphs
 
 from common import (
-    SDPA_BACKENDS, Column, PeakMemory, WrongKernel, add_common_arguments, attention_ran, build_seq2seq, check_ran,
+    SDPA_BACKENDS, Column, PeakMemory, WrongKernel, argument_parser, attention_ran, build_seq2seq, check_ran,
     corpus_and_tokenizer, engine_label, csv_of, pick_device, report, sdpa_backend, timed,
 )
 
@@ -395,8 +395,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
+    parser = argument_parser(__doc__)
     add = parser.add_argument
     add("--sizes", type=csv_of(str), default=["tiny", "base", "big"])
     add("--engines", type=csv_of(str), default=list(ENGINES))

@@ -13,7 +13,6 @@ CTranslate2 and PyTorch slow each other down (`--same_process`; benchmarks/READM
     python benchmarks/bench_translation.py --device cpu --threads 2 --batch_sizes 32 --model outputs/en-fr-small
 """
 
-import argparse
 import dataclasses
 import multiprocessing
 import os
@@ -35,7 +34,7 @@ from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
 
 from common import (
-    SDPA_BACKENDS, Column, PeakMemory, add_common_arguments, attention_ran, check_ran, corpus_and_tokenizer,
+    SDPA_BACKENDS, Column, PeakMemory, argument_parser, attention_ran, check_ran, corpus_and_tokenizer,
     engine_label, csv_of, pick_device, random_checkpoint, report, resident_mib, sample_sentences, test_sources, timed,
 )
 
@@ -324,8 +323,7 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
+    parser = argument_parser(__doc__)
     add = parser.add_argument
     add("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     add("--engines", type=csv_of(str), default=None, help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs|"

@@ -359,25 +359,25 @@ def result_name(args: argparse.Namespace, benchmark: str, device: Device) -> str
     return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)
 
 
-def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where a benchmark writes its report: --results_dir and --output_name (read by `report`)."""
-    parser.add_argument("--results_dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--output_name", default=None, help="result file stem, in which {device} stands for the device "
-                        "tag (cpu, cuda-h100, …); default <benchmark>-{device}")
-
-
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments every benchmark of the corpus takes: device, threads, corpus, vocabulary, caches, report, seed."""
+def argument_parser(doc: str, corpus: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser, its docstring the help: where it writes its report (--results_dir and --output_name, read
+    by `report`) and, with `corpus`, what every benchmark of the corpus takes: device, threads, corpus, vocabulary,
+    caches, seed."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
-    add("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
-    add("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else {SHARED_CORPUS}, "
-        "else a download")
-    add("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
-    add("--cache_dir", type=Path, default=CACHE_DIR, help="the corpus' splits and tokenizer (under data/), converted "
-        "models")
-    add_result_arguments(parser)
-    add("--seed", type=int, default=0)
+    if corpus:
+        add("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 …")
+        add("--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads; default: all cores")
+        add("--corpus", default=None, help=f"english<TAB>french file; default ${CORPUS_ENV_VAR}, else "
+            f"{SHARED_CORPUS}, else a download")
+        add("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE, help="joint BPE vocabulary size")
+        add("--cache_dir", type=Path, default=CACHE_DIR, help="the corpus' splits and tokenizer (under data/), "
+            "converted models")
+        add("--seed", type=int, default=0)
+    add("--results_dir", type=Path, default=RESULTS_DIR)
+    add("--output_name", default=None, help="result file stem, in which {device} stands for the device tag (cpu, "
+        "cuda-h100, …); default <benchmark>-{device}")
+    return parser
 
 
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:

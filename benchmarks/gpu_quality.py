@@ -29,7 +29,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import REPO_ROOT, SHARED_CORPUS, Column, Device, add_result_arguments, pick_device, report, result_name
+from common import REPO_ROOT, SHARED_CORPUS, Column, Device, argument_parser, pick_device, report, result_name
 from vaswani.batching import TokenBatchSampler, batch_positions, example_lengths
 from vaswani.evaluation import score_corpus
 from vaswani.training import (
@@ -148,7 +148,7 @@ def read_json(path: Path) -> dict | None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__, corpus=False)
     add = parser.add_argument
     add("--preset", default="base")
     add("--train_seconds", type=float, default=300)
@@ -169,7 +169,6 @@ def main(argv=None):
         "cache, loaded where the file exists and saved after the compilation")
     add("--prepare_only", action="store_true", help="only fill the data caches the training loads (the corpus' "
         "splits, the tokenizer, the tokenized splits), then exit")
-    add_result_arguments(parser)
     args = parser.parse_args(argv)
     if args.dry_run:
         args.preset, args.train_seconds, args.warmup, args.max_tokens = "tiny", min(args.train_seconds, 20), 50, 1000

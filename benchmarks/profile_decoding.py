@@ -11,7 +11,6 @@ in the loop's part); the plain totals (fastest of `--repeats`) are the ones to c
     python benchmarks/profile_decoding.py --size base --forced 16 --threads 2    # random weights at base size
 """
 
-import argparse
 import collections
 import tempfile
 import time
@@ -24,7 +23,7 @@ from vaswani import generation_vaswani, modeling_vaswani
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
 from bench_translation import LocalEngine
-from common import Column, add_result_arguments, csv_of, pick_device, random_checkpoint, report, test_sources
+from common import Column, argument_parser, csv_of, pick_device, random_checkpoint, report, test_sources
 
 # The parts of a step, in the table's order: what each is made of (module-path rules and wrapped functions below).
 PARTS = [
@@ -124,7 +123,6 @@ def run_batches(engine, batches, beams, new_tokens, stop_at_eos) -> float:
 
 
 def profile(args) -> dict:
-    device = pick_device("cpu", args.threads)
     with tempfile.TemporaryDirectory() as workdir:
         tokenizer = VaswaniTokenizer.from_pretrained(args.model or args.tokenizer)
         sentences = test_sources(args.corpus)[1]
@@ -190,7 +188,7 @@ def table(searches: list[dict]) -> tuple[list[dict], list[Column]]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__, corpus=False)
     add = parser.add_argument
     add("--model", default=None, help="a trained checkpoint; else random weights at --size (needs --forced)")
     add("--size", default="base")
@@ -203,7 +201,6 @@ def main(argv=None):
     add("--forced", type=int, default=None, help="exactly this many tokens per sentence (random weights)")
     add("--max_new_tokens", type=int, default=128)
     add("--repeats", type=int, default=3)
-    add_result_arguments(parser)
     args = parser.parse_args(argv)
     if args.model is None and (args.forced is None or args.tokenizer is None):
         parser.error("random weights stop at arbitrary points: give --forced N and --tokenizer DIR (or a --model)")
