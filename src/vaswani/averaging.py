@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
-from transformers.trainer import TRAINER_STATE_NAME
 
 from . import modeling_vaswani
-from .checkpoints import check_checkpoint_files, check_output_dir, last_checkpoints, load_average
+from .checkpoints import TRAINER_STATE_NAME, check_checkpoint_files, check_output_dir, last_checkpoints, load_average
 from .files import locking, staged_directory
 from .hub import attach_translation_pipeline, write_model_card
 

@@ -3,15 +3,19 @@ batch. For training (`TokenBatchSampler`), in a shuffled order that every proces
 optionally padded up to a few declared shapes (`ShapeBuckets`, `pad_to_shape`); for translation
 (`token_budget_batches`), longest first. Several pairs a row, every batch of one shape: `packing`."""
 
+from __future__ import annotations
+
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
-from datasets import Dataset
 from torch.utils.data import Sampler
+
+if TYPE_CHECKING:  # datasets (and pandas with it) takes half a second to import; translation never needs it
+    from datasets import Dataset
 
 
 def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16, sides: bool = False) -> np.ndarray:
@@ -19,6 +23,8 @@ def example_lengths(tokenized: Dataset, batch_size: int = 1 << 16, sides: bool =
     `TokenBatchSampler` needs to bound both sides; with `sides`, both, as a (2, examples) array of source and target
     lengths (what `PackedBatchSampler` packs by). Read from the Arrow lists' lengths a batch at a time, without
     turning token ids into Python objects."""
+    import pyarrow.compute as pc
+
     batches = tokenized.select_columns(["input_ids", "labels"]).with_format("arrow").iter(batch_size)
     pairs = ((pc.list_value_length(batch["input_ids"]).to_numpy(), pc.list_value_length(batch["labels"]).to_numpy())
              for batch in batches)

@@ -21,12 +21,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer
-from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .configuration_vaswani import tokenizer_fingerprint
 from .files import check_not_an_input, read_json_object
+
+# The file the Trainer writes last into a checkpoint: `transformers.trainer.TRAINER_STATE_NAME`, named here because
+# importing transformers.trainer also imports datasets and pandas, which the tools that only read checkpoints
+# (translation, export, averaging, the Hub) never need. tests/test_imports.py holds the two names equal.
+TRAINER_STATE_NAME = "trainer_state.json"
 
 # Checkpoints are written under `STAGING_PREFIX` (the staging names of `vaswani.files`) and renamed into place when
 # complete. Such names never match `checkpoint-*`, which the Trainer's own checkpoint rotation globs for.

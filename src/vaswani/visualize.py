@@ -7,14 +7,10 @@ The weights come from the eager attention path (`output_attentions=True`), the o
 
 import os
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")  # files only: no display needed on servers or in CI
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-
-from .configuration_vaswani import length_options  # noqa: E402
-from .translation import model_decoding  # noqa: E402
+from .configuration_vaswani import length_options
+from .translation import model_decoding
 
 
 @torch.no_grad()
@@ -58,6 +54,10 @@ def source_tokens(tokenizer, ids: list[int]) -> list[str]:
 
 def plot_attention(maps: dict, output_dir: str, prefix: str = "attention") -> list[str]:
     """One PNG per (kind, layer), a grid of all heads. Returns the written paths."""
+    # A bare Figure draws to files without pyplot: no display needed on servers or in CI, no backend chosen for the
+    # whole process, and matplotlib is imported only by the one function that draws.
+    from matplotlib.figure import Figure
+
     os.makedirs(output_dir, exist_ok=True)
     axes_tokens = {
         "encoder": (maps["source_tokens"], maps["source_tokens"]),
@@ -73,7 +73,8 @@ def plot_attention(maps: dict, output_dir: str, prefix: str = "attention") -> li
             cols = min(heads, 4)
             rows = -(-heads // cols)
             size = 0.35 * max(len(query_tokens), len(key_tokens)) + 1.5
-            fig, axes = plt.subplots(rows, cols, figsize=(cols * size, rows * size), squeeze=False)
+            fig = Figure(figsize=(cols * size, rows * size))
+            axes = fig.subplots(rows, cols, squeeze=False)
             for head in range(rows * cols):
                 ax = axes[head // cols][head % cols]
                 if head >= heads:
@@ -87,6 +88,5 @@ def plot_attention(maps: dict, output_dir: str, prefix: str = "attention") -> li
             fig.tight_layout()
             path = os.path.join(output_dir, f"{prefix}_{kind}_layer{layer}.png")
             fig.savefig(path, dpi=100)
-            plt.close(fig)
             paths.append(path)
     return paths
