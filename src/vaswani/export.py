@@ -38,10 +38,9 @@ from .checkpoints import check_output_dir
 from .configuration_vaswani import VaswaniConfig
 from .configuration_vaswani import OUTPUT_SLACK
 from .files import exclusive, locking, staged_directory, write_atomically
-from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, choose_device, engine_for_model,
-                      generation_config_name, load_engine, load_translator, pytorch_options,
-                      read_generation_config)
-from .translation import CTranslate2Engine, DecodingSettings, is_learned, model_decoding, translate
+from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, checkpoint_decoding, choose_device,
+                      engine_for_model, load_engine, load_translator, pytorch_options)
+from .translation import CTranslate2Engine, model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
@@ -202,10 +201,7 @@ def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_over
         return False
     if config.d_model > CPU_CTRANSLATE2_MAX_D_MODEL:
         return False
-    settings = DecodingSettings.resolve(
-        read_generation_config(model_dir), positions=config.max_position_embeddings, learned=is_learned(config),
-        origin=generation_config_name(model_dir), **decoding_overrides)
-    return CTranslate2Engine.follows(settings)
+    return CTranslate2Engine.follows(checkpoint_decoding(model_dir, config, **decoding_overrides))
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:

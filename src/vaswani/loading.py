@@ -170,12 +170,18 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
-    settings = DecodingSettings.resolve(
-        read_generation_config(model_dir), positions=config.max_position_embeddings,
-        learned=is_learned(config), origin=generation_config_name(model_dir), **decoding_overrides)
+    settings = checkpoint_decoding(model_dir, config, **decoding_overrides)
     model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
                                        num_beams=settings.num_beams)
     return TorchEngine(model, tokenizer, settings, slots=slots)
+
+
+def checkpoint_decoding(model_dir: str, config, **decoding_overrides) -> DecodingSettings:
+    """The decoding settings of the checkpoint in `model_dir` (whose config is `config`): its generation config with
+    `decoding_overrides`, refused in one line where generate() could not honour them."""
+    return DecodingSettings.resolve(
+        read_generation_config(model_dir), positions=config.max_position_embeddings,
+        learned=is_learned(config), origin=generation_config_name(model_dir), **decoding_overrides)
 
 
 def engine_for_model(model, tokenizer, *, slots: int | None = None, **decoding_overrides) -> TorchEngine:
