@@ -133,8 +133,7 @@ def training_command(corpus: Path, processes: int, output_dir: Path, cache_dir: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argument_parser(__doc__, corpus=False)
-    add = parser.add_argument
+    parser, add = argument_parser(__doc__, corpus=False)
     add("--build", type=int, nargs="*", default=[], help="build stand-in corpora of these sizes")
     add("--source", type=Path, default=None, help="the corpus they are drawn from (default: fra-eng)")
     add("--corpus_dir", type=Path, default=Path("stand-in-corpora"))

@@ -126,8 +126,7 @@ def kv_cache_row(config, device) -> dict:
 
 
 def main(argv=None) -> Path:
-    parser = argument_parser(__doc__)
-    add = parser.add_argument
+    parser, add = argument_parser(__doc__)
     add("--preset", default="modern", help="VaswaniConfig preset of the decoder")
     add("--kv_heads", type=csv_of(int), default=[8, 2], help="num_key_value_heads to time")
     add("--cache_kv_heads", type=csv_of(int), default=[8, 2, 1], help="for the KV-cache table")

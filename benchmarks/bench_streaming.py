@@ -65,13 +65,13 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
 
 
 def main(argv=None) -> Path:
-    parser = argument_parser(__doc__)
-    parser.add_argument("--model", required=True, help="a trained checkpoint (its tokenizer and corpus test split)")
-    parser.add_argument("--stand_in", choices=["tiny"], default=None,
-                        help="a random-weight tiny model with --model's tokenizer instead of --model")
-    parser.add_argument("--lines", type=csv_of(int), default=[100_000, 1_000_000])
-    parser.add_argument("--num_beams", type=int, default=1)
-    parser.add_argument("--max_new_tokens", type=int, default=16, help="a random-weight stand-in always reaches it")
+    parser, add = argument_parser(__doc__)
+    add("--model", required=True, help="a trained checkpoint (its tokenizer and corpus test split)")
+    add("--stand_in", choices=["tiny"], default=None, help="a random-weight tiny model with --model's tokenizer "
+        "instead of --model")
+    add("--lines", type=csv_of(int), default=[100_000, 1_000_000])
+    add("--num_beams", type=int, default=1)
+    add("--max_new_tokens", type=int, default=16, help="a random-weight stand-in always reaches it")
     args = parser.parse_args(argv)
     device = pick_device("cpu", args.threads)
     corpus, test = test_sources(args.corpus)

@@ -395,8 +395,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> Path:
-    parser = argument_parser(__doc__)
-    add = parser.add_argument
+    parser, add = argument_parser(__doc__)
     add("--sizes", type=csv_of(str), default=["tiny", "base", "big"])
     add("--engines", type=csv_of(str), default=list(ENGINES))
     add("--batch_tokens", type=csv_of(int), default=None, help="padded tokens per side per batch, one or more budgets; "

@@ -323,8 +323,7 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
 
 
 def main(argv=None) -> Path:
-    parser = argument_parser(__doc__)
-    add = parser.add_argument
+    parser, add = argument_parser(__doc__)
     add("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     add("--engines", type=csv_of(str), default=None, help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs|"
         "-slots][-compiled], marian[-bf16], ct2-<compute type> (CTranslate2 running the model's export: ct2-float32, "

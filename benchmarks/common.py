@@ -359,10 +359,10 @@ def result_name(args: argparse.Namespace, benchmark: str, device: Device) -> str
     return (args.output_name or f"{benchmark}-{{device}}").format(device=device.tag)
 
 
-def argument_parser(doc: str, corpus: bool = True) -> argparse.ArgumentParser:
-    """A benchmark's parser, its docstring the help: where it writes its report (--results_dir and --output_name, read
-    by `report`) and, with `corpus`, what every benchmark of the corpus takes: device, threads, corpus, vocabulary,
-    caches, seed."""
+def argument_parser(doc: str, corpus: bool = True) -> tuple[argparse.ArgumentParser, Callable]:
+    """A benchmark's parser, its docstring the help, and its `add_argument` for the script's own options: where it
+    writes its report (--results_dir and --output_name, read by `report`) and, with `corpus`, what every benchmark of
+    the corpus takes: device, threads, corpus, vocabulary, caches, seed."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     if corpus:
@@ -377,7 +377,7 @@ def argument_parser(doc: str, corpus: bool = True) -> argparse.ArgumentParser:
     add("--results_dir", type=Path, default=RESULTS_DIR)
     add("--output_name", default=None, help="result file stem, in which {device} stands for the device tag (cpu, "
         "cuda-h100, …); default <benchmark>-{device}")
-    return parser
+    return parser, add
 
 
 def csv_of(cast: Callable[[str], object], choices: Sequence | None = None) -> Callable[[str], list]:

@@ -148,8 +148,7 @@ def read_json(path: Path) -> dict | None:
 
 
 def main(argv=None):
-    parser = argument_parser(__doc__, corpus=False)
-    add = parser.add_argument
+    parser, add = argument_parser(__doc__, corpus=False)
     add("--preset", default="base")
     add("--train_seconds", type=float, default=300)
     add("--vocab_size", type=int, default=16000)

@@ -188,8 +188,7 @@ def table(searches: list[dict]) -> tuple[list[dict], list[Column]]:
 
 
 def main(argv=None):
-    parser = argument_parser(__doc__, corpus=False)
-    add = parser.add_argument
+    parser, add = argument_parser(__doc__, corpus=False)
     add("--model", default=None, help="a trained checkpoint; else random weights at --size (needs --forced)")
     add("--size", default="base")
     add("--tokenizer", default=None, help="with --size: the checkpoint whose tokenizer (and test split) to use")
