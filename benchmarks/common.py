@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.convert import to_marian
@@ -106,10 +108,8 @@ def resident_mib(device: Device, settle: bool = False) -> float | None:
         if device.is_cuda:
             torch.cuda.empty_cache()
         elif sys.platform.startswith("linux"):  # glibc keeps freed small blocks: handed back, the baseline is honest
-            try:
+            with contextlib.suppress(OSError):  # not glibc (musl): nothing kept to hand back
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
-            except OSError:  # not glibc (musl): nothing kept to hand back
-                pass
     return torch.cuda.memory_allocated(device.device) / 2**20 if device.is_cuda else _proc_status_mib("VmRSS")
 
 
@@ -190,18 +190,14 @@ def random_checkpoint(size: str, tokenizer, seed: int, directory: Path) -> str:
     return str(directory)
 
 
-# torch.nn.attention.SDPBackend members by short name (efficient and cudnn exist on CUDA only).
-SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                 "cudnn": "CUDNN_ATTENTION"}
+# SDPA's kernels by short name (efficient and cudnn exist on CUDA only).
+SDPA_BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
 def sdpa_backend(name: str | None):
     """A context manager that makes SDPA use one kernel (`None`: torch's default choice, no restriction)."""
-    if name is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+    return contextlib.nullcontext() if name is None else sdpa_kernel(SDPA_BACKENDS[name])
 
 
 # What an attention kernel leaves among the aten operators it runs (the first match names it): SDPA's kernels their
@@ -218,8 +214,6 @@ def attention_ran(encode: Callable[[], object]) -> dict:
     """What one call of `encode` (a forward in the engine's autocast and SDPA settings) ran, seen at torch's
     dispatcher below autocast: its attention kernels, its weights' products' dtypes and their kernel family
     (`MATMULS`), each a sorted list."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     kernels, dtypes, linear = set(), set(), set()
 
     class Seen(TorchDispatchMode):
@@ -277,11 +271,10 @@ def _git(*args: str) -> str | None:
 
 
 def _cpu_name() -> str:
-    try:
-        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        return match.group(1).strip() if match else platform.processor()
-    except OSError:
-        return platform.processor()
+    with contextlib.suppress(OSError):
+        if match := re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()):
+            return match.group(1).strip()
+    return platform.processor()
 
 
 def environment(device: Device) -> dict:
