@@ -15,12 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS
+from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, count_lines
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
-from common import (
-    Column, argument_parser, csv_of, pick_device, random_checkpoint, report, test_sources,
-)
+from common import Column, argument_parser, csv_of, pick_device, random_checkpoint, report, test_sources
 
 TRANSLATE = Path(__file__).resolve().parent.parent / "scripts" / "translate.py"
 
@@ -48,9 +46,7 @@ def scale_rows(args, sentences: list[str], workdir: Path) -> list[dict]:
         input_path, output_path = workdir / f"in-{lines}.en", workdir / f"out-{lines}.fr"
         input_path.write_text("".join(sentences[i % len(sentences)] + "\n" for i in range(lines)), encoding="utf-8")
         seconds, peak_mib = run_translate(model, input_path, output_path, args)
-        with open(output_path, "rb") as f:
-            written = sum(1 for _ in f)
-        if written != lines:
+        if (written := count_lines(output_path)) != lines:
             raise RuntimeError(f"{lines} lines in, {written} out")
         rows.append({"model": "tiny (random weights)" if args.stand_in else Path(args.model).name, "lines": lines,
                      "beams": args.num_beams, "seconds": seconds, "lines_per_s": lines / seconds,
