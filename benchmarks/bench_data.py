@@ -3,9 +3,7 @@
 (`--preset small --vocab_size 8000`, the main job's 1,000-token batches, `--preprocessing_num_workers` 2) on stand-in
 corpora (each line joins 2-4 random fra-eng pairs, about 25 tokens a side, seeded), first run (empty cache) and
 cached rerun, one process or two (torchrun, gloo). The script runs as a user runs it; its log is read as it comes
-and the run stopped at the first logged step. Memory: proportional set sizes of the whole process tree, sampled
-every 0.2 s (`anon`: owned by the processes; `file`: mapped files the kernel can drop). Times: wall seconds from the
-start.
+and the run stopped at the first logged step (`measure`; times and memory as the report's notes define them).
 
     python benchmarks/bench_data.py --build 1000000 --corpus_dir /tmp/corpora       # stand-in corpora first
     python benchmarks/bench_data.py --corpora /tmp/corpora/standin-1000000.tsv.gz --processes 1 2
@@ -150,8 +148,6 @@ def main(argv: list[str] | None = None) -> None:
     for pairs in args.build:
         args.corpus_dir.mkdir(parents=True, exist_ok=True)
         print(build_stand_in_corpus(args.corpus_dir / f"standin-{pairs}.tsv.gz", pairs, source=args.source))
-    if not args.corpora:
-        return
     rows, env = [], {**os.environ, "OMP_NUM_THREADS": "1"}
     for corpus in args.corpora:
         with gzip.open(corpus, "rb") as file:
