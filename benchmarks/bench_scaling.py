@@ -11,6 +11,7 @@ step), forward (the same without gradients: a prefill), decode (greedy steps wit
 
 import contextlib
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -104,11 +105,11 @@ def measure(mode, config, length, batch, stream, args, device) -> dict:
             if step:  # the first is the warm-up
                 seconds += elapsed
     new_tokens = batch * (args.decode_tokens if mode == "decode" else length) * args.steps
-    row = {"batch": batch, "parameters": model.num_parameters(only_trainable=True), "steps": args.steps,
-           "seconds": seconds, "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib, "kv_cache_mib": kv_mib,
-           "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
-           "load_average": os.getloadavg()[0]}
-    return row
+    return {"batch": batch, "parameters": model.num_parameters(only_trainable=True), "steps": args.steps,
+            "seconds": seconds, "tokens_per_s": new_tokens / seconds, "peak_mib": peak.added_mib,
+            "kv_cache_mib": kv_mib,
+            "flops": causal_lm_flops(config, batch, length, backward=train) * args.steps if mode != "decode" else None,
+            "load_average": os.getloadavg()[0]}
 
 
 def kv_cache_row(config, device) -> dict:
@@ -116,8 +117,7 @@ def kv_cache_row(config, device) -> dict:
     length = 16
     with torch.inference_mode():
         out = model(input_ids=torch.full((1, length), 5, device=device.device), use_cache=True)
-    cache = getattr(out, CACHE_NAME)
-    measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) // length
+    measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in getattr(out, CACHE_NAME).layers) // length
     expected = 2 * config.decoder_layers * config.num_key_value_heads * config.head_dim * device.dtype.itemsize
     if measured != expected:
         raise RuntimeError(f"KV cache holds {measured} bytes per token, expected {expected}.")
@@ -145,11 +145,11 @@ def main(argv=None) -> Path:
     per_step = max(max(batch_of[n] * n for n in args.lengths), args.decode_batch * max(args.lengths))
     stream = token_stream(pairs, tokenizer, per_step * (1 + args.steps), args.seed)
     peak_tflops = device.bf16_peak_tflops
+    preset = partial(VaswaniConfig.from_preset, args.preset, vocab_size=len(tokenizer))
 
     rows = []
     for kv_heads in args.kv_heads:
-        config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=kv_heads,
-                                           dropout=0.0)
+        config = preset(num_key_value_heads=kv_heads, dropout=0.0)
         for mode in args.modes:
             for length in args.lengths:
                 row = measure(mode, config, length, batch_of[length], stream, args, device)
@@ -162,15 +162,14 @@ def main(argv=None) -> Path:
                 print(f"{mode:>7} {row['attention']:>14} length {length:>5} batch {row['batch']:>4}: "
                       f"{row['tokens_per_s']:9.0f} tokens/s, peak {row['peak_mib'] or 0:.0f} MiB", flush=True)
 
-    cache_rows = [kv_cache_row(VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer), num_key_value_heads=k,
-                                                         dropout=0.0), device) for k in args.cache_kv_heads]
+    cache_rows = [kv_cache_row(preset(num_key_value_heads=k, dropout=0.0), device) for k in args.cache_kv_heads]
     base = next((r["bytes_per_token"] for r in cache_rows if r["kv_heads"] == cache_rows[0]["num_heads"]), None)
     for r in cache_rows:
         r["vs_mha"] = r["bytes_per_token"] / base if base else None
 
     settings = dict(batch_tokens=batch_tokens, sequences_per_batch=batch_of, peak_tflops=peak_tflops,
                     corpus=str(corpus), vocab_size_actual=len(tokenizer))
-    config = VaswaniConfig.from_preset(args.preset, vocab_size=len(tokenizer))
+    config = preset()
     notes = [
         f"VaswaniForCausalLM, preset `{args.preset}` (d_model {config.d_model}, {config.decoder_layers} layers, "
         f"{config.num_attention_heads} query heads, {config.position_embedding_type} positions, "
@@ -186,12 +185,11 @@ def main(argv=None) -> Path:
         f"Precision: {'bf16 autocast for train, bf16 weights for forward/decode' if device.as_cuda else 'fp32'}; "
         "attention implementation: the transformers default (sdpa).",
     ]
-    columns = [
-        Column("mode", "mode"), Column("attention", "attention"), Column("length", "length"), Column("batch", "batch"),
-        Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"),
-        Column("mfu", "MFU", "{:.1%}"), Column("peak_mib", "peak MiB", "{:.0f}"),
-        Column("kv_cache_mib", "KV cache MiB", "{:.1f}"), Column("load_average", "load avg", "{:.1f}"),
-    ]
+    columns = [Column("mode", "mode"), Column("attention", "attention"), Column("length", "length"),
+               Column("batch", "batch"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
+               Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
+               Column("peak_mib", "peak MiB", "{:.0f}"), Column("kv_cache_mib", "KV cache MiB", "{:.1f}"),
+               Column("load_average", "load avg", "{:.1f}")]
     cache_columns = [Column("attention", "attention"), Column("kv_heads", "kv heads"),
                      Column("bytes_per_token", "KV cache bytes/token", "{:,}"),
                      Column("kib_per_token", "KiB/token", "{:.1f}"), Column("vs_mha", "× MHA", "{:.3f}")]
