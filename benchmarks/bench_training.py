@@ -4,11 +4,6 @@ precision (bf16 autocast on CUDA, fp32 on CPU unless an engine's name asks for b
 
     python benchmarks/bench_training.py                          # GPU: tiny, base, big; 4k, 12k, 25k-token batches
     python benchmarks/bench_training.py --device cpu --sizes tiny,base --batch_tokens 2048 --steps 4
-    python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
-        --dropout 0 --engines vaswani,vaswani-bf16,vaswani-bf16-eager,marian,marian-bf16 --keep_freed_memory  # main job
-    python benchmarks/bench_training.py --device cpu --threads 2 --sizes small --vocab_size 8000 --batch_tokens 1000 \
-        --dropout 0 --engines vaswani-bf16-eager --batchings bucketed,bucketed-8,packed --keep_freed_memory \
-        --steps 12 --warmup_steps 2 --seconds_per_setting 30  # batchings
 
 Model FLOPs of a step, on non-padding tokens with the PaLM convention (Chowdhery et al., 2022, App. B): 6 × the
 weights each token is multiplied by (a source token: the encoder and the cross-attention keys/values; a target token:
@@ -16,7 +11,6 @@ the decoder and the output projection) + 12·d_model per layer per attended (que
 device's dense bf16 peak.
 """
 
-import argparse
 import contextlib
 import math
 import os
@@ -27,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import DataCollatorForSeq2Seq
 
 from vaswani import VaswaniConfig
@@ -139,52 +134,6 @@ class Trainee:
         """Weights and optimizer state: what stays resident between steps."""
         states = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *states]) / 2**20
-
-
-def run(args: argparse.Namespace, argv) -> Path:
-    device = pick_device(args.device, args.threads)
-    budgets = args.batch_tokens or ([4000, 12000, 25000] if device.as_cuda else [2048])
-    engines = [name for name in args.engines if device.is_cuda or "graphs" not in name.split("-")]
-    if engines != args.engines:
-        print(f"skipped without CUDA: {', '.join(sorted(set(args.engines) - set(engines)))}", file=sys.stderr)
-    steps = args.steps or (20 if device.as_cuda else 4)
-    warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.as_cuda else 1)
-    peak_tflops = device.bf16_peak_tflops
-    if args.keep_freed_memory and not device.is_cuda and not keep_freed_cpu_memory(largest_block_mib=None):
-        raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
-    started = time.monotonic()
-    corpus, pairs, tokenizer = corpus_and_tokenizer(args.corpus, args.cache_dir, args.vocab_size)
-    encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
-    source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
-    rows, refused = [], []
-    settings = {"batch_tokens": budgets, "steps": steps, "warmup_steps": {}, "peak_tflops": peak_tflops,
-                "corpus": str(corpus), "vocab_size_actual": len(tokenizer), "batch_sizes_sentences": {},
-                "padding_fraction": {}}
-    carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
-    if carried:
-        torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
-    for batch_tokens in budgets:
-        prepared = {}
-        for batching in args.batchings:
-            key = batch_tokens if batching == "bucketed" else f"{batch_tokens} {batching}"  # the default by budget
-            prepared[batching] = batches = prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens,
-                                                   steps, warmup)
-            settings["warmup_steps"][key] = batches.warmup
-            settings["batch_sizes_sentences"][key] = [len(s) for s, _ in batches.batches[1 + batches.warmup:]]
-            settings["padding_fraction"].update({f"{key}{suffix}": share for suffix, share in batches.padding.items()})
-            if batches.shapes:
-                settings.setdefault("shapes_rows_length", {})[key] = batches.shapes
-            # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
-            print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
-                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        rows += measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started, refused)
-    add_ratios(rows)
-    # As train_translation.py does: written where none was carried or the one carried served nothing.
-    if (args.compile_cache and not (carried and compile_cache_hits() > hits)
-            and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
-        write_atomically(args.compile_cache, artifacts[0])
-    return report(__file__, argv, args, device, "training", "Training throughput", rows, COLUMNS,
-                  notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused), settings)
 
 
 @dataclass
@@ -319,7 +268,6 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
             print(f"{size:>5} {batch_tokens:>6} {trainee.batching:>10} {rows[-1]['engine_label']:>12}: "
                   f"{rows[-1]['tokens_per_s']:9.0f} tokens/s {rows[-1]['model_tflops_per_s']:.3f} model TFLOP/s, "
                   f"peak {rows[-1]['peak_mib'] or 0:.0f} MiB", flush=True)
-        del trainees
     return rows
 
 
@@ -354,24 +302,20 @@ def notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, r
     ]
 
 
-COLUMNS = [
-    Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
-    Column("engine_label", "engine"), Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"),
-    Column("seconds", "seconds", "{:.2f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
-    Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("target_tokens_per_s", "target tokens/s", "{:.0f}"),
-    Column("vs_marian", "× Marian", "{:.2f}"), Column("vs_bucketed", "× bucketed", "{:.3f}"),
-    Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
-    Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
-    Column("compilations_while_timed", "recompiles"), Column("attention", "attention"), Column("dtype", "dtype"),
-    Column("first_round_ms", "ms a step, first pass", "{:.1f}"),
-    Column("later_rounds_ms", "ms a step, later passes", "{:.1f}"),
-]
+COLUMNS = [Column("size", "size"), Column("batch_tokens", "batch tokens"), Column("batching", "batches"),
+           Column("engine_label", "engine"), Column("parameters_m", "params (M)", "{:.1f}"), Column("steps", "steps"),
+           Column("seconds", "seconds", "{:.2f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
+           Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("target_tokens_per_s", "target tokens/s", "{:.0f}"),
+           Column("vs_marian", "× Marian", "{:.2f}"), Column("vs_bucketed", "× bucketed", "{:.3f}"),
+           Column("model_tflops_per_s", "model TFLOP/s", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
+           Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
+           Column("compilations_while_timed", "recompiles"), Column("attention", "attention"), Column("dtype", "dtype"),
+           Column("first_round_ms", "ms a step, first pass", "{:.1f}"),
+           Column("later_rounds_ms", "ms a step, later passes", "{:.1f}")]
 
 
 def print_profile(trainee: Trainee, steps, size: str, device) -> None:
     """Print the top operators by self device time (CPU time on a CPU) over `steps`, after the timed run."""
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
     with profile(activities=activities) as prof:
         for i in steps:
@@ -419,7 +363,49 @@ def main(argv=None) -> Path:
     args = parser.parse_args(argv)
     if set(args.batchings) - set(BATCHINGS) or len(set(args.batchings)) < len(args.batchings):
         raise SystemExit(f"--batchings: each of {', '.join(BATCHINGS)} at most once; got {','.join(args.batchings)}.")
-    return run(args, argv)
+    device = pick_device(args.device, args.threads)
+    budgets = args.batch_tokens or ([4000, 12000, 25000] if device.as_cuda else [2048])
+    engines = [name for name in args.engines if device.is_cuda or "graphs" not in name.split("-")]
+    if engines != args.engines:
+        print(f"skipped without CUDA: {', '.join(sorted(set(args.engines) - set(engines)))}", file=sys.stderr)
+    steps = args.steps or (20 if device.as_cuda else 4)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (3 if device.as_cuda else 1)
+    peak_tflops = device.bf16_peak_tflops
+    if args.keep_freed_memory and not device.is_cuda and not keep_freed_cpu_memory(largest_block_mib=None):
+        raise RuntimeError("--keep_freed_memory needs glibc's mallopt, which this platform does not have.")
+    started = time.monotonic()
+    corpus, pairs, tokenizer = corpus_and_tokenizer(args.corpus, args.cache_dir, args.vocab_size)
+    encoded = tokenizer([e for e, _ in pairs], text_target=[f for _, f in pairs])
+    source_ids, target_ids = encoded["input_ids"], encoded["labels"]  # both end with </s>
+    rows, refused = [], []
+    settings = {"batch_tokens": budgets, "steps": steps, "warmup_steps": {}, "peak_tflops": peak_tflops,
+                "corpus": str(corpus), "vocab_size_actual": len(tokenizer), "batch_sizes_sentences": {},
+                "padding_fraction": {}}
+    carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
+    if carried:
+        torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
+    for batch_tokens in budgets:
+        prepared = {}
+        for batching in args.batchings:
+            key = batch_tokens if batching == "bucketed" else f"{batch_tokens} {batching}"  # the default by budget
+            prepared[batching] = batches = prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens,
+                                                   steps, warmup)
+            settings["warmup_steps"][key] = batches.warmup
+            settings["batch_sizes_sentences"][key] = [len(s) for s, _ in batches.batches[1 + batches.warmup:]]
+            settings["padding_fraction"].update({f"{key}{suffix}": share for suffix, share in batches.padding.items()})
+            if batches.shapes:
+                settings.setdefault("shapes_rows_length", {})[key] = batches.shapes
+            # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
+            print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        rows += measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started, refused)
+    add_ratios(rows)
+    # As train_translation.py does: written where none was carried or the one carried served nothing.
+    if (args.compile_cache and not (carried and compile_cache_hits() > hits)
+            and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
+        write_atomically(args.compile_cache, artifacts[0])
+    return report(__file__, argv, args, device, "training", "Training throughput", rows, COLUMNS,
+                  notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused), settings)
 
 
 if __name__ == "__main__":
