@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partialmethod
 from pathlib import Path
 
 import torch
@@ -51,8 +52,6 @@ DEFAULT_ENGINES_CUDA = ["vaswani", "vaswani-lean", "vaswani-compiled", "marian"]
 DEFAULT_ENGINES_CPU = ["vaswani", "vaswani-hfloop", "vaswani-int8", "vaswani-int8-hfloop", "marian", "ct2-float32",
                        "ct2-int8"]
 
-# Longer than nearly every French reference of the corpus under the joint BPE: forced rows do at least the real work.
-DEFAULT_NEW_TOKENS = 16
 STOPPING = ("eos", "forced")
 STARTED = time.monotonic()  # for the progress lines
 
@@ -164,11 +163,8 @@ class EngineProcess:
     def _call(self, method: str, *args):
         return self._pool.submit(_serve, method, *args).result()
 
-    def timed_translate(self, *args) -> tuple[list[list[int]], float]:
-        return self._call("timed_translate", *args)
-
-    def peak_mib(self, *args) -> float | None:
-        return self._call("peak_mib", *args)
+    timed_translate = partialmethod(_call, "timed_translate")
+    peak_mib = partialmethod(_call, "peak_mib")
 
     def close(self):
         self._pool.shutdown()
@@ -252,8 +248,7 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
             "new_tokens_per_sentence": None if stop_at_eos else new_tokens, "output_tokens": output_tokens,
             "seconds": seconds, "sentences_per_s": sentences / seconds, "tokens_per_s": output_tokens / seconds,
             "identical_to_vaswani": sum(map(list.__eq__, translations[name], reference)) if reference else None,
-            "work_mib": work_mib, "load_average": load_average,
-            **(engines[name].ran or {}),
+            "work_mib": work_mib, "load_average": load_average, **(engines[name].ran or {}),
         })
     return rows
 
@@ -267,19 +262,6 @@ def _add_ratios(rows: list[dict]) -> None:
         r["vs_marian"] = r["sentences_per_s"] / marian if marian and r["engine"] != "marian" else None
         r["vaswani_vs"] = vaswani / r["sentences_per_s"] if vaswani and r["engine"] != "vaswani" else None
         r["vs_ct2_int8"] = r["sentences_per_s"] / ct2_int8 if ct2_int8 and r["engine"] != "ct2-int8" else None
-
-
-def _columns(args) -> list[Column]:
-    return [
-        Column("size", "model" if args.model else "size"), Column("engine_label", "engine"),
-        *([Column("stopping", "stopping")] if args.model else []), Column("batch_size", "batch"),
-        Column("beams", "beams"), Column("sentences", "sentences"), Column("seconds", "seconds", "{:.2f}"),
-        Column("sentences_per_s", "sentences/s", "{:.1f}"), Column("tokens_per_s", "output tokens/s", "{:.0f}"),
-        Column("vs_marian", "× Marian", "{:.2f}"), Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
-        Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"), Column("attention", "attention"), Column("dtype", "dtype"),
-        Column("linear", "linear"), *([Column("identical_to_vaswani", "identical")] if args.model else []),
-        Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}"),
-    ]
 
 
 def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device) -> list[str]:
@@ -296,7 +278,7 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
     if "eos" in stopping:
         notes.append(f"eos rows, as users translate: each sentence to its end (at most {args.max_new_tokens} new "
                      "tokens), with the checkpoint's generation config; identical = token ids equal to Vaswani fp32's.")
-    notes += [
+    return notes + [
         (f"Checkpoint {args.model}." if args.model else "Random weights (seeded), saved as a checkpoint of the preset.")
         + " Every engine from vaswani.loading.load_engine; Marian (HF) = that engine with vaswani.convert.to_marian of "
         "its model; CT2 = the checkpoint's export (vaswani.export.export_to_ctranslate2, inter_threads 1).",
@@ -319,7 +301,6 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         *(f"{engine_label(name)} failed and was left out from then on (--keep_going): {why}"
           for name, why in failed.items()),
     ]
-    return notes
 
 
 def main(argv=None) -> Path:
@@ -333,7 +314,8 @@ def main(argv=None) -> Path:
     add("--num_sentences", type=int, default=3000)
     add("--batch1_sentences", type=int, default=None, help="at batch size 1 only the first N sentences of the sample "
         "(a uniform sample too); default: all")
-    add("--new_tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens per sentence in the forced rows")
+    # Longer than nearly every French reference of the corpus (joint BPE): forced rows do at least the real work.
+    add("--new_tokens", type=int, default=16, help="tokens per sentence in the forced rows")
     add("--model", default=None, help="a trained checkpoint to run on its held-out test sentences instead of random "
         "weights (--sizes is then unused)")
     add("--stopping", type=csv_of(str, STOPPING), default=None, help=f"{', '.join(STOPPING)}: each sentence to its end "
@@ -386,8 +368,17 @@ def main(argv=None) -> Path:
             for engine in engines.values():
                 engine.close()
     _add_ratios(rows)
+    columns = [Column("size", "model" if args.model else "size"), Column("engine_label", "engine"),
+               *([Column("stopping", "stopping")] if args.model else []), Column("batch_size", "batch"),
+               Column("beams", "beams"), Column("sentences", "sentences"), Column("seconds", "seconds", "{:.2f}"),
+               Column("sentences_per_s", "sentences/s", "{:.1f}"), Column("tokens_per_s", "output tokens/s", "{:.0f}"),
+               Column("vs_marian", "× Marian", "{:.2f}"), Column("vaswani_vs", "Vaswani ×", "{:.2f}"),
+               Column("vs_ct2_int8", "× CT2 int8", "{:.2f}"), Column("attention", "attention"),
+               Column("dtype", "dtype"), Column("linear", "linear"),
+               *([Column("identical_to_vaswani", "identical")] if args.model else []),
+               Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}")]
     return report(__file__, argv, args, device, "translation", "Translation throughput", rows,
-                  _columns(args), _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device),
+                  columns, _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device),
                   dict(engines=names, corpus=str(corpus), vocab_size_actual=len(tokenizer),
                        source_tokens_total=sum(map(len, source_ids)),
                        source_tokens_mean=sum(map(len, source_ids)) / len(source_ids)))
