@@ -8,10 +8,11 @@ wrappers around the loop's functions. The instrumented pass is slower than a pla
 in the loop's part); the plain totals (fastest of `--repeats`) are the ones to compare with CTranslate2's.
 
     python benchmarks/profile_decoding.py --model outputs/en-fr-small --threads 2
-    python benchmarks/profile_decoding.py --size base --forced 16 --threads 2    # random weights at base size
+    python benchmarks/profile_decoding.py --size base --forced 16 --tokenizer outputs/en-fr-small --threads 2
 """
 
 import collections
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -26,15 +27,13 @@ from bench_translation import LocalEngine
 from common import Column, argument_parser, csv_of, pick_device, random_checkpoint, report, test_sources
 
 # The parts of a step, in the table's order: what each is made of (module-path rules and wrapped functions below).
-PARTS = [
-    "encoder (once per batch)", "self-attention q/k/v/o projections", "cross-attention q/o projections",
-    "cross-attention k/v projections (once per sentence)", "attention math (scores, softmax, weighted sum)",
-    "attention glue (head reshapes, beam views)", "cache handling (append, reorder, drop rows)",
-    "feed-forward (fc1, ReLU, fc2)", "layer norms", "residual adds, dropout calls (decoder layers)",
-    "masks (causal, cross)", "embeddings and positions", "model forward glue (decoder, model, outputs)",
-    "output layer (lm_head)", "top-k / argmax", "beam bookkeeping (rank, finished hypotheses)",
-    "generate() and the loop (setup, log-softmax, tokens, stopping)",
-]
+PARTS = ["encoder (once per batch)", "self-attention q/k/v/o projections", "cross-attention q/o projections",
+         "cross-attention k/v projections (once per sentence)", "attention math (scores, softmax, weighted sum)",
+         "attention glue (head reshapes, beam views)", "cache handling (append, reorder, drop rows)",
+         "feed-forward (fc1, ReLU, fc2)", "layer norms", "residual adds, dropout calls (decoder layers)",
+         "masks (causal, cross)", "embeddings and positions", "model forward glue (decoder, model, outputs)",
+         "output layer (lm_head)", "top-k / argmax", "beam bookkeeping (rank, finished hypotheses)",
+         "generate() and the loop (setup, log-softmax, tokens, stopping)"]
 
 
 def module_part(path: str, module: torch.nn.Module) -> str:
@@ -59,20 +58,19 @@ def module_part(path: str, module: torch.nn.Module) -> str:
     return PARTS[12]
 
 
-class StepTimer:
-    """Self times per part: module hooks and wrapped functions push and pop frames on one stack."""
+class StepTimer(contextlib.ExitStack):
+    """Self times per part: module hooks and wrapped functions start and stop frames on one stack, as long as the
+    context lasts."""
 
     def __init__(self, model):
-        self.model, self.seconds, self.stack = model, collections.Counter(), []
-        self.decoder_calls = 0
-        self.handles, self.restore = [], []
+        super().__init__()
+        self.seconds, self.frames, self.decoder_calls = collections.Counter(), [], 0
         for path, module in model.named_modules():
-            if module is model:
-                continue
-            part = module_part(path, module)
-            self.handles.append(module.register_forward_pre_hook(lambda *_, part=part: self.push(part)))
-            self.handles.append(module.register_forward_hook(lambda *_: self.pop()))
-        self.handles.append(model.model.decoder.register_forward_pre_hook(lambda *_: self.count()))
+            if module is not model:
+                part = module_part(path, module)
+                self.callback(module.register_forward_pre_hook(lambda *_, part=part: self.start(part)).remove)
+                self.callback(module.register_forward_hook(lambda *_: self.stop()).remove)
+        self.callback(model.model.decoder.register_forward_pre_hook(lambda *_: self.count()).remove)
         self.wrap(modeling_vaswani, "eager_attention_forward", PARTS[4])
         self.wrap(modeling_vaswani, "create_causal_mask", PARTS[10])
         self.wrap(modeling_vaswani, "create_bidirectional_mask", PARTS[10])
@@ -85,41 +83,33 @@ class StepTimer:
     def count(self):
         self.decoder_calls += 1
 
-    def push(self, part):
-        self.stack.append([part, time.perf_counter(), 0.0])
+    def start(self, part):
+        self.frames.append([part, time.perf_counter(), 0.0])
 
-    def pop(self):
-        part, start, children = self.stack.pop()
+    def stop(self):
+        part, start, children = self.frames.pop()
         elapsed = time.perf_counter() - start
         self.seconds[part] += elapsed - children
-        if self.stack:
-            self.stack[-1][2] += elapsed
+        if self.frames:
+            self.frames[-1][2] += elapsed
 
     def wrap(self, owner, name, part):
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            self.push(part)
+            self.start(part)
             try:
                 return original(*args, **kwargs)
             finally:
-                self.pop()
+                self.stop()
 
         setattr(owner, name, timed)
-        self.restore.append((owner, name, original))
-
-    def close(self):
-        for handle in self.handles:
-            handle.remove()
-        for owner, name, original in reversed(self.restore):
-            setattr(owner, name, original)
+        self.callback(setattr, owner, name, original)
 
 
 def run_batches(engine, batches, beams, new_tokens, stop_at_eos) -> float:
-    start = time.perf_counter()
-    for batch in batches:
-        engine.translate(batch, beams, new_tokens, stop_at_eos)
-    return time.perf_counter() - start
+    """The seconds `engine` takes to translate `batches`, one after another."""
+    return sum(engine.timed_translate(batch, beams, new_tokens, stop_at_eos)[1] for batch in batches)
 
 
 def profile(args) -> dict:
@@ -148,19 +138,14 @@ def profile(args) -> dict:
                 ct2.append(run_batches(ct2_engine, batches, beams, new_tokens, stop_at_eos))
             timers = []
             for _ in range(args.repeats):  # the fastest instrumented pass counts, as the plain ones
-                timer = StepTimer(torch_engine.engine.model)
-                try:
+                with StepTimer(torch_engine.engine.model) as timer:
                     timers.append((run_batches(torch_engine, batches, beams, new_tokens, stop_at_eos), timer))
-                finally:
-                    timer.close()
             instrumented, timer = min(timers, key=lambda pair: pair[0])
             timer.seconds[PARTS[-1]] += instrumented - sum(timer.seconds.values())
             steps = timer.decoder_calls - len(batches)  # the first call of a batch reads the prompt
-            results["searches"].append({
-                "beams": beams, "plain_seconds": min(plain), "ct2_float32_seconds": min(ct2),
-                "instrumented_seconds": instrumented, "decoding_steps": steps,
-                "parts_seconds": {part: timer.seconds[part] for part in PARTS},
-            })
+            results["searches"].append({"beams": beams, "plain_seconds": min(plain), "ct2_float32_seconds": min(ct2),
+                                        "instrumented_seconds": instrumented, "decoding_steps": steps,
+                                        "parts_seconds": {part: timer.seconds[part] for part in PARTS}})
             print(f"beams {beams}: vaswani {min(plain):.2f} s, ct2-float32 {min(ct2):.2f} s, instrumented "
                   f"{instrumented:.2f} s over {steps} steps", flush=True)
     return results
