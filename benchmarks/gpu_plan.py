@@ -1,22 +1,18 @@
-"""The GPU measurements as plans that each fit one call of a lent GPU (at most 10 minutes a call, 15 minutes of device
-time a session, the machine's start included), most valuable first. Every stage runs under its own time limit
-(`STAGES`) inside its plan's budget (`PLANS`); the results folder is packed into $ARCHIVE after every stage, so that a
-stage cut by its limit loses only its own results.
+"""The GPU measurements as plans that each fit one call of a lent GPU (benchmarks/README.md, "A lent GPU"), most
+valuable first. Every stage runs under its own time limit (`STAGES`) inside its plan's budget (`PLANS`); the results
+folder is packed into $ARCHIVE after every stage, so that a stage cut by its limit loses only its own results.
 
     python3 benchmarks/gpu_plan.py                  # the first plan: setup quality probe-4000
     python3 benchmarks/gpu_plan.py second           # the second plan: setup translation-trained kernels tests
     python3 benchmarks/gpu_plan.py STAGE …          # chosen stages only, in order (setup always first)
-    python3 benchmarks/gpu_plan.py --dry_run [second|STAGE …]   # the same at tiny sizes on this machine's CPU,
-                                                    #   rehearsing CUDA (VASWANI_REHEARSE_CUDA=1): every branch,
-                                                    #   package, path and argument before device time is spent
+    python3 benchmarks/gpu_plan.py --dry_run [second|STAGE …]   # the same at tiny sizes on this CPU, rehearsing
+                                                    #   CUDA (VASWANI_REHEARSE_CUDA=1) before device time is spent
     python3 benchmarks/gpu_plan.py --limits [second|STAGE …]    # each stage's limit and their sum; runs nothing
 
-The compiled stages keep torch.compile's cache in $COMPILE_CACHE (default .compile-cache/, carried) and return it in
-the results (compile-cache/); a stage whose file was carried gets its shorter limit, so that the quality run and the
-step probe share the first plan (without, the plan leaves out what no longer fits, saying so).
-Environment: RESULTS_DIR (default benchmarks/results), ARCHIVE (a .tar.gz), INSTALL_WHEELS=0 (skip .whl/, the dry
-run's default), TRANSLATION_MODEL (for translation-trained where this machine made no quality model). Each stage's log
-is gpu-<stage>.log beside its results.
+Environment: RESULTS_DIR (default benchmarks/results), ARCHIVE (a .tar.gz), COMPILE_CACHE (default .compile-cache/,
+carried: the compiled stages' torch.compile caches, returned in the results' compile-cache/; a stage whose cache was
+carried gets its shorter limit), INSTALL_WHEELS=0 (skip .whl/, the dry run's default), TRANSLATION_MODEL (for
+translation-trained where this machine made no quality model). Each stage's log is gpu-<stage>.log beside its results.
 """
 
 import os
@@ -75,9 +71,8 @@ def setup(run: Run) -> list[list[str]]:
 
 
 def quality(run: Run) -> list[list[str]]:
-    """gpu_quality.py: 300 s of base training with the GPU's defaults (bf16, TF32, compiled before the clock), test
-    BLEU (scored from the saved model in a process of its own, after the training figures are reported), steps, ms
-    a step, tokens/s; TORCH_LOGS names each recompilation's reason in the recipe's log."""
+    """gpu_quality.py (what it trains and reports: its docstring and benchmarks/README.md, "A lent GPU"), with
+    TORCH_LOGS naming each recompilation's reason in the recipe's log."""
     run.env.setdefault("TORCH_LOGS", "recompiles")
     return [run.python("benchmarks/gpu_quality.py", "--results_dir", run.results, "--data_cache_dir",
                        "benchmarks/.cache/data", "--compile_cache", run.cache / "quality.bin",
@@ -137,16 +132,12 @@ class Stage:
     cache: str | None = None  # its file in $COMPILE_CACHE
 
 
-# Limits: what each stage needs on an H100 or H200 with a margin (benchmarks/results/gpu-notes.md).
+# Limits: what each stage needs on an H100 or H200 with a margin (its parts' times: benchmarks/README.md, "A lent GPU").
 STAGES = {
-    "setup": Stage(setup, 25),  # the wheels' install took 12-19 s on the last GPUs
-    # 300 s of training; before it the data (9 s) and the step's compilation (about 115 s cold on the 2026-11-27
-    # H200); after it the model saved and the test split decoded (about 25 s) in a process of its own (its start
-    # too); a retry with transformers' loop, where the default loop fails, may overrun, but the training figures are
-    # reported before the scoring starts
+    "setup": Stage(setup, 25),
+    # A retry with transformers' loop, where the default loop fails, may overrun: the training figures are reported
+    # before the scoring starts.
     "quality": Stage(quality, 370, cold=455, cache="quality.bin"),
-    # the batches (10 s), the compiled step's warm-up (119 s cold on the 2026-11-28 H200), then 20 s of Marian's
-    # steps and as many of the compiled engine's
     "probe-4000": Stage(probe("probe"), 85, cold=195, cache="probe.bin"),
     # by name: packed rows against bucketed batches, padded to multiples of 1 and 8 (Marian on the bucketed ones)
     "probe-4000-packed": Stage(probe("probe-packing", 4000, "vaswani-compiled,marian", "--batchings",
@@ -156,9 +147,9 @@ STAGES = {
     **{f"probe-{budget}{'-graphs' if budget == 4000 else ''}": Stage(probe(
         "probe-graphs", budget, "vaswani-compiled-graphs,vaswani-compiled,marian", "--shape_buckets", "4"), 150)
        for budget in (4000, 25000)},
-    "translation-trained": Stage(translation_trained, 105),  # 4 engines, each loaded and warmed, 1,000 sentences
-    "kernels": Stage(kernels, 110),  # four base models, 3 passes over 20 batches with each attention
-    "tests": Stage(tests, 170),  # 15 of the 18 gpu tests took 148 s on an H200
+    "translation-trained": Stage(translation_trained, 105),
+    "kernels": Stage(kernels, 110),
+    "tests": Stage(tests, 170),
 }
 # Each plan's budget is what its call leaves after the machine's start: the first is made at once, the second only
 # where enough device time is left (benchmarks/README.md, "A lent GPU").
@@ -215,13 +206,12 @@ def run_stage(name: str, run: Run, limit: float) -> bool:
                 process.wait(timeout=left)
             except subprocess.TimeoutExpired:
                 log.write(f"stopped at the stage's limit of {limit:.0f} s\n")
-                for signal_, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
-                    os.killpg(process.pid, signal_)
-                    try:
-                        process.wait(timeout=grace)
-                        break
-                    except subprocess.TimeoutExpired:
-                        pass
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
             copy.join()
             ok = process.returncode == 0 and ok
     return ok
