@@ -2,20 +2,16 @@
 then multi-reference BLEU (beam 4) on the held-out fra-eng test split (`scripts/evaluate_bleu.py`, the saved model).
 
     python benchmarks/gpu_quality.py                                  # on a GPU: base, 300 s
-    python benchmarks/gpu_quality.py --train_seconds 600
     python benchmarks/gpu_quality.py --dry_run                        # anywhere: tiny, 20 s, 64 test sentences
 
-Writes `gpu-quality-<device>.json/.md` (the command, the metrics), the training's log, the model's test translations
-(`gpu-quality-<device>-test-translations.txt`) and `gpu-quality-selected.txt` (the model's directory, for the
-translation benchmark that follows). Reported: test BLEU on the whole split and on its first 1,000 sentences (the CPU
-main job's subset), steps, ms a step and real and padded tokens/s after the compilation, `train_compile_seconds`
-(torch.compile's time, before the budget's clock starts), and the slow steps, each named as recompiled or kernel
-set-up. The report is written as soon as training ends, with the training's figures, then again with the scores: the
-test score runs in a process of its own, once more with transformers' loop where the default loop fails
-(`score_test`), and a score that fails still leaves the training's figures, the score marked failed with its reason.
-The corpus is train_translation.py's default ($VASWANI_FRA_ENG, ../shared/data/fra-eng, or its download);
-`--data_cache_dir` keeps its splits, tokenizer and tokenized splits where `--prepare_only` made them beforehand (on
-another machine too: the caches are keyed by the corpus' content).
+Writes `gpu-quality-<device>.json/.md`: test BLEU on the whole split and on its first 1,000 sentences, steps, ms a
+step and real and padded tokens/s after the compilation, `train_compile_seconds` (before the budget's clock starts)
+and the slow steps; first as soon as training ends, then with the test scores or why they failed (`score_test`).
+Beside them the training's log, the model's test translations (`gpu-quality-<device>-test-translations.txt`) and
+`gpu-quality-selected.txt` (the model's directory, for the translation benchmark that follows). The corpus is
+train_translation.py's default ($VASWANI_FRA_ENG, ../shared/data/fra-eng, or its download); `--data_cache_dir` keeps
+its splits, tokenizer and tokenized splits where `--prepare_only` made them beforehand (on another machine too: the
+caches are keyed by the corpus' content).
 """
 
 import argparse
@@ -38,8 +34,6 @@ from vaswani.training import (
 
 # The test split's first sentences, scored apart: the subset the CPU main job reports (results/main-job-cpu.md).
 TEST_SUBSET = 1000
-# The test sentences a dry run scores.
-DRY_RUN_TEST_SAMPLES = 64
 # The decoding loops the test score tries, in turn until one scores: the scripts' default (`--decoding auto`: the lean
 # loop replayed as CUDA graphs on a GPU, the lean loop on a CPU), then transformers' own loop, which shares none of the
 # lean loop's code, so that a fault in one loop costs a run its default loop, not its score.
@@ -152,9 +146,7 @@ def main(argv=None):
     add("--preset", default="base")
     add("--train_seconds", type=float, default=300)
     add("--vocab_size", type=int, default=16000)
-    # Smaller batches than the first GPU run's 12,000 tokens give more steps in the budget, and a 400-step warm-up
-    # (the CPU main job's, results/main-job-recipes.md) leaves most of them past the peak rate
-    # (results/gpu-quality-cuda-h100-80gb-hbm3.md ended just as a 1,000-step warm-up peaked).
+    # 4,000-token batches, a 400-step warm-up: more steps in the budget, most past the peak rate (benchmarks/README.md).
     add("--max_tokens", type=int, default=4000, help="padded tokens per side per batch")
     add("--lr", type=float, default=7e-4)
     add("--warmup", type=int, default=400)
@@ -222,7 +214,7 @@ def score_test(model_dir: Path, args: argparse.Namespace, log_stem: Path) -> dic
                    "--batch_size", str(args.eval_batch_size), "--no-ctranslate2", "--dtype", "float32",
                    "--decoding", loop, "--output_file", str(output_file)]
         if args.dry_run:
-            command += ["--max_samples", str(DRY_RUN_TEST_SAMPLES)]
+            command += ["--max_samples", "64"]  # the test sentences a dry run scores
         log = log_stem.with_name(f"{log_stem.name}-test-{loop}.log")
         result = read_json(output_file) if launch(command, log).wait() == 0 else None
         if result is not None:
@@ -239,11 +231,10 @@ def result_row(run: dict, tokens: dict, references: list) -> dict:
     state = ("scored" if test else "failed") if "test_failures" in run else "not scored yet" if metrics else None
     first = subset_bleu(run["output_dir"] / "test_translations.txt", references, TEST_SUBSET) if test else None
     return {"returncode": run["returncode"], f"test_bleu_first_{TEST_SUBSET}": first,
-            "test_bleu": test.get("bleu"), "test_chrf": test.get("chrf"), "test_ter": test.get("ter"),
-            "test_sentences": test.get("sentences"), "test_score": state, "test_decoding": run.get("test_decoding"),
-            "test_failures": run.get("test_failures"), "train_steps": metrics.get("train_steps"),
-            "train_seconds": metrics.get("train_wall_seconds"), "train_loss": metrics.get("train_loss"),
-            **{f"train_{key}": metrics.get(f"train_{key}") for key in (
+            **{f"test_{key}": test.get(key) for key in ("bleu", "chrf", "ter", "sentences")}, "test_score": state,
+            "test_decoding": run.get("test_decoding"), "test_failures": run.get("test_failures"),
+            "train_steps": metrics.get("train_steps"), "train_seconds": metrics.get("train_wall_seconds"),
+            "train_loss": metrics.get("train_loss"), **{f"train_{key}": metrics.get(f"train_{key}") for key in (
                 "compile_seconds", "graphs_compiled_on_the_clock", "slow_steps", "slow_steps_recompiling",
                 "slow_steps_seconds")},
             **step_rates(metrics, tokens), "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
