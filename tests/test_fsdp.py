@@ -11,7 +11,6 @@ and the tests assert on them, so the processes start once.
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -272,20 +271,15 @@ def worker(output: Path) -> None:
 # The tests -----------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     output = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD_SIZE), "--master_port",
-               str(free_port()), __file__, str(output)]
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (an abort in native code) prints where it was in Python.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD_SIZE),
+               __file__, str(output)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parent)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
     return {**json.loads((output / "results.json").read_text()), "output": str(output)}
 
 

@@ -87,9 +87,15 @@ def load() -> dict[str, str]:
 
     Raises OSError (urllib's URLError included) when the index cannot be reached; the caller turns that into a skip."""
     if not (CACHE / "stand_ins.json").exists():
-        staging = CACHE.with_name(f"{VERSION}.partial")
+        # Each process extracts into a folder of its own (pytest-xdist's workers may all start here at once) and
+        # renames it into place: a download cut off half-way is not mistaken for a complete cache next time, and the
+        # first complete one wins.
+        staging = CACHE.with_name(f"{VERSION}.partial-{os.getpid()}")
         _extract(VERSION, staging)
-        staging.rename(CACHE)  # a download cut off half-way is not mistaken for a complete cache next time
+        try:
+            staging.rename(CACHE)
+        except OSError:  # another process's copy is in place
+            shutil.rmtree(staging)
     if str(CACHE) not in sys.path:
         sys.path.insert(0, str(CACHE))
     stood_in = json.loads((CACHE / "stand_ins.json").read_text())
