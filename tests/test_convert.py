@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import huggingface_hub.constants
 import pytest
 import torch
 from conftest import SCRIPTS, fails_with_one_line, other_names, script_main, snapshot

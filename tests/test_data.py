@@ -13,7 +13,7 @@ from datasets import Dataset, DatasetDict
 
 from vaswani import data
 from vaswani.data import group_references, load_translation_dataset, split_by_source, split_of
-from conftest import SHARED_CORPUS, free_port
+from conftest import SHARED_CORPUS
 from data_helpers import REPO, isolated_caches, made_up_pairs, write_tsv  # noqa: F401 (an autouse fixture)
 
 
@@ -213,8 +213,8 @@ def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_e
     batches are disjoint and together hold every example once, in each epoch (packed ones too)."""
     corpus = write_tsv(tmp_path / "pairs.tsv.gz", made_up_pairs(500), compress=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(REPO / "tests" / "distributed_data_worker.py"), str(tmp_path),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "tests" / "distributed_data_worker.py"), str(tmp_path),
                "--corpus", str(corpus), "--preset", "tiny", "--vocab_size", "400", "--tokenizer_train_pairs", "300",
                "--output_dir", str(tmp_path / "out"), "--max_tokens_per_batch", "200", "--ddp_backend", "gloo",
                "--use_cpu", "--report_to", "none", "--preprocessing_num_workers", "2", *batches]

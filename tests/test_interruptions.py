@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, free_port, script_main
+from conftest import SCRIPTS, script_main
 from tiny_translation_model import SOURCES
 
 import vaswani.file_translation
@@ -325,7 +324,7 @@ def slowed_torchrun_translation(checkpoint, tmp_path):
     output = tmp_path / "out.fr"
     wrapper = tmp_path / "slow.py"
     wrapper.write_text(SLOW)
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
     process = start([*launch, str(wrapper), "0.5", *argv])
     wait_for_chunks(process, output, 2)
@@ -343,7 +342,6 @@ def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the
     assert output.stat().st_size == state["bytes"] and not state.get("complete")
     assert "Translation stopped by SIGTERM in process 1." in err, err[-3000:]
     assert (f"Translation stopped by SIGTERM; {output} holds its first {state['lines']} lines" in err), err[-3000:]
-    launch[-1] = str(free_port())
     resumed = start([*launch, *argv])
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err[-3000:]
@@ -371,7 +369,6 @@ def test_a_translation_process_killed_under_torchrun_ends_the_other_in_one_line_
                     f"process 0 stops too; {output} holds its first {state['lines']} lines, recorded in "
                     f"{output}.resume.json. Run the same command with --resume to finish it."], err[-3000:]
     assert "Traceback" not in ours(err), err[-3000:]
-    launch[-1] = str(free_port())
     resumed = start([*launch, *argv])
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err[-3000:]

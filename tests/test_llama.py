@@ -3,7 +3,6 @@ batches, equal greedy and sampled generation (cached), refusals that name the fi
 without remote code where `import vaswani` fails."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -272,7 +272,7 @@ def test_a_steady_step_of_two_processes_reads_nothing_and_the_budget_stops_both_
     import subprocess
     import sys
 
-    from conftest import free_port, subprocess_env
+    from conftest import subprocess_env
     from training_script import SCRIPTS
 
     worker = tmp_path / "worker.py"
@@ -281,8 +281,8 @@ def test_a_steady_step_of_two_processes_reads_nothing_and_the_budget_stops_both_
     output_dir = tmp_path / "out"
     env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                                                 os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(worker), str(tmp_path), str(SCRIPTS / "train_translation.py"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+               str(tmp_path), str(SCRIPTS / "train_translation.py"),
                *train_args(corpus, output_dir, "--max_steps", "40", "--max_test_samples", "2",
                            "--generation_num_beams", "1", "--ddp_backend", "gloo", "--max_tokens_per_batch", "200",
                            "--max_train_time", "20", "--save_interval_seconds", "600", "--ema_decay", "0.99",

@@ -100,8 +100,8 @@ def test_ddp_with_two_cpu_processes(tmp_path):
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     output_dir = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(SCRIPTS / "train_translation.py"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(SCRIPTS / "train_translation.py"),
                *train_args(corpus, output_dir, "--max_steps", "10", "--ddp_backend", "gloo", "--logging_steps", "5")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -140,10 +140,11 @@ def test_a_second_run_is_refused_and_a_signalled_run_checkpoints_and_resumes_to_
     assert_same_weights(output_dir, uninterrupted)
 
 
-# Two CPU processes, started by torchrun or by `accelerate launch` (its torchrun launcher, `--multi_gpu`, which on a
-# machine without GPUs starts CPU processes), each with a free rendezvous port.
+# Two CPU processes, started by torchrun (`--standalone`: its rendezvous store binds a free port itself) or by
+# `accelerate launch` (its torchrun launcher, `--multi_gpu`, which on a machine without GPUs starts CPU processes)
+# with a free rendezvous port.
 LAUNCHERS = {
-    "torchrun": lambda: ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())],
+    "torchrun": lambda: ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
     "accelerate": lambda: ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            "--main_process_port", str(free_port())],
