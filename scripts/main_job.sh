@@ -18,12 +18,13 @@ rm -rf "$OUTPUT_DIR"
 # schedule shape with Adam β2 0.98, §5.3; 400 steps against shorter and longer warm-ups), all chosen on the
 # validation split (benchmarks/results/main-job-recipes.md), and no dropout, which only slows a model that sees
 # each sentence about once. Label smoothing 0.1 stays (§5.4); beam 4 with length penalty 0.6 (§6.1,
-# train_translation.py's default) decodes. Where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), training runs
-# under bf16 autocast with eager attention (in this script sdpa's bf16 steps are slower), which fits more steps in
-# the budget (benchmarks/results/training-cpu-bf16-dropout0.md); weights stay float32.
+# train_translation.py's default) decodes. Where the CPU multiplies bf16 faster than fp32 (AMX or AVX512-BF16, timed:
+# vaswani.loading.cpu_multiplies_bf16), training runs under bf16 autocast with eager attention (in this script sdpa's
+# bf16 steps are slower), which fits more steps in the budget (benchmarks/results/training-cpu-bf16-dropout0.md);
+# weights stay float32. Where its bf16 products are slower, bf16 would halve the steps (cpu-bf16-products.md).
 precision=()
-if python3 -c "import sys, torch; sys.exit(torch.cuda.is_available() or not (torch.cpu._is_avx512_bf16_supported()
-    or torch.cpu._is_amx_tile_supported()))" 2>/dev/null; then
+if python3 -c "import sys, torch; from vaswani.loading import cpu_multiplies_bf16
+sys.exit(torch.cuda.is_available() or not cpu_multiplies_bf16())" 2>/dev/null; then
   precision=(--bf16 --use_cpu --attn_implementation eager)
 fi
 python3 scripts/train_translation.py \

@@ -5,6 +5,7 @@ missing weights, a tokenizer that does not fit, another model type), one test ea
 
 import ast
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -500,3 +501,25 @@ def test_a_cpu_rehearsing_cuda_takes_the_decisions_a_gpu_takes(monkeypatch):
     read = subprocess.run([sys.executable, "-c", "from vaswani.generation_vaswani import runs_as; print(runs_as('cpu'))"],
                           capture_output=True, text=True, env={**subprocess_env(), "VASWANI_REHEARSE_CUDA": "1"})
     assert read.stdout.strip() == "cuda", read.stderr
+
+
+@pytest.mark.parametrize(("flags", "speedup", "chosen"), [
+    (True, 1.6, True),  # bf16 instructions, and its products faster (as on an AMD EPYC with AVX512-BF16)
+    (True, 0.6, False),  # bf16 instructions, its products slower (as on an Intel Xeon with AVX512-BF16, no AMX)
+    (False, 2.0, False),  # no bf16 instructions: not timed
+])
+def test_a_cpu_multiplies_in_bf16_only_where_its_bf16_products_are_faster(monkeypatch, flags, speedup, chosen):
+    timed = []
+    monkeypatch.setattr(loading, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr(loading, "bf16_product_speedup", lambda: timed.append(1) or speedup)
+    loading.cpu_multiplies_bf16.cache_clear()
+    try:
+        assert loading.cpu_multiplies_bf16() is chosen
+        assert loading.cpu_multiplies_bf16() is chosen and len(timed) == flags  # timed once per process, if at all
+    finally:
+        loading.cpu_multiplies_bf16.cache_clear()
+
+
+def test_the_bf16_product_timing_runs_on_this_cpu():
+    speedup = loading.bf16_product_speedup(rows=64, width=32, repeats=2)
+    assert math.isfinite(speedup) and speedup > 0

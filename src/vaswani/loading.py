@@ -22,6 +22,7 @@ tokenizer that is missing or does not fit the model.
 import functools
 import json
 import os
+import time
 
 import torch
 from safetensors import SafetensorError
@@ -56,16 +57,40 @@ def choose_device(device: str | torch.device | None = None, local_rank: int | No
     return torch.device(device)
 
 
-def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which oneDNN uses for bf16 GEMMs;
-    without them bf16 is converted to fp32 around every product and is slower than fp32. From the kernel's CPU
-    flags (torch does not say); False where there are none to read (not Linux)."""
+def cpu_bf16_flags() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), from the kernel's CPU flags (torch does
+    not say for every kind); False where there are none to read (not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = f.read()
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def bf16_product_speedup(rows: int = 1024, width: int = 256, repeats: int = 20) -> float:
+    """fp32's time over bf16's for a (rows × width) @ (width × 4·width) product (a small model's feed-forward on a
+    batch of about 1,000 tokens) on this process's threads: the fastest of `repeats`, the two interleaved so that
+    other load hits both alike."""
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    operands = {dtype: (torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype))
+                for dtype in best}
+    for repeat in range(repeats + 1):  # the first round warms up (oneDNN picks and builds its kernels)
+        for dtype, (a, b) in operands.items():
+            start = time.perf_counter()
+            a @ b
+            if repeat:
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+@functools.cache
+def cpu_multiplies_bf16() -> bool:
+    """Whether bf16 products are faster than fp32 ones on this CPU, so that bf16 pays: bf16 matrix instructions are
+    needed (without them bf16 is converted to fp32 around every product) but not enough. Where an AMD EPYC with
+    AVX512-BF16 trains faster in bf16, an Intel Xeon with AVX512-BF16 and no AMX multiplies bf16 slower than fp32
+    (benchmarks/results/cpu-bf16-products.md), so the products are timed, once per process (about 0.2 s)."""
+    return cpu_bf16_flags() and bf16_product_speedup() > 1.0
 
 
 # The narrowest models for which bf16 weights decoded faster than fp32 on an AMX CPU, greedy and with beam search:
@@ -86,8 +111,8 @@ def named_dtype(name: str, int8: bool = False) -> torch.dtype:
 def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beams: int = 1, int8: bool = False,
                  cuda_bf16: bool | None = None, cpu_bf16: bool | None = None) -> torch.dtype:
     """The precision to translate in. `requested` is "float32", "bfloat16" or "auto": bf16 where the hardware
-    multiplies it natively and it is faster (GPUs with bf16; CPUs with AMX or AVX512-BF16 for models at least
-    `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
+    multiplies it natively and it is faster (GPUs with bf16; CPUs whose bf16 products are faster than fp32's,
+    `cpu_multiplies_bf16`, for models at least `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
     `cpu_bf16` say what the hardware does (default: ask it)."""
     if requested != "auto":
         return named_dtype(requested, int8)
