@@ -112,8 +112,8 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
                  cuda_bf16: bool | None = None, cpu_bf16: bool | None = None) -> torch.dtype:
     """The precision to translate in. `requested` is "float32", "bfloat16" or "auto": bf16 where the hardware
     multiplies it natively and it is faster (GPUs with bf16; CPUs whose bf16 products are faster than fp32's,
-    `cpu_multiplies_bf16`, for models at least `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which quantizes fp32 weights). `cuda_bf16` and
-    `cpu_bf16` say what the hardware does (default: ask it)."""
+    `cpu_multiplies_bf16`, for models at least `CPU_BF16_MIN_D_MODEL` wide), fp32 elsewhere and under int8 (which
+    quantizes fp32 weights). `cuda_bf16` and `cpu_bf16` say what the hardware does (default: ask it)."""
     if requested != "auto":
         return named_dtype(requested, int8)
     if int8:
