@@ -212,7 +212,7 @@ def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_e
     by one process only (the other loads the results), both hold byte-identical tokenizer files, and their
     batches are disjoint and together hold every example once, in each epoch (packed ones too)."""
     corpus = write_tsv(tmp_path / "pairs.tsv.gz", made_up_pairs(500), compress=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(REPO / "tests" / "distributed_data_worker.py"), str(tmp_path),
                "--corpus", str(corpus), "--preset", "tiny", "--vocab_size", "400", "--tokenizer_train_pairs", "300",

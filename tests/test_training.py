@@ -99,7 +99,7 @@ def test_ddp_with_two_cpu_processes(tmp_path):
     """torchrun runs the unchanged script with DDP over gloo: both ranks train, one checkpoint is written, it loads."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     output_dir = tmp_path / "ddp"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(SCRIPTS / "train_translation.py"),
                *train_args(corpus, output_dir, "--max_steps", "10", "--ddp_backend", "gloo", "--logging_steps", "5")]

@@ -94,7 +94,9 @@ def load() -> dict[str, str]:
         _extract(VERSION, staging)
         try:
             staging.rename(CACHE)
-        except OSError:  # another process's copy is in place
+        except OSError:
+            if not (CACHE / "stand_ins.json").exists():  # not another process's complete copy in place
+                raise
             shutil.rmtree(staging)
     if str(CACHE) not in sys.path:
         sys.path.insert(0, str(CACHE))

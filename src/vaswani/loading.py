@@ -122,9 +122,10 @@ def choose_dtype(requested: str, device: torch.device, d_model: int, *, num_beam
         native = (device.type != "cuda" or torch.cuda.is_bf16_supported()) if cuda_bf16 is None else cuda_bf16
         return torch.bfloat16 if native else torch.float32
     if device.type == "cpu":
+        if d_model < CPU_BF16_MIN_D_MODEL["beam" if num_beams > 1 else "greedy"]:
+            return torch.float32  # too narrow for bf16 to pay: no need to time this CPU's products
         native = cpu_multiplies_bf16() if cpu_bf16 is None else cpu_bf16
-        wide_enough = d_model >= CPU_BF16_MIN_D_MODEL["beam" if num_beams > 1 else "greedy"]
-        return torch.bfloat16 if native and wide_enough else torch.float32
+        return torch.bfloat16 if native else torch.float32
     return torch.float32
 
 
