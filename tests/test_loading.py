@@ -523,3 +523,12 @@ def test_a_cpu_multiplies_in_bf16_only_where_its_bf16_products_are_faster(monkey
 def test_the_bf16_product_timing_runs_on_this_cpu():
     speedup = loading.bf16_product_speedup(rows=64, width=32, repeats=2)
     assert math.isfinite(speedup) and speedup > 0
+
+
+def test_a_model_too_narrow_for_bf16_decodes_in_fp32_without_timing_the_cpu(monkeypatch):
+    def timed():
+        raise AssertionError("the CPU's products were timed for a model too narrow for bf16")
+
+    monkeypatch.setattr(loading, "cpu_multiplies_bf16", timed)
+    monkeypatch.setattr(loading, "CPU_BF16_MIN_D_MODEL", {"greedy": 512, "beam": 256})
+    assert loading.choose_dtype("auto", torch.device("cpu"), d_model=256, num_beams=1) == torch.float32
