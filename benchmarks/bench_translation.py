@@ -40,10 +40,11 @@ from common import (
 )
 
 # An engine's options after its model's name (`vaswani-int8-hfloop`): `load_engine`'s precision (`int8`, CPU only;
-# `bf16`) and decoding loop (`hfloop`: transformers', `lean`, `graphs`: the lean loop as CUDA graphs), `compiled`
+# `bf16`) and decoding loop (`hfloop`: transformers', `lean`, `graphs`: the lean loop as CUDA graphs, `steps`: the
+# lean loop with compiled steps, `load_translator(decoding="compiled")`), `compiled`
 # (`compile_for_generation`), `slots` (`decode_in_slots`: all sentences in one call, a slot per batch row) and
 # `unpacked` (plain `nn.Linear` layers, torch's own products, where `load_engine` packs fp32 weights for oneDNN).
-LOOPS = {"hfloop": "transformers", "lean": "lean", "graphs": "graphs"}
+LOOPS = {"hfloop": "transformers", "lean": "lean", "graphs": "graphs", "steps": "compiled"}
 TORCH_OPTIONS = {"int8", "bf16", "compiled", "slots", "unpacked", *LOOPS}
 
 # `vaswani` is the scripts' default loop (`loading.decoding_loop`): on CUDA the lean loop as CUDA graphs, which
@@ -67,8 +68,8 @@ def build_engine(name: str, model_dir: str, device, ct2_dir: Path):
     loops = [LOOPS[option] for option in options if option in LOOPS]
     if (base not in ("vaswani", "marian") or set(options) - TORCH_OPTIONS or len(loops) > 1
             or (base == "marian" and set(options) - {"bf16"}) or {"int8", "bf16"} <= set(options)):
-        raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs|-slots][-compiled]"
-                         "[-unpacked], marian[-bf16] or ct2-<compute type>.")
+        raise ValueError(f"Unknown engine {name!r}: vaswani[-int8|-bf16][-hfloop|-lean|-graphs|-steps|-slots]"
+                         "[-compiled][-unpacked], marian[-bf16] or ct2-<compute type>.")
     engine = load_engine(model_dir, device=device.device, dtype="bfloat16" if "bf16" in options else device.dtype_name,
                          int8="int8" in options, decoding=loops[0] if loops else "auto", slots=0)
     if base == "marian":  # the same engine and settings, running the MarianMTModel that computes the same function
@@ -283,8 +284,9 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
         + " Every engine from vaswani.loading.load_engine; Marian (HF) = that engine with vaswani.convert.to_marian of "
         "its model; CT2 = the checkpoint's export (vaswani.export.export_to_ctranslate2, inter_threads 1).",
         f"Precision {device.dtype_name} (bf16: dtype='bfloat16'); Vaswani = decoding='auto'; lean loop / "
-        "transformers' loop / CUDA graphs = decoding='lean' / 'transformers' / 'graphs'; compiled = "
-        "vaswani.inference.compile_for_generation; attention: sdpa.",
+        "transformers' loop / CUDA graphs / compiled steps = decoding='lean' / 'transformers' / 'graphs' / 'compiled' "
+        "(compiled steps: the encoder eager, the decoding steps inductor's, whose compiling the warm and first timed "
+        "runs pay); compiled = vaswani.inference.compile_for_generation; attention: sdpa.",
         "Warm runs only (the shortest and the longest batch first, untimed); engines interleaved batch by batch, the "
         f"order rotating; seconds = sum over batches of the fastest of {args.repeats} repeat(s).",
         ("All engines in one process. " if args.same_process else "Each engine in a process of its own. ")
@@ -307,8 +309,8 @@ def main(argv=None) -> Path:
     parser, add = argument_parser(__doc__)
     add("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     add("--engines", type=csv_of(str), default=None, help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs|"
-        "-slots][-compiled], marian[-bf16], ct2-<compute type> (CTranslate2 running the model's export: ct2-float32, "
-        f"ct2-int8 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")
+        "-steps|-slots][-compiled], marian[-bf16], ct2-<compute type> (CTranslate2 running the model's export: "
+        f"ct2-float32, ct2-int8 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")
     add("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
     add("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     add("--num_sentences", type=int, default=3000)

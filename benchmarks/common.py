@@ -163,7 +163,8 @@ def corpus_and_tokenizer(corpus: str | None, cache_dir: Path = CACHE_DIR, vocab_
 
 
 ENGINE_LABELS = {"vaswani": "Vaswani", "marian": "Marian (HF)", "ct2": "CT2"}
-OPTION_LABELS = {"hfloop": "transformers' loop", "lean": "lean loop", "graphs": "CUDA graphs", "float32": "fp32"}
+OPTION_LABELS = {"hfloop": "transformers' loop", "lean": "lean loop", "graphs": "CUDA graphs", "float32": "fp32",
+                 "steps": "compiled steps"}
 
 
 def engine_label(name: str) -> str:

@@ -96,7 +96,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoding", choices=DECODING_LOOPS, default="auto",
                         help="the loop behind generate(): auto (the default: graphs on a CUDA GPU, lean on a CPU, "
                         "transformers' elsewhere, each where it measured fastest), lean (vaswani.generation_vaswani: "
-                        "the same outputs, less work per step), graphs (lean with each step a replayed CUDA graph, for "
+                        "the same outputs, less work per step), compiled (lean with each step through "
+                        "torch.compile: faster on a CPU once compiled, which takes a minute or two, so for long "
+                        "files), graphs (lean with each step a replayed CUDA graph, for "
                         "GPUs), or transformers (its own)")
     parser.add_argument("--slots", type=non_negative_int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "

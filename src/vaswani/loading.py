@@ -33,12 +33,12 @@ from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .files import read_json_object
 from .generation_vaswani import runs_as
-from .inference import keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
+from .inference import compile_decoding_steps, keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DECODING_LOOPS = ("auto", "lean", "graphs", "transformers")
+DECODING_LOOPS = ("auto", "lean", "compiled", "graphs", "transformers")
 # What marks a CTranslate2 model directory (`vaswani.export`), as config.json marks a checkpoint.
 CTRANSLATE2_WEIGHTS = "model.bin"
 
@@ -245,12 +245,16 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs", elsewhere the model's default:
     `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the same outputs as transformers'
     loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU),
-    "transformers" transformers' own loop (`lean_decoding=False`). The checks are the module docstring's.
+    "transformers" transformers' own loop (`lean_decoding=False`), "compiled" the lean loop with each step through
+    torch.compile (`vaswani.inference.compile_decoding_steps`: faster on a CPU once compiled, for long inputs). The
+    checks are the module docstring's.
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 
     if decoding not in DECODING_LOOPS:
         raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
+    if int8 and decoding == "compiled":  # torch.compile cannot trace fbgemm's packed int8 weights
+        raise ValueError("decoding='compiled' compiles fp32 or bf16 models; leave --int8 out with it.")
     dtype = "auto" if dtype is None else dtype
     if isinstance(dtype, str) and dtype != "auto":
         dtype = named_dtype(dtype, int8)  # a wrong choice is refused before any file is read
@@ -297,8 +301,10 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     decoding = decoding_loop(decoding, device)
     if decoding == "graphs":
         model = use_lean_decoding(model, cuda_graphs=True)
-    elif decoding in ("lean", "transformers"):
-        model.generate = functools.partial(model.generate, lean_decoding=decoding == "lean")
+    elif decoding in ("lean", "compiled", "transformers"):
+        model.generate = functools.partial(model.generate, lean_decoding=decoding != "transformers")
+    if decoding == "compiled":
+        model = compile_decoding_steps(model)
     return model, tokenizer
 
 
