@@ -187,8 +187,13 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     assert lean.generate.keywords == {"lean_decoding": True}
     graphs, _ = load_translator(str(tmp_path), device="cpu", decoding="graphs")
     assert graphs.generate.keywords == {"model": graphs, "cuda_graphs": True}
-    with pytest.raises(ValueError, match="choose one of auto, lean, graphs, transformers"):
+    compiled, _ = load_translator(str(tmp_path), device="cpu", decoding="compiled")
+    assert compiled.generate.keywords == {"lean_decoding": True}
+    assert hasattr(compiled.forward, "_torchdynamo_orig_callable")  # torch.compile's wrapper
+    with pytest.raises(ValueError, match="choose one of auto, lean, compiled, graphs, transformers"):
         load_translator(str(tmp_path), device="cpu", decoding="fast")
+    with pytest.raises(ValueError, match="leave --int8 out"):  # torch.compile cannot trace fbgemm's int8 weights
+        load_translator(str(tmp_path), device="cpu", decoding="compiled", int8=True)
     # On a CUDA GPU "auto" is the lean loop replayed as CUDA graphs, which translated fastest there; a loop asked for
     # is kept on any device.
     assert [decoding_loop("auto", torch.device(name)) for name in ("cuda", "cuda:1", "cpu")] == ["graphs", "graphs",
@@ -199,6 +204,32 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     loaded, _ = load_translator(str(tmp_path), device="cpu")
     assert torch.equal(loaded.generate(**batch, num_beams=4, max_new_tokens=20),
                        plain.generate(**batch, num_beams=4, max_new_tokens=20))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_compiled_decoding_steps_return_what_generate_returns(trained, tmp_path, num_beams, single_thread):
+    """`decoding="compiled"`: the lean loop, its steps compiled with dynamic shapes, as sentences of uneven lengths
+    finish at different steps and leave the batch; two batches of other shapes reuse or extend the graphs."""
+    from torch._dynamo.utils import counters
+
+    from vaswani.loading import load_translator
+
+    model, tokenizer = trained
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    compiled, _ = load_translator(str(tmp_path), device="cpu", decoding="compiled", dtype="float32")
+    torch._dynamo.reset()  # graphs of earlier tests could otherwise serve these calls
+    graphs = counters["stats"]["unique_graphs"]
+    for sentences in (SENTENCES, SENTENCES[::-1][:3], SENTENCES[1:]):
+        batch = tokenizer(sentences, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            reference = model.generate(**batch, num_beams=num_beams, max_new_tokens=20, lean_decoding=False)
+            actual = compiled.generate(**batch, num_beams=num_beams, max_new_tokens=20)
+        assert torch.equal(actual, reference)
+        lengths = (reference != tokenizer.pad_token_id).sum(dim=1)
+        assert lengths.min() < lengths.max()  # sentences finished at different steps: rows left the batch
+    assert counters["stats"]["unique_graphs"] > graphs, "the decoding steps did not run compiled"
 
 
 def test_translate_script_with_either_loop(trained, tmp_path, capsys):

@@ -21,6 +21,7 @@ with checkpoints (this module imports the model, not the other way round) and tr
 
 import ctypes
 import ctypes.util
+import functools
 import warnings
 
 import torch
@@ -67,9 +68,25 @@ def compile_decoding_steps(model: nn.Module) -> nn.Module:
     positions as symbols), 0.5 to 2 minutes on two cores, less once torch's on-disk cache holds them; so it pays on
     long files, not on a few sentences. The tokens are eager's where the sums run in the same order (the test checks
     them on a small model; 600 of 600 test sentences on the main job's model).
+
+    Greedy and beam search in one process take more graphs than torch's default limit of 8 per function (beams
+    attend as one query block per sentence, a batch can shrink to one row), after which torch would decode eagerly
+    or, under `fullgraph`, fail; the limit is raised to `DECODING_GRAPHS` for these calls only.
     """
-    model.forward = torch.compile(model.forward, dynamic=True, fullgraph=True)
+    compiled = torch.compile(model.forward, dynamic=True)
+
+    @functools.wraps(model.forward)
+    def forward(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=DECODING_GRAPHS):
+            return compiled(*args, **kwargs)
+
+    model.forward = forward
     return model
+
+
+# The most graphs `compile_decoding_steps` compiles for one model (the number greedy and beam search took on the main
+# job's model, with room to spare).
+DECODING_GRAPHS = 64
 
 
 # oneDNN's linear operators, as torch's inductor calls them for frozen CPU models: private, and the only ones that take
