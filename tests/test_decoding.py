@@ -189,7 +189,7 @@ def test_the_scripts_decode_with_it_on_a_cpu(trained, tmp_path):
     assert graphs.generate.keywords == {"model": graphs, "cuda_graphs": True}
     compiled, _ = load_translator(str(tmp_path), device="cpu", decoding="compiled")
     assert compiled.generate.keywords == {"lean_decoding": True}
-    assert hasattr(compiled.forward, "_torchdynamo_orig_callable")  # torch.compile's wrapper
+    assert "forward" in vars(compiled)  # compile_decoding_steps' wrapper around torch.compile's
     with pytest.raises(ValueError, match="choose one of auto, lean, compiled, graphs, transformers"):
         load_translator(str(tmp_path), device="cpu", decoding="fast")
     with pytest.raises(ValueError, match="leave --int8 out"):  # torch.compile cannot trace fbgemm's int8 weights
@@ -220,7 +220,7 @@ def test_compiled_decoding_steps_return_what_generate_returns(trained, tmp_path,
     tokenizer.save_pretrained(tmp_path)
     compiled, _ = load_translator(str(tmp_path), device="cpu", decoding="compiled", dtype="float32")
     torch._dynamo.reset()  # graphs of earlier tests could otherwise serve these calls
-    graphs = counters["stats"]["unique_graphs"]
+    counters.clear()
     for sentences in (SENTENCES, SENTENCES[::-1][:3], SENTENCES[1:]):
         batch = tokenizer(sentences, return_tensors="pt", padding=True)
         with torch.no_grad():
@@ -229,7 +229,8 @@ def test_compiled_decoding_steps_return_what_generate_returns(trained, tmp_path,
         assert torch.equal(actual, reference)
         lengths = (reference != tokenizer.pad_token_id).sum(dim=1)
         assert lengths.min() < lengths.max()  # sentences finished at different steps: rows left the batch
-    assert counters["stats"]["unique_graphs"] > graphs, "the decoding steps did not run compiled"
+    assert counters["stats"]["unique_graphs"] > 0, "the decoding steps did not run compiled"
+    assert not counters["graph_break"], "a decoding step left the graph: Python between its kernels again"
 
 
 def test_translate_script_with_either_loop(trained, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Fast decoding paths: `compile_for_generation(model)` (a static KV cache and a compiled decoding step, for any
-device and decoding method, opt-in) and, for CPUs, fp32 linear layers through oneDNN with weights laid out once,
+device and decoding method, opt-in), `compile_decoding_steps(model)` (the lean loop's steps compiled with dynamic
+shapes, opt-in: `decoding="compiled"`) and, for CPUs, fp32 linear layers through oneDNN with weights laid out once,
 `pack_for_cpu(model)`, and a malloc that reuses freed memory, `keep_freed_cpu_memory()` (both applied by
 `vaswani.loading` to every CPU engine), and int8 weights with `quantize_for_cpu(model)`.
 
