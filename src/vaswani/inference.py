@@ -63,11 +63,11 @@ def compile_decoding_steps(model: nn.Module) -> nn.Module:
     the batch, so a step attends to the positions decoded so far, not to `max_length` reserved ones. Inductor fuses
     the step's small operations (norms, residual adds, head reshapes, the attention's softmax) into a few kernels, no
     Python between them: on the main job's model, where those are a large share of a CPU step, greedy decoding ran
-    about twice as fast as eager, and beam search about 1.1 times (benchmarks/results/README.md, "A compiled
-    decoding step"). The price is compiling: the first batches of a process compile a handful of graphs (the
-    first step, which projects the source, and later ones; with and without source padding; rows and cached
-    positions as symbols), 0.5 to 2 minutes on two cores, less once torch's on-disk cache holds them; so it pays on
-    long files, not on a few sentences. The tokens are eager's where the sums run in the same order (the test checks
+    1.54 times as fast as eager, and beam search 1.30 times; at base size, where the products dominate, it gained
+    nothing (benchmarks/results/README.md, "A compiled decoding step"). The price is compiling: the first batches
+    of a process compile a handful of graphs (the first step, which projects the source, and later ones; with and
+    without source padding; rows and cached positions as symbols), one to two and a half minutes on two cores, less
+    once torch's on-disk cache holds them; so it pays on long files, not on a few sentences. The tokens are eager's where the sums run in the same order (the test checks
     them on a small model; 600 of 600 test sentences on the main job's model).
 
     Greedy and beam search in one process take more graphs than torch's default limit of 8 per function (beams
