@@ -227,8 +227,9 @@ def test_compiled_decoding_steps_return_what_generate_returns(trained, tmp_path,
             reference = model.generate(**batch, num_beams=num_beams, max_new_tokens=20, lean_decoding=False)
             actual = compiled.generate(**batch, num_beams=num_beams, max_new_tokens=20)
         assert torch.equal(actual, reference)
-        lengths = (reference != tokenizer.pad_token_id).sum(dim=1)
-        assert lengths.min() < lengths.max()  # sentences finished at different steps: rows left the batch
+        if num_beams == 1:  # sentences finished at different steps: rows left the batch
+            lengths = (reference != tokenizer.pad_token_id).sum(dim=1)
+            assert lengths.min() < lengths.max()
     assert counters["stats"]["unique_graphs"] > 0, "the decoding steps did not run compiled"
     assert not counters["graph_break"], "a decoding step left the graph: Python between its kernels again"
 
