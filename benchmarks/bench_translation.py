@@ -310,7 +310,8 @@ def main(argv=None) -> Path:
     add("--sizes", type=csv_of(str), default=["base"], help="VaswaniConfig presets, e.g. tiny,base,big")
     add("--engines", type=csv_of(str), default=None, help="vaswani[-int8 (CPU only)|-bf16][-hfloop|-lean|-graphs|"
         "-steps|-slots][-compiled], marian[-bf16], ct2-<compute type> (CTranslate2 running the model's export: "
-        f"ct2-float32, ct2-int8 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, {','.join(DEFAULT_ENGINES_CPU)} on CPU")
+        f"ct2-float32, ct2-int8 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, "
+        f"{','.join(DEFAULT_ENGINES_CPU)} on CPU")
     add("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
     add("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     add("--num_sentences", type=int, default=3000)

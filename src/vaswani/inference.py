@@ -55,6 +55,11 @@ def compile_for_generation(model: nn.Module) -> nn.Module:
     return model
 
 
+# The most graphs `compile_decoding_steps` compiles for one model: greedy and beam search took 16 on the main job's
+# model, in one process.
+DECODING_GRAPHS = 64
+
+
 def compile_decoding_steps(model: nn.Module) -> nn.Module:
     """Make each decoding step of the lean loop (`vaswani.generation_vaswani`) run through torch.compile with
     dynamic shapes; return `model` (changed in place, for inference only). `load_translator(decoding="compiled")`.
@@ -67,8 +72,9 @@ def compile_decoding_steps(model: nn.Module) -> nn.Module:
     nothing (benchmarks/results/README.md, "A compiled decoding step"). The price is compiling: the first batches
     of a process compile a handful of graphs (the first step, which projects the source, and later ones; with and
     without source padding; rows and cached positions as symbols), one to two and a half minutes on two cores, less
-    once torch's on-disk cache holds them; so it pays on long files, not on a few sentences. The tokens are eager's where the sums run in the same order (the test checks
-    them on a small model; 600 of 600 test sentences on the main job's model).
+    once torch's on-disk cache holds them; so it pays on long files, not on a few sentences. The tokens are eager's
+    where the sums run in the same order (the test checks them on a small model; 600 of 600 test sentences on the
+    main job's model).
 
     Greedy and beam search in one process take more graphs than torch's default limit of 8 per function (beams
     attend as one query block per sentence, a batch can shrink to one row), after which torch would decode eagerly
@@ -83,11 +89,6 @@ def compile_decoding_steps(model: nn.Module) -> nn.Module:
 
     model.forward = forward
     return model
-
-
-# The most graphs `compile_decoding_steps` compiles for one model (the number greedy and beam search took on the main
-# job's model, with room to spare).
-DECODING_GRAPHS = 64
 
 
 # oneDNN's linear operators, as torch's inductor calls them for frozen CPU models: private, and the only ones that take
