@@ -254,7 +254,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     if decoding not in DECODING_LOOPS:
         raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
     if int8 and decoding == "compiled":  # torch.compile cannot trace fbgemm's packed int8 weights
-        raise ValueError("decoding='compiled' compiles fp32 or bf16 models; leave --int8 out with it.")
+        raise ValueError("decoding='compiled' compiles fp32 or bf16 models, not int8 ones (int8=True).")
     dtype = "auto" if dtype is None else dtype
     if isinstance(dtype, str) and dtype != "auto":
         dtype = named_dtype(dtype, int8)  # a wrong choice is refused before any file is read
