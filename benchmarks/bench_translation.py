@@ -16,6 +16,7 @@ CTranslate2 and PyTorch slow each other down (`--same_process`; benchmarks/READM
 import dataclasses
 import multiprocessing
 import os
+import random
 import sys
 import tempfile
 import time
@@ -266,8 +267,8 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device) -> list[str]:
-    sample = (f"The first {len(source_ids)} sentences of the checkpoint's held-out test split of {corpus.name}"
-              if args.model else f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from "
+    sample = (f"{len(source_ids)} sentences drawn uniformly (seed {args.seed}) from the checkpoint's held-out test "
+              f"split of {corpus.name}" if args.model else f"{len(source_ids)} English sentences drawn uniformly (seed {args.seed}) from "
               f"{corpus.name}")
     notes = [f"{sample}, tokenized ({len(tokenizer)} tokens; mean source length "
              f"{sum(map(len, source_ids)) / len(source_ids):.1f} tokens incl. </s>), sorted by length and batched "
@@ -338,7 +339,9 @@ def main(argv=None) -> Path:
     names = args.engines or (DEFAULT_ENGINES_CUDA if device.as_cuda else DEFAULT_ENGINES_CPU)
     if args.model:
         corpus, english = test_sources(args.corpus)
-        tokenizer, english = VaswaniTokenizer.from_pretrained(args.model), english[: args.num_sentences]
+        # Drawn across the split, whose file order is by length: its first sentences are its shortest.
+        tokenizer = VaswaniTokenizer.from_pretrained(args.model)
+        english = random.Random(args.seed).sample(english, min(args.num_sentences, len(english)))
         args.sizes = [Path(args.model).name]
     else:
         corpus, pairs, tokenizer = corpus_and_tokenizer(args.corpus, args.cache_dir, args.vocab_size)

@@ -13,7 +13,10 @@ from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
-from vaswani.export import CPU_CTRANSLATE2_MAX_D_MODEL, cached_export, export_to_ctranslate2, load_default_engine
+import vaswani.engine_timing
+import vaswani.export
+from vaswani.export import (CPU_CTRANSLATE2_MAX_D_MODEL, TIMINGS_SUFFIX, cached_export, export_path, export_source,
+                            export_to_ctranslate2, load_default_engine)
 from vaswani.inference import cpu_packs_linear_weights
 from vaswani.loading import load_engine
 from vaswani.translation import translate as translate_with
@@ -177,8 +180,23 @@ def greedy_checkpoint(checkpoint, path, **generation):
     return path
 
 
-def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_say_so(checkpoint, tmp_path, capsys):
+def timed_faster(monkeypatch, engine: str) -> list:
+    """Make `engine` the one timed faster on this machine (`vaswani.engine_timing.engine_seconds`, whose real timing
+    depends on the CPU and its load); returns the list of the checkpoints asked about."""
+    asked = []
+
+    def seconds(model_dir, *args):
+        asked.append(model_dir)
+        return {"pytorch": 1.0, "ctranslate2": 2.0} if engine == "pytorch" else {"pytorch": 2.0, "ctranslate2": 1.0}
+
+    monkeypatch.setattr(vaswani.export, "engine_seconds", seconds)
+    return asked
+
+
+def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_say_so(checkpoint, tmp_path, capsys,
+                                                                                       monkeypatch):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    timed_faster(monkeypatch, "ctranslate2")
     translate_script = script_main("translate")
 
     translate_script(["--model", str(path), "--device", "cpu", *SOURCES])
@@ -195,8 +213,10 @@ def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_
     assert exported.out == pytorch.out and exported.out.count("\n") == len(SOURCES)
 
 
-def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path):
+def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path,
+                                                                                            monkeypatch):
     greedy = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    timed = timed_faster(monkeypatch, "ctranslate2")
     beams = greedy_checkpoint(checkpoint, tmp_path / "beams", num_beams=3)  # transformers' early_stopping=False
     stopping = greedy_checkpoint(checkpoint, tmp_path / "stopping", num_beams=3, early_stopping=True)
 
@@ -220,6 +240,67 @@ def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_t
         if (greedy / name).is_file():
             shutil.copy(greedy / name, wide / name)
     assert engine(wide) == "pytorch" and engine(wide, ctranslate2=True) == "ctranslate2"
+    # Only the checkpoints and settings CTranslate2 could decode were timed; the others decided without exporting.
+    assert set(timed) == {str(greedy), str(stopping), str(beams)}
+
+    # Where the PyTorch engine is timed faster on this machine, it decodes.
+    timed_faster(monkeypatch, "pytorch")
+    assert engine(greedy) == "pytorch" and engine(greedy, ctranslate2=True) == "ctranslate2"
+
+
+def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_of_its_own(checkpoint, tmp_path,
+                                                                                          monkeypatch):
+    """Which engine is faster depends on the CPU, so both translate the calibration sentences here, each in a new
+    process (CTranslate2 slows down where torch's threads have run), and the seconds are remembered beside the export
+    until the weights change."""
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    cache = tmp_path / "cache"
+    export_dir, _ = cached_export(str(path), str(cache))
+    timings = export_dir + TIMINGS_SUFFIX
+    assert timings == export_path(str(path), str(cache)) + TIMINGS_SUFFIX
+    spawned, run = [], vaswani.engine_timing.subprocess.run
+    monkeypatch.setattr(vaswani.engine_timing.subprocess, "run", lambda command, **kw: spawned.append(command)
+                        or run(command, **kw))
+
+    seconds = vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
+    assert set(seconds) == {"pytorch", "ctranslate2"} and all(value > 0 for value in seconds.values())
+    assert [command[command.index("--engine") + 1] for command in spawned] == ["pytorch", "ctranslate2"]
+    assert all(command[:3] == [vaswani.engine_timing.sys.executable, "-m", "vaswani.engine_timing"]
+               for command in spawned)
+    # The choice follows the remembered seconds, with no new timing.
+    assert load_default_engine(str(path), device="cpu", cache_dir=str(cache)).settings["engine"] == \
+        ("ctranslate2" if seconds["ctranslate2"] < seconds["pytorch"] else "pytorch")
+    assert len(spawned) == 2
+    remembered = json.loads(Path(timings).read_text())
+    assert remembered["source"] == export_source(str(path)) and len(remembered["timings"]) == 1
+    assert remembered["timings"][0]["key"]["machine"]["threads"] == torch.get_num_threads()
+
+    # Other settings, or another thread count, are timed anew; the first are still remembered.
+    vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)),
+                                         {"max_new_tokens": 5, "num_beams": None})
+    assert len(spawned) == 4 and "max_new_tokens" in spawned[-1][spawned[-1].index("--decoding") + 1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(spawned) == 6 and spawned[-1][spawned[-1].index("--threads") + 1] == str(threads + 1)
+    vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
+    assert len(spawned) == 6 and len(json.loads(Path(timings).read_text())["timings"]) == 3
+
+    # New weights: timed again, and the old timings forgotten.
+    model = VaswaniForConditionalGeneration.from_pretrained(path)
+    model.save_pretrained(path)
+    vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
+    assert len(spawned) == 8 and len(json.loads(Path(timings).read_text())["timings"]) == 1
+
+
+def test_an_engine_that_cannot_be_timed_is_an_error_naming_it(checkpoint, tmp_path):
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    with pytest.raises(RuntimeError, match="Timing the ctranslate2 engine on .* failed .*holds no CTranslate2"):
+        vaswani.engine_timing.engine_seconds(str(path), str(tmp_path / "no-export"), str(tmp_path / "t.json"), {})
+    assert not (tmp_path / "t.json").exists()
 
 
 def test_an_export_does_torchs_work_on_one_thread_and_gives_the_count_back(checkpoint, tmp_path, monkeypatch):

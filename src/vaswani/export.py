@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 from .checkpoints import check_output_dir
+from .engine_timing import engine_seconds
 from .configuration_vaswani import VaswaniConfig
 from .configuration_vaswani import OUTPUT_SLACK
 from .files import exclusive, locking, staged_directory, write_atomically
@@ -134,15 +135,21 @@ def export_source(model_dir: str) -> dict:
     return {"checkpoint": os.path.realpath(model_dir), "files": files}
 
 
+def export_path(model_dir: str, cache_dir: str | None = None) -> str:
+    """Where `cached_export` keeps the export of the checkpoint in `model_dir`: in `cache_dir` (default:
+    `default_cache_dir()`), under a name made from the checkpoint's real path."""
+    name = hashlib.sha256(os.path.realpath(model_dir).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir or default_cache_dir(), name)
+
+
 def cached_export(model_dir: str, cache_dir: str | None = None) -> tuple[str, bool]:
-    """The float32 CTranslate2 export of the checkpoint directory `model_dir`, kept in `cache_dir` (default:
-    `default_cache_dir()`) under a name made from the checkpoint's path; made on first use, and made again when the
-    checkpoint's files have changed since (`export_source`: the weights' and configs' sizes and modification times,
-    recorded in the export as `CACHE_KEY_FILE`). Returns its path and whether it was made now. Processes asking at
-    once wait for the one that exports (`files.exclusive`), then reuse its export."""
+    """The float32 CTranslate2 export of the checkpoint directory `model_dir`, kept in `cache_dir` (`export_path`);
+    made on first use, and made again when the checkpoint's files have changed since (`export_source`: the weights'
+    and configs' sizes and modification times, recorded in the export as `CACHE_KEY_FILE`). Returns its path and
+    whether it was made now. Processes asking at once wait for the one that exports (`files.exclusive`), then reuse
+    its export."""
     source = export_source(model_dir)
-    name = hashlib.sha256(source["checkpoint"].encode()).hexdigest()[:16]
-    output_dir = os.path.join(cache_dir or default_cache_dir(), name)
+    output_dir = export_path(model_dir, cache_dir)
     key_file = os.path.join(output_dir, CACHE_KEY_FILE)
     with exclusive(output_dir, wait=True):
         try:
@@ -169,7 +176,7 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
         decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
         ctranslate2 = (not any(pytorch_options(**rest).values())
                        and options.get("compute_type", "default") == "default"
-                       and ctranslate2_by_default(model_dir, device, **decoding))
+                       and ctranslate2_by_default(model_dir, device, cache_dir, **decoding))
     if ctranslate2 and not exported:
         check_checkpoint_dir(model_dir)
         export_dir, _ = cached_export(model_dir, cache_dir)
@@ -177,20 +184,24 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
     return load_engine(model_dir, device=device, ctranslate2=ctranslate2, **options)
 
 
-# The widest model whose CTranslate2 float32 export decodes faster than the PyTorch engine on a CPU, two threads,
-# greedy / beam 4: at the main job's width, 256, CTranslate2 took 0.64 / 0.70 × the time
-# (benchmarks/results/translation-cpu-main-job-model.md); at base's 512, where oneDNN's laid-out products pay most,
-# 2.04 / 1.39 × (translation-cpu-base.md).
+# The widest model for which the CTranslate2 float32 export can be the faster engine on a CPU: at base's 512 wide,
+# where oneDNN's laid-out products pay most, the PyTorch engine decoded faster on every CPU measured, greedy and with
+# beam search (benchmarks/results/translation-cpu-base*.md), so wider models are not timed (`engine_seconds`).
 CPU_CTRANSLATE2_MAX_D_MODEL = 256
+# Where the timings of the two engines are kept, beside the export they timed (`export_path`).
+TIMINGS_SUFFIX = ".timings.json"
 
 
-def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_overrides) -> bool:
+def ctranslate2_by_default(model_dir: str, device: torch.device, cache_dir: str | None = None,
+                           **decoding_overrides) -> bool:
     """Whether `load_default_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on
-    a CPU, for a model at most `CPU_CTRANSLATE2_MAX_D_MODEL` wide (where CTranslate2 float32 decoded faster than the
-    PyTorch engine at the same precision, greedy and with beam search), for a local checkpoint that the exporter
-    takes, with ctranslate2 installed, and only where CTranslate2 gives the checkpoint's own translations: decoding
-    settings it follows exactly (`CTranslate2Engine.follows`; beam search under transformers' default
-    `early_stopping=False` is not one of them, and stays with PyTorch)."""
+    a CPU, where CTranslate2 float32 gives the checkpoint's own translations and gives them faster. That is: a local
+    checkpoint that the exporter takes, with ctranslate2 installed; decoding settings CTranslate2 follows exactly
+    (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False` is not one of
+    them, and stays with PyTorch); a model at most `CPU_CTRANSLATE2_MAX_D_MODEL` wide; and the export (`cached_export`
+    in `cache_dir`) faster than the PyTorch engine on this machine, with these settings, at this thread count, as
+    timed once and remembered beside the export (`vaswani.engine_timing.engine_seconds`): which is faster depends on
+    the CPU."""
     if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
         return False
     check_checkpoint_dir(model_dir)
@@ -201,7 +212,12 @@ def ctranslate2_by_default(model_dir: str, device: torch.device, **decoding_over
         return False
     if config.d_model > CPU_CTRANSLATE2_MAX_D_MODEL:
         return False
-    return CTranslate2Engine.follows(checkpoint_decoding(model_dir, config, **decoding_overrides))
+    if not CTranslate2Engine.follows(checkpoint_decoding(model_dir, config, **decoding_overrides)):
+        return False
+    export_dir, _ = cached_export(model_dir, cache_dir)
+    seconds = engine_seconds(model_dir, export_dir, export_dir + TIMINGS_SUFFIX, export_source(model_dir),
+                             decoding_overrides)
+    return seconds["ctranslate2"] < seconds["pytorch"]
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:
