@@ -24,11 +24,14 @@ positions are truncated (a warning on stderr counts them). --dtype auto translat
 multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp32 elsewhere. A decoding setting
 not given (--num_beams, --max_new_tokens, --length_penalty, the sampling ones) is the checkpoint's, from its
 generation_config.json; without a max_new_tokens there, each output may run to its source's length plus 50 tokens.
-The engine comes from vaswani.loading.load_engine, as evaluate_bleu.py's does: on a CPU with ctranslate2 installed,
-a checkpoint at most 256 wide (d_model) whose decoding settings CTranslate2 follows exactly (greedy search, or
-beams with early_stopping) translates through its float32 CTranslate2 export, made once, cached and made again when
-the weights change, which gives the same translations, where that export is the faster engine on this CPU (timed
-once and remembered: vaswani.export.ctranslate2_by_default); --no-ctranslate2 keeps the PyTorch engine. The first line on stderr names the engine that runs.
+The engine comes from vaswani.export.load_default_engine, as evaluate_bleu.py's does: on a CPU with ctranslate2
+installed, a checkpoint at most 256 wide (d_model) whose decoding settings CTranslate2 follows exactly (greedy
+search, or beams with early_stopping) translates through its float32 CTranslate2 export (made once, cached and made
+again when the weights change), which gives the same translations, where that export is the faster engine on this
+CPU; and the PyTorch engine lays its linear layers out for oneDNN where that is faster. Both are timed once per
+checkpoint, CPU and settings, on 64 sentences spread over the first chunk of the first run that has that many (or
+over its arguments), and remembered; until then the PyTorch engine decodes, laid out for oneDNN. --no-ctranslate2
+keeps the PyTorch engine. The first line on stderr names the engine that runs.
 """
 
 import argparse
@@ -45,7 +48,7 @@ from vaswani.cli import (
     user_errors_exit,
 )
 from vaswani.file_translation import (DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, check_resume_record,
-                                       translate_file)
+                                       first_lines, translate_file)
 from vaswani.files import check_output_file, exclusive
 
 
@@ -88,7 +91,9 @@ def main(argv=None):
     with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():
         sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p}
-        engine = engine_from_args(args, processes.device(args.device), **sampling)
+        # The engines are timed on the run's own sentences where that choice is still to make: the first chunk's.
+        sentences = args.sentences or (first_lines(args.input_file, args.chunk_lines) if args.input_file else None)
+        engine = engine_from_args(args, processes.device(args.device), sentences, **sampling)
         settings = {key: getattr(args, key) for key in ("model", "decoding", "slots", "ctranslate2",
                                                         "compute_type", *sampling)} | engine.settings
         stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None

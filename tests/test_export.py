@@ -17,7 +17,7 @@ import vaswani.engine_timing
 import vaswani.export
 from vaswani.export import (CPU_CTRANSLATE2_MAX_D_MODEL, TIMINGS_SUFFIX, cached_export, export_path, export_source,
                             export_to_ctranslate2, load_default_engine)
-from vaswani.inference import cpu_packs_linear_weights
+from vaswani.inference import PackedLinear, cpu_packs_linear_weights
 from vaswani.loading import load_engine
 from vaswani.translation import translate as translate_with
 
@@ -180,14 +180,20 @@ def greedy_checkpoint(checkpoint, path, **generation):
     return path
 
 
+FASTEST = {"ctranslate2": {"pytorch": 2.0, "pytorch-unpacked": 3.0, "ctranslate2": 1.0},
+           "pytorch": {"pytorch": 1.0, "pytorch-unpacked": 3.0, "ctranslate2": 2.0},
+           "pytorch-unpacked": {"pytorch": 2.0, "pytorch-unpacked": 1.0, "ctranslate2": 3.0}}
+
+
 def timed_faster(monkeypatch, engine: str) -> list:
-    """Make `engine` the one timed faster on this machine (`vaswani.engine_timing.engine_seconds`, whose real timing
-    depends on the CPU and its load); returns the list of the checkpoints asked about."""
+    """Make `engine` the one timed fastest on this machine (`vaswani.engine_timing.engine_seconds`, whose real timing
+    depends on the CPU and its load); returns a list of (checkpoint, sentences, whether CTranslate2 was timed too)
+    asked about."""
     asked = []
 
-    def seconds(model_dir, *args):
-        asked.append(model_dir)
-        return {"pytorch": 1.0, "ctranslate2": 2.0} if engine == "pytorch" else {"pytorch": 2.0, "ctranslate2": 1.0}
+    def seconds(model_dir, timings_file, source, decoding=None, sentences=None, export=None):
+        asked.append((model_dir, sentences, export is not None))
+        return {name: value for name, value in FASTEST[engine].items() if export or name != "ctranslate2"}
 
     monkeypatch.setattr(vaswani.export, "engine_seconds", seconds)
     return asked
@@ -196,7 +202,7 @@ def timed_faster(monkeypatch, engine: str) -> list:
 def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_say_so(checkpoint, tmp_path, capsys,
                                                                                        monkeypatch):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
-    timed_faster(monkeypatch, "ctranslate2")
+    timed = timed_faster(monkeypatch, "ctranslate2")
     translate_script = script_main("translate")
 
     translate_script(["--model", str(path), "--device", "cpu", *SOURCES])
@@ -211,6 +217,12 @@ def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_
     packed = " with oneDNN-packed linear layers" if cpu_packs_linear_weights() else ""
     assert pytorch_lines == [f"engine: PyTorch float32{packed} on cpu"]
     assert exported.out == pytorch.out and exported.out.count("\n") == len(SOURCES)
+    # The engines would be timed on the run's own sentences: its arguments, or its input file's first chunk.
+    lines = tmp_path / "in.txt"
+    lines.write_text("".join(f"{source}\n" for source in SOURCES * 3), encoding="utf-8")
+    translate_script(["--model", str(path), "--device", "cpu", "--input_file", str(lines), "--chunk_lines", "4"])
+    assert [(path, sentences) for path, sentences, _ in timed if sentences] == \
+        [(str(path), SOURCES)] * 2 + [(str(path), SOURCES[:4])]
 
 
 def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path,
@@ -240,66 +252,96 @@ def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_t
         if (greedy / name).is_file():
             shutil.copy(greedy / name, wide / name)
     assert engine(wide) == "pytorch" and engine(wide, ctranslate2=True) == "ctranslate2"
-    # Only the checkpoints and settings CTranslate2 could decode were timed; the others decided without exporting.
-    assert set(timed) == {str(greedy), str(stopping), str(beams)}
+    # CTranslate2 was timed only where it could decode: greedy, or beams that stop early.
+    assert {path for path, _, ctranslate2 in timed if ctranslate2} == {str(greedy), str(stopping), str(beams)}
+    assert not any(ctranslate2 for path, _, ctranslate2 in timed if path == str(wide))
+    assert [ctranslate2 for path, _, ctranslate2 in timed if path == str(beams)] == [False, True]
 
-    # Where the PyTorch engine is timed faster on this machine, it decodes.
+    # Where the PyTorch engine is timed faster on this machine, it decodes: with the layers that were faster.
     timed_faster(monkeypatch, "pytorch")
     assert engine(greedy) == "pytorch" and engine(greedy, ctranslate2=True) == "ctranslate2"
+    packed = load_default_engine(str(greedy), device="cpu").model
+    assert any(isinstance(module, PackedLinear) for module in packed.modules()) == cpu_packs_linear_weights()
+    timed_faster(monkeypatch, "pytorch-unpacked")
+    unpacked = load_default_engine(str(greedy), device="cpu")
+    assert unpacked.settings["engine"] == "pytorch" and "oneDNN" not in unpacked.description
+    assert not any(isinstance(module, PackedLinear) for module in unpacked.model.modules())
+    with pytest.raises(ValueError, match="pack=False: the PyTorch engine's"):
+        load_engine(str(export_path(str(greedy))), ctranslate2=True, pack=False)
 
 
 def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_of_its_own(checkpoint, tmp_path,
                                                                                           monkeypatch):
-    """Which engine is faster depends on the CPU, so both translate the calibration sentences here, each in a new
-    process (CTranslate2 slows down where torch's threads have run), and the seconds are remembered beside the export
-    until the weights change."""
+    """Which engine is faster depends on the CPU and the sentences, so both translate sentences of the first run that
+    has enough, each in a new process (CTranslate2 slows down where torch's threads have run), and the seconds are
+    remembered beside the export until the weights change."""
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
     cache = tmp_path / "cache"
-    export_dir, _ = cached_export(str(path), str(cache))
-    timings = export_dir + TIMINGS_SUFFIX
-    assert timings == export_path(str(path), str(cache)) + TIMINGS_SUFFIX
+    timings = export_path(str(path), str(cache)) + TIMINGS_SUFFIX
     spawned, run = [], vaswani.engine_timing.subprocess.run
-    monkeypatch.setattr(vaswani.engine_timing.subprocess, "run", lambda command, **kw: spawned.append(command)
-                        or run(command, **kw))
 
-    seconds = vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
-    assert set(seconds) == {"pytorch", "ctranslate2"} and all(value > 0 for value in seconds.values())
-    assert [command[command.index("--engine") + 1] for command in spawned] == ["pytorch", "ctranslate2"]
+    def spy(command, **options):
+        sentences = command[command.index("--sentences") + 1]
+        spawned.append((command, json.loads(Path(sentences).read_text(encoding="utf-8"))))
+        return run(command, **options)
+
+    monkeypatch.setattr(vaswani.engine_timing.subprocess, "run", spy)
+    count = vaswani.engine_timing.CALIBRATION_SENTENCES
+    many = [f"{a} {b}" for a in SOURCES for b in SOURCES] * count  # more than are timed, in order
+
+    def engine(**options):
+        return load_default_engine(str(path), device="cpu", cache_dir=str(cache), **options).settings["engine"]
+
+    # Too few sentences to time, and nothing timed yet: PyTorch, with no export made.
+    assert engine(sentences=many[:count - 1]) == "pytorch" and engine() == "pytorch"
+    assert not spawned and not Path(timings).exists() and not Path(export_path(str(path), str(cache))).exists()
+
+    chosen = engine(sentences=many)
+    assert [command[command.index("--engine") + 1] for command, _ in spawned] == ["pytorch", "ctranslate2"]
     assert all(command[:3] == [vaswani.engine_timing.sys.executable, "-m", "vaswani.engine_timing"]
-               for command in spawned)
-    # The choice follows the remembered seconds, with no new timing.
-    assert load_default_engine(str(path), device="cpu", cache_dir=str(cache)).settings["engine"] == \
-        ("ctranslate2" if seconds["ctranslate2"] < seconds["pytorch"] else "pytorch")
-    assert len(spawned) == 2
+               for command, _ in spawned)
+    timed = spawned[0][1]  # spread over all the sentences given, not their first ones
+    assert timed == spawned[1][1] and len(timed) == count and timed[0] == many[0] and timed[-1] in many[-count:]
     remembered = json.loads(Path(timings).read_text())
     assert remembered["source"] == export_source(str(path)) and len(remembered["timings"]) == 1
+    seconds = remembered["timings"][0]["seconds"]
+    # PyTorch with its linear layers laid out for oneDNN and with torch's own, where this torch lays them out.
+    pytorch = {"pytorch", "pytorch-unpacked"} if cpu_packs_linear_weights() else {"pytorch"}
+    assert set(seconds) == pytorch | {"ctranslate2"} and all(value > 0 for value in seconds.values())
+    fastest = min(seconds, key=seconds.get)
+    assert chosen == ("ctranslate2" if fastest == "ctranslate2" else "pytorch")
+    if chosen == "pytorch":  # with the faster of its linear layers
+        model = load_default_engine(str(path), device="cpu", cache_dir=str(cache)).model
+        assert any(isinstance(module, PackedLinear) for module in model.modules()) == (fastest == "pytorch")
     assert remembered["timings"][0]["key"]["machine"]["threads"] == torch.get_num_threads()
+    # Later runs, with sentences or without, decide from what was timed.
+    assert engine() == chosen and engine(sentences=many[:3]) == chosen and len(spawned) == 2
 
     # Other settings, or another thread count, are timed anew; the first are still remembered.
-    vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)),
-                                         {"max_new_tokens": 5, "num_beams": None})
-    assert len(spawned) == 4 and "max_new_tokens" in spawned[-1][spawned[-1].index("--decoding") + 1]
+    engine(max_new_tokens=5, sentences=many)
+    assert len(spawned) == 4 and '"max_new_tokens": 5' in spawned[-1][0][spawned[-1][0].index("--decoding") + 1]
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
+        engine(sentences=many)
     finally:
         torch.set_num_threads(threads)
-    assert len(spawned) == 6 and spawned[-1][spawned[-1].index("--threads") + 1] == str(threads + 1)
-    vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
-    assert len(spawned) == 6 and len(json.loads(Path(timings).read_text())["timings"]) == 3
+    assert len(spawned) == 6 and spawned[-1][0][spawned[-1][0].index("--threads") + 1] == str(threads + 1)
+    assert engine() == chosen and len(spawned) == 6 and len(json.loads(Path(timings).read_text())["timings"]) == 3
 
     # New weights: timed again, and the old timings forgotten.
-    model = VaswaniForConditionalGeneration.from_pretrained(path)
-    model.save_pretrained(path)
-    vaswani.engine_timing.engine_seconds(str(path), export_dir, timings, export_source(str(path)))
+    VaswaniForConditionalGeneration.from_pretrained(path).save_pretrained(path)
+    assert engine() == "pytorch" and len(spawned) == 6
+    engine(sentences=many)
     assert len(spawned) == 8 and len(json.loads(Path(timings).read_text())["timings"]) == 1
 
 
 def test_an_engine_that_cannot_be_timed_is_an_error_naming_it(checkpoint, tmp_path):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    sentences = SOURCES * vaswani.engine_timing.CALIBRATION_SENTENCES
     with pytest.raises(RuntimeError, match="Timing the ctranslate2 engine on .* failed .*holds no CTranslate2"):
-        vaswani.engine_timing.engine_seconds(str(path), str(tmp_path / "no-export"), str(tmp_path / "t.json"), {})
+        vaswani.engine_timing.engine_seconds(str(path), str(tmp_path / "t.json"), {}, sentences=sentences,
+                                             export=lambda: str(tmp_path / "no-export"))
     assert not (tmp_path / "t.json").exists()
 
 

@@ -6,6 +6,7 @@ import argparse
 import functools
 import math
 import sys
+from collections.abc import Sequence
 
 from .files import DiskFullError
 from .export import load_default_engine
@@ -112,8 +113,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "--no-ctranslate2: the PyTorch checkpoint decodes. Default: an export decodes with "
                         "CTranslate2, and so does a checkpoint on a CPU when ctranslate2 is installed and gives the "
                         "checkpoint's own translations (greedy, or beams with early_stopping; no PyTorch-only flag) for a "
-                        "model at most 256 wide, where it is the faster engine on this CPU (timed once and "
-                        "remembered: vaswani.export.ctranslate2_by_default)")
+                        "model at most 256 wide, where it is the faster engine on this CPU (timed once on the run's "
+                        "own sentences and remembered: vaswani.export.load_default_engine)")
     parser.add_argument("--compute_type", default="default",
                         help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--num_beams", type=positive_int, default=None,
@@ -126,12 +127,14 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: the checkpoint's generation config")
 
 
-def engine_from_args(args: argparse.Namespace, device: str | None = None, **decoding_options):
+def engine_from_args(args: argparse.Namespace, device: str | None = None, sentences: Sequence[str] | None = None,
+                     **decoding_options):
     """`vaswani.export.load_default_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
-    `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
+    `--device`), `sentences` (the run's, or its first ones, on which the engines are timed where that choice is
+    not made yet) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
     engine = load_default_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
                          decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
                          compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
-                         length_penalty=args.length_penalty, **decoding_options)
+                         length_penalty=args.length_penalty, sentences=sentences, **decoding_options)
     print(f"engine: {engine.description}", file=sys.stderr, flush=True)
     return engine

@@ -1,36 +1,40 @@
 """Which of two engines that give the same translations decodes faster on this machine: timed once, remembered.
 
 A checkpoint's CTranslate2 float32 export translates as the PyTorch engine does, and which of the two is faster
-depends on the CPU, not only on the model: at the main job's width CTranslate2 was the faster on a 2-core AMD EPYC
-and the slower on a 2-core Intel Xeon (benchmarks/results/README.md, "A checkpoint's CTranslate2 float32 export by
-default on a CPU?"). Nothing cheaper than decoding predicted it (isolated products, a decoding step on made-up
-states), so both engines translate the same calibration sentences here, on this process's thread count, each in a
-fresh process of its own: CTranslate2 slows down for the rest of a process in which torch has run on several threads
-(`vaswani.export.one_torch_thread`). The seconds are kept per checkpoint, machine and decoding settings
-(`engine_seconds`), so that later runs decide at once.
+depends on the CPU and on the sentences, not only on the model: at the main job's width CTranslate2 was the faster on a
+2-core AMD EPYC and the slower on a 2-core Intel Xeon, and with beam search it slows down on sentences of many
+lengths, which it decodes in groups of one output limit each (benchmarks/results/README.md, "A checkpoint's
+CTranslate2 float32 export by default on a CPU?"). Nothing cheaper than decoding the user's own sentences predicted it
+(isolated products, a decoding step on made-up states, made-up sentences, whose translations run on to the output
+limit), so both engines translate `CALIBRATION_SENTENCES` sentences spread over those of the first run that has that
+many, on its thread count, each in a fresh process of its own: CTranslate2 slows down for the rest of a process in which
+torch has run on several threads (`vaswani.export.one_torch_thread`). The seconds are kept per checkpoint, machine
+and decoding settings (`engine_seconds`), so that later runs decide at once, whatever they translate.
 
-    seconds = engine_seconds("outputs/en-fr", "~/.cache/vaswani/ctranslate2/<key>", "timings.json", {})
-    python -m vaswani.engine_timing outputs/en-fr --engine pytorch --threads 2    # one engine's time, as JSON
+    python -m vaswani.engine_timing outputs/en-fr --engine pytorch --threads 2 --sentences first.json
 """
 
 import argparse
 import json
 import os
-import random
+import platform
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .files import exclusive, write_atomically
+from .inference import PackedLinear
+from .loading import load_engine
+from .translation import translate
 
-# Calibration: sentences of the tokenizer's own pieces, long as short sentences are (4 to 24 pieces), drawn with a
-# fixed seed so that both engines translate the same text, each timed as the fastest of a few passes after a warm one.
+# The sentences timed: this many of a run's own, spread over them, each engine's time the fastest of a few passes
+# after a warm one. A run with fewer is not timed (its per-call costs would decide), and uses what an earlier run timed.
 CALIBRATION_SENTENCES = 64
-CALIBRATION_PIECES = (4, 24)
 CALIBRATION_REPEATS = 3
-ENGINES = ("pytorch", "ctranslate2")
 # What changes which kernels run, besides the CPU itself: the variables torch, oneDNN and CTranslate2 read.
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CT2_USE_MKL",
                     "OMP_NUM_THREADS", "LD_PRELOAD")
@@ -45,8 +49,6 @@ def cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 
@@ -61,36 +63,30 @@ def machine(threads: int) -> dict:
             "environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}}
 
 
-def calibration_sources(tokenizer, count: int = CALIBRATION_SENTENCES, seed: int = 0) -> list[str]:
-    """`count` sentences of the tokenizer's own pieces, drawn at random with `seed`, of `CALIBRATION_PIECES` pieces:
-    text for a model of any language pair, the same in every process."""
-    draw = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    pieces = [i for i in range(len(tokenizer)) if i not in special]
-    low, high = CALIBRATION_PIECES
-    return [tokenizer.decode([draw.choice(pieces) for _ in range(draw.randint(low, high))]) for _ in range(count)]
-
-
-def seconds_to_translate(engine, sources, repeats: int = CALIBRATION_REPEATS) -> float:
-    """The fastest of `repeats` timed translations of `sources` by `engine`, after one untimed (kernels are chosen
-    and memory is mapped on the first)."""
-    from .translation import translate
-
-    translate(engine, sources, warn=False)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def seconds_to_translate(engines: dict, sources, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
+    """For each of `engines` (name → engine), the fastest of `repeats` timed translations of `sources`, after one
+    untimed (kernels are chosen and memory is mapped on the first); the engines take turns, so that other load on
+    the machine hits them alike."""
+    for engine in engines.values():
         translate(engine, sources, warn=False)
-        best = min(best, time.perf_counter() - start)
+    best = dict.fromkeys(engines, float("inf"))
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            translate(engine, sources, warn=False)
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
-def time_engine(model_dir: str, engine: str, threads: int, decoding: dict, export_dir: str | None = None) -> float:
-    """Seconds `engine` ("pytorch": the checkpoint in `model_dir`, as `vaswani.loading.load_engine` loads it;
-    "ctranslate2": its export in `export_dir`) takes to translate the calibration sentences on a CPU, with the
-    decoding settings `decoding` (`load_engine`'s keyword arguments), in a new process."""
+def time_engine(model_dir: str, engine: str, threads: int, decoding: dict, sentences_file: str,
+                export_dir: str | None = None) -> dict[str, float]:
+    """Seconds to translate the sentences in `sentences_file` (a JSON list) on a CPU at `threads` threads with the
+    decoding settings `decoding` (`load_engine`'s keyword arguments), timed in a new process: for `engine`
+    "pytorch", the checkpoint in `model_dir` as `vaswani.loading.load_engine` loads it ("pytorch") and, where that
+    lays its linear layers out for oneDNN, with torch's own ("pytorch-unpacked"); for "ctranslate2", its export in
+    `export_dir`."""
     command = [sys.executable, "-m", "vaswani.engine_timing", model_dir, "--engine", engine, "--threads",
-               str(threads), "--decoding", json.dumps(decoding)]
+               str(threads), "--decoding", json.dumps(decoding), "--sentences", sentences_file]
     if export_dir is not None:
         command += ["--export_dir", export_dir]
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,16 +99,19 @@ def time_engine(model_dir: str, engine: str, threads: int, decoding: dict, expor
     return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def engine_seconds(model_dir: str, export_dir: str, timings_file: str, source: dict,
-                   decoding: dict | None = None) -> dict[str, float]:
-    """Seconds each of `ENGINES` takes to translate the calibration sentences with `decoding` (`load_engine`'s
-    keyword arguments) on this machine at this process's thread count: the checkpoint in `model_dir` with PyTorch,
-    its export in `export_dir` with CTranslate2. Read from `timings_file` where it holds them for this machine,
-    these settings and `source` (what identifies the checkpoint's files: `vaswani.export.export_source`), else timed
-    now (`time_engine`, a few seconds) and added to it. Processes asking at once wait for the one that times."""
+def engine_seconds(model_dir: str, timings_file: str, source: dict, decoding: dict | None = None,
+                   sentences: Sequence[str] | None = None,
+                   export: Callable[[], str] | None = None) -> dict[str, float] | None:
+    """Seconds each engine took to translate `CALIBRATION_SENTENCES` of a run's sentences with `decoding`
+    (`load_engine`'s keyword arguments) on this machine at this process's thread count (`time_engine`): the
+    checkpoint in `model_dir` with PyTorch, packed and not, and, with `export`, its export (the directory `export()`
+    returns, made when first needed) with CTranslate2. Read from `timings_file` where it holds them for this machine,
+    these settings and `source` (what identifies the checkpoint's files: `vaswani.export.export_source`); else timed
+    now on `sentences` (seconds, once) and added to it; None where neither, because fewer sentences are given.
+    Processes asking at once wait for the one that times."""
     decoding = {name: value for name, value in (decoding or {}).items() if value is not None}
     threads = torch.get_num_threads()
-    key = {"machine": machine(threads), "decoding": decoding}
+    key = {"machine": machine(threads), "decoding": decoding, "ctranslate2": export is not None}
     with exclusive(timings_file, wait=True):
         timings = []
         try:
@@ -125,10 +124,20 @@ def engine_seconds(model_dir: str, export_dir: str, timings_file: str, source: d
         for timing in timings:
             if timing["key"] == key:
                 return timing["seconds"]
-        print(f"Timing CTranslate2 against PyTorch on this CPU for {model_dir}, once "
-              f"({CALIBRATION_SENTENCES} sentences each, remembered in {timings_file}) …", file=sys.stderr, flush=True)
-        seconds = {engine: time_engine(model_dir, engine, threads, decoding,
-                                       export_dir if engine == "ctranslate2" else None) for engine in ENGINES}
+        sentences = [sentence for sentence in sentences or () if sentence.strip()]
+        if len(sentences) < CALIBRATION_SENTENCES:
+            return None
+        # Spread over all that are given: a corpus's file or split is often in order of length.
+        sentences = [sentences[i * len(sentences) // CALIBRATION_SENTENCES] for i in range(CALIBRATION_SENTENCES)]
+        exports = {"ctranslate2": export()} if export is not None else {}
+        print(f"Timing the engines on this CPU for {model_dir}, once, on {len(sentences)} of this run's sentences "
+              f"(remembered in {timings_file}) …", file=sys.stderr, flush=True)
+        seconds = {}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", encoding="utf-8") as sentences_file:
+            json.dump(sentences, sentences_file)
+            sentences_file.flush()
+            for engine in ("pytorch", *exports):
+                seconds |= time_engine(model_dir, engine, threads, decoding, sentences_file.name, exports.get(engine))
         print("… " + ", ".join(f"{engine}: {value:.3f} s" for engine, value in seconds.items()), file=sys.stderr,
               flush=True)
         timings.append({"key": key, "seconds": seconds})
@@ -137,24 +146,27 @@ def engine_seconds(model_dir: str, export_dir: str, timings_file: str, source: d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Time one engine on a checkpoint's calibration sentences (CPU); "
+    parser = argparse.ArgumentParser(description="Time one engine translating the given sentences on a CPU; "
                                      "prints {\"seconds\": …} as JSON.")
     parser.add_argument("model_dir")
-    parser.add_argument("--engine", choices=ENGINES, required=True)
+    parser.add_argument("--engine", choices=("pytorch", "ctranslate2"), required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--decoding", default="{}", help="load_engine's keyword arguments, as JSON")
+    parser.add_argument("--sentences", required=True, help="the sentences to translate: a JSON list")
     parser.add_argument("--export_dir", help="the checkpoint's CTranslate2 export (with --engine ctranslate2)")
     args = parser.parse_args(argv)
-    from .loading import load_engine
-
     torch.set_num_threads(args.threads)
     decoding = json.loads(args.decoding)
     if args.engine == "ctranslate2":
-        engine = load_engine(args.export_dir, device="cpu", ctranslate2=True, export_of=args.model_dir, **decoding)
-    else:
-        engine = load_engine(args.model_dir, device="cpu", ctranslate2=False, **decoding)
-    seconds = seconds_to_translate(engine, calibration_sources(engine.tokenizer))
-    print(json.dumps({"seconds": seconds}))
+        engines = {"ctranslate2": load_engine(args.export_dir, device="cpu", ctranslate2=True,
+                                              export_of=args.model_dir, **decoding)}
+    else:  # with its linear layers laid out for oneDNN where it has any, and with torch's own
+        engines = {"pytorch": load_engine(args.model_dir, device="cpu", ctranslate2=False, **decoding)}
+        if any(isinstance(module, PackedLinear) for module in engines["pytorch"].model.modules()):
+            engines["pytorch-unpacked"] = load_engine(args.model_dir, device="cpu", ctranslate2=False, pack=False,
+                                                      **decoding)
+    with open(args.sentences, encoding="utf-8") as f:
+        print(json.dumps({"seconds": seconds_to_translate(engines, json.load(f))}))
 
 
 if __name__ == "__main__":

@@ -35,13 +35,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 from .checkpoints import check_output_dir
+from .configuration_vaswani import OUTPUT_SLACK, VaswaniConfig
 from .engine_timing import engine_seconds
-from .configuration_vaswani import VaswaniConfig
-from .configuration_vaswani import OUTPUT_SLACK
 from .files import exclusive, locking, staged_directory, write_atomically
+from .inference import cpu_packs_linear_weights
 from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, checkpoint_decoding, choose_device,
-                      engine_for_model, load_engine, load_translator, pytorch_options)
-from .translation import CTranslate2Engine, model_decoding, translate
+                      choose_dtype, engine_for_model, load_engine, load_translator, pytorch_options)
+from .translation import CTranslate2Engine, DecodingSettings, model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
@@ -164,60 +164,79 @@ def cached_export(model_dir: str, cache_dir: str | None = None) -> tuple[str, bo
 
 
 def load_default_engine(model_dir: str, *, device: str | torch.device | None = None, ctranslate2: bool | None = None,
-                        cache_dir: str | None = None, **options):
+                        cache_dir: str | None = None, sentences: Sequence[str] | None = None, **options):
     """`vaswani.loading.load_engine` as the scripts build it: `ctranslate2` True, CTranslate2 decodes: the export in
     `model_dir`, or a checkpoint's float32 export, made once and cached (`cached_export` in `cache_dir`, made again
     when the weights change); False, the PyTorch checkpoint; None (the default), an export, and a checkpoint's
-    export where `ctranslate2_by_default` says CTranslate2 gives its translations faster. `options`: `load_engine`'s."""
+    export where it gives the checkpoint's translations faster. Where the user chose nothing else (no PyTorch option
+    in `options`), what is faster on this CPU is timed once, on `sentences` (the run's own), and remembered
+    (`engine_timings`): CTranslate2 against PyTorch, and PyTorch with its linear layers laid out for oneDNN
+    (`vaswani.inference.pack_for_cpu`) against torch's own. Not timed yet, and too few `sentences` to time: PyTorch,
+    laid out for oneDNN. `options`: `load_engine`'s."""
     device = choose_device(device)
     exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
+    rest = {name: value for name, value in options.items() if name != "compute_type"}
+    decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
+    chosen = any(pytorch_options(**rest).values()) or options.get("compute_type", "default") != "default"
+    seconds = None
+    if not exported and not chosen and ctranslate2 is not True:
+        seconds = engine_timings(model_dir, device, cache_dir, sentences, **decoding)
+    pytorch = min(seconds.get("pytorch", math.inf), seconds.get("pytorch-unpacked", math.inf)) if seconds else None
     if not exported and ctranslate2 is None:
-        rest = {name: value for name, value in options.items() if name != "compute_type"}
-        decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
-        ctranslate2 = (not any(pytorch_options(**rest).values())
-                       and options.get("compute_type", "default") == "default"
-                       and ctranslate2_by_default(model_dir, device, cache_dir, **decoding))
+        ctranslate2 = seconds is not None and seconds.get("ctranslate2", math.inf) < pytorch
     if ctranslate2 and not exported:
         check_checkpoint_dir(model_dir)
         export_dir, _ = cached_export(model_dir, cache_dir)
         return load_engine(export_dir, device=device, ctranslate2=True, export_of=model_dir, **options)
-    return load_engine(model_dir, device=device, ctranslate2=ctranslate2, **options)
+    pack = seconds is None or seconds.get("pytorch-unpacked", math.inf) >= seconds["pytorch"]
+    return load_engine(model_dir, device=device, ctranslate2=ctranslate2, pack=pack, **options)
 
 
 # The widest model for which the CTranslate2 float32 export can be the faster engine on a CPU: at base's 512 wide,
 # where oneDNN's laid-out products pay most, the PyTorch engine decoded faster on every CPU measured, greedy and with
-# beam search (benchmarks/results/translation-cpu-base*.md), so wider models are not timed (`engine_seconds`).
+# beam search (benchmarks/results/translation-cpu-base*.md), so wider models are not timed against it.
 CPU_CTRANSLATE2_MAX_D_MODEL = 256
-# Where the timings of the two engines are kept, beside the export they timed (`export_path`).
+# Where a checkpoint's engine timings are kept, beside its export (`export_path`).
 TIMINGS_SUFFIX = ".timings.json"
 
 
-def ctranslate2_by_default(model_dir: str, device: torch.device, cache_dir: str | None = None,
-                           **decoding_overrides) -> bool:
-    """Whether `load_default_engine` translates with a checkpoint's CTranslate2 export when not told which engine: on
-    a CPU, where CTranslate2 float32 gives the checkpoint's own translations and gives them faster. That is: a local
-    checkpoint that the exporter takes, with ctranslate2 installed; decoding settings CTranslate2 follows exactly
-    (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False` is not one of
-    them, and stays with PyTorch); a model at most `CPU_CTRANSLATE2_MAX_D_MODEL` wide; and the export (`cached_export`
-    in `cache_dir`) faster than the PyTorch engine on this machine, with these settings, at this thread count, as
-    timed once and remembered beside the export (`vaswani.engine_timing.engine_seconds`): which is faster depends on
-    the CPU."""
-    if device.type != "cpu" or not os.path.isdir(model_dir) or importlib.util.find_spec("ctranslate2") is None:
-        return False
+def engine_timings(model_dir: str, device: torch.device, cache_dir: str | None = None,
+                   sentences: Sequence[str] | None = None, **decoding_overrides) -> dict[str, float] | None:
+    """The seconds each engine that could decode the checkpoint in `model_dir` by default took on this machine's CPU,
+    with these decoding settings, at this thread count (`vaswani.engine_timing.engine_seconds`: timed once, on
+    `sentences`, and remembered beside the checkpoint's export in `cache_dir`), or None where there is nothing to
+    choose, or it is not timed yet and too few `sentences` are given. The engines: PyTorch with its linear layers
+    laid out for oneDNN and with torch's own, where its weights stay fp32 (`vaswani.loading.choose_dtype`), since
+    which is faster depends on the CPU (benchmarks/results/README.md, "CPU linear layers"); and CTranslate2 float32,
+    where it gives the checkpoint's own translations (`ctranslate2_decodes`) for a model at most
+    `CPU_CTRANSLATE2_MAX_D_MODEL` wide: which of it and PyTorch is faster depends on the CPU and on the sentences."""
+    if device.type != "cpu" or not os.path.isdir(model_dir):
+        return None
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    settings = checkpoint_decoding(model_dir, config, **decoding_overrides)
+    exports = config.d_model <= CPU_CTRANSLATE2_MAX_D_MODEL and ctranslate2_decodes(config, settings)
+    packs = cpu_packs_linear_weights() and choose_dtype(
+        "auto", device, config.d_model, num_beams=settings.num_beams) == torch.float32
+    if not exports and not packs:
+        return None
+    return engine_seconds(model_dir, export_path(model_dir, cache_dir) + TIMINGS_SUFFIX, export_source(model_dir),
+                          decoding_overrides, sentences,
+                          export=(lambda: cached_export(model_dir, cache_dir)[0]) if exports else None)
+
+
+def ctranslate2_decodes(config: VaswaniConfig, settings: DecodingSettings) -> bool:
+    """Whether a CTranslate2 export of a checkpoint with `config` gives its own translations with `settings`:
+    ctranslate2 is installed, the exporter takes the model, and CTranslate2 follows the settings exactly
+    (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False` is not one of them,
+    and stays with PyTorch)."""
+    if importlib.util.find_spec("ctranslate2") is None:
+        return False
     try:
         check_exportable(config)
     except ValueError:
         return False
-    if config.d_model > CPU_CTRANSLATE2_MAX_D_MODEL:
-        return False
-    if not CTranslate2Engine.follows(checkpoint_decoding(model_dir, config, **decoding_overrides)):
-        return False
-    export_dir, _ = cached_export(model_dir, cache_dir)
-    seconds = engine_seconds(model_dir, export_dir, export_dir + TIMINGS_SUFFIX, export_source(model_dir),
-                             decoding_overrides)
-    return seconds["ctranslate2"] < seconds["pytorch"]
+    return CTranslate2Engine.follows(settings)
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:

@@ -98,6 +98,13 @@ def read_raw_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
         yield chunk
 
 
+def first_lines(path: str, count: int = DEFAULT_CHUNK_LINES) -> list[str]:
+    """The first `count` lines of the file at `path`, read as `translate_file` reads them (what `engine_from_args`
+    times the engines on, before the file is translated)."""
+    with open(path, "rb") as f:
+        return decode_lines(next(read_raw_chunks(f, count), []), path)
+
+
 def count_lines(path: str) -> int:
     """The number of lines `read_raw_chunks` gives for the file at `path` (a last line without b"\\n" counts)."""
     count, last = 0, b"\n"

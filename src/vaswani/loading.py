@@ -148,7 +148,7 @@ def pytorch_options(**options) -> dict[str, bool]:
 def load_engine(model_dir: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
                 int8: bool = False, decoding: str = "auto", slots: int | None = None, ctranslate2: bool | None = None,
                 compute_type: str = "default", attn_implementation: str | None = None, export_of: str | None = None,
-                **decoding_overrides) -> Engine:
+                pack: bool = True, **decoding_overrides) -> Engine:
     """The engine that translates with the checkpoint in `model_dir` (a directory or Hub id), or with the
     CTranslate2 model there.
 
@@ -158,7 +158,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     CTranslate2), named in the engine's description and its truncation warning.
 
     `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
-    `int8`, `decoding` and `attn_implementation` as `load_translator` takes them, `slots` as `TorchEngine` does; for
+    `int8`, `decoding`, `attn_implementation` and `pack` as `load_translator` takes them, `slots` as `TorchEngine` does; for
     a CTranslate2 model: `compute_type` (CTranslate2's: int8, int8_float32, float32, …; "default" keeps the format
     on disk), and those five are refused. `decoding_overrides`: `num_beams`, `max_new_tokens`, `max_source_length`,
     and for PyTorch any `generate()` option (`length_penalty`, `do_sample`, `temperature`…); one given as None is
@@ -179,7 +179,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         learned = is_learned(AutoConfig.from_pretrained(export_of, trust_remote_code=False))
         positions = "learned positions" if learned else "source positions"
     if ctranslate2:
-        CTranslate2Engine.check(pytorch_only=pytorch_only)
+        CTranslate2Engine.check(pytorch_only=pytorch_only | {"pack=False": not pack})
         check_ctranslate2_dir(model_dir)
         path = os.path.join(model_dir, "generation_config.json")
         exported = read_generation_config(model_dir) if os.path.isfile(path) else GenerationConfig()
@@ -198,7 +198,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
     settings = checkpoint_decoding(model_dir, config, **decoding_overrides)
     model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
-                                       num_beams=settings.num_beams)
+                                       num_beams=settings.num_beams, pack=pack)
     return TorchEngine(model, tokenizer, settings, slots=slots)
 
 
@@ -233,14 +233,15 @@ def generation_config_name(model_dir: str) -> str:
 
 def load_translator(model_dir: str, device: str | torch.device | None = None, attn_implementation: str | None = None,
                     int8: bool = False, decoding: str = "auto", dtype: str | torch.dtype | None = "auto", *,
-                    num_beams: int | None = None):
+                    num_beams: int | None = None, pack: bool = True):
     """Model (eval mode, on `device`, see `choose_device`) and tokenizer from a directory or Hub id.
 
     `dtype`: a torch dtype, or a name that `choose_dtype` decides ("auto" or None, "float32", "bfloat16"), "auto"
     from the model's width in its config, read before the weights, and from `num_beams` (None: the checkpoint's
-    generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise
-    fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused, process-wide
-    (`keep_freed_cpu_memory`). Both decoded faster with the same translations (benchmarks/results/README.md, "CPU
+    generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise,
+    with `pack`, fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused,
+    process-wide (`keep_freed_cpu_memory`). Reusing memory decoded faster with the same translations; oneDNN did on
+    some CPUs and not on others, which `vaswani.export.load_default_engine` times (benchmarks/results/README.md, "CPU
     linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`):
     "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs", elsewhere the model's default:
     `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the same outputs as transformers'
@@ -294,7 +295,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     on_cpu = runs_as(device) == "cpu"
     if int8:
         model = quantize_for_cpu(model)
-    elif on_cpu and model.dtype == torch.float32:
+    elif on_cpu and model.dtype == torch.float32 and pack:
         model = pack_for_cpu(model)
     if on_cpu:
         keep_freed_cpu_memory()
