@@ -29,8 +29,9 @@ installed, a checkpoint at most 256 wide (d_model) whose decoding settings CTran
 search, or beams with early_stopping) translates through its float32 CTranslate2 export (made once, cached and made
 again when the weights change), which gives the same translations, where that export is the faster engine on this
 CPU; and the PyTorch engine lays its linear layers out for oneDNN where that is faster. Both are timed once per
-checkpoint, CPU and settings, on 64 sentences spread over the first chunk of the first run that has that many (or
-over its arguments), and remembered; until then the PyTorch engine decodes, laid out for oneDNN. --no-ctranslate2
+checkpoint, CPU and settings, on 4 batches of 32 sentences of like length from across the lengths of the first
+chunk (or of the arguments) of the first run that has 128, and remembered; until then the PyTorch engine decodes,
+laid out for oneDNN. --no-ctranslate2
 keeps the PyTorch engine. The first line on stderr names the engine that runs.
 """
 

@@ -300,8 +300,11 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     assert [command[command.index("--engine") + 1] for command, _ in spawned] == ["pytorch", "ctranslate2"]
     assert all(command[:3] == [vaswani.engine_timing.sys.executable, "-m", "vaswani.engine_timing"]
                for command, _ in spawned)
-    timed = spawned[0][1]  # spread over all the sentences given, not their first ones
-    assert timed == spawned[1][1] and len(timed) == count and timed[0] == many[0] and timed[-1] in many[-count:]
+    # Batches of like length from across all the sentences given, not their first ones.
+    timed, lengths = spawned[0][1], sorted(map(len, many))
+    assert timed == spawned[1][1] and len(timed) == count and len(set(timed)) == count and set(timed) <= set(many)
+    assert [len(sentence) for sentence in timed] == sorted(map(len, timed))
+    assert len(timed[-1]) >= lengths[len(lengths) * 7 // 8] and len(timed[0]) <= lengths[len(lengths) // 8]
     remembered = json.loads(Path(timings).read_text())
     assert remembered["source"] == export_source(str(path)) and len(remembered["timings"]) == 1
     seconds = remembered["timings"][0]["seconds"]

@@ -1,17 +1,19 @@
-"""Which of two engines that give the same translations decodes faster on this machine: timed once, remembered.
+"""Which of the CPU engines that give a checkpoint's translations decodes fastest on this machine: timed once,
+on the user's own sentences, and remembered.
 
-A checkpoint's CTranslate2 float32 export translates as the PyTorch engine does, and which of the two is faster
-depends on the CPU and on the sentences, not only on the model: at the main job's width CTranslate2 was the faster on a
-2-core AMD EPYC and the slower on a 2-core Intel Xeon, and with beam search it slows down on sentences of many
-lengths, which it decodes in groups of one output limit each (benchmarks/results/README.md, "A checkpoint's
-CTranslate2 float32 export by default on a CPU?"). Nothing cheaper than decoding the user's own sentences predicted it
-(isolated products, a decoding step on made-up states, made-up sentences, whose translations run on to the output
-limit), so both engines translate `CALIBRATION_SENTENCES` sentences spread over those of the first run that has that
-many, on its thread count, each in a fresh process of its own: CTranslate2 slows down for the rest of a process in which
-torch has run on several threads (`vaswani.export.one_torch_thread`). The seconds are kept per checkpoint, machine
-and decoding settings (`engine_seconds`), so that later runs decide at once, whatever they translate.
+Which is faster depends on the CPU and on the sentences, not only on the model (benchmarks/results/README.md, "CPU
+linear layers" and "A checkpoint's CTranslate2 float32 export by default on a CPU?"): at the main job's width,
+CTranslate2 float32 was the faster engine on a 2-core AMD EPYC and the slower on a 2-core Intel Xeon; with beam search
+it decodes sentences in groups of one output limit each, which is slow on sentences of many lengths; and the PyTorch
+engine's linear layers laid out for oneDNN (`vaswani.inference.pack_for_cpu`) were the faster on the EPYC and the
+slower on the Xeon. Nothing cheaper than decoding real sentences predicted it (isolated products, a decoding step on
+made-up states, made-up sentences, whose translations run on to the output limit). So the engines translate batches
+of sentences from across the lengths of the first run that has enough (`calibration_sentences`), at its thread
+count, PyTorch and CTranslate2 each in a fresh process of its own (CTranslate2 slows down for the rest of a process
+in which torch has run on several threads: `vaswani.export.one_torch_thread`). The seconds are kept per checkpoint,
+machine and decoding settings (`engine_seconds`), so that later runs decide at once, whatever they translate.
 
-    python -m vaswani.engine_timing outputs/en-fr --engine pytorch --threads 2 --sentences first.json
+    python -m vaswani.engine_timing outputs/en-fr --engine pytorch --threads 2 --sentences sentences.json
 """
 
 import argparse
@@ -31,9 +33,12 @@ from .inference import PackedLinear
 from .loading import load_engine
 from .translation import translate
 
-# The sentences timed: this many of a run's own, spread over them, each engine's time the fastest of a few passes
-# after a warm one. A run with fewer is not timed (its per-call costs would decide), and uses what an earlier run timed.
-CALIBRATION_SENTENCES = 64
+# The sentences timed: batches of sentences of like length, as a run that sorts its sentences by length batches
+# them, from across the lengths of the run's own (`calibration_sentences`); each engine's time is the fastest of a few
+# passes after a warm one. A run with fewer sentences is not timed, and uses what an earlier run timed.
+CALIBRATION_BATCH = 32
+CALIBRATION_BATCHES = 4
+CALIBRATION_SENTENCES = CALIBRATION_BATCH * CALIBRATION_BATCHES
 CALIBRATION_REPEATS = 3
 # What changes which kernels run, besides the CPU itself: the variables torch, oneDNN and CTranslate2 read.
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CT2_USE_MKL",
@@ -63,17 +68,33 @@ def machine(threads: int) -> dict:
             "environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}}
 
 
+def calibration_sentences(sentences: Sequence[str]) -> list[str] | None:
+    """`CALIBRATION_BATCHES` batches of `CALIBRATION_BATCH` of `sentences` of like length, one from the middle of each
+    of as many bands of their lengths, shortest first; None where there are fewer than `CALIBRATION_SENTENCES`
+    non-blank ones."""
+    ordered = sorted((sentence for sentence in sentences if sentence.strip()), key=len)
+    if len(ordered) < CALIBRATION_SENTENCES:
+        return None
+    picked = []
+    for band in range(CALIBRATION_BATCHES):
+        middle = (2 * band + 1) * len(ordered) // (2 * CALIBRATION_BATCHES)
+        start = min(max(middle - CALIBRATION_BATCH // 2, 0), len(ordered) - CALIBRATION_BATCH)
+        picked += ordered[start:start + CALIBRATION_BATCH]
+    return picked
+
+
 def seconds_to_translate(engines: dict, sources, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
-    """For each of `engines` (name → engine), the fastest of `repeats` timed translations of `sources`, after one
+    """For each of `engines` (name → engine), the fastest of `repeats` timed translations of `sources` (in batches of
+    `CALIBRATION_BATCH`), after one
     untimed (kernels are chosen and memory is mapped on the first); the engines take turns, so that other load on
     the machine hits them alike."""
     for engine in engines.values():
-        translate(engine, sources, warn=False)
+        translate(engine, sources, max_sentences=CALIBRATION_BATCH, warn=False)
     best = dict.fromkeys(engines, float("inf"))
     for _ in range(repeats):
         for name, engine in engines.items():
             start = time.perf_counter()
-            translate(engine, sources, warn=False)
+            translate(engine, sources, max_sentences=CALIBRATION_BATCH, warn=False)
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
@@ -102,7 +123,7 @@ def time_engine(model_dir: str, engine: str, threads: int, decoding: dict, sente
 def engine_seconds(model_dir: str, timings_file: str, source: dict, decoding: dict | None = None,
                    sentences: Sequence[str] | None = None,
                    export: Callable[[], str] | None = None) -> dict[str, float] | None:
-    """Seconds each engine took to translate `CALIBRATION_SENTENCES` of a run's sentences with `decoding`
+    """Seconds each engine took to translate `calibration_sentences` of a run's sentences with `decoding`
     (`load_engine`'s keyword arguments) on this machine at this process's thread count (`time_engine`): the
     checkpoint in `model_dir` with PyTorch, packed and not, and, with `export`, its export (the directory `export()`
     returns, made when first needed) with CTranslate2. Read from `timings_file` where it holds them for this machine,
@@ -124,11 +145,9 @@ def engine_seconds(model_dir: str, timings_file: str, source: dict, decoding: di
         for timing in timings:
             if timing["key"] == key:
                 return timing["seconds"]
-        sentences = [sentence for sentence in sentences or () if sentence.strip()]
-        if len(sentences) < CALIBRATION_SENTENCES:
+        sentences = calibration_sentences(sentences or ())
+        if sentences is None:
             return None
-        # Spread over all that are given: a corpus's file or split is often in order of length.
-        sentences = [sentences[i * len(sentences) // CALIBRATION_SENTENCES] for i in range(CALIBRATION_SENTENCES)]
         exports = {"ctranslate2": export()} if export is not None else {}
         print(f"Timing the engines on this CPU for {model_dir}, once, on {len(sentences)} of this run's sentences "
               f"(remembered in {timings_file}) …", file=sys.stderr, flush=True)
