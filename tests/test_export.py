@@ -3,6 +3,7 @@ translate exactly like the PyTorch model, for every architecture variant CTransl
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -278,12 +279,16 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
     cache = tmp_path / "cache"
     timings = export_path(str(path), str(cache)) + TIMINGS_SUFFIX
-    spawned, run = [], vaswani.engine_timing.subprocess.run
+    spawned, run, real = [], vaswani.engine_timing.subprocess.run, [True]
 
-    def spy(command, **options):
+    def spy(command, **options):  # runs the first timing's processes; later ones answer at once, to save the time
         sentences = command[command.index("--sentences") + 1]
         spawned.append((command, json.loads(Path(sentences).read_text(encoding="utf-8"))))
-        return run(command, **options)
+        if real[0]:
+            return run(command, **options)
+        answer = {"pytorch": {"pytorch": 1.0}, "ctranslate2": {"ctranslate2": 2.0}}
+        engine = command[command.index("--engine") + 1]
+        return subprocess.CompletedProcess(command, 0, json.dumps({"seconds": answer[engine]}), "")
 
     monkeypatch.setattr(vaswani.engine_timing.subprocess, "run", spy)
     count = vaswani.engine_timing.CALIBRATION_SENTENCES
@@ -319,6 +324,7 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     assert remembered["timings"][0]["key"]["machine"]["threads"] == torch.get_num_threads()
     # Later runs, with sentences or without, decide from what was timed.
     assert engine() == chosen and engine(sentences=many[:3]) == chosen and len(spawned) == 2
+    real[0] = False
 
     # Other settings, or another thread count, are timed anew; the first are still remembered.
     engine(max_new_tokens=5, sentences=many)
@@ -339,13 +345,23 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     assert len(spawned) == 8 and len(json.loads(Path(timings).read_text())["timings"]) == 1
 
 
+def test_a_cache_that_cannot_be_written_leaves_the_pytorch_engine_to_decode(checkpoint, tmp_path, capsys):
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    (tmp_path / "file").write_text("not a directory")
+    sentences = [f"{SOURCES[i % len(SOURCES)]} {i}" for i in range(vaswani.engine_timing.CALIBRATION_SENTENCES)]
+    engine = load_default_engine(str(path), device="cpu", cache_dir=str(tmp_path / "file" / "cache"),
+                                 sentences=sentences)
+    assert engine.settings["engine"] == "pytorch"
+    assert "Not timing the engines: " in capsys.readouterr().err
+
+
 def test_an_engine_that_cannot_be_timed_is_an_error_naming_it(checkpoint, tmp_path):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
-    sentences = SOURCES * vaswani.engine_timing.CALIBRATION_SENTENCES
-    with pytest.raises(RuntimeError, match="Timing the ctranslate2 engine on .* failed .*holds no CTranslate2"):
-        vaswani.engine_timing.engine_seconds(str(path), str(tmp_path / "t.json"), {}, sentences=sentences,
-                                             export=lambda: str(tmp_path / "no-export"))
-    assert not (tmp_path / "t.json").exists()
+    (tmp_path / "sentences.json").write_text(json.dumps(SOURCES))
+    with pytest.raises(RuntimeError, match="Timing the ctranslate2 engine on .* failed .*: ValueError: .*holds no "
+                       "CTranslate2 export"):
+        vaswani.engine_timing.time_engine(str(path), "ctranslate2", 1, {}, str(tmp_path / "sentences.json"),
+                                          str(tmp_path / "no-export"))
 
 
 def test_an_export_does_torchs_work_on_one_thread_and_gives_the_count_back(checkpoint, tmp_path, monkeypatch):

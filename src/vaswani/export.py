@@ -29,6 +29,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -220,9 +221,14 @@ def engine_timings(model_dir: str, device: torch.device, cache_dir: str | None =
         "auto", device, config.d_model, num_beams=settings.num_beams) == torch.float32
     if not exports and not packs:
         return None
-    return engine_seconds(model_dir, export_path(model_dir, cache_dir) + TIMINGS_SUFFIX, export_source(model_dir),
-                          decoding_overrides, sentences,
-                          export=(lambda: cached_export(model_dir, cache_dir)[0]) if exports else None)
+    timings_file = export_path(model_dir, cache_dir) + TIMINGS_SUFFIX
+    try:
+        return engine_seconds(model_dir, timings_file, export_source(model_dir), decoding_overrides, sentences,
+                              export=(lambda: cached_export(model_dir, cache_dir)[0]) if exports else None)
+    except OSError as error:  # a cache that cannot be written (read-only, full): decode as if nothing were timed
+        print(f"Not timing the engines: {timings_file} cannot be written ({error}); the PyTorch engine decodes.",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def ctranslate2_decodes(config: VaswaniConfig, settings: DecodingSettings) -> bool:

@@ -67,8 +67,8 @@ def compile_decoding_steps(model: nn.Module) -> nn.Module:
     Unlike `compile_for_generation`, the cache stays transformers' growing one and finished sentences still leave
     the batch, so a step attends to the positions decoded so far, not to `max_length` reserved ones. Inductor fuses
     the step's small operations (norms, residual adds, head reshapes, the attention's softmax) into a few kernels, no
-    Python between them: on the main job's model, where those are a large share of a CPU step, greedy decoding ran
-    1.54 times as fast as eager, and beam search 1.30 times; at base size, where the products dominate, it gained
+    Python between them: on the main job's model, where those are a large share of a CPU step, greedy decoding and
+    beam search ran faster than the fastest eager engine; at base size, where the products dominate, it gained
     nothing (benchmarks/results/README.md, "A compiled decoding step"). The price is compiling: the first batches
     of a process compile a handful of graphs (the first step, which projects the source, and later ones; with and
     without source padding; rows and cached positions as symbols), one to two and a half minutes on two cores, less
