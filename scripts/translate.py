@@ -31,8 +31,8 @@ again when the weights change), which gives the same translations, where that ex
 CPU; and the PyTorch engine lays its linear layers out for oneDNN where that is faster. Both are timed once per
 checkpoint, CPU and settings, on 4 batches of 32 sentences of like length from across the lengths of the first
 chunk (or of the arguments) of the first run that has 128, and remembered; until then the PyTorch engine decodes,
-laid out for oneDNN. --no-ctranslate2
-keeps the PyTorch engine. The first line on stderr names the engine that runs.
+laid out for oneDNN. --no-ctranslate2 keeps the PyTorch engine. The first line on stderr names the engine that
+runs.
 """
 
 import argparse

@@ -345,6 +345,32 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     assert len(spawned) == 8 and len(json.loads(Path(timings).read_text())["timings"]) == 1
 
 
+def test_without_ctranslate2_only_the_pytorch_engines_are_timed(checkpoint, tmp_path, monkeypatch):
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    find_spec, version = vaswani.export.importlib.util.find_spec, vaswani.engine_timing.importlib.metadata.version
+
+    def missing(name, *args):
+        if name == "ctranslate2":
+            raise vaswani.engine_timing.importlib.metadata.PackageNotFoundError(name)
+        return version(name, *args)
+
+    monkeypatch.setattr(vaswani.export.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "ctranslate2" else find_spec(name, *args))
+    monkeypatch.setattr(vaswani.engine_timing.importlib.metadata, "version", missing)
+    timed = []
+    monkeypatch.setattr(vaswani.engine_timing, "time_engine", lambda model_dir, engine, *args: timed.append(engine)
+                        or {"pytorch": 2.0, "pytorch-unpacked": 1.0})
+    sentences = [f"{SOURCES[i % len(SOURCES)]} {i}" for i in range(vaswani.engine_timing.CALIBRATION_SENTENCES)]
+    engine = load_default_engine(str(path), device="cpu", cache_dir=str(tmp_path / "cache"), sentences=sentences)
+    if cpu_packs_linear_weights():
+        assert timed == ["pytorch"] and not any(isinstance(m, PackedLinear) for m in engine.model.modules())
+        remembered = json.loads(Path(export_path(str(path), str(tmp_path / "cache")) + TIMINGS_SUFFIX).read_text())
+        assert remembered["timings"][0]["key"]["machine"]["ctranslate2"] is None
+    else:  # nothing to choose between
+        assert timed == []
+    assert engine.settings["engine"] == "pytorch" and not Path(export_path(str(path), str(tmp_path / "cache"))).exists()
+
+
 def test_a_cache_that_cannot_be_written_leaves_the_pytorch_engine_to_decode(checkpoint, tmp_path, capsys):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
     (tmp_path / "file").write_text("not a directory")

@@ -17,6 +17,7 @@ machine and decoding settings (`engine_seconds`), so that later runs decide at o
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -58,13 +59,15 @@ def cpu_name() -> str:
 
 
 def machine(threads: int) -> dict:
-    """What a timing holds for: the CPU, its cores, the threads decoding uses, the kernels chosen and the versions."""
-    import ctranslate2
-
+    """What a timing holds for: the CPU, its cores, the threads decoding uses, the kernels chosen and the versions
+    (ctranslate2's None where it is not installed)."""
+    try:
+        ctranslate2 = importlib.metadata.version("ctranslate2")
+    except importlib.metadata.PackageNotFoundError:
+        ctranslate2 = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": cpu_name(), "cores": cores, "threads": threads,
-            "aten": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "ctranslate2": ctranslate2.__version__,
+            "aten": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__, "ctranslate2": ctranslate2,
             "environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}}
 
 
@@ -85,9 +88,8 @@ def calibration_sentences(sentences: Sequence[str]) -> list[str] | None:
 
 def seconds_to_translate(engines: dict, sources, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
     """For each of `engines` (name → engine), the fastest of `repeats` timed translations of `sources` (in batches of
-    `CALIBRATION_BATCH`), after one
-    untimed (kernels are chosen and memory is mapped on the first); the engines take turns, so that other load on
-    the machine hits them alike."""
+    `CALIBRATION_BATCH`), after one untimed (kernels are chosen and memory is mapped on the first); the engines take
+    turns, so that other load on the machine hits them alike."""
     for engine in engines.values():
         translate(engine, sources, max_sentences=CALIBRATION_BATCH, warn=False)
     best = dict.fromkeys(engines, float("inf"))
