@@ -16,6 +16,7 @@ from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.evaluation import translate
 import vaswani.engine_timing
 import vaswani.export
+import vaswani.generation_vaswani
 from vaswani.export import (CPU_CTRANSLATE2_MAX_D_MODEL, TIMINGS_SUFFIX, cached_export, export_path, export_source,
                             export_to_ctranslate2, load_default_engine)
 from vaswani.inference import PackedLinear, cpu_packs_linear_weights
@@ -257,6 +258,12 @@ def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_t
     assert {path for path, _, ctranslate2 in timed if ctranslate2} == {str(greedy), str(stopping), str(beams)}
     assert not any(ctranslate2 for path, _, ctranslate2 in timed if path == str(wide))
     assert [ctranslate2 for path, _, ctranslate2 in timed if path == str(beams)] == [False, True]
+
+    # A CPU rehearsing CUDA decides as a GPU does: nothing is timed.
+    monkeypatch.setattr(vaswani.generation_vaswani, "rehearsing_cuda", True)
+    asked = len(timed)
+    assert engine(greedy, sentences=SOURCES * 64) == "pytorch" and len(timed) == asked
+    monkeypatch.setattr(vaswani.generation_vaswani, "rehearsing_cuda", False)
 
     # Where the PyTorch engine is timed faster on this machine, it decodes: with the layers that were faster.
     timed_faster(monkeypatch, "pytorch")

@@ -39,6 +39,7 @@ from .checkpoints import check_output_dir
 from .configuration_vaswani import OUTPUT_SLACK, VaswaniConfig
 from .engine_timing import engine_seconds
 from .files import exclusive, locking, staged_directory, write_atomically
+from .generation_vaswani import runs_as
 from .inference import cpu_packs_linear_weights
 from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, checkpoint_decoding, choose_device,
                       choose_dtype, engine_for_model, load_engine, load_translator, pytorch_options)
@@ -211,7 +212,7 @@ def engine_timings(model_dir: str, device: torch.device, cache_dir: str | None =
     which is faster depends on the CPU (benchmarks/results/README.md, "CPU linear layers"); and CTranslate2 float32,
     where it gives the checkpoint's own translations (`ctranslate2_decodes`) for a model at most
     `CPU_CTRANSLATE2_MAX_D_MODEL` wide: which of it and PyTorch is faster depends on the CPU and on the sentences."""
-    if device.type != "cpu" or not os.path.isdir(model_dir):
+    if runs_as(device) != "cpu" or not os.path.isdir(model_dir):  # (a CPU rehearsing CUDA decides as a GPU does)
         return None
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
