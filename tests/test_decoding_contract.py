@@ -134,26 +134,43 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
             expected = translate(pytorch, texts).texts
             assert translate(exported, texts, max_sentences=16).texts == expected, search
             assert translate(exported, texts, max_sentences=1).texts == expected, search
-    texts = sentences(80, seed=1)
     # What CTranslate2 is told: transformers' length penalty, counting the end of sentence in the length (which
     # CTranslate2 counts only when it returns it), and at 0 one that divides no score (length ** 1e-12 is 1.0 in
-    # float32), so that its stopping rule is transformers'; each sentence's own limit, the source limit.
-    calls, translator = [], exported.translator
+    # float32), so that its stopping rule is transformers'; the source limit; the output limit, one per call.
+    texts = sentences(80, seed=1)
+    calls = []
 
     class Recording:
-        compute_type = translator.compute_type
+        def __init__(self, translator):
+            self.translator, self.compute_type = translator, translator.compute_type
 
         def translate_batch(self, sources, **options):
-            calls.append(([len(source) for source in sources], options))
-            return translator.translate_batch(sources, **options)
+            calls.append((sources, options, self.translator.translate_batch(sources, **options)))
+            return calls[-1][2]
 
-    exported.translator = Recording()
-    translate(exported, texts[:12], max_sentences=16)
+    for penalty, told in ((0.0, NO_LENGTH_PENALTY), (2.0, 2.0)):
+        search = {"num_beams": 3, "length_penalty": penalty, "early_stopping": True}
+        exported = loading.load_engine(export, **search)
+        exported.translator = Recording(exported.translator)
+        calls.clear()
+        expected = translate(loading.engine_for_model(model, tokenizer, slots=0, **search), texts).texts
+        assert translate(exported, texts, max_sentences=len(texts)).texts == expected
+        assert all(options["length_penalty"] == told and options["return_end_token"] and options["patience"] == 1
+                   and options["max_input_length"] == model.config.max_position_embeddings
+                   and options["num_hypotheses"] == options["beam_size"] == 3 for _, options, _ in calls)
     assert np.float32(1000) ** np.float32(NO_LENGTH_PENALTY) == 1.0
-    assert all(options["length_penalty"] == NO_LENGTH_PENALTY and options["return_end_token"] and options["patience"] == 1
-               and options["max_input_length"] == model.config.max_position_embeddings for _, options in calls)
-    assert all({exported.decoding.output_limit(length) for length in lengths} == {options["max_decoding_length"]}
-               for lengths, options in calls)
+    # The batch at its longest limit; again, in one call per limit, only the sentences one of whose best hypotheses
+    # reached their own limit there (their search could have ended otherwise at it).
+    limit = exported.decoding.output_limit
+    (sources, options, results), *again = calls
+    assert options["max_decoding_length"] == max(limit(len(source)) for source in sources)
+    reached = [source for source, result in zip(sources, results) if limit(len(source)) < options["max_decoding_length"]
+               and max(map(len, result.hypotheses)) >= limit(len(source))]
+    shorter = [source for source in sources if limit(len(source)) < options["max_decoding_length"]]
+    assert 0 < len(reached) < len(shorter)  # some outputs reach their limit, others end before it
+    assert sorted(source for sources, _, _ in again for source in sources) == sorted(reached)
+    assert all(len({limit(len(source)) for source in sources} | {options["max_decoding_length"]}) == 1
+               for sources, options, _ in again)
     with pytest.raises(ValueError, match="^early_stopping='never': not something the CTranslate2 engine"):
         loading.load_engine(export, num_beams=4, early_stopping="never")
 

@@ -333,23 +333,28 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     assert engine() == chosen and engine(sentences=many[:3]) == chosen and len(spawned) == 2
     real[0] = False
 
-    # Other settings, or another thread count, are timed anew; the first are still remembered.
+    # Other settings, another thread count, or engines that decode otherwise, are timed anew; the first are still
+    # remembered.
+    with monkeypatch.context() as revised:
+        revised.setattr(vaswani.engine_timing, "ENGINES_REVISION", vaswani.engine_timing.ENGINES_REVISION + 1)
+        engine(sentences=many)
+    assert len(spawned) == 4
     engine(max_new_tokens=5, sentences=many)
-    assert len(spawned) == 4 and '"max_new_tokens": 5' in spawned[-1][0][spawned[-1][0].index("--decoding") + 1]
+    assert len(spawned) == 6 and '"max_new_tokens": 5' in spawned[-1][0][spawned[-1][0].index("--decoding") + 1]
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
         engine(sentences=many)
     finally:
         torch.set_num_threads(threads)
-    assert len(spawned) == 6 and spawned[-1][0][spawned[-1][0].index("--threads") + 1] == str(threads + 1)
-    assert engine() == chosen and len(spawned) == 6 and len(json.loads(Path(timings).read_text())["timings"]) == 3
+    assert len(spawned) == 8 and spawned[-1][0][spawned[-1][0].index("--threads") + 1] == str(threads + 1)
+    assert engine() == chosen and len(spawned) == 8 and len(json.loads(Path(timings).read_text())["timings"]) == 4
 
     # New weights: timed again, and the old timings forgotten.
     VaswaniForConditionalGeneration.from_pretrained(path).save_pretrained(path)
-    assert engine() == "pytorch" and len(spawned) == 6
+    assert engine() == "pytorch" and len(spawned) == 8
     engine(sentences=many)
-    assert len(spawned) == 8 and len(json.loads(Path(timings).read_text())["timings"]) == 1
+    assert len(spawned) == 10 and len(json.loads(Path(timings).read_text())["timings"]) == 1
 
 
 def test_without_ctranslate2_only_the_pytorch_engines_are_timed(checkpoint, tmp_path, monkeypatch):

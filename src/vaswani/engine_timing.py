@@ -3,15 +3,15 @@ on the user's own sentences, and remembered.
 
 Which is faster depends on the CPU and on the sentences, not only on the model (benchmarks/results/README.md, "CPU
 linear layers" and "A checkpoint's CTranslate2 float32 export by default on a CPU?"): at the main job's width,
-CTranslate2 float32 was the faster engine on a 2-core AMD EPYC and the slower on a 2-core Intel Xeon; with beam search
-it decodes sentences in groups of one output limit each, which is slow on sentences of many lengths; and the PyTorch
-engine's linear layers laid out for oneDNN (`vaswani.inference.pack_for_cpu`) were the faster on the EPYC and the
-slower on the Xeon. Nothing cheaper than decoding real sentences predicted it (isolated products, a decoding step on
-made-up states, made-up sentences, whose translations run on to the output limit). So the engines translate batches
-of sentences from across the lengths of the first run that has enough (`calibration_sentences`), at its thread
-count, PyTorch and CTranslate2 each in a fresh process of its own (CTranslate2 slows down for the rest of a process
-in which torch has run on several threads: `vaswani.export.one_torch_thread`). The seconds are kept per checkpoint,
-machine and decoding settings (`engine_seconds`), so that later runs decide at once, whatever they translate.
+CTranslate2 float32 was the faster engine on a 2-core AMD EPYC and the slower on a 2-core Intel Xeon; its beam search
+decodes again each sentence whose search reached its own output limit, which costs most on long sentences; and the
+PyTorch engine's linear layers laid out for oneDNN (`vaswani.inference.pack_for_cpu`) were the faster on the EPYC and
+the slower on the Xeon. Nothing cheaper than decoding real sentences predicted it (isolated products, a decoding step on
+made-up states, made-up sentences, whose translations run on to the output limit). So the engines translate batches of
+sentences from across the lengths of the first run that has enough (`calibration_sentences`), at its thread count,
+PyTorch and CTranslate2 each in a fresh process of its own (CTranslate2 slows down for the rest of a process in which
+torch has run on several threads: `vaswani.export.one_torch_thread`). The seconds are kept per checkpoint, machine and
+decoding settings (`engine_seconds`), so that later runs decide at once, whatever they translate.
 
     python -m vaswani.engine_timing outputs/en-fr --engine pytorch --threads 2 --sentences sentences.json
 """
@@ -41,6 +41,10 @@ CALIBRATION_BATCH = 32
 CALIBRATION_BATCHES = 4
 CALIBRATION_SENTENCES = CALIBRATION_BATCH * CALIBRATION_BATCHES
 CALIBRATION_REPEATS = 3
+# Which revision of the engines' own decoding a timing measured: raised where a change to an engine alters its speed
+# (2: CTranslate2's beam search, one call per batch at its longest output limit instead of one per limit), so that
+# earlier timings are taken again.
+ENGINES_REVISION = 2
 # What changes which kernels run, besides the CPU itself: the variables torch, oneDNN and CTranslate2 read.
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CT2_USE_MKL",
                     "OMP_NUM_THREADS", "LD_PRELOAD")
@@ -134,7 +138,8 @@ def engine_seconds(model_dir: str, timings_file: str, source: dict, decoding: di
     Processes asking at once wait for the one that times."""
     decoding = {name: value for name, value in (decoding or {}).items() if value is not None}
     threads = torch.get_num_threads()
-    key = {"machine": machine(threads), "decoding": decoding, "ctranslate2": export is not None}
+    key = {"machine": machine(threads), "decoding": decoding, "ctranslate2": export is not None,
+           "engines": ENGINES_REVISION}
     with exclusive(timings_file, wait=True):
         timings = []
         try:

@@ -295,10 +295,8 @@ class CTranslate2Engine:
     What CTranslate2 is told, so that its outputs are `TorchEngine`'s: the length penalty, applied as transformers
     applies it (score / length ** penalty, with the end of sentence counted in the length: `return_end_token`,
     removed here afterwards; `ctranslate2_length_penalty`); each sentence's own output limit (`max_decoding_length`
-    counts the end of sentence as `max_new_tokens` does; it is one number per call, so a beam search decodes the
-    sentences of each limit in one call, and greedy search, whose output up to a length does not depend on the
-    limit, decodes the batch once and cuts each output at its own); the source limit (`max_input_length`);
-    `min_new_tokens` (`min_decoding_length`).
+    counts the end of sentence as `max_new_tokens` does; it is one number per call: see `generate_ids`); the source
+    limit (`max_input_length`); `min_new_tokens` (`min_decoding_length`).
     One rule it cannot follow: CTranslate2's beam search ends a sentence once `num_beams` hypotheses have finished,
     which is transformers' `early_stopping=True`; under transformers' default (`early_stopping=False`) a sentence
     goes on while a live beam could still beat a finished one, so a few beam outputs differ (the export's model card,
@@ -372,25 +370,40 @@ class CTranslate2Engine:
 
     def generate_ids(self, batch: list[list[int]]) -> list[list[int]]:
         """Each sentence's generated token ids (CTranslate2 leaves out the decoder start token; the end of sentence
-        is taken off here), as `generate_token_ids` gives them for a transformers model."""
+        is taken off here), as `generate_token_ids` gives them for a transformers model.
+
+        CTranslate2 takes one output limit per call. The batch is decoded once at its longest sentence's limit, and
+        greedy outputs are cut at each sentence's own (greedy output up to a length does not depend on the limit). A
+        beam search differs from its own limit's only at that limit's last step, where every live beam is ended: a
+        sentence whose `num_beams` best hypotheses all ended before it had ended its search (a sentence ends once
+        `num_beams` hypotheses have), so its translation is its own limit's. The others are decoded again, in one
+        call per limit."""
         decoding = self.decoding
         limits = [decoding.output_limit(len(ids)) for ids in batch]
-        groups = {max(limits): range(len(batch))} if decoding.num_beams == 1 else {}
-        for i, limit in enumerate(limits):
-            if decoding.num_beams > 1:
-                groups.setdefault(limit, []).append(i)
+        longest = max(limits)
         eos = self.tokenizer.eos_token_id
         outputs: list[list[int]] = [[]] * len(batch)
-        for limit, members in groups.items():
-            sources = [self.tokenizer.convert_ids_to_tokens(batch[i]) for i in members]
-            results = self.translator.translate_batch(
-                sources, beam_size=decoding.num_beams, length_penalty=ctranslate2_length_penalty(decoding), patience=1,
-                max_decoding_length=limit, min_decoding_length=decoding.min_new_tokens, return_end_token=True,
-                max_input_length=decoding.max_source_length or 0, max_batch_size=len(members))
-            for i, result in zip(members, results):
-                ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
-                outputs[i] = output_ids(ids[:limits[i]], eos)
+        again: dict[int, list[int]] = {}
+        for i, hypotheses in enumerate(self.hypotheses(batch, longest)):
+            if decoding.num_beams == 1 or limits[i] == longest or all(len(h) < limits[i] for h in hypotheses):
+                outputs[i] = output_ids(self.tokenizer.convert_tokens_to_ids(hypotheses[0][:limits[i]]), eos)
+            else:
+                again.setdefault(limits[i], []).append(i)
+        for limit, members in again.items():
+            for i, hypotheses in zip(members, self.hypotheses([batch[i] for i in members], limit)):
+                outputs[i] = output_ids(self.tokenizer.convert_tokens_to_ids(hypotheses[0]), eos)
         return outputs
+
+    def hypotheses(self, batch: list[list[int]], limit: int) -> list[list[list[str]]]:
+        """Each sentence's best hypotheses as tokens, best first, with their end of sentence where they reached
+        one: all `num_beams` of a beam search, the one of greedy search; at most `limit` tokens each."""
+        decoding = self.decoding
+        results = self.translator.translate_batch(
+            [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch], beam_size=decoding.num_beams,
+            num_hypotheses=decoding.num_beams, length_penalty=ctranslate2_length_penalty(decoding), patience=1,
+            max_decoding_length=limit, min_decoding_length=decoding.min_new_tokens, return_end_token=True,
+            max_input_length=decoding.max_source_length or 0, max_batch_size=len(batch))
+        return [result.hypotheses for result in results]
 
 # A length penalty that divides no score: length ** 1e-12 is 1.0 in float32 for any length under a million.
 NO_LENGTH_PENALTY = 1e-12
