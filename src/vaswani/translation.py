@@ -375,10 +375,10 @@ class CTranslate2Engine:
         CTranslate2 takes one output limit per call. The batch is decoded once at its longest sentence's limit, and
         greedy outputs are cut at each sentence's own (greedy output up to a length does not depend on the limit). A
         beam search differs from its own limit's only at that limit's last step, where every live beam is ended. A
-        sentence's search ends at the step where its `num_beams`-th hypothesis ends, which is among the `num_beams`
-        best returned (fewer ended before it); so where these all ended before the sentence's own limit, its search
-        ended before that limit counted, and its translation is its own limit's. The others are decoded again, in
-        one call per limit."""
+        sentence's search ends at the step where its `num_beams`-th hypothesis ends; fewer ended before that step,
+        so one of the `num_beams` best returned ended at it. Where these all ended before the sentence's own limit,
+        its search ended before that limit counted, and its translation is its own limit's. The others are decoded
+        again, in one call per limit."""
         decoding = self.decoding
         limits = [decoding.output_limit(len(ids)) for ids in batch]
         longest = max(limits)
