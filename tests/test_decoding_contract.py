@@ -157,13 +157,15 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
         assert translate(exported, texts, max_sentences=len(texts)).texts == expected
         assert all(options["length_penalty"] == told and options["return_end_token"] and options["patience"] == 1
                    and options["max_input_length"] == model.config.max_position_embeddings
-                   and options["num_hypotheses"] == options["beam_size"] == 3 for _, options, _ in calls)
+                   and options["beam_size"] == 3 for _, options, _ in calls)
     assert np.float32(1000) ** np.float32(NO_LENGTH_PENALTY) == 1.0
-    # The batch at its longest limit; again, in one call per limit, only the sentences one of whose best hypotheses
-    # reached their own limit there (their search could have ended otherwise at it).
+    # The batch at its longest limit, with all its beams' best hypotheses; again, in one call per limit and for the
+    # best only, the sentences one of whose best hypotheses reached their own limit there (their search could have
+    # ended otherwise at it).
     limit = exported.decoding.output_limit
     (sources, options, results), *again = calls
     assert options["max_decoding_length"] == max(limit(len(source)) for source in sources)
+    assert options["num_hypotheses"] == 3 and all(options["num_hypotheses"] == 1 for _, options, _ in again)
     reached = [source for source, result in zip(sources, results) if limit(len(source)) < options["max_decoding_length"]
                and max(map(len, result.hypotheses)) >= limit(len(source))]
     shorter = [source for source in sources if limit(len(source)) < options["max_decoding_length"]]
@@ -171,6 +173,14 @@ def test_the_ctranslate2_export_translates_as_the_pytorch_engine_in_float32(trai
     assert sorted(source for sources, _, _ in again for source in sources) == sorted(reached)
     assert all(len({limit(len(source)) for source in sources} | {options["max_decoding_length"]}) == 1
                for sources, options, _ in again)
+    # One limit for every sentence (`max_new_tokens`, as the benchmarks decode): one call, for the best hypothesis.
+    exported = loading.load_engine(export, num_beams=3, early_stopping=True, max_new_tokens=12)
+    exported.translator = Recording(exported.translator)
+    calls.clear()
+    assert translate(exported, texts, max_sentences=len(texts)).texts == translate(
+        loading.engine_for_model(model, tokenizer, slots=0, num_beams=3, early_stopping=True, max_new_tokens=12),
+        texts).texts
+    assert [(options["max_decoding_length"], options["num_hypotheses"]) for _, options, _ in calls] == [(12, 1)]
     with pytest.raises(ValueError, match="^early_stopping='never': not something the CTranslate2 engine"):
         loading.load_engine(export, num_beams=4, early_stopping="never")
 

@@ -272,8 +272,8 @@ def model_card(model, differing: int | None, measured: int) -> str:
              "(transformers counts the end of sentence in the length it divides by; CTranslate2 only when it returns "
              "it; a penalty of 0 is told as 1e-12, which divides no score, because at exactly 0 CTranslate2 ends a "
              "sentence at its best beam's end instead of once as many hypotheses as beams have ended), "
-             "`max_decoding_length`, each sentence's own (one per call: a beam search that reached a shorter "
-             "sentence's own limit decodes it again with it), "
+             "`max_decoding_length`, each sentence's own (one per call: the batch's longest, then, at its own, each "
+             "sentence whose beam search reached a shorter limit of its own), "
              "`max_input_length`, `patience=1`, `min_decoding_length` from `min_new_tokens`.", ""]
     if decoding.num_beams > 1 and decoding.early_stopping is not True:
         lines += ["## What CTranslate2 cannot follow", "",

@@ -378,14 +378,16 @@ class CTranslate2Engine:
         sentence's search ends at the step where its `num_beams`-th hypothesis ends; fewer ended before that step,
         so one of the `num_beams` best returned ended at it. Where these all ended before the sentence's own limit,
         its search ended before that limit counted, and its translation is its own limit's. The others are decoded
-        again, in one call per limit."""
+        again, in one call per limit. Only a beam search over a batch with a shorter limit than its longest asks for
+        more than the best hypothesis."""
         decoding = self.decoding
         limits = [decoding.output_limit(len(ids)) for ids in batch]
         longest = max(limits)
         eos = self.tokenizer.eos_token_id
         outputs: list[list[int]] = [[]] * len(batch)
         again: dict[int, list[int]] = {}
-        for i, hypotheses in enumerate(self.hypotheses(batch, longest)):
+        shorter = decoding.num_beams > 1 and min(limits) < longest
+        for i, hypotheses in enumerate(self.hypotheses(batch, longest, decoding.num_beams if shorter else 1)):
             if decoding.num_beams == 1 or limits[i] == longest or all(len(h) < limits[i] for h in hypotheses):
                 outputs[i] = output_ids(self.tokenizer.convert_tokens_to_ids(hypotheses[0][:limits[i]]), eos)
             else:
@@ -395,13 +397,13 @@ class CTranslate2Engine:
                 outputs[i] = output_ids(self.tokenizer.convert_tokens_to_ids(hypotheses[0]), eos)
         return outputs
 
-    def hypotheses(self, batch: list[list[int]], limit: int) -> list[list[list[str]]]:
-        """Each sentence's best hypotheses as tokens, best first, with their end of sentence where they reached
-        one: all `num_beams` of a beam search, the one of greedy search; at most `limit` tokens each."""
+    def hypotheses(self, batch: list[list[int]], limit: int, count: int = 1) -> list[list[list[str]]]:
+        """Each sentence's `count` best hypotheses (at most `num_beams`) as tokens, best first, with their end of
+        sentence where they reached one; at most `limit` tokens each."""
         decoding = self.decoding
         results = self.translator.translate_batch(
             [self.tokenizer.convert_ids_to_tokens(ids) for ids in batch], beam_size=decoding.num_beams,
-            num_hypotheses=decoding.num_beams, length_penalty=ctranslate2_length_penalty(decoding), patience=1,
+            num_hypotheses=count, length_penalty=ctranslate2_length_penalty(decoding), patience=1,
             max_decoding_length=limit, min_decoding_length=decoding.min_new_tokens, return_end_token=True,
             max_input_length=decoding.max_source_length or 0, max_batch_size=len(batch))
         return [result.hypotheses for result in results]
