@@ -309,7 +309,8 @@ def test_encoder_and_cross_attention_are_not_causal(implementation, with_mask):
 def test_flex_attention_matches_eager_and_is_not_causal():
     """One padded GQA batch through all three attention roles; then a later source token of the full-length row
     is changed (same shapes, so no recompilation) and must reach earlier encoder outputs and the first decoder
-    position. On CPU FlexAttention runs forward only, hence no_grad."""
+    position. Then the modern decoder (causal, GQA, RoPE) on a padded batch. On CPU FlexAttention runs forward only,
+    hence no_grad. The CPU's one FlexAttention test (test_fast_paths runs it on CUDA): each compiles for long."""
     config = tiny_config(num_key_value_heads=2)
     model = VaswaniForConditionalGeneration(config).eval()
     source, source_mask = padded_batch(config, [9, 6, 4], seed=1)
@@ -328,6 +329,15 @@ def test_flex_attention_matches_eager_and_is_not_causal():
     torch.testing.assert_close(flex.logits[valid], reference.logits[valid], atol=1e-5, rtol=0)
     assert not torch.allclose(flex.encoder_last_hidden_state[0, 0], flex_changed.encoder_last_hidden_state[0, 0])
     assert not torch.allclose(flex.logits[0, 0], flex_changed.logits[0, 0])
+    modern = VaswaniForCausalLM(VaswaniConfig.modern(
+        vocab_size=99, d_model=32, decoder_layers=1, num_attention_heads=4, num_key_value_heads=2, d_ff=64,
+        max_position_embeddings=64, dropout=0.0)).eval()
+    ids, mask = padded_batch(modern.config, [9, 6, 4], seed=5)
+    with torch.no_grad():
+        reference = modern(input_ids=ids, attention_mask=mask).logits
+        modern.set_attn_implementation("flex_attention")
+        flex = modern(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(flex[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=0)
 
 
 # Causality and padding invariance ----------------------------------------------------------------------------------
