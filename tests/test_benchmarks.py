@@ -171,20 +171,25 @@ def test_training_benchmark(corpus, tmp_path, monkeypatch):
     # tiny step, whose graph Dynamo would then reuse.
     torch._dynamo.reset()
     path = module.main(
-        common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64,96", "--steps", "1", "--warmup_steps",
+        common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64", "--steps", "1", "--warmup_steps",
                                          "0", "--engines", "vaswani,vaswani-compiled,vaswani-compiled-graphs,marian",
                                          "--keep_freed_memory"]
     )
     report = check_report(path, "bench_training", {"engine", "batch_tokens", "steps_per_s", "tokens_per_s",
                                                    "model_tflops_per_s", "peak_mib", "mfu", "compilations_while_timed"})
-    # Every engine at every budget, beside Marian on the same batches; CUDA graphs skipped on a CPU.
-    assert sorted((row["batch_tokens"], row["engine"]) for row in report["results"]) == [
-        (budget, engine) for budget in (64, 96) for engine in ("marian", "vaswani", "vaswani-compiled")]
+    # Every engine beside Marian on the same batches; CUDA graphs skipped on a CPU.
+    assert sorted(row["engine"] for row in report["results"]) == ["marian", "vaswani", "vaswani-compiled"]
     assert all(row["vs_marian"] > 0 for row in report["results"] if row["engine"] != "marian")
     assert all(row["mfu"] is None for row in report["results"])  # no MFU without a GPU peak
     # Without warm-up the compiled engine compiles inside the first timed step, and the report says so.
-    assert {row["compilations_while_timed"] for row in report["results"] if row["batch_tokens"] == 64} == {1}
+    assert {row["compilations_while_timed"] for row in report["results"]} == {1}
     assert kept == [None] and any("keep_freed_cpu_memory(None)" in note for note in report["notes"])
+    # Every engine at every budget (eager ones here: a compiled engine's second budget is a second minute of C++
+    # compilation on a CPU, and its rows are built as the first budget's).
+    path = module.main(common_args(corpus, tmp_path) + ["--sizes", "tiny", "--batch_tokens", "64,96", "--steps", "1",
+                                                        "--warmup_steps", "0", "--engines", "vaswani,marian"])
+    assert sorted((row["batch_tokens"], row["engine"]) for row in json.loads(path.read_text())["results"]) == [
+        (budget, engine) for budget in (64, 96) for engine in ("marian", "vaswani")]
 
 
 def test_training_benchmark_pins_a_kernel_per_engine_and_times_first_and_later_passes(corpus, tmp_path, monkeypatch):
