@@ -13,7 +13,8 @@
 The input is read --chunk_lines lines at a time; each chunk is sorted by length into batches of at most
 --max_tokens_per_batch padded source tokens, and its translations are written in input order as soon as it is
 done (vaswani.file_translation). With --output_file, a run killed at any point continues with --resume from its
-last complete chunk, and gives the same file as an uninterrupted run (an input edited since is refused). An
+last complete chunk, and gives the same file as an uninterrupted run (an input edited since is refused); unless
+--ctranslate2 or --no-ctranslate2 says otherwise, it decodes with the engine the run began with. An
 --output_file that is the --input_file, by any name, is refused, and so is a second run on an --output_file another
 run is writing. SIGTERM or SIGINT stops the run at a chunk boundary (status 143 or 130) and --resume goes on from
 there; on a full disk it says how many lines are complete. A progress bar goes to stderr when it is a terminal
@@ -83,10 +84,11 @@ def main(argv=None):
     if args.sentences and (args.input_file or args.resume):
         parser.error("give sentences as arguments or --input_file, not both (--resume needs --input_file)")
 
+    resumed = None
     if args.output_file:
         check_output_file(args.output_file, [args.input_file])  # refused before the model loads
         if args.resume:
-            check_resume_record(args.output_file)
+            resumed = check_resume_record(args.output_file)
     processes = Processes.from_environment()
     # Another run writing the same output is refused before the model loads too (process 0 holds the lock).
     with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():
@@ -94,7 +96,7 @@ def main(argv=None):
                     "top_p": args.top_p}
         # The engines are timed on the run's own sentences where that choice is still to make: the first chunk's.
         sentences = args.sentences or (first_lines(args.input_file, args.chunk_lines) if args.input_file else None)
-        engine = engine_from_args(args, processes.device(args.device), sentences, **sampling)
+        engine = engine_from_args(args, processes.device(args.device), sentences, resumed, **sampling)
         settings = {key: getattr(args, key) for key in ("model", "decoding", "slots", "ctranslate2",
                                                         "compute_type", *sampling)} | engine.settings
         stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None

@@ -227,6 +227,56 @@ def test_on_a_cpu_the_scripts_translate_a_checkpoint_with_its_cached_export_and_
         [(str(path), SOURCES)] * 2 + [(str(path), SOURCES[:4])]
 
 
+def test_a_resumed_translation_decodes_with_the_engine_it_began_with_though_the_other_is_now_timed_faster(
+        checkpoint, tmp_path, capsys, monkeypatch):
+    """Timed anew on resuming (another thread count, a busier machine), the other engine can win; the resume keeps
+    the engine its record names, which gives the lines already written, rather than be refused for a change of
+    engine. An engine chosen by flag stays the user's, refused where it differs from the record."""
+    pytest.importorskip("ctranslate2")
+    from vaswani import file_translation
+
+    path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
+    lines = tmp_path / "in.txt"
+    lines.write_text("".join(f"{source}\n" for source in SOURCES * 3), encoding="utf-8")
+    translate_script = script_main("translate")
+    names = {"pytorch": "engine: PyTorch", "ctranslate2": "engine: CTranslate2"}
+    for first, later in (("pytorch", "ctranslate2"), ("ctranslate2", "pytorch")):
+        output = tmp_path / f"{first}.fr"
+        argv = ["--model", str(path), "--device", "cpu", "--input_file", str(lines), "--output_file", str(output),
+                "--chunk_lines", "4", "--resume"]
+        timed_faster(monkeypatch, first)
+        real = file_translation.translate_chunk
+        with monkeypatch.context() as patch:  # stopped after its first chunk, as a kill would stop it
+            patch.setattr(file_translation, "translate_chunk", _stop_after(1, real))
+            with pytest.raises((KeyboardInterrupt, SystemExit)):
+                translate_script(argv)
+        recorded = json.loads((tmp_path / f"{first}.fr.resume.json").read_text())
+        assert recorded["chunks"] == 1 and recorded["settings"]["engine"] == first
+        capsys.readouterr()
+        timed_faster(monkeypatch, later)
+        translate_script(argv)
+        engines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engine: ")]
+        assert len(engines) == 1 and engines[0].startswith(names[first]), engines
+        assert output.read_text(encoding="utf-8").count("\n") == len(SOURCES) * 3
+        if first == "pytorch":
+            with pytest.raises(SystemExit):
+                translate_script([*argv, "--ctranslate2"])
+            assert "was started with other settings (" in capsys.readouterr().err
+
+
+def _stop_after(chunks: int, translate_chunk):
+    """`translate_chunk`, stopping the run (KeyboardInterrupt) once `chunks` chunks are translated."""
+    calls = []
+
+    def stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > chunks:
+            raise KeyboardInterrupt
+        return translate_chunk(*args, **kwargs)
+
+    return stop
+
+
 def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path,
                                                                                             monkeypatch):
     greedy = greedy_checkpoint(checkpoint, tmp_path / "greedy")

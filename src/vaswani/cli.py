@@ -128,12 +128,18 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_from_args(args: argparse.Namespace, device: str | None = None, sentences: Sequence[str] | None = None,
-                     **decoding_options):
+                     resumed: dict | None = None, **decoding_options):
     """`vaswani.export.load_default_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
     `--device`), `sentences` (the run's, or its first ones, on which the engines are timed where that choice is
-    not made yet) and `decoding_options` (a script's own `generate()` flags) are passed on as they are."""
+    not made yet) and `decoding_options` (a script's own `generate()` flags) are passed on as they are. `resumed`:
+    the recorded settings of the run this one resumes; where `--ctranslate2` leaves the engine open, that run's
+    engine decodes again (timed anew, on another thread count or a busier machine, the other engine could win, and
+    the resume would be refused for its different outputs)."""
+    ctranslate2 = args.ctranslate2
+    if ctranslate2 is None and (resumed or {}).get("engine") in ("pytorch", "ctranslate2"):
+        ctranslate2 = resumed["engine"] == "ctranslate2"
     engine = load_default_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
-                         decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
+                         decoding=args.decoding, slots=args.slots, ctranslate2=ctranslate2,
                          compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                          length_penalty=args.length_penalty, sentences=sentences, **decoding_options)
     print(f"engine: {engine.description}", file=sys.stderr, flush=True)

@@ -464,11 +464,12 @@ def resume_record_path(output_path: str) -> str:
     return f"{output_path}.resume.json"
 
 
-def check_resume_record(output_path: str) -> None:
-    """The resume record of `output_path`, where there is one, read whole: a damaged one is refused in one line
-    naming it, which the script asks for before the model loads."""
+def check_resume_record(output_path: str) -> dict | None:
+    """The settings in the resume record of `output_path`, where there is one, read whole: a damaged one is refused
+    in one line naming it, which the script asks for before the model loads."""
     if os.path.exists(resume_record_path(output_path)):
-        _read_state(resume_record_path(output_path))
+        return _read_state(resume_record_path(output_path))["settings"]
+    return None
 
 
 def _read_state(state_path: str) -> dict:
