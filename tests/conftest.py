@@ -94,6 +94,21 @@ def fails_with_one_line(main, argv, capsys, match: str) -> str:
     return last
 
 
+def interrupted_after(chunks: int, monkeypatch):
+    """Make translate_chunk fail after `chunks` chunks, as a kill would stop the run (the resume state kept)."""
+    from vaswani import file_translation
+
+    calls, real = [], file_translation.translate_chunk
+
+    def stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > chunks:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(file_translation, "translate_chunk", stop)
+
+
 def snapshot(directory: Path) -> dict:
     """Every entry under `directory` and its bytes: what a refused command must leave as it found it."""
     return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in directory.rglob("*")}

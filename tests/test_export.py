@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoConfig
-from conftest import fails_with_one_line, other_names, script_main, snapshot
+from conftest import fails_with_one_line, interrupted_after, other_names, script_main, snapshot
 from tiny_translation_model import SOURCES, TARGETS, build_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -233,8 +233,6 @@ def test_a_resumed_translation_decodes_with_the_engine_it_began_with_though_the_
     the engine its record names, which gives the lines already written, rather than be refused for a change of
     engine. An engine chosen by flag stays the user's, refused where it differs from the record."""
     pytest.importorskip("ctranslate2")
-    from vaswani import file_translation
-
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
     lines = tmp_path / "in.txt"
     lines.write_text("".join(f"{source}\n" for source in SOURCES * 3), encoding="utf-8")
@@ -245,9 +243,8 @@ def test_a_resumed_translation_decodes_with_the_engine_it_began_with_though_the_
         argv = ["--model", str(path), "--device", "cpu", "--input_file", str(lines), "--output_file", str(output),
                 "--chunk_lines", "4", "--resume"]
         timed_faster(monkeypatch, first)
-        real = file_translation.translate_chunk
         with monkeypatch.context() as patch:  # stopped after its first chunk, as a kill would stop it
-            patch.setattr(file_translation, "translate_chunk", _stop_after(1, real))
+            interrupted_after(1, patch)
             with pytest.raises((KeyboardInterrupt, SystemExit)):
                 translate_script(argv)
         recorded = json.loads((tmp_path / f"{first}.fr.resume.json").read_text())
@@ -262,19 +259,6 @@ def test_a_resumed_translation_decodes_with_the_engine_it_began_with_though_the_
             with pytest.raises(SystemExit):
                 translate_script([*argv, "--ctranslate2"])
             assert "was started with other settings (" in capsys.readouterr().err
-
-
-def _stop_after(chunks: int, translate_chunk):
-    """`translate_chunk`, stopping the run (KeyboardInterrupt) once `chunks` chunks are translated."""
-    calls = []
-
-    def stop(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > chunks:
-            raise KeyboardInterrupt
-        return translate_chunk(*args, **kwargs)
-
-    return stop
 
 
 def test_the_default_engine_is_ctranslate2_only_where_it_gives_the_checkpoints_translations(checkpoint, tmp_path,

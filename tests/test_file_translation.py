@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import SCRIPTS, fails_with_one_line, other_names, script_main
+from conftest import SCRIPTS, fails_with_one_line, interrupted_after, other_names, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -234,21 +234,6 @@ def test_an_output_that_cannot_be_written_leaves_nothing_and_names_the_users_pat
         assert ".tmp-" not in error and ".resume.json" not in error
         assert sorted(path.name for path in tmp_path.iterdir()) == ["dir", "in.en"] and not any(
             (tmp_path / "dir").iterdir())
-
-
-def interrupted_after(chunks: int, monkeypatch):
-    """Make translate_chunk fail after `chunks` chunks, as a kill would stop the run (the resume state kept)."""
-    from vaswani import file_translation
-
-    calls, real = [], file_translation.translate_chunk
-
-    def stop(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > chunks:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(file_translation, "translate_chunk", stop)
 
 
 def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(trained, expected, tmp_path, monkeypatch):
