@@ -525,6 +525,16 @@ def test_the_bf16_product_timing_runs_on_this_cpu():
     assert math.isfinite(speedup) and speedup > 0
 
 
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_the_main_jobs_width_decodes_in_fp32_where_bf16_products_are_faster_and_base_in_bf16(num_beams):
+    """At 256 wide, bf16 decoded slower than the fp32 engine with either search, and changed translations; at 512 it
+    was the faster (loading.CPU_BF16_MIN_D_MODEL)."""
+    cpu = torch.device("cpu")
+    small, base = VaswaniConfig.small().d_model, VaswaniConfig.base().d_model
+    assert loading.choose_dtype("auto", cpu, small, num_beams=num_beams, cpu_bf16=True) == torch.float32
+    assert loading.choose_dtype("auto", cpu, base, num_beams=num_beams, cpu_bf16=True) == torch.bfloat16
+
+
 def test_a_model_too_narrow_for_bf16_decodes_in_fp32_without_timing_the_cpu(monkeypatch):
     def timed():
         raise AssertionError("the CPU's products were timed for a model too narrow for bf16")
