@@ -31,6 +31,7 @@ from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.convert import to_marian
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
+from vaswani.engine_timing import cpu_name
 from vaswani.files import write_atomically
 from vaswani.generation_vaswani import runs_as
 from vaswani.loading import choose_device, named_dtype
@@ -271,13 +272,6 @@ def _git(*args: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        if match := re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()):
-            return match.group(1).strip()
-    return platform.processor()
-
-
 def environment(device: Device) -> dict:
     """The device, the library versions and the model code's revision (uncommitted edits are flagged)."""
     versions = {"python": platform.python_version()}
@@ -288,10 +282,10 @@ def environment(device: Device) -> dict:
             versions[name] = None
     modeling = REPO_ROOT / "src" / "vaswani" / "modeling_vaswani.py"
     return {
-        "device": device.tag, "device_name": device.name or _cpu_name(), "dtype": device.dtype_name,
+        "device": device.tag, "device_name": device.name or cpu_name(), "dtype": device.dtype_name,
         "rehearsing_cuda": device.as_cuda and not device.is_cuda, "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the instruction set of ATen's CPU kernels
-        "cpu_count": os.cpu_count(), "cpu": _cpu_name(), "platform": platform.platform(), "versions": versions,
+        "cpu_count": os.cpu_count(), "cpu": cpu_name(), "platform": platform.platform(), "versions": versions,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "model_code_uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/vaswani")),
         "modeling_vaswani_sha1": hashlib.sha1(modeling.read_bytes()).hexdigest()[:12] if modeling.is_file() else None,

@@ -391,6 +391,29 @@ def test_the_engines_are_timed_once_per_machine_and_settings_each_in_a_process_o
     assert len(spawned) == 10 and len(json.loads(Path(timings).read_text())["timings"]) == 1
 
 
+def test_a_timing_names_the_cpus_generation_where_its_name_is_only_the_vendors_line(tmp_path, monkeypatch):
+    """Under a hypervisor two AMD generations can both be "AMD EPYC"; their family numbers tell them apart, so a
+    timing taken on one is not the other's."""
+    def cpuinfo(family):
+        path = tmp_path / f"cpuinfo-{family}"
+        block = f"processor\t: {{}}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 2\n" \
+                "model name\t: AMD EPYC\nflags\t\t: fpu avx2\n\n"
+        path.write_text(block.format(0) + block.format(1).replace(f": {family}", ": 99"))
+        return str(path)
+
+    zen4, zen5 = cpuinfo(25), cpuinfo(26)
+    assert vaswani.engine_timing.cpu_name(zen4) == "AMD EPYC (family 25, model 2)"  # the first processor's block
+    assert vaswani.engine_timing.cpu_name(zen5) == "AMD EPYC (family 26, model 2)"
+    (tmp_path / "no-numbers").write_text("model name\t: Some CPU\n")
+    assert vaswani.engine_timing.cpu_name(str(tmp_path / "no-numbers")) == "Some CPU"
+    keys, real = [], vaswani.engine_timing.cpu_name
+    for path in (zen4, zen5):
+        with monkeypatch.context() as patched:
+            patched.setattr(vaswani.engine_timing, "cpu_name", lambda path=path: real(path))
+            keys.append(vaswani.engine_timing.machine(2))
+    assert keys[0]["cpu"] != keys[1]["cpu"] and {**keys[0], "cpu": None} == {**keys[1], "cpu": None}
+
+
 def test_without_ctranslate2_only_the_pytorch_engines_are_timed(checkpoint, tmp_path, monkeypatch):
     path = greedy_checkpoint(checkpoint, tmp_path / "greedy")
     find_spec, version = vaswani.export.importlib.util.find_spec, vaswani.engine_timing.importlib.metadata.version

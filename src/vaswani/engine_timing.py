@@ -50,16 +50,25 @@ KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_I
                     "OMP_NUM_THREADS", "LD_PRELOAD")
 
 
-def cpu_name() -> str:
-    """The CPU's model name as the kernel gives it (/proc/cpuinfo), else the platform's processor string."""
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name as the kernel gives it (`cpuinfo`), with its family and model numbers where it gives
+    them: under a hypervisor the name can be only the vendor's line ("AMD EPYC"), the same for CPUs of different
+    generations, whose kernels time differently (Zen 4 is family 25, Zen 5 family 26). Else the platform's
+    processor string."""
+    fields = {}
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
+        with open(cpuinfo, encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                if not name.strip():  # the first processor's block ends
+                    break
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    numbers = [f"{name.removeprefix('cpu ')} {fields[name]}" for name in ("cpu family", "model") if name in fields]
+    return f"{fields['model name']} ({', '.join(numbers)})" if numbers else fields["model name"]
 
 
 def machine(threads: int) -> dict:
