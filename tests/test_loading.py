@@ -527,8 +527,8 @@ def test_the_bf16_product_timing_runs_on_this_cpu():
 
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_the_main_jobs_width_decodes_in_fp32_where_bf16_products_are_faster_and_base_in_bf16(num_beams):
-    """At 256 wide, bf16 decoded slower than the fp32 engine with either search, and changed translations; at 512 it
-    was the faster (loading.CPU_BF16_MIN_D_MODEL)."""
+    """At 256 wide, bf16 decoded no faster than the fp32 engine with either search, and changed translations; at 512
+    it was the faster (loading.CPU_BF16_MIN_D_MODEL)."""
     cpu = torch.device("cpu")
     small, base = VaswaniConfig.small().d_model, VaswaniConfig.base().d_model
     assert loading.choose_dtype("auto", cpu, small, num_beams=num_beams, cpu_bf16=True) == torch.float32

@@ -94,12 +94,12 @@ def cpu_multiplies_bf16() -> bool:
 
 
 # The narrowest models for which bf16 weights decode faster than the fp32 engine (its linear layers laid out for
-# oneDNN), greedy and with beam search: at d_model 512 (base, OPUS-MT's shape) both ran faster in bf16; at the main
-# job's width, 256, neither did, though each bf16 product alone is faster there: on a 2-core AMD EPYC (Zen 5) bf16
-# decoded 0.93 / 0.91 × the fp32 engine's sentences/s and changed 41 / 31 of 600 translations (the bf16 rows of
-# benchmarks/results/translation-cpu-main-job-model.md and translation-cpu-base.md). Beam search at 256 had decoded
-# faster in bf16 on an AMX Xeon, against torch's own fp32 products, before the oneDNN layout
-# (translation-cpu-main-job-model-bf16.md). Narrower models stay in fp32.
+# oneDNN), greedy and with beam search: at d_model 512 (base, OPUS-MT's shape) bf16 was the faster with both; at the
+# main job's width, 256, it was not faster by more than one run differs from the next, with either search, though
+# each bf16 product alone is faster there, and it changed translations that fp32 keeps (the bf16 rows of
+# benchmarks/results/translation-cpu-main-job-model.md and translation-cpu-base.md, a 2-core AMD EPYC of family 26).
+# Beam search at 256 had decoded faster in bf16 on an AMX Xeon, against torch's own fp32 products, before the oneDNN
+# layout (translation-cpu-main-job-model-bf16.md). Narrower models stay in fp32.
 CPU_BF16_MIN_D_MODEL = {"greedy": 512, "beam": 512}
 
 
