@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vaswani.batching import token_budget_batches
 from vaswani.convert import to_marian
 from vaswani.export import export_to_ctranslate2
 from vaswani.slots import decode_in_slots
@@ -255,6 +256,19 @@ def measure(engines: dict, batches: list, beams: int, stop_at_eos: bool, args, f
     return rows
 
 
+def batchings(args, sampled_ids: list[list[int]], source_ids: list[list[int]]):
+    """(batch label, batches) for each of `--batch_sizes` (`source_ids` in order, cut every N) and `--max_tokens`
+    (cut by token budget as `vaswani.translation.translate` cuts them); every engine decodes exactly these."""
+    for batch_size in args.batch_sizes:
+        chosen = source_ids
+        if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
+            chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
+        yield batch_size, [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
+    for budget in args.max_tokens:
+        budget_batches = token_budget_batches([len(ids) for ids in source_ids], budget)
+        yield f"{budget} tokens", [[source_ids[i] for i in batch] for batch in budget_batches]
+
+
 def _add_ratios(rows: list[dict]) -> None:
     """× Marian, × CT2 int8: this engine's sentences/s over theirs; Vaswani ×: Vaswani fp32's over this engine's."""
     key = lambda r: (r["size"], r["batch_size"], r["beams"], r["stopping"])  # noqa: E731
@@ -273,6 +287,10 @@ def _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device)
     notes = [f"{sample}, tokenized ({len(tokenizer)} tokens; mean source length "
              f"{sum(map(len, source_ids)) / len(source_ids):.1f} tokens incl. </s>), sorted by length and batched "
              "identically for every engine."]
+    if args.max_tokens:
+        notes.append("Batch 'N tokens': batches of at most N padded source tokens, longest first, as "
+                     "vaswani.translation.translate cuts them for translate.py and evaluate_bleu.py "
+                     "(vaswani.batching.token_budget_batches).")
     if "forced" in stopping:
         notes.append(f"Forced rows: exactly {args.new_tokens} tokens per sentence, checked on every output"
                      + (" (identical compares the PyTorch engines only: CTranslate2 masks the end of sentence)."
@@ -314,6 +332,9 @@ def main(argv=None) -> Path:
         f"ct2-float32, ct2-int8 …); default: {','.join(DEFAULT_ENGINES_CUDA)} on CUDA, "
         f"{','.join(DEFAULT_ENGINES_CPU)} on CPU")
     add("--batch_sizes", type=csv_of(int), default=[1, 32, 256])
+    add("--max_tokens", type=csv_of(int), default=[], help="batches as translate.py cuts them too: at most N padded "
+        "source tokens each, longest first (vaswani.batching.token_budget_batches, as vaswani.translation.translate "
+        "batches; translate.py's --max_tokens_per_batch is 4096); their rows' batch reads 'N tokens'")
     add("--beams", type=csv_of(int), default=[1, 4], help="1 = greedy")
     add("--num_sentences", type=int, default=3000)
     add("--batch1_sentences", type=int, default=None, help="at batch size 1 only the first N sentences of the sample "
@@ -357,15 +378,11 @@ def main(argv=None) -> Path:
             start = LocalEngine if args.same_process else EngineProcess
             engines = {name: start(name=name, model_dir=model_dir, device_name=args.device, threads=args.threads,
                                    ct2_dir=Path(workdir) / f"{size}-ct2") for name in names}
-            for batch_size in args.batch_sizes:
-                chosen = source_ids
-                if batch_size == 1 and args.batch1_sentences:  # the first draws of the same seeded sample
-                    chosen = sorted(sampled_ids[: args.batch1_sentences], key=len)
-                batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
+            for batch_size, batches in batchings(args, sampled_ids, source_ids):
                 for beams, mode in ((beams, mode) for mode in stopping for beams in args.beams):
                     for row in measure(engines, batches, beams, mode == "eos", args, failed):
                         load = engines[row["engine"]].load_mib
-                        row.update(size=size, batch_size=batch_size, load_mib=load,
+                        row.update(size=size, batch_size=batch_size, batches=len(batches), load_mib=load,
                                    peak_mib=None if None in (load, row["work_mib"]) else load + row["work_mib"])
                         rows.append(row)
                         print(f"{size:>5} {row['engine_label']:>12} {row['stopping']:>6} batch {batch_size:>4} beams "

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,6 +156,27 @@ def test_translation_benchmark_on_a_trained_checkpoint(corpus, tmp_path):
     assert all(0 < row["output_tokens"] < 8 * 12 for row in eos_rows if row["engine"] == "vaswani")
     assert all(row["vs_marian"] is not None for row in rows if row["engine"] != "marian")
     assert "held-out test split" in path.with_suffix(".md").read_text()
+
+
+def test_translation_benchmark_batches_by_token_budget_as_translate_does(corpus, tmp_path):
+    """--max_tokens: rows whose batches are cut as `vaswani.translation.translate` cuts them, beside the fixed sizes:
+    the same sentences, each batch within the budget, and the same translations as in batches of 4."""
+    module = load("bench_translation")
+    path = module.main(common_args(corpus, tmp_path) + [
+        "--model", _tiny_checkpoint(tmp_path), "--engines", "vaswani,marian", "--batch_sizes", "4", "--max_tokens",
+        "24,1000", "--beams", "1", "--stopping", "eos", "--num_sentences", "8", "--max_new_tokens", "12",
+        "--same_process"])
+    rows = check_report(path, "bench_translation", {"engine", "batch_size", "batches"})["results"]
+    assert [(row["batch_size"], row["engine"]) for row in rows] == [
+        (4, "vaswani"), (4, "marian"), ("24 tokens", "vaswani"), ("24 tokens", "marian"), ("1000 tokens", "vaswani"),
+        ("1000 tokens", "marian")]
+    assert [row["batches"] for row in rows[::2]] == [2, rows[2]["batches"], 1] and rows[2]["batches"] > 2
+    assert all(row["sentences"] == 8 for row in rows)
+    assert all(row["identical_to_vaswani"] == 8 for row in rows if row["engine"] == "marian")
+    ids = [[5] * length for length in (3, 9, 4, 7, 8)]
+    cut = list(module.batchings(SimpleNamespace(batch_sizes=[], max_tokens=[16], batch1_sentences=None), ids, ids))
+    assert cut == [("16 tokens", [[ids[1]], [ids[4], ids[3]], [ids[2], ids[0]]])]
+    assert "padded source tokens" in path.with_suffix(".md").read_text()
 
 
 def test_translation_benchmark_refuses_eos_stopping_without_a_model(corpus, tmp_path):
