@@ -194,10 +194,6 @@ def load_default_engine(model_dir: str, *, device: str | torch.device | None = N
     return load_engine(model_dir, device=device, ctranslate2=ctranslate2, pack=pack, **options)
 
 
-# The widest model for which the CTranslate2 float32 export can be the faster engine on a CPU: at base's 512 wide,
-# where oneDNN's laid-out products pay most, the PyTorch engine decoded faster on every CPU measured, greedy and with
-# beam search (benchmarks/results/translation-cpu-base*.md), so wider models are not timed against it.
-CPU_CTRANSLATE2_MAX_D_MODEL = 256
 # Where a checkpoint's engine timings are kept, beside its export (`export_path`).
 TIMINGS_SUFFIX = ".timings.json"
 
@@ -210,14 +206,16 @@ def engine_timings(model_dir: str, device: torch.device, cache_dir: str | None =
     choose, or it is not timed yet and too few `sentences` are given. The engines: PyTorch with its linear layers
     laid out for oneDNN and with torch's own, where its weights stay fp32 (`vaswani.loading.choose_dtype`), since
     which is faster depends on the CPU (benchmarks/results/README.md, "CPU linear layers"); and CTranslate2 float32,
-    where it gives the checkpoint's own translations (`ctranslate2_decodes`) for a model at most
-    `CPU_CTRANSLATE2_MAX_D_MODEL` wide: which of it and PyTorch is faster depends on the CPU and on the sentences."""
+    where it gives the checkpoint's own translations (`ctranslate2_decodes`), at any width: which of it and PyTorch
+    is faster depends on the CPU, the model's size and the sentences (at base's 512 wide, the PyTorch engine was the
+    faster on an AMD EPYC of family 26 and an Intel Xeon, CTranslate2 on an AVX2-only EPYC of family 25:
+    benchmarks/results/translation-cpu-base*.md)."""
     if runs_as(device) != "cpu" or not os.path.isdir(model_dir):  # (a CPU rehearsing CUDA decides as a GPU does)
         return None
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     settings = checkpoint_decoding(model_dir, config, **decoding_overrides)
-    exports = config.d_model <= CPU_CTRANSLATE2_MAX_D_MODEL and ctranslate2_decodes(config, settings)
+    exports = ctranslate2_decodes(config, settings)
     packs = cpu_packs_linear_weights() and choose_dtype(
         "auto", device, config.d_model, num_beams=settings.num_beams) == torch.float32
     if not exports and not packs:
