@@ -26,10 +26,10 @@ multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp
 not given (--num_beams, --max_new_tokens, --length_penalty, the sampling ones) is the checkpoint's, from its
 generation_config.json; without a max_new_tokens there, each output may run to its source's length plus 50 tokens.
 The engine comes from vaswani.export.load_default_engine, as evaluate_bleu.py's does: on a CPU with ctranslate2
-installed, a checkpoint whose decoding settings CTranslate2 follows exactly (greedy
-search, or beams with early_stopping) translates through its float32 CTranslate2 export (made once, cached and made
-again when the weights change), which gives the same translations, where that export is the faster engine on this
-CPU; and the PyTorch engine lays its linear layers out for oneDNN where that is faster. Both are timed once per
+installed, a checkpoint whose decoding settings CTranslate2 follows exactly (greedy search, or beams with
+early_stopping) translates through its float32 CTranslate2 export (made once, cached and made again when the weights
+change), which gives the same translations, where that export is the faster engine on this CPU; and the PyTorch
+engine lays its linear layers out for oneDNN where that is faster. Both are timed once per
 checkpoint, CPU and settings, on 4 batches of 32 sentences of like length from across the lengths of the first
 chunk (or of the arguments) of the first run that has 128, and remembered; until then the PyTorch engine decodes,
 laid out for oneDNN. --no-ctranslate2 keeps the PyTorch engine. The first line on stderr names the engine that

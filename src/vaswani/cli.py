@@ -113,8 +113,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "--no-ctranslate2: the PyTorch checkpoint decodes. Default: an export decodes with "
                         "CTranslate2, and so does a checkpoint on a CPU when ctranslate2 is installed and gives the "
                         "checkpoint's own translations (greedy, or beams with early_stopping; no PyTorch-only flag), "
-                        "where it is the faster engine on this CPU (timed once on the run's "
-                        "own sentences and remembered: vaswani.export.load_default_engine)")
+                        "where it is the faster engine on this CPU (timed once on the run's own sentences and "
+                        "remembered: vaswani.export.load_default_engine)")
     parser.add_argument("--compute_type", default="default",
                         help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
     parser.add_argument("--num_beams", type=positive_int, default=None,
