@@ -79,8 +79,10 @@ def shard_as_accelerate_does(model):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    # The attributes of an Accelerator that fsdp2_prepare_model reads (`device` since accelerate 1.16).
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
-                                  is_main_process=dist.get_rank() == 0, torch_device_mesh=None)
+                                  is_main_process=dist.get_rank() == 0, torch_device_mesh=None,
+                                  device=torch.device("cpu"))
     return fsdp2_prepare_model(accelerator, model)
 
 
@@ -290,19 +292,22 @@ def result(fsdp, key: str) -> dict:
     return fsdp[key]
 
 
-# accelerate (1.15) gives the input embedding and the output projection units of their own, together only when they
-# are one tensor. Here the output projection is tied to the decoder's embedding, not to the encoder's (the input
+# accelerate (1.15, 1.16) gives the input embedding and the output projection units of their own, together only when
+# they are one tensor. Here the output projection is tied to the decoder's embedding, not to the encoder's (the input
 # embedding), so the decoder's embedding stays in the root unit: one parameter in two units, which torch refuses.
-ACCELERATE_SPLITS_THE_TIE = pytest.mark.xfail(reason="accelerate puts a tied parameter in two FSDP units")
-TRAINING_CASES = [
-    pytest.param(family, wrapping, marks=ACCELERATE_SPLITS_THE_TIE
-                 if (family, wrapping) == ("separate_vocabularies_tied_output", "accelerate") else ())
-    for wrapping in WRAPPINGS for family in FAMILIES
-]
+# accelerate 1.6 (the oldest supported) keeps them in one unit, and the case trains as the others do. So that case may
+# fail only with torch's refusal: another error (accelerate 1.16 reading an attribute the stand-in accelerator lacked)
+# cannot pass for it.
+ACCELERATE_SPLITS_THE_TIE = ("separate_vocabularies_tied_output", "accelerate")
+TRAINING_CASES = [(family, wrapping) for wrapping in WRAPPINGS for family in FAMILIES]
 
 
 @pytest.mark.parametrize(("family", "wrapping"), TRAINING_CASES)
 def test_sharded_training_equals_unsharded(fsdp, family, wrapping):
+    error = fsdp[f"train/{wrapping}/{family}"].get("error", "")
+    if (family, wrapping) == ACCELERATE_SPLITS_THE_TIE and error:
+        assert "shared with a parameter already managed by another FSDP group" in error, error
+        pytest.xfail(f"accelerate puts a tied parameter in two FSDP units: {error}")
     measured = result(fsdp, f"train/{wrapping}/{family}")
     assert measured["losses"] == pytest.approx(measured["reference_losses"], rel=1e-6, abs=1e-6)
     assert max(measured["gradient_errors"]) < 1e-5, measured["gradient_errors"]
