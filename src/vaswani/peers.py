@@ -11,11 +11,15 @@ what is kept. A process on another machine cannot be looked at; its end is told 
 The run's end is one place too (`end_process_group`): after a barrier where the run ended normally, so that no
 process tears its group down while another still uses it, then `destroy_process_group`, never left to the
 interpreter's exit, where gloo's threads can abort a process whose work is done ("terminate called without an
-active exception").
+active exception"). `destroy_process_group` only forgets the group: whatever else holds it keeps it, with its
+threads, alive. The finished Trainer is such a holder (its DDP wrapper's reducer holds the group), and it lives in
+reference cycles that only the garbage collector frees, which left alone it does at the interpreter's exit; so the
+group's end collects them first.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -112,4 +116,5 @@ def end_process_group(completed: bool) -> None:
         return
     if completed and dist.get_world_size() > 1:
         dist.barrier()
+    gc.collect()  # the run's cycles that hold the group (a finished Trainer's DDP wrapper), freed while Python is whole
     dist.destroy_process_group()
