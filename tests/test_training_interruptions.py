@@ -22,9 +22,9 @@ from training_script import SCRIPTS, synthetic_corpus, train_args
 # The training script with every step slowed down (so that a signal or a second run lands mid-way), writing a
 # marker file once training has begun. Optionally, to place a kill: from step HOLD_AFTER on, process 1 sleeps before
 # its step and process 0 writes HELD_MARKER as it goes into its own, where it then waits for process 1 in a
-# collective; and `LOST_DELAY` seconds more to work out which process ended, as on a loaded machine. At the
-# interpreter's exit it says how many DDP wrappers (each holding the process group, with gloo's threads) are left for
-# the exit to free.
+# collective; and `LOST_DELAY` seconds more to work out which process ended, as on a loaded machine. With
+# `LEFT_FOR_THE_EXIT` set, it says at the interpreter's exit how many DDP wrappers (each holding the process group,
+# with gloo's threads) are left for the exit to free.
 SLOW_STEPS = """
 import atexit, gc, os, runpy, sys, time
 from pathlib import Path
@@ -54,7 +54,8 @@ def left_for_the_exit():
 
 VaswaniSeq2SeqTrainer.training_step = slow_step
 Peers.lost = slow_lost
-atexit.register(left_for_the_exit)
+if os.environ.get("LEFT_FOR_THE_EXIT"):
+    atexit.register(left_for_the_exit)
 sys.argv = sys.argv[2:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -250,7 +251,8 @@ def test_two_process_runs_end_cleanly_every_time(corpus, tmp_path):
     left for the interpreter's exit to free (gloo's threads ending there is the abort, rare but seen in CI)."""
     for run in range(3):
         output_dir = tmp_path / f"run-{run}"
-        ended = run_to_the_end(two_process_argv(corpus, output_dir, tmp_path, "--max_steps", "8"), tmp_path, slow=0)
+        ended = run_to_the_end(two_process_argv(corpus, output_dir, tmp_path, "--max_steps", "8"), tmp_path, slow=0,
+                               LEFT_FOR_THE_EXIT="1")
         assert [line for line in ended.stderr.splitlines() if "left for the interpreter's exit" in line] == [
             "DDP wrappers left for the interpreter's exit: 0"] * 2, ended.stderr[-3000:]
         assert checkpoint_steps(output_dir) == [4, 8] and (output_dir / "model.safetensors").is_file()
