@@ -7,6 +7,10 @@ Each part's self time (its time less that of the parts it calls) comes from forw
 wrappers around the loop's functions. The instrumented pass is slower than a plain one (the hooks' cost lands mostly
 in the loop's part); the plain totals (fastest of `--repeats`) are the ones to compare with CTranslate2's.
 
+The instrumented pass also records every call of a linear layer (encoder, decoder and output layer: the layer and its
+input's shape), which are then replayed alone, without hooks, in the same order on inputs of the same shapes: the time
+the engine's products take by themselves, which no change around them can shorten.
+
     python benchmarks/profile_decoding.py --model outputs/en-fr-small --threads 2
     python benchmarks/profile_decoding.py --size base --forced 16 --tokenizer outputs/en-fr-small --threads 2
 """
@@ -64,10 +68,13 @@ class StepTimer(contextlib.ExitStack):
 
     def __init__(self, model):
         super().__init__()
-        self.seconds, self.frames, self.decoder_calls = collections.Counter(), [], 0
+        self.seconds, self.frames, self.decoder_calls, self.linear_calls = collections.Counter(), [], 0, []
         for path, module in model.named_modules():
             if module is not model:
                 part = module_part(path, module)
+                if hasattr(module, "in_features"):  # nn.Linear and the engine's replacements for it
+                    self.callback(module.register_forward_pre_hook(
+                        lambda layer, inputs: self.linear_calls.append((layer, tuple(inputs[0].shape)))).remove)
                 self.callback(module.register_forward_pre_hook(lambda *_, part=part: self.start(part)).remove)
                 self.callback(module.register_forward_hook(lambda *_: self.stop()).remove)
         self.callback(model.model.decoder.register_forward_pre_hook(lambda *_: self.count()).remove)
@@ -107,6 +114,20 @@ class StepTimer(contextlib.ExitStack):
         self.callback(setattr, owner, name, original)
 
 
+def replay_seconds(calls: list, repeats: int) -> float:
+    """The fastest of `repeats` replays of `calls` ((layer, input shape) in the order the pass made them), without
+    hooks or anything between them, as a decoding step calls them (no autograd)."""
+    inputs = {shape: torch.randn(shape) for shape in {shape for _, shape in calls}}
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for layer, shape in calls:
+                layer(inputs[shape])
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def run_batches(engine, batches, beams, new_tokens, stop_at_eos) -> float:
     """The seconds `engine` takes to translate `batches`, one after another."""
     return sum(engine.timed_translate(batch, beams, new_tokens, stop_at_eos)[1] for batch in batches)
@@ -143,8 +164,10 @@ def profile(args) -> dict:
             instrumented, timer = min(timers, key=lambda pair: pair[0])
             timer.seconds[PARTS[-1]] += instrumented - sum(timer.seconds.values())
             steps = timer.decoder_calls - len(batches)  # the first call of a batch reads the prompt
+            linear_alone = replay_seconds(timer.linear_calls, args.repeats)
             results["searches"].append({"beams": beams, "plain_seconds": min(plain), "ct2_float32_seconds": min(ct2),
                                         "instrumented_seconds": instrumented, "decoding_steps": steps,
+                                        "linear_calls": len(timer.linear_calls), "linear_alone_seconds": linear_alone,
                                         "parts_seconds": {part: timer.seconds[part] for part in PARTS}})
             print(f"beams {beams}: vaswani {min(plain):.2f} s, ct2-float32 {min(ct2):.2f} s, instrumented "
                   f"{instrumented:.2f} s over {steps} steps", flush=True)
@@ -154,6 +177,7 @@ def profile(args) -> dict:
 def table(searches: list[dict]) -> tuple[list[dict], list[Column]]:
     """One row per part, then the totals; per search, ms, % of the instrumented pass and µs per decoding step."""
     totals = {"total, instrumented": "instrumented_seconds", "**total, plain (no hooks)**": "plain_seconds",
+              "linear layers alone (the pass's calls replayed, no hooks)": "linear_alone_seconds",
               "**CTranslate2 float32, same batches**": "ct2_float32_seconds"}
     rows = [{"part": part} for part in [*PARTS, *totals, "decoding steps (batch calls after the first)",
                                         "**Vaswani ÷ CTranslate2 float32 time**"]]

@@ -361,6 +361,31 @@ def _tiny_checkpoint(tmp_path) -> str:
     return str(tmp_path / "model")
 
 
+def test_decoding_profile_splits_a_step_and_replays_its_linear_layers(corpus, tmp_path):
+    """profile_decoding.py on the tiny checkpoint, greedy: every part of a step timed, the plain and CTranslate2
+    totals, and the pass's linear-layer calls replayed alone: every one the pass made, taking less time than the whole
+    plain pass."""
+    if not importlib.util.find_spec("ctranslate2"):
+        pytest.skip("compares with CTranslate2")
+    module = load("profile_decoding")
+    path = module.main(["--model", _tiny_checkpoint(tmp_path), "--corpus", str(corpus), "--threads", "1",
+                        "--num_sentences", "8", "--batch_size", "4", "--beams", "1", "--repeats", "1",
+                        "--results_dir", str(tmp_path / "results")])
+    check_report(path, "profile_decoding", {"part"})
+    [search] = json.loads(path.read_text())["settings"]["searches"]
+    assert set(search["parts_seconds"]) == set(module.PARTS)
+    assert 0 < search["linear_alone_seconds"] < search["plain_seconds"]
+    from vaswani import VaswaniForConditionalGeneration
+
+    config = VaswaniForConditionalGeneration.from_pretrained(tmp_path / "model").config
+    # A batch's encoder (q/k/v/o, fc1, fc2 a layer) and first decoder call, which also projects the cross-attention
+    # keys and values; then each step: self q/k/v/o, cross q/o, fc1, fc2 a layer, and the output layer.
+    batches, step = 2, 8 * config.decoder_layers + 1
+    first = 6 * config.encoder_layers + step + 2 * config.decoder_layers
+    assert search["linear_calls"] == batches * first + search["decoding_steps"] * step
+    assert "linear layers alone (the pass's calls replayed, no hooks)" in path.with_suffix(".md").read_text()
+
+
 def test_translation_benchmark_refuses_an_unknown_stopping_mode(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("bench_translation").main(["--stopping", "eos,never"])
