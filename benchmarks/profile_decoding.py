@@ -9,7 +9,8 @@ in the loop's part); the plain totals (fastest of `--repeats`) are the ones to c
 
 The instrumented pass also records every call of a linear layer (encoder, decoder and output layer: the layer and its
 input's shape), which are then replayed alone, without hooks, in the same order on inputs of the same shapes: the time
-the engine's products take by themselves, which no change around them can shorten.
+the engine's linear layers (their kernels and their own Python) take by themselves, which no change elsewhere in the
+step can shorten.
 
     python benchmarks/profile_decoding.py --model outputs/en-fr-small --threads 2
     python benchmarks/profile_decoding.py --size base --forced 16 --tokenizer outputs/en-fr-small --threads 2
