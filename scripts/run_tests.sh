@@ -8,4 +8,12 @@ bash scripts/setup.sh
 # files, so that a file's module fixtures (a trained model, a torchrun launch) are built once.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc counts no more CPUs than those variables name
-python3 -m pytest -q -n "${TEST_PROCESSES:-$((cpus < 8 ? cpus : 8))}" --dist loadfile "$@"
+# --quick: the edit loop's tier, every test that starts no process and is not marked slow (tests/conftest.py skips a
+# test at the moment it starts a process). CI runs the whole suite. Each run ends with its 15 slowest tests.
+tier=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  export VASWANI_QUICK_TESTS=1
+  tier=(-m "not slow")
+fi
+python3 -m pytest -q -n "${TEST_PROCESSES:-$((cpus < 8 ? cpus : 8))}" --dist loadfile --durations=15 "${tier[@]}" "$@"

@@ -159,6 +159,36 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
 
 
+# `scripts/run_tests.sh --quick` sets this: the edit loop's tier, every test that starts no process.
+QUICK_TIER = os.environ.get("VASWANI_QUICK_TESTS") == "1"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quick_tier_starts_no_process():
+    """In the quick tier, a test (or a fixture it uses) that starts a process is skipped at that moment: whatever
+    starts one (subprocess, a launcher, multiprocessing, a compiler that inductor calls) goes through these calls,
+    so the tier needs no list of such tests that could fall behind them. The full suite runs everything. Session-
+    scoped so that it applies before any module fixture, and a fixture, so that it never runs in xdist's controller,
+    which starts the workers."""
+    if not QUICK_TIER:
+        yield
+        return
+    import multiprocessing.util
+    import subprocess
+
+    def starts_a_process(*args, **kwargs):
+        pytest.skip("starts a process: the full suite runs it (the quick tier runs none)")
+
+    patcher = pytest.MonkeyPatch()
+    patcher.setattr(subprocess.Popen, "__init__", starts_a_process)
+    patcher.setattr(multiprocessing.util, "spawnv_passfds", starts_a_process)  # the spawn and forkserver methods
+    for name in ("fork", "posix_spawn", "posix_spawnp", "system"):
+        if hasattr(os, name):
+            patcher.setattr(os, name, starts_a_process)
+    yield
+    patcher.undo()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same random state, so weight initialisation is reproducible test by test."""
