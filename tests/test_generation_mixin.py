@@ -14,6 +14,7 @@ an accelerator, flash attention or torch.compile.
 contracts. Configs are tiny (width 16, 2 + 2 layers, 4 heads; prompts of 7 tokens, batch 2), as the mixin's are.
 """
 
+import dataclasses
 import inspect
 import unittest
 
@@ -34,21 +35,18 @@ from vaswani.modeling_vaswani import CACHE_NAME, shift_tokens_right
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-PAD, EOS = 0, 1
 
-
+@dataclasses.dataclass
 class GenerationModelTester:
     """A tiny config and a batch of prompts, after the upstream suite's tester (tests/test_upstream_suite.py)."""
 
-    def __init__(self, is_encoder_decoder: bool, batch_size=13, seq_length=7, vocab_size=99, hidden_size=16,
-                 num_hidden_layers=2, num_attention_heads=4):
-        self.is_encoder_decoder = is_encoder_decoder
-        self.batch_size = batch_size
-        self.seq_length = seq_length
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
+    is_encoder_decoder: bool
+    batch_size: int = 13
+    seq_length: int = 7
+    vocab_size: int = 99
+    hidden_size: int = 16
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
 
     def get_config(self, **overrides) -> VaswaniConfig:
         return VaswaniConfig(
