@@ -1,7 +1,7 @@
 """Contracts every in-library transformers model keeps, which transformers' own common tests (tests/test_upstream_suite.py)
 found broken: tuples on `return_dict=False`, pre-shifted `shift_labels`, a checkpoint without the shared embedding
-table, the deprecated cache argument, left-padded prompts of the decoder-only model, and positions with a custom 4D
-mask as transformers' generation tests pass them.
+table, the deprecated cache argument, and left-padded prompts of the decoder-only model. (Positions with a custom 4D
+mask, as transformers' generation tests pass them: tests/test_generation_mixin.py.)
 """
 
 import warnings
@@ -129,31 +129,3 @@ def test_the_decoder_side_config_has_the_decoder_vocabulary(separate):
     config = VaswaniConfig.tiny(vocab_size=99, **overrides)
     assert config.get_text_config(decoder=True).vocab_size == (150 if separate else 99)
     assert config.get_text_config(encoder=True).vocab_size == 99
-
-
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-@pytest.mark.parametrize("model_class", [VaswaniForCausalLM, VaswaniForConditionalGeneration],
-                         ids=lambda cls: cls.__name__)
-def test_a_custom_4d_mask_with_positions_shares_a_prefix_as_separate_rows_would(model_class, attn_implementation):
-    """transformers' generation tests (`test_custom_4d_attention_mask`, not in the release's sdist, so not run by
-    tests/test_upstream_suite.py) pass rows with `position_ids` alone, then the same rows as one shared prefix with a
-    4D float mask in which the three last tokens do not see each other and share a position: the last tokens' next-
-    token distributions must agree. The translation model takes both on its decoder side."""
-    model = model_class(tiny_config(attn_implementation=attn_implementation)).eval()
-    prefix = [5, 6, 7]
-    rows = torch.tensor([prefix + [8], prefix + [9], prefix + [10]])
-    shared = torch.tensor([prefix + [8, 9, 10]])
-    allowed = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
-                            [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 0, 1]])
-    mask = allowed.eq(0)[None, None].float() * torch.finfo(torch.float32).min
-    if model_class is VaswaniForCausalLM:
-        separate = {"input_ids": rows}
-        together = {"input_ids": shared, "attention_mask": mask}
-    else:
-        source = torch.tensor([[11, 12, 13, 1]])
-        separate = {"input_ids": source.expand(3, -1), "decoder_input_ids": rows}
-        together = {"input_ids": source, "decoder_input_ids": shared, "decoder_attention_mask": mask}
-    with torch.no_grad():
-        last = model(**separate, position_ids=torch.arange(4).expand(3, -1)).logits[:, -1].softmax(-1)
-        shared_last = model(**together, position_ids=torch.tensor([[0, 1, 2, 3, 3, 3]])).logits[0, -3:].softmax(-1)
-    torch.testing.assert_close(last, shared_last, rtol=1e-3, atol=1e-4)

@@ -475,3 +475,28 @@ def test_shape_buckets_as_cuda_graphs_train_as_eager_does(tmp_path, monkeypatch)
     graphed = logged(trainer, "loss")
     trainer, _ = bucketed_run(monkeypatch, corpus, tmp_path / "eager", *steps)
     torch.testing.assert_close(graphed, logged(trainer, "loss"), rtol=1e-3, atol=1e-4)
+
+
+def test_a_run_logs_only_what_its_loggers_take(tmp_path, monkeypatch, caplog):
+    """The Trainer's loggers (TensorBoard's, as the main job reports to) take numbers and strings; anything else
+    they drop with a warning of their own. Every logged entry holds only those, and the list naming the slow steps
+    is in metrics.json alone."""
+    trainers = []
+
+    class Trainer(VaswaniSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    monkeypatch.setattr(vaswani.training, "VaswaniSeq2SeqTrainer", Trainer)
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=100)
+    arguments = train_args(corpus, tmp_path / "out", "--max_steps", "4", "--logging_steps", "2", "--use_cpu",
+                           "--max_test_samples", "2", "--generation_num_beams", "1")
+    arguments[arguments.index("--report_to") + 1] = "tensorboard"
+    with caplog.at_level("WARNING"):
+        script_main("train_translation")(arguments)
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("transformers")]
+    logged = [(name, value) for entry in trainers[-1].state.log_history for name, value in entry.items()]
+    assert any(name == "train_slow_steps" for name, _ in logged)
+    assert [(name, value) for name, value in logged if not isinstance(value, (int, float, str))] == []
+    assert isinstance(json.loads((tmp_path / "out" / "metrics.json").read_text())["train_slow_steps_named"], list)

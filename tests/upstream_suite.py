@@ -9,7 +9,8 @@ The sdist ships only the top-level `tests/test_*.py` files (setuptools' default)
 `test_modeling_common.py` and `test_configuration_common.py` import at module level. Those get a stand-in
 (docs/upstream-suite.md lists what each leaves out):
 
-* `generation/test_utils.py` (`GenerationTesterMixin`): an empty mixin, so the generate() tests do not run;
+* `generation/test_utils.py` (`GenerationTesterMixin`): an empty mixin, so the generate() tests do not run here
+  (tests/test_generation_mixin.py runs those that apply, in their image);
 * `exporters/test_export.py` (`ExportTesterMixin`, a base of `ModelTesterMixin`): an empty mixin, no export tests;
 * `utils/test_configuration_utils.py` (`config_common_kwargs`, the data of `ConfigTester.check_config_arguments_init`):
   None, and tests/test_upstream_suite.py skips that one check, saying why.

@@ -978,6 +978,18 @@ class VaswaniModel(VaswaniPreTrainedModel):
         if self.config.share_embeddings:
             self.shared = self.decoder.embed_tokens = value
 
+    def decoder_inputs_from_source(self, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's inputs when a caller gives neither them nor labels: the source shifted right, as transformers'
+        encoder-decoders (BART, T5) make them and its common tests expect. Source ids are target ids only when both
+        sides read one vocabulary."""
+        if input_ids is None:
+            raise ValueError("Pass decoder_input_ids, decoder_inputs_embeds or labels, or input_ids for the decoder to "
+                             "read shifted right.")
+        if self.config.decoder_vocab_size is not None:
+            raise ValueError("This model has a target vocabulary of its own (decoder_vocab_size), so source ids cannot "
+                             "stand in for the decoder's inputs: pass decoder_input_ids or labels.")
+        return shift_tokens_right(input_ids, self.config.pad_token_id, self.config.decoder_start_token_id)
+
     @can_return_tuple
     def forward(
         self,
@@ -998,8 +1010,11 @@ class VaswaniModel(VaswaniPreTrainedModel):
         each pair: rows of several sentence pairs (as `packing.PackedSeq2SeqCollator` makes them), the k-th target of
         a row translating its k-th source; attention stays within each pair (`packed_attention_mask`). Given alone,
         `position_ids` are the positions of the decoder's tokens, whose outputs come out, as for a decoder-only model
-        and as a stock caller (transformers' common tests) means them; `decoder_position_ids` alone are the same."""
+        and as a stock caller (transformers' common tests) means them; `decoder_position_ids` alone are the same.
+        Without decoder inputs, the decoder reads `input_ids` shifted right (`decoder_inputs_from_source`)."""
         cache = cache_argument(cache, kwargs)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self.decoder_inputs_from_source(input_ids)
         packed = position_ids is not None and decoder_position_ids is not None
         if not packed:  # at most one of them is given: the decoder's positions
             decoder_position_ids = position_ids if decoder_position_ids is None else decoder_position_ids

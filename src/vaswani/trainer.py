@@ -68,7 +68,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
       so far (`elapsed_seconds`). A step whose forward and backward took far longer than the median step is logged
       with its batch's shape and the graphs compiled during it (`training_clock.SlowSteps`), and counted in the
       final metrics' `train_slow_steps` and `train_slow_steps_seconds`, those that compiled a graph in
-      `train_slow_steps_recompiling`, the first ones by step in `train_slow_steps_named`;
+      `train_slow_steps_recompiling`, the first ones by step in `train_slow_steps_named` (a list: in `metrics.json`
+      only, not logged, since the Trainer's loggers take scalars);
     * with `eval_texts` (the evaluation split's text, in `eval_dataset`'s order) and `predict_with_generate`,
       `evaluate()` scores the translations of the package's one translation path (`score_split`), as the final
       test evaluation does, beside the Trainer's own evaluation loss (`evaluation_loop`).
@@ -342,7 +343,6 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         metrics["train_slow_steps"] = self.slow_steps.count
         metrics["train_slow_steps_seconds"] = round(self.slow_steps.seconds, 2)
         metrics["train_slow_steps_recompiling"] = self.slow_steps.recompiling
-        metrics["train_slow_steps_named"] = self.slow_steps.named
         return metrics
 
     def padding_fraction(self) -> float | None:

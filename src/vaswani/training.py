@@ -320,6 +320,8 @@ def train(trainer: VaswaniSeq2SeqTrainer, last_checkpoint: str | None) -> dict:
     metrics["train_steps"] = trainer.state.global_step
     metrics["train_world_size"] = trainer.args.world_size
     metrics["train_padding_fraction"] = trainer.padding_fraction()
+    # A list, so not among the logged metrics: the Trainer's loggers (TensorBoard's) take scalars and strings only.
+    metrics["train_slow_steps_named"] = trainer.slow_steps.named
     return metrics
 
 
