@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Shell scripts that pass their arguments on to a Python script.
 PASSED_ON = {"main_job": "train_translation"}
+# The shell scripts' own flags (run_tests.sh passes the rest on to pytest, whose flags are not checked).
+SHELL_FLAGS = {"run_tests": {"--quick"}}
 # Flags removed on purpose, with the record that says why: a doc may name one only in a paragraph that links it.
 REMOVED = {"--int8": "int8-cpu-decision.md"}
 
@@ -84,7 +86,7 @@ def parsers():
 
 @pytest.fixture(scope="module")
 def flags(parsers):
-    return {name: _option_strings(parser) for name, parser in parsers.items()}
+    return {**{name: _option_strings(parser) for name, parser in parsers.items()}, **SHELL_FLAGS}
 
 
 def _commands(text: str):
