@@ -188,6 +188,21 @@ def checkpoint(trained, tmp_path_factory):
     return path
 
 
+def greedy_checkpoint(checkpoint, path, **generation):
+    """A copy of `checkpoint` whose generation config decodes greedily (or as `generation` says)."""
+    import shutil
+
+    from vaswani import VaswaniForConditionalGeneration
+
+    shutil.copytree(checkpoint, path)
+    model = VaswaniForConditionalGeneration.from_pretrained(path)
+    model.generation_config.num_beams, model.generation_config.length_penalty = 1, None
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    model.generation_config.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def single_thread():
     """Run a test on one intra-op thread. For these tiny models, thread synchronisation costs more than it saves, and

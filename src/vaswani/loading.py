@@ -22,6 +22,7 @@ tokenizer that is missing or does not fit the model.
 import functools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -31,9 +32,10 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Gener
 from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
-from .files import read_json_object
+from .files import exclusive, read_json_object, write_atomically
 from .generation_vaswani import runs_as
 from .inference import compile_decoding_steps, keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
+from .machine import cache_dir, machine
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
@@ -84,13 +86,54 @@ def bf16_product_speedup(rows: int = 1024, width: int = 256, repeats: int = 20) 
     return best[torch.float32] / best[torch.bfloat16]
 
 
+# bf16 pays only where its products are faster than fp32's by this factor in every one of `CPU_BF16_ROUNDS` timings.
+# One machine's timings differ by a few hundredths (0.53, 0.54, 0.55 on an Intel Xeon without AMX) and the CPUs
+# measured differ by far more (that Xeon 0.53 ×; bf16 training 1.6 × fp32's tokens/s on an AMD EPYC with
+# AVX512-BF16: benchmarks/results/cpu-bf16-products.md, training-cpu-bf16.md), so no spread between runs crosses it.
+CPU_BF16_MARGIN = 1.2
+CPU_BF16_ROUNDS = 3
+# Where the answer is kept for this machine (`vaswani.machine.cache_dir`).
+CPU_BF16_RECORD = "cpu-bf16.json"
+
+
 @functools.cache
 def cpu_multiplies_bf16() -> bool:
     """Whether bf16 products are faster than fp32 ones on this CPU, so that bf16 pays: bf16 matrix instructions are
     needed (without them bf16 is converted to fp32 around every product) but not enough. Where an AMD EPYC with
     AVX512-BF16 trains faster in bf16, an Intel Xeon with AVX512-BF16 and no AMX multiplies bf16 slower than fp32
-    (benchmarks/results/cpu-bf16-products.md), so the products are timed, once per process (about 0.2 s)."""
-    return cpu_bf16_flags() and bf16_product_speedup() > 1.0
+    (benchmarks/results/cpu-bf16-products.md), so the products are timed (`CPU_BF16_ROUNDS` rounds of about 0.2 s;
+    yes only where every round is `CPU_BF16_MARGIN` × faster), once per machine: the answer and its speedups are
+    recorded in `cache_dir()/cpu-bf16.json` under this machine's key (`vaswani.machine.machine`, any thread count)
+    and read by every later process, so that one machine always trains and decodes in the same precision."""
+    if not cpu_bf16_flags():
+        return False
+    key = machine(threads=None)
+    path = cache_dir(CPU_BF16_RECORD)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with exclusive(path, wait=True):
+            records = read_records(path)
+            for record in records:
+                if record["machine"] == key:
+                    return record["bf16"]
+            speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
+            records.append({"machine": key, "speedups": speedups, "bf16": min(speedups) >= CPU_BF16_MARGIN})
+            write_atomically(path, json.dumps({"records": records}, indent=1))
+    except OSError as error:  # a cache that cannot be written: decided for this process alone, and said so
+        speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
+        print(f"bf16 products timed {speedups} × fp32's on this CPU; not recorded, {path} cannot be written "
+              f"({error}).", file=sys.stderr, flush=True)
+    return min(speedups) >= CPU_BF16_MARGIN
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a per-machine file (`{"records": [...]}`), none where it is missing or not whole."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = json.load(f)["records"]
+        return records if isinstance(records, list) else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 # The narrowest models for which bf16 weights decode faster than the fp32 engine (its linear layers laid out for
