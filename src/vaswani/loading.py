@@ -151,7 +151,8 @@ def named_dtype(name: str, int8: bool = False) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r}; choose auto, {', '.join(DTYPES)}.")
     if int8 and name != "float32":
-        raise ValueError("--int8 quantizes fp32 weights; leave --dtype at auto or float32 with it.")
+        raise ValueError("int8=True quantizes fp32 weights; leave dtype at auto or float32 with it. On the command "
+                         "line, int8 decoding is CTranslate2's: --ctranslate2 --compute_type int8.")
     return DTYPES[name]
 
 
@@ -201,8 +202,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
 
     `ctranslate2`: True, CTranslate2 decodes the export in `model_dir` (`model.bin`); False, the PyTorch checkpoint
     decodes; None (the default), whichever `model_dir` holds. `export_of`: the checkpoint that `model_dir` is the
-    cached export of (`vaswani.export.load_default_engine`, which makes it when asked to decode a checkpoint with
-    CTranslate2), named in the engine's description and its truncation warning.
+    cached export of (`vaswani.engine_choice.load_default_engine`, which makes it when asked to decode a checkpoint
+    with CTranslate2), named in the engine's description and its truncation warning.
 
     `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
     `int8`, `decoding`, `attn_implementation` and `pack` as `load_translator` takes them, `slots` as `TorchEngine` does; for
@@ -239,7 +240,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of,
                                  positions=positions)
     if compute_type != "default":
-        raise ValueError("--compute_type is CTranslate2's; for a PyTorch checkpoint use --dtype or --int8.")
+        raise ValueError("--compute_type is CTranslate2's: add --ctranslate2 (--ctranslate2 --compute_type int8 decodes "
+                         "a checkpoint in int8); the PyTorch engine takes --dtype.")
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
@@ -288,7 +290,7 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise,
     with `pack`, fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused,
     process-wide (`keep_freed_cpu_memory`). Reusing memory decoded faster with the same translations; oneDNN did on
-    some CPUs and not on others, which `vaswani.export.load_default_engine` times (benchmarks/results/README.md, "CPU
+    some CPUs and not on others, which scripts/choose_engine.py times (`vaswani.engine_choice`) (benchmarks/results/README.md, "CPU
     linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`):
     "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs", elsewhere the model's default:
     `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the same outputs as transformers'
