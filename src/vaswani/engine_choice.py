@@ -44,8 +44,8 @@ from .files import exclusive, write_atomically
 from .generation_vaswani import runs_as
 from .inference import PackedLinear
 from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, checkpoint_decoding, choose_device,
-                      load_engine, pytorch_options, read_records)
-from .machine import machine
+                      load_engine, pytorch_options)
+from .machine import machine, read_records
 from .translation import CTranslate2Engine, DecodingSettings, translate
 
 # The record beside a checkpoint's weights.
@@ -132,7 +132,7 @@ def recorded_choice(model_dir: str, **decoding_overrides) -> EngineChoice | None
     path = os.path.join(model_dir, CHOICE_FILE)
     if not os.path.isfile(path):
         return None
-    key = choice_key(model_dir, **decoding_overrides)
+    key = choice_key(decoding_of(model_dir, **decoding_overrides))
     for record in read_records(path):
         if {name: record.get(name) for name in key} == key:
             return EngineChoice(record["engine"], f"the record for this machine in {path}", record["seconds"],
@@ -140,15 +140,15 @@ def recorded_choice(model_dir: str, **decoding_overrides) -> EngineChoice | None
     return None
 
 
-def choice_key(model_dir: str, **decoding_overrides) -> dict:
-    """What a recorded choice holds for: this machine at this thread count, and the checkpoint's decoding settings
-    with `decoding_overrides` (resolved, so that `--num_beams 4` and a checkpoint's own 4 are one)."""
-    settings = decoding_of(model_dir, **decoding_overrides)
+def choice_key(settings: DecodingSettings) -> dict:
+    """What a recorded choice holds for: this machine at this thread count, and the decoding `settings` (resolved,
+    so that `--num_beams 4` and a checkpoint's own 4 are one)."""
     key = {"machine": machine(torch.get_num_threads()), "decoding": settings.record()}
     return json.loads(json.dumps(key))  # as a record reads back: lists, not tuples
 
 
 def decoding_of(model_dir: str, **decoding_overrides) -> DecodingSettings:
+    """The checkpoint's decoding settings with `decoding_overrides`, as `load_engine` resolves them."""
     check_checkpoint_dir(model_dir)
     return checkpoint_decoding(model_dir, AutoConfig.from_pretrained(model_dir, trust_remote_code=False),
                                **decoding_overrides)
@@ -189,6 +189,7 @@ def choose_engine(model_dir: str, sentences: Sequence[str], *, max_tokens: int, 
         raise NotADirectoryError(f"{model_dir} is not a local checkpoint directory; the engine choice is written "
                                  "beside the weights.")
     settings = decoding_of(model_dir, **decoding_overrides)
+    key = choice_key(settings)
     sample = choice_sample(sentences)
     if not sample:
         raise ValueError("no sentences to time the engines on: give a file of the sentences you will translate.")
@@ -210,7 +211,6 @@ def choose_engine(model_dir: str, sentences: Sequence[str], *, max_tokens: int, 
     path = os.path.join(model_dir, CHOICE_FILE)
     described = (f"{len(sample)} sentences, batches of {max_tokens:,} tokens"
                  + (f" and {max_sentences} sentences" if max_sentences else "") + f", {threads} thread(s)")
-    key = choice_key(model_dir, **decoding_overrides)
     fastest = min(seconds, key=seconds.get)
     seconds = {name: round(value, 4) for name, value in seconds.items()}
     with exclusive(path, wait=True):

@@ -35,7 +35,7 @@ from .decoding import use_lean_decoding
 from .files import exclusive, read_json_object, write_atomically
 from .generation_vaswani import runs_as
 from .inference import compile_decoding_steps, keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
-from .machine import cache_dir, machine
+from .machine import cache_dir, machine, read_records
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
@@ -124,16 +124,6 @@ def cpu_multiplies_bf16() -> bool:
         print(f"bf16 products timed {speedups} × fp32's on this CPU; not recorded, {path} cannot be written "
               f"({error}).", file=sys.stderr, flush=True)
     return min(speedups) >= CPU_BF16_MARGIN
-
-
-def read_records(path: str) -> list[dict]:
-    """The records of a per-machine file (`{"records": [...]}`), none where it is missing or not whole."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            records = json.load(f)["records"]
-        return records if isinstance(records, list) else []
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
 
 
 # The narrowest models for which bf16 weights decode faster than the fp32 engine (its linear layers laid out for

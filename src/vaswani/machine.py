@@ -3,10 +3,13 @@
 A timing holds for one CPU, its kernels and the versions that chose them (`machine`): under a hypervisor the CPU's
 name can be only its vendor's line, so its family and model numbers are part of it (`cpu_name`). What is measured
 once per machine and kept (`cache_dir`): whether bf16 products pay (`vaswani.loading.cpu_multiplies_bf16`) and the
-checkpoints' cached CTranslate2 exports (`vaswani.export.cached_export`).
+checkpoints' cached CTranslate2 exports (`vaswani.export.cached_export`). Records made per machine are read from
+files of `{"records": [...]}` (`read_records`): that bf16 answer, and a checkpoint's engine choice
+(`vaswani.engine_choice`).
 """
 
 import importlib.metadata
+import json
 import os
 import platform
 
@@ -55,3 +58,13 @@ def cache_dir(*parts: str) -> str:
     """$XDG_CACHE_HOME/vaswani/<parts>, else ~/.cache/vaswani/<parts>: what is kept per machine."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "vaswani", *parts)
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a per-machine file (`{"records": [...]}`), none where it is missing or not whole."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = json.load(f)["records"]
+        return records if isinstance(records, list) else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
