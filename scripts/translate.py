@@ -29,7 +29,7 @@ The engine is chosen by vaswani.engine_choice, as evaluate_bleu.py's is, and the
 on a CPU, the one that scripts/choose_engine.py timed fastest on your sentences and recorded beside the checkpoint
 for this machine (the PyTorch engine, with its linear layers laid out for oneDNN or not, or the checkpoint's
 CTranslate2 float32 export, made once and cached); without such a record, the PyTorch engine. --ctranslate2 and
---no-ctranslate2 decide it. The first line on stderr names the engine that runs and why.
+--no-ctranslate2 decide it. A line "engine: …; chosen: …" on stderr names the engine that runs and why.
 """
 
 import argparse

@@ -99,8 +99,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "the same outputs, less work per step), compiled (lean with each step through "
                         "torch.compile, after one to two and a half minutes of compiling: 1.28 / 1.13 x the eager "
                         "engine's sentences/s (greedy / beam 4) on an Intel Xeon, 0.87 / 0.79 x on an AMD EPYC of "
-                        "family 26; benchmarks/results/README.md), graphs (lean with each step a replayed CUDA graph, for "
-                        "GPUs), or transformers (its own)")
+                        "family 26; benchmarks/results/README.md), graphs (lean with each step a replayed CUDA "
+                        "graph, for GPUs), or transformers (its own)")
     parser.add_argument("--slots", type=non_negative_int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "
                         "once by the next (vaswani.slots.decode_in_slots; each output as generate() "
