@@ -506,7 +506,7 @@ def test_a_cpu_rehearsing_cuda_takes_the_decisions_a_gpu_takes(monkeypatch):
 
 @pytest.mark.parametrize(("flags", "speedups", "chosen"), [
     (True, [1.6, 1.7, 1.6], True),  # bf16 instructions, its products faster (as on an AMD EPYC with AVX512-BF16)
-    (True, [0.53, 0.54, 0.55], False),  # bf16 instructions, its products slower (an Intel Xeon with AVX512-BF16, no AMX)
+    (True, [0.53, 0.54, 0.55], False),  # its products slower (an Intel Xeon with AVX512-BF16, no AMX)
     (True, [1.3, 1.1, 1.3], False),  # faster, but one round within the margin: not enough to change translations
     (False, [2.0, 2.0, 2.0], False),  # no bf16 instructions: not timed
 ])

@@ -230,8 +230,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of,
                                  positions=positions)
     if compute_type != "default":
-        raise ValueError("--compute_type is CTranslate2's: add --ctranslate2 (--ctranslate2 --compute_type int8 decodes "
-                         "a checkpoint in int8); the PyTorch engine takes --dtype.")
+        raise ValueError("--compute_type is CTranslate2's: add --ctranslate2 (--ctranslate2 --compute_type int8 "
+                         "decodes a checkpoint in int8); the PyTorch engine takes --dtype.")
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
@@ -280,14 +280,15 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise,
     with `pack`, fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused,
     process-wide (`keep_freed_cpu_memory`). Reusing memory decoded faster with the same translations; oneDNN did on
-    some CPUs and not on others, which scripts/choose_engine.py times (`vaswani.engine_choice`) (benchmarks/results/README.md, "CPU
-    linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`):
-    "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs", elsewhere the model's default:
-    `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the same outputs as transformers'
-    loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU),
-    "transformers" transformers' own loop (`lean_decoding=False`), "compiled" the lean loop with each step through
-    torch.compile (`vaswani.inference.compile_decoding_steps`: faster on a CPU once compiled, for long inputs). The
-    checks are the module docstring's.
+    some CPUs and not on others, which scripts/choose_engine.py times (`vaswani.engine_choice`;
+    benchmarks/results/README.md, "CPU linear layers" and "Freed memory reused"). `decoding` chooses the loop
+    behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs",
+    elsewhere the model's default: `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the
+    same outputs as transformers' loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a
+    replayed CUDA graph on a GPU), "transformers" transformers' own loop (`lean_decoding=False`), "compiled" the lean
+    loop with each step through torch.compile (`vaswani.inference.compile_decoding_steps`: once compiled, faster than
+    the eager engine on one CPU and slower on another, benchmarks/results/README.md). The checks are the module
+    docstring's.
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 
