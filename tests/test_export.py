@@ -161,6 +161,10 @@ def test_evaluate_bleu_script_with_ctranslate2(trained, checkpoint, tmp_path, ca
     exported = json.loads(capsys.readouterr().out)
 
     assert exported["engine"] == "ctranslate2 float32" and pytorch["engine"] == "pytorch float32"
+    # The report says why each engine decoded.
+    assert pytorch["engine_choice"] == {"engine": "pytorch", "reason": "--no-ctranslate2", "seconds": None,
+                                        "sample": None}
+    assert exported["engine_choice"]["reason"] == "--ctranslate2"
     assert exported["bleu"] == pytorch["bleu"] and exported["chrf"] == pytorch["chrf"]
     evaluate(["--model", str(checkpoint), "--ctranslate2", *files])  # a checkpoint: through its cached export
     cached = json.loads(capsys.readouterr().out)
