@@ -31,7 +31,7 @@ from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.convert import to_marian
 from vaswani.corpus import CORPUS_ENV_VAR, read_parallel_tsv, resolve_corpus_path
 from vaswani.data import load_translation_dataset
-from vaswani.engine_timing import cpu_name
+from vaswani.machine import cpu_name
 from vaswani.files import write_atomically
 from vaswani.generation_vaswani import runs_as
 from vaswani.loading import choose_device, named_dtype

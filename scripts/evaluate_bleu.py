@@ -9,10 +9,10 @@
 Whichever engine decodes, the sources go through `vaswani.translation.translate`, as in scripts/translate.py:
 batches of --batch_size sentences, longest first; sources longer than the model takes are truncated (a warning on
 stderr counts them). A decoding setting not given (--num_beams, --max_new_tokens, --length_penalty) is the
-checkpoint's, from its generation_config.json, as training evaluated it. The engine is load_engine's choice, as in
-scripts/translate.py (on a CPU, its cached CTranslate2 float32 export where that gives the checkpoint's translations
-and is faster on this CPU, timed once on these sources and remembered: vaswani.export.load_default_engine;
---ctranslate2 / --no-ctranslate2 decide it), named on stderr and in the report's "engine".
+checkpoint's, from its generation_config.json, as training evaluated it. The engine is chosen as in
+scripts/translate.py (vaswani.engine_choice: on a CPU the one scripts/choose_engine.py recorded beside the
+checkpoint for this machine, else PyTorch; --ctranslate2 / --no-ctranslate2 decide it), named with why on stderr
+and in the report's "engine" and "engine_choice".
 """
 
 import argparse
@@ -75,7 +75,7 @@ def evaluate(args: argparse.Namespace) -> None:
     if not sources:
         raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
-    engine = engine_from_args(args, sentences=sources)
+    engine = engine_from_args(args)
     hypotheses = translate(engine, sources, max_sentences=args.batch_size).texts
     result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     settings = engine.settings

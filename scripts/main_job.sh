@@ -37,6 +37,15 @@ python3 scripts/train_translation.py \
   --generation_num_beams 4 --per_device_eval_batch_size 64 \
   --max_test_samples "$TEST_SENTENCES" --seed 0 "$@"
 
+# Which engine translates this model on this CPU, chosen once and written beside it (engine_choice.json): the engines
+# that give its translations are timed on the test split's sources in translate.py's batches, and every later
+# translate.py / evaluate_bleu.py run on this machine reads the choice (vaswani.engine_choice). On a GPU they decode
+# there, so nothing is timed.
+if python3 -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
+  echo "== Engine choice on this CPU =="
+  python3 scripts/choose_engine.py --model "$OUTPUT_DIR"
+fi
+
 echo "== Seed sentences =="
 python3 scripts/translate.py --model "$OUTPUT_DIR" --num_beams 4 "I lost." "I'm calm." "I'm home."
 

@@ -25,15 +25,11 @@ positions are truncated (a warning on stderr counts them). --dtype auto translat
 multiplies it natively and that is faster (see vaswani.loading.choose_dtype), fp32 elsewhere. A decoding setting
 not given (--num_beams, --max_new_tokens, --length_penalty, the sampling ones) is the checkpoint's, from its
 generation_config.json; without a max_new_tokens there, each output may run to its source's length plus 50 tokens.
-The engine comes from vaswani.export.load_default_engine, as evaluate_bleu.py's does: on a CPU with ctranslate2
-installed, a checkpoint whose decoding settings CTranslate2 follows exactly (greedy search, or beams with
-early_stopping) translates through its float32 CTranslate2 export (made once, cached and made again when the weights
-change), which gives the same translations, where that export is the faster engine on this CPU; and the PyTorch
-engine lays its linear layers out for oneDNN where that is faster. Both are timed once per
-checkpoint, CPU and settings, on 4 batches of 32 sentences of like length from across the lengths of the first
-chunk (or of the arguments) of the first run that has 128, and remembered; until then the PyTorch engine decodes,
-laid out for oneDNN. --no-ctranslate2 keeps the PyTorch engine. The first line on stderr names the engine that
-runs.
+The engine is chosen by vaswani.engine_choice, as evaluate_bleu.py's is, and the same for every run on one machine:
+on a CPU, the one that scripts/choose_engine.py timed fastest on your sentences and recorded beside the checkpoint
+for this machine (the PyTorch engine, with its linear layers laid out for oneDNN or not, or the checkpoint's
+CTranslate2 float32 export, made once and cached); without such a record, the PyTorch engine. --ctranslate2 and
+--no-ctranslate2 decide it. A line "engine: …; chosen: …" on stderr names the engine that runs and why.
 """
 
 import argparse
@@ -50,7 +46,7 @@ from vaswani.cli import (
     user_errors_exit,
 )
 from vaswani.file_translation import (DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, check_resume_record,
-                                       first_lines, translate_file)
+                                       translate_file)
 from vaswani.files import check_output_file, exclusive
 
 
@@ -94,9 +90,7 @@ def main(argv=None):
     with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():
         sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p}
-        # The engines are timed on the run's own sentences where that choice is still to make: the first chunk's.
-        sentences = args.sentences or (first_lines(args.input_file, args.chunk_lines) if args.input_file else None)
-        engine = engine_from_args(args, processes.device(args.device), sentences, resumed, **sampling)
+        engine = engine_from_args(args, processes.device(args.device), resumed, **sampling)
         settings = {key: getattr(args, key) for key in ("model", "decoding", "slots", "ctranslate2",
                                                         "compute_type", *sampling)} | engine.settings
         stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None

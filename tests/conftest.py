@@ -7,6 +7,7 @@ drawn from [4, vocab_size) so that no test input accidentally contains a special
 import getpass
 import importlib.util
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -21,14 +22,14 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_aten_{os.environ['ATEN_CPU_CAPABILITY']}")
 
-# CTranslate2 exports that the tools cache (`vaswani.export.cached_export`) go to a directory of this run, inherited by
-# the scripts the tests start, never to the user's cache.
+# What the tools keep per machine (`vaswani.machine.cache_dir`: CTranslate2 exports, the bf16 answer) goes to a
+# directory of this run, inherited by the scripts the tests start, never to the user's cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="vaswani-test-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vaswani import VaswaniConfig  # noqa: E402
+from vaswani import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E402
 
 FIRST_ORDINARY_ID = 4
 # The start of a script for a fresh process in which `import vaswani` fails, as for a Hub user without the package:
@@ -215,6 +216,17 @@ def checkpoint(trained, tmp_path_factory):
     path = tmp_path_factory.mktemp("checkpoint") / "tiny"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def greedy_checkpoint(checkpoint, path, **generation):
+    """A copy of `checkpoint` whose generation config decodes greedily (or as `generation` says)."""
+    shutil.copytree(checkpoint, path)
+    model = VaswaniForConditionalGeneration.from_pretrained(path)
+    model.generation_config.num_beams, model.generation_config.length_penalty = 1, None
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    model.generation_config.save_pretrained(path)
     return path
 
 

@@ -126,7 +126,8 @@ def test_each_engine_refuses_the_others_settings_before_loading(checkpoint, tmp_
                            ({"no_repeat_ngram_size": 2, "decoding": "lean"}, "--decoding, --no_repeat_ngram_size")]:
         with pytest.raises(ValueError, match=f"^{named}: the PyTorch engine's"):
             loading.load_engine(str(export), **options)
-    with pytest.raises(ValueError, match="--compute_type is CTranslate2's"):
+    with pytest.raises(ValueError, match=r"--compute_type is CTranslate2's: add --ctranslate2 \(--ctranslate2 "
+                       "--compute_type int8 decodes"):
         loading.load_engine(str(checkpoint), compute_type="int8")
 
 
@@ -139,7 +140,7 @@ def test_one_rule_decides_where_the_decoder_starts(checkpoint):
 
 
 def test_a_named_precision_is_refused_with_int8_before_any_file_is_read(tmp_path):
-    with pytest.raises(ValueError, match="--int8 quantizes fp32 weights"):
+    with pytest.raises(ValueError, match="int8=True quantizes fp32 weights; .* --ctranslate2 --compute_type int8"):
         loading.load_translator(str(tmp_path / "not-there"), "cpu", dtype="bfloat16", int8=True)
 
 
@@ -503,19 +504,35 @@ def test_a_cpu_rehearsing_cuda_takes_the_decisions_a_gpu_takes(monkeypatch):
     assert read.stdout.strip() == "cuda", read.stderr
 
 
-@pytest.mark.parametrize(("flags", "speedup", "chosen"), [
-    (True, 1.6, True),  # bf16 instructions, and its products faster (as on an AMD EPYC with AVX512-BF16)
-    (True, 0.6, False),  # bf16 instructions, its products slower (as on an Intel Xeon with AVX512-BF16, no AMX)
-    (False, 2.0, False),  # no bf16 instructions: not timed
+@pytest.mark.parametrize(("flags", "speedups", "chosen"), [
+    (True, [1.6, 1.7, 1.6], True),  # bf16 instructions, its products faster (as on an AMD EPYC with AVX512-BF16)
+    (True, [0.53, 0.54, 0.55], False),  # its products slower (an Intel Xeon with AVX512-BF16, no AMX)
+    (True, [1.3, 1.1, 1.3], False),  # faster, but one round within the margin: not enough to change translations
+    (False, [2.0, 2.0, 2.0], False),  # no bf16 instructions: not timed
 ])
-def test_a_cpu_multiplies_in_bf16_only_where_its_bf16_products_are_faster(monkeypatch, flags, speedup, chosen):
+def test_a_cpu_multiplies_in_bf16_only_where_every_round_of_its_products_is_faster_by_the_margin(
+        monkeypatch, tmp_path, flags, speedups, chosen):
+    """Timed once per machine, not per process: the answer is recorded under the machine's key and read by every
+    later process, whatever its own timing would say."""
     timed = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(loading, "cpu_bf16_flags", lambda: flags)
-    monkeypatch.setattr(loading, "bf16_product_speedup", lambda: timed.append(1) or speedup)
+
+    def timing():
+        timed.append(1)
+        return speedups[len(timed) - 1]
+
+    monkeypatch.setattr(loading, "bf16_product_speedup", timing)
     loading.cpu_multiplies_bf16.cache_clear()
     try:
-        assert loading.cpu_multiplies_bf16() is chosen
-        assert loading.cpu_multiplies_bf16() is chosen and len(timed) == flags  # timed once per process, if at all
+        assert loading.cpu_multiplies_bf16() is chosen and len(timed) == loading.CPU_BF16_ROUNDS * flags
+        loading.cpu_multiplies_bf16.cache_clear()  # as a new process
+        speedups[:] = [1 / value for value in speedups]  # which would answer otherwise, were it timed again
+        timed.clear()
+        assert loading.cpu_multiplies_bf16() is chosen and not timed
+        if flags:
+            record = json.loads((tmp_path / "vaswani" / loading.CPU_BF16_RECORD).read_text())["records"]
+            assert len(record) == 1 and record[0]["bf16"] is chosen and record[0]["machine"]["threads"] is None
     finally:
         loading.cpu_multiplies_bf16.cache_clear()
 

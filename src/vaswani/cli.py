@@ -6,10 +6,9 @@ import argparse
 import functools
 import math
 import sys
-from collections.abc import Sequence
 
 from .files import DiskFullError
-from .export import load_default_engine
+from .engine_choice import EngineChoice, load_default_engine
 from .loading import DECODING_LOOPS, DTYPES
 from .peers import PeerLost
 from .preemption import Preempted
@@ -87,7 +86,7 @@ def probability(text: str) -> float:
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, for scripts that decode: where the model runs (`--device`, `--dtype`,
     `--decoding`, `--slots`, `--ctranslate2`, `--compute_type`) and how it decodes (`--num_beams`,
-    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.export.load_default_engine` by
+    `--max_new_tokens`, `--length_penalty`), all passed on to `vaswani.engine_choice.load_default_engine` by
     `engine_from_args`. A decoding setting left out is the checkpoint's (its generation_config.json)."""
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available; "
                         "under torchrun or accelerate launch, each process's own GPU)")
@@ -98,9 +97,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the loop behind generate(): auto (the default: graphs on a CUDA GPU, lean on a CPU, "
                         "transformers' elsewhere, each where it measured fastest), lean (vaswani.generation_vaswani: "
                         "the same outputs, less work per step), compiled (lean with each step through "
-                        "torch.compile: faster on a CPU once compiled, which takes a minute or two, so for long "
-                        "files), graphs (lean with each step a replayed CUDA graph, for "
-                        "GPUs), or transformers (its own)")
+                        "torch.compile, after one to two and a half minutes of compiling: 1.28 / 1.13 x the eager "
+                        "engine's sentences/s (greedy / beam 4) on an Intel Xeon, 0.87 / 0.79 x on an AMD EPYC of "
+                        "family 26; benchmarks/results/README.md), graphs (lean with each step a replayed CUDA "
+                        "graph, for GPUs), or transformers (its own)")
     parser.add_argument("--slots", type=non_negative_int, default=None,
                         help="decode continuously, this many sentences side by side, each finished one replaced at "
                         "once by the next (vaswani.slots.decode_in_slots; each output as generate() "
@@ -110,13 +110,18 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctranslate2", action=argparse.BooleanOptionalAction, default=None,
                         help="CTranslate2 decodes: --model's if it is an export (scripts/export_ctranslate2.py), else "
                         "the checkpoint's float32 export, made once and cached (rebuilt when the weights change). "
-                        "--no-ctranslate2: the PyTorch checkpoint decodes. Default: an export decodes with "
-                        "CTranslate2, and so does a checkpoint on a CPU when ctranslate2 is installed and gives the "
-                        "checkpoint's own translations (greedy, or beams with early_stopping; no PyTorch-only flag), "
-                        "where it is the faster engine on this CPU (timed once on the run's own sentences and "
-                        "remembered: vaswani.export.load_default_engine)")
+                        "--no-ctranslate2: the PyTorch checkpoint decodes, never exported or timed. Default: an "
+                        "export decodes with CTranslate2; a checkpoint on a CPU with the engine that "
+                        "scripts/choose_engine.py recorded beside it for this machine, else with PyTorch "
+                        "(vaswani.engine_choice)")
     parser.add_argument("--compute_type", default="default",
                         help="with a CTranslate2 model: int8, int8_float32, float32, … (default: the format on disk)")
+    add_search_arguments(parser)
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine decodes (`--num_beams`, `--max_new_tokens`, `--length_penalty`); a setting left out is the
+    checkpoint's (its generation_config.json)."""
     parser.add_argument("--num_beams", type=positive_int, default=None,
                         help="beam size (default: the checkpoint's generation config; 1 with --do_sample)")
     parser.add_argument("--max_new_tokens", type=positive_int, default=None,
@@ -127,20 +132,21 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: the checkpoint's generation config")
 
 
-def engine_from_args(args: argparse.Namespace, device: str | None = None, sentences: Sequence[str] | None = None,
-                     resumed: dict | None = None, **decoding_options):
-    """`vaswani.export.load_default_engine` over `--model` and the flags of `add_decoding_arguments`; `device` (default
-    `--device`), `sentences` (the run's, or its first ones, on which the engines are timed where that choice is
-    not made yet) and `decoding_options` (a script's own `generate()` flags) are passed on as they are. `resumed`:
-    the recorded settings of the run this one resumes; where `--ctranslate2` leaves the engine open, that run's
-    engine decodes again (timed anew, on another thread count or a busier machine, the other engine could win, and
-    the resume would be refused for its different outputs)."""
-    ctranslate2 = args.ctranslate2
-    if ctranslate2 is None and (resumed or {}).get("engine") in ("pytorch", "ctranslate2"):
-        ctranslate2 = resumed["engine"] == "ctranslate2"
+def engine_from_args(args: argparse.Namespace, device: str | None = None, resumed: dict | None = None,
+                     **decoding_options):
+    """`vaswani.engine_choice.load_default_engine` over `--model` and the flags of `add_decoding_arguments`;
+    `device` (default `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they
+    are. `resumed`: the recorded settings of the run this one resumes; where `--ctranslate2` leaves the engine open,
+    that run's choice decodes again (a choice recorded since would otherwise change the engine, and the resume be
+    refused). The engine and why it was chosen go to stderr in one line."""
+    choice = None
+    if args.ctranslate2 is None and (resumed or {}).get("engine_choice"):
+        choice = EngineChoice(**resumed["engine_choice"])
     engine = load_default_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
-                         decoding=args.decoding, slots=args.slots, ctranslate2=ctranslate2,
-                         compute_type=args.compute_type, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
-                         length_penalty=args.length_penalty, sentences=sentences, **decoding_options)
-    print(f"engine: {engine.description}", file=sys.stderr, flush=True)
+                                 decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
+                                 compute_type=args.compute_type, num_beams=args.num_beams,
+                                 max_new_tokens=args.max_new_tokens, length_penalty=args.length_penalty,
+                                 choice=choice, **decoding_options)
+    print(f"engine: {engine.description}; chosen: {EngineChoice(**engine.choice).line}", file=sys.stderr,
+          flush=True)
     return engine

@@ -25,25 +25,20 @@ vocabularies; banned sequences of several tokens.
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers import AutoConfig
+
 from .checkpoints import check_output_dir
 from .configuration_vaswani import OUTPUT_SLACK, VaswaniConfig
-from .engine_timing import engine_seconds
 from .files import exclusive, locking, staged_directory, write_atomically
-from .generation_vaswani import runs_as
-from .inference import cpu_packs_linear_weights
-from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, checkpoint_decoding, choose_device,
-                      choose_dtype, engine_for_model, load_engine, load_translator, pytorch_options)
-from .translation import CTranslate2Engine, DecodingSettings, model_decoding, translate
+from .loading import engine_for_model, load_engine, load_translator
+from .machine import cache_dir as machine_cache_dir
+from .translation import model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
@@ -119,12 +114,6 @@ EXPORT_SOURCES = ("config.json", "generation_config.json", "tokenizer.json", "to
 CACHE_KEY_FILE = "vaswani_export_source.json"
 
 
-def default_cache_dir() -> str:
-    """Where cached exports live: $XDG_CACHE_HOME/vaswani/ctranslate2, else ~/.cache/vaswani/ctranslate2."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vaswani", "ctranslate2")
-
-
 def export_source(model_dir: str) -> dict:
     """What identifies the checkpoint in `model_dir` for its cached export: its real path, and the size and
     modification time of each file an export is made from (`EXPORT_SOURCES`, the weights' shards too)."""
@@ -139,9 +128,9 @@ def export_source(model_dir: str) -> dict:
 
 def export_path(model_dir: str, cache_dir: str | None = None) -> str:
     """Where `cached_export` keeps the export of the checkpoint in `model_dir`: in `cache_dir` (default:
-    `default_cache_dir()`), under a name made from the checkpoint's real path."""
+    `vaswani.machine.cache_dir("ctranslate2")`), under a name made from the checkpoint's real path."""
     name = hashlib.sha256(os.path.realpath(model_dir).encode()).hexdigest()[:16]
-    return os.path.join(cache_dir or default_cache_dir(), name)
+    return os.path.join(cache_dir or machine_cache_dir("ctranslate2"), name)
 
 
 def cached_export(model_dir: str, cache_dir: str | None = None) -> tuple[str, bool]:
@@ -163,85 +152,6 @@ def cached_export(model_dir: str, cache_dir: str | None = None) -> tuple[str, bo
         export_to_ctranslate2(model_dir, output_dir, force=True)
         write_atomically(key_file, json.dumps(source, indent=1))
     return output_dir, True
-
-
-def load_default_engine(model_dir: str, *, device: str | torch.device | None = None, ctranslate2: bool | None = None,
-                        cache_dir: str | None = None, sentences: Sequence[str] | None = None, **options):
-    """`vaswani.loading.load_engine` as the scripts build it: `ctranslate2` True, CTranslate2 decodes: the export in
-    `model_dir`, or a checkpoint's float32 export, made once and cached (`cached_export` in `cache_dir`, made again
-    when the weights change); False, the PyTorch checkpoint; None (the default), an export, and a checkpoint's
-    export where it gives the checkpoint's translations faster. Where the user chose nothing else (no PyTorch option
-    in `options`), what is faster on this CPU is timed once, on `sentences` (the run's own), and remembered
-    (`engine_timings`): CTranslate2 against PyTorch, and PyTorch with its linear layers laid out for oneDNN
-    (`vaswani.inference.pack_for_cpu`) against torch's own. Not timed yet, and too few `sentences` to time: PyTorch,
-    laid out for oneDNN. `options`: `load_engine`'s."""
-    device = choose_device(device)
-    exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
-    rest = {name: value for name, value in options.items() if name != "compute_type"}
-    decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
-    chosen = any(pytorch_options(**rest).values()) or options.get("compute_type", "default") != "default"
-    seconds = None
-    if not exported and not chosen and ctranslate2 is not True:
-        seconds = engine_timings(model_dir, device, cache_dir, sentences, **decoding)
-    pytorch = min(seconds.get("pytorch", math.inf), seconds.get("pytorch-unpacked", math.inf)) if seconds else None
-    if not exported and ctranslate2 is None:
-        ctranslate2 = seconds is not None and seconds.get("ctranslate2", math.inf) < pytorch
-    if ctranslate2 and not exported:
-        check_checkpoint_dir(model_dir)
-        export_dir, _ = cached_export(model_dir, cache_dir)
-        return load_engine(export_dir, device=device, ctranslate2=True, export_of=model_dir, **options)
-    pack = seconds is None or seconds.get("pytorch-unpacked", math.inf) >= seconds["pytorch"]
-    return load_engine(model_dir, device=device, ctranslate2=ctranslate2, pack=pack, **options)
-
-
-# Where a checkpoint's engine timings are kept, beside its export (`export_path`).
-TIMINGS_SUFFIX = ".timings.json"
-
-
-def engine_timings(model_dir: str, device: torch.device, cache_dir: str | None = None,
-                   sentences: Sequence[str] | None = None, **decoding_overrides) -> dict[str, float] | None:
-    """The seconds each engine that could decode the checkpoint in `model_dir` by default took on this machine's CPU,
-    with these decoding settings, at this thread count (`vaswani.engine_timing.engine_seconds`: timed once, on
-    `sentences`, and remembered beside the checkpoint's export in `cache_dir`), or None where there is nothing to
-    choose, or it is not timed yet and too few `sentences` are given. The engines: PyTorch with its linear layers
-    laid out for oneDNN and with torch's own, where its weights stay fp32 (`vaswani.loading.choose_dtype`), since
-    which is faster depends on the CPU (benchmarks/results/README.md, "CPU linear layers"); and CTranslate2 float32,
-    where it gives the checkpoint's own translations (`ctranslate2_decodes`), at any width: which of it and PyTorch
-    is faster depends on the CPU, the model's size and the sentences (at base's 512 wide, the PyTorch engine was the
-    faster on an AMD EPYC of family 26 and an Intel Xeon, CTranslate2 on an AVX2-only EPYC of family 25:
-    benchmarks/results/translation-cpu-base*.md)."""
-    if runs_as(device) != "cpu" or not os.path.isdir(model_dir):  # (a CPU rehearsing CUDA decides as a GPU does)
-        return None
-    check_checkpoint_dir(model_dir)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    settings = checkpoint_decoding(model_dir, config, **decoding_overrides)
-    exports = ctranslate2_decodes(config, settings)
-    packs = cpu_packs_linear_weights() and choose_dtype(
-        "auto", device, config.d_model, num_beams=settings.num_beams) == torch.float32
-    if not exports and not packs:
-        return None
-    timings_file = export_path(model_dir, cache_dir) + TIMINGS_SUFFIX
-    try:
-        return engine_seconds(model_dir, timings_file, export_source(model_dir), decoding_overrides, sentences,
-                              export=(lambda: cached_export(model_dir, cache_dir)[0]) if exports else None)
-    except OSError as error:  # a cache that cannot be written (read-only, full): decode as if nothing were timed
-        print(f"Not timing the engines: {timings_file} cannot be written ({error}); the PyTorch engine decodes.",
-              file=sys.stderr, flush=True)
-        return None
-
-
-def ctranslate2_decodes(config: VaswaniConfig, settings: DecodingSettings) -> bool:
-    """Whether a CTranslate2 export of a checkpoint with `config` gives its own translations with `settings`:
-    ctranslate2 is installed, the exporter takes the model, and CTranslate2 follows the settings exactly
-    (`CTranslate2Engine.follows`; beam search under transformers' default `early_stopping=False` is not one of them,
-    and stays with PyTorch)."""
-    if importlib.util.find_spec("ctranslate2") is None:
-        return False
-    try:
-        check_exportable(config)
-    except ValueError:
-        return False
-    return CTranslate2Engine.follows(settings)
 
 
 def count_differences(model, tokenizer, export_dir: str, sources: Sequence[str]) -> int:

@@ -282,7 +282,8 @@ def quantize_for_cpu(model: nn.Module) -> nn.Module:
     devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     if devices - {"cpu"}:
         raise ValueError(f"int8 quantization runs on CPU only, but the model is on {', '.join(sorted(devices))}; "
-                         "load it with device='cpu' (--device cpu), or leave --int8 out on a GPU.")
+                         "load it with device='cpu'. On the command line, int8 decoding is CTranslate2's, on a CPU: "
+                         "--ctranslate2 --compute_type int8.")
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
         raise ValueError(f"int8 quantization starts from fp32 weights, but the model's are {sorted(map(str, dtypes))}; "

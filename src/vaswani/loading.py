@@ -22,6 +22,7 @@ tokenizer that is missing or does not fit the model.
 import functools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -31,9 +32,10 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Gener
 from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
-from .files import read_json_object
+from .files import exclusive, read_json_object, write_atomically
 from .generation_vaswani import runs_as
 from .inference import compile_decoding_steps, keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
+from .machine import cache_dir, machine, read_records
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
 
@@ -84,13 +86,44 @@ def bf16_product_speedup(rows: int = 1024, width: int = 256, repeats: int = 20) 
     return best[torch.float32] / best[torch.bfloat16]
 
 
+# bf16 pays only where its products are faster than fp32's by this factor in every one of `CPU_BF16_ROUNDS` timings.
+# One machine's timings differ by a few hundredths (0.53, 0.54, 0.55 on an Intel Xeon without AMX) and the CPUs
+# measured differ by far more (that Xeon 0.53 ×; bf16 training 1.6 × fp32's tokens/s on an AMD EPYC with
+# AVX512-BF16: benchmarks/results/cpu-bf16-products.md, training-cpu-bf16.md), so no spread between runs crosses it.
+CPU_BF16_MARGIN = 1.2
+CPU_BF16_ROUNDS = 3
+# Where the answer is kept for this machine (`vaswani.machine.cache_dir`).
+CPU_BF16_RECORD = "cpu-bf16.json"
+
+
 @functools.cache
 def cpu_multiplies_bf16() -> bool:
     """Whether bf16 products are faster than fp32 ones on this CPU, so that bf16 pays: bf16 matrix instructions are
     needed (without them bf16 is converted to fp32 around every product) but not enough. Where an AMD EPYC with
     AVX512-BF16 trains faster in bf16, an Intel Xeon with AVX512-BF16 and no AMX multiplies bf16 slower than fp32
-    (benchmarks/results/cpu-bf16-products.md), so the products are timed, once per process (about 0.2 s)."""
-    return cpu_bf16_flags() and bf16_product_speedup() > 1.0
+    (benchmarks/results/cpu-bf16-products.md), so the products are timed (`CPU_BF16_ROUNDS` rounds of about 0.2 s;
+    yes only where every round is `CPU_BF16_MARGIN` × faster), once per machine: the answer and its speedups are
+    recorded in `cache_dir()/cpu-bf16.json` under this machine's key (`vaswani.machine.machine`, any thread count)
+    and read by every later process, so that one machine always trains and decodes in the same precision."""
+    if not cpu_bf16_flags():
+        return False
+    key = machine(threads=None)
+    path = cache_dir(CPU_BF16_RECORD)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with exclusive(path, wait=True):
+            records = read_records(path)
+            for record in records:
+                if record["machine"] == key:
+                    return record["bf16"]
+            speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
+            records.append({"machine": key, "speedups": speedups, "bf16": min(speedups) >= CPU_BF16_MARGIN})
+            write_atomically(path, json.dumps({"records": records}, indent=1))
+    except OSError as error:  # a cache that cannot be written: decided for this process alone, and said so
+        speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
+        print(f"bf16 products timed {speedups} × fp32's on this CPU; not recorded, {path} cannot be written "
+              f"({error}).", file=sys.stderr, flush=True)
+    return min(speedups) >= CPU_BF16_MARGIN
 
 
 # The narrowest models for which bf16 weights decode faster than the fp32 engine (its linear layers laid out for
@@ -108,7 +141,8 @@ def named_dtype(name: str, int8: bool = False) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r}; choose auto, {', '.join(DTYPES)}.")
     if int8 and name != "float32":
-        raise ValueError("--int8 quantizes fp32 weights; leave --dtype at auto or float32 with it.")
+        raise ValueError("int8=True quantizes fp32 weights; leave dtype at auto or float32 with it. On the command "
+                         "line, int8 decoding is CTranslate2's: --ctranslate2 --compute_type int8.")
     return DTYPES[name]
 
 
@@ -158,8 +192,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
 
     `ctranslate2`: True, CTranslate2 decodes the export in `model_dir` (`model.bin`); False, the PyTorch checkpoint
     decodes; None (the default), whichever `model_dir` holds. `export_of`: the checkpoint that `model_dir` is the
-    cached export of (`vaswani.export.load_default_engine`, which makes it when asked to decode a checkpoint with
-    CTranslate2), named in the engine's description and its truncation warning.
+    cached export of (`vaswani.engine_choice.load_default_engine`, which makes it when asked to decode a checkpoint
+    with CTranslate2), named in the engine's description and its truncation warning.
 
     `device`: see `choose_device` (decided here, once, for either engine). For a PyTorch checkpoint: `dtype`,
     `int8`, `decoding`, `attn_implementation` and `pack` as `load_translator` takes them, `slots` as `TorchEngine` does; for
@@ -196,7 +230,8 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
         return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of,
                                  positions=positions)
     if compute_type != "default":
-        raise ValueError("--compute_type is CTranslate2's; for a PyTorch checkpoint use --dtype or --int8.")
+        raise ValueError("--compute_type is CTranslate2's: add --ctranslate2 (--ctranslate2 --compute_type int8 "
+                         "decodes a checkpoint in int8); the PyTorch engine takes --dtype.")
     check_checkpoint_dir(model_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
@@ -245,14 +280,15 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     generation_config). On a CPU, `int8` gives int8 linear layers (`vaswani.inference.quantize_for_cpu`); otherwise,
     with `pack`, fp32 weights multiply with oneDNN, laid out once (`pack_for_cpu`); and freed memory is reused,
     process-wide (`keep_freed_cpu_memory`). Reusing memory decoded faster with the same translations; oneDNN did on
-    some CPUs and not on others, which `vaswani.export.load_default_engine` times (benchmarks/results/README.md, "CPU
-    linear layers" and "Freed memory reused"). `decoding` chooses the loop behind `generate()` (`DECODING_LOOPS`):
-    "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs", elsewhere the model's default:
-    `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the same outputs as transformers'
-    loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a replayed CUDA graph on a GPU),
-    "transformers" transformers' own loop (`lean_decoding=False`), "compiled" the lean loop with each step through
-    torch.compile (`vaswani.inference.compile_decoding_steps`: faster on a CPU once compiled, for long inputs). The
-    checks are the module docstring's.
+    some CPUs and not on others, which scripts/choose_engine.py times (`vaswani.engine_choice`;
+    benchmarks/results/README.md, "CPU linear layers" and "Freed memory reused"). `decoding` chooses the loop
+    behind `generate()` (`DECODING_LOOPS`): "auto" is `decoding_loop`'s choice for the device (on a GPU "graphs",
+    elsewhere the model's default: `generation_vaswani`'s lean loop on a CPU), "lean" the lean loop on any device (the
+    same outputs as transformers' loop), "graphs" the lean loop with `cuda_graphs=True` (static shapes, each step a
+    replayed CUDA graph on a GPU), "transformers" transformers' own loop (`lean_decoding=False`), "compiled" the lean
+    loop with each step through torch.compile (`vaswani.inference.compile_decoding_steps`: once compiled, faster than
+    the eager engine on one CPU and slower on another, benchmarks/results/README.md). The checks are the module
+    docstring's.
     """
     import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
 

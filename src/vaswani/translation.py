@@ -208,6 +208,9 @@ class TorchEngine:
     as CUDA graphs on a GPU (benchmarks/results/README.md). Built by
     `vaswani.loading` (which checks that the tokenizer fits the model)."""
 
+    # Why the scripts chose this engine (`vaswani.engine_choice.EngineChoice.record`); None where a caller built it.
+    choice: dict | None = None
+
     def __init__(self, model, tokenizer, decoding: DecodingSettings, *, slots: int | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.decoding = dataclasses.replace(decoding, precision=str(model.dtype).removeprefix("torch."))
@@ -237,7 +240,7 @@ class TorchEngine:
 
     @property
     def settings(self) -> dict:
-        return {"engine": "pytorch", **self.decoding.record()}
+        return {"engine": "pytorch", **self.decoding.record(), "engine_choice": self.choice}
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
@@ -304,6 +307,7 @@ class CTranslate2Engine:
     other `generate()` options) is refused by name."""
 
     continuous = False
+    choice: dict | None = None  # as `TorchEngine.choice`
     # What a CTranslate2 model takes besides the engine's own settings (`load_engine` refuses the rest by name).
     SETTINGS = ("num_beams", "max_new_tokens", "max_source_length", "length_penalty", "early_stopping",
                 "min_new_tokens")
@@ -360,7 +364,7 @@ class CTranslate2Engine:
 
     @property
     def settings(self) -> dict:
-        return {"engine": "ctranslate2", **self.decoding.record()}
+        return {"engine": "ctranslate2", **self.decoding.record(), "engine_choice": self.choice}
 
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]:
         return encode(self.tokenizer, sentences, self.max_source_length if truncate else None)
