@@ -270,7 +270,8 @@ def test_a_trained_translator_translates_unseen_sentences(counting_translator):
 def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evaluates(tmp_path):
     """`accelerate launch --num_processes 2` on CPU, as the README shows it: a run that writes checkpoints and ends
     with the final evaluation, then `--resume` from its last checkpoint to more steps. Every process of both
-    launches exits cleanly (status 0, no abort at teardown), and the data is prepared once per launch."""
+    launches exits cleanly (status 0, no abort at teardown), and the data is prepared once per launch. About a minute:
+    two launches of three processes each (the launcher and two ranks)."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     output_dir = tmp_path / "accelerate"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
