@@ -251,8 +251,8 @@ def counting_translator(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_trained_translator_translates_unseen_sentences(counting_translator):
-    """About 30 s, most of it the fixture's 250 training steps (in this process): a model that has learned the counting
-    corpus, so that a decoding cache that is ignored shows as wrong translations."""
+    """About 30 s on a slow CPU, most of it the fixture's 250 training steps (in this process): a model that has
+    learned the counting corpus, so that a decoding cache that is ignored shows as wrong translations."""
     output_dir, held_out = counting_translator
     sources, references = [en for en, _ in held_out], [fr for _, fr in held_out]
     metrics = json.loads((output_dir / "metrics.json").read_text())  # the training script's own test evaluation
