@@ -38,6 +38,14 @@ from vaswani.training import (
 from vaswani.run_directory import remove_old_checkpoints
 
 
+@pytest.fixture(autouse=True)
+def _malloc_left_alone(monkeypatch):
+    """The training script's `main`, called in this process, leaves glibc's malloc as it is: keep_freed_cpu_memory
+    would change it for the rest of the test process (and it finds the C library through `ldconfig -p`, a process,
+    which the quick tier skips a test for)."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+
+
 def parse_training_args(argv):
     return HfArgumentParser((ModelArguments, DataArguments, VaswaniTrainingArguments)).parse_args_into_dataclasses(
         args=argv)
@@ -325,10 +333,8 @@ def test_non_finite_loss_stops_training_naming_the_step_and_saves_nothing_after_
     assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-1", "checkpoint-2"]
 
 
-def test_non_finite_loss_ends_the_script_with_one_line_and_status_2(corpus, tmp_path, capsys, monkeypatch,
-                                                                  single_thread):
+def test_non_finite_loss_ends_the_script_with_one_line_and_status_2(corpus, tmp_path, capsys, single_thread):
     """Through the script's `main` in this process: its status 2 and its last line are what a fresh process shows."""
-    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
     with pytest.raises(SystemExit) as exit_info:
         script_main("train_translation")(train_args(corpus, tmp_path / "out", "--learning_rate", "1e30",
                                                     "--warmup_steps", "0", "--max_steps", "8", "--logging_steps", "4"))
