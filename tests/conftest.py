@@ -4,6 +4,7 @@ Token ids follow `VaswaniConfig`'s special-token layout (pad 0, eos 1, bos/decod
 drawn from [4, vocab_size) so that no test input accidentally contains a special token.
 """
 
+import functools
 import getpass
 import importlib.util
 import os
@@ -196,17 +197,30 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """The tiny model of tiny_translation_model.py, trained on one thread, with its tokenizer, once per test module
-    that asks for it (a module may define its own `trained`)."""
-    from tiny_translation_model import build_model_and_tokenizer
+@pytest.fixture(scope="session")
+def session_directory(tmp_path_factory) -> Path:
+    """A directory of this test session that all its xdist workers share (each worker's own base directory is a
+    child of it), for what is built once per session."""
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    directory.mkdir(exist_ok=True)
+    return directory
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = build_model_and_tokenizer()
-    torch.set_num_threads(threads)
-    return model, tokenizer
+
+@pytest.fixture(scope="session")
+def tiny_models(session_directory):
+    """`tiny_models(**config_overrides)`: the tiny model of tiny_translation_model.py and its tokenizer, trained
+    once per test session for each configuration and loaded fresh on each call."""
+    from tiny_translation_model import shared_model_and_tokenizer
+
+    return functools.partial(shared_model_and_tokenizer, session_directory)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_models):
+    """The tiny model of tiny_translation_model.py with its tokenizer, a fresh copy per test module that asks for it
+    (a module may define its own `trained`)."""
+    return tiny_models()
 
 
 @pytest.fixture(scope="module")
@@ -241,15 +255,10 @@ def single_thread():
 
 
 @pytest.fixture(scope="module")
-def good_checkpoint(tmp_path_factory):
-    """The tiny model of tiny_translation_model.py, trained on one thread, saved as a complete checkpoint, once per
-    test module: the failure-mode tests copy and damage it (unlike `checkpoint`, whatever `trained` a module has)."""
-    from tiny_translation_model import build_model_and_tokenizer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = build_model_and_tokenizer()
-    torch.set_num_threads(threads)
+def good_checkpoint(tiny_models, tmp_path_factory):
+    """The tiny model of tiny_translation_model.py saved as a complete checkpoint of this module: the failure-mode
+    tests copy and damage it (unlike `checkpoint`, whatever `trained` a module has)."""
+    model, tokenizer = tiny_models()
     path = tmp_path_factory.mktemp("checkpoint") / "good"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -12,6 +12,8 @@ from training_script import run_script, synthetic_corpus, train_args
 
 @pytest.mark.slow
 def test_a_second_run_compiles_from_the_first_ones_cache_and_trains_the_same(tmp_path):
+    """About two minutes on a slow CPU: two fresh processes (in one interpreter the second run's graphs would come
+    from memory, not the file) and the first one's C++ compilation of the step's kernels."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     cache = tmp_path / "compile-cache.bin"
     metrics = []

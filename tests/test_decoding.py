@@ -15,8 +15,8 @@ from vaswani.decoding import decode, use_lean_decoding
 from vaswani.generation_vaswani import top_k
 from vaswani.inference import quantize_for_cpu
 
-from decoding_helpers import SEARCHES, SENTENCES, VARIANTS, generate_both, trained  # noqa: F401 (a fixture)
-from tiny_translation_model import SOURCES, build_model_and_tokenizer
+from decoding_helpers import SEARCHES, SENTENCES, VARIANTS, generate_both
+from tiny_translation_model import SOURCES
 
 
 @pytest.mark.parametrize("search", SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
@@ -50,8 +50,8 @@ def test_the_default_loop_follows_the_device_and_the_call_overrides_it(trained, 
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_lean_decoding_across_variants(variant):
-    model, tokenizer = build_model_and_tokenizer(**VARIANTS[variant])
+def test_lean_decoding_across_variants(tiny_models, variant):
+    model, tokenizer = tiny_models(**VARIANTS[variant])
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     for search in (dict(num_beams=1), dict(num_beams=4)):
         reference, lean = generate_both(model, batch, **search)

@@ -15,16 +15,8 @@ import vaswani.slots as slot_decoding
 from vaswani.decoding import use_lean_decoding
 from vaswani.generation_vaswani import SentenceLimits
 
-from decoding_helpers import (  # noqa: F401 (the `trained` fixture)
-    LOGITS_PROCESSORS,
-    SEARCHES,
-    SENTENCES,
-    VARIANTS,
-    generate_both,
-    trained,
-)
+from decoding_helpers import LOGITS_PROCESSORS, SEARCHES, SENTENCES, VARIANTS, generate_both
 from host_reads import PythonReads
-from tiny_translation_model import build_model_and_tokenizer
 
 
 # Static shapes and CUDA graphs (6 in generation_vaswani's docstring) --------------------------------------------------
@@ -131,8 +123,8 @@ def test_static_decoding_stops_each_sentence_at_its_own_limit(trained, replayed_
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_static_decoding_across_variants(replayed_steps, variant):
-    model, tokenizer = build_model_and_tokenizer(**VARIANTS[variant])
+def test_static_decoding_across_variants(replayed_steps, tiny_models, variant):
+    model, tokenizer = tiny_models(**VARIANTS[variant])
     counts, host_reads = replayed_steps
     for sentences in SAME_SHAPE_BATCHES[:2]:
         batch = tokenizer(sentences, return_tensors="pt", padding=True)
@@ -276,9 +268,9 @@ def test_slots_return_what_generate_returns_for_each_sentence(trained, search):
 
 
 @pytest.mark.parametrize("variant", [name for name in VARIANTS if name != "paper"])
-def test_slots_across_variants(variant):
+def test_slots_across_variants(tiny_models, variant):
     """Rotary and learned positions, grouped and single key/value heads: the positions and cache rows of each slot."""
-    model, tokenizer = build_model_and_tokenizer(**VARIANTS[variant])
+    model, tokenizer = tiny_models(**VARIANTS[variant])
     sources = tokenizer(SLOT_SENTENCES)["input_ids"]
     for search in (dict(num_beams=1), dict(num_beams=4)):
         reference = _alone(model, tokenizer, SLOT_SENTENCES, [12] * len(sources), **search)

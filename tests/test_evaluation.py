@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import sacrebleu
 from conftest import fails_with_one_line, other_names, script_main, tiny_config
-from tiny_translation_model import SOURCES, build_model_and_tokenizer
+from tiny_translation_model import SOURCES
 from transformers import AutoTokenizer, EvalPrediction
 
 from vaswani import VaswaniForConditionalGeneration
@@ -25,8 +25,8 @@ TWO_REFERENCES = [
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
-    return build_model_and_tokenizer()
+def model_and_tokenizer(tiny_models):
+    return tiny_models()
 
 
 def test_reference_streams_transpose_and_pad_ragged_lists_with_none():
@@ -233,7 +233,7 @@ def test_translation_evaluator_keeps_generation_options_to_itself():
     assert "num_beams" not in TranslationEvaluator().PIPELINE_KWARGS
 
 
-def test_evaluate_evaluator_over_the_shipped_pipeline_gives_evaluate_bleu_numbers(tmp_path, capsys):
+def test_evaluate_evaluator_over_the_shipped_pipeline_gives_evaluate_bleu_numbers(tiny_models, tmp_path, capsys):
     """`evaluate`'s translation evaluator, over `pipeline("translation", <checkpoint>, trust_remote_code=True)` and
     the package's metric module, in a fresh process that is offline with an empty Hugging Face cache (so nothing
     can come from the Hub), scores exactly what scripts/evaluate_bleu.py scores: the same translations (one
@@ -241,7 +241,7 @@ def test_evaluate_evaluator_over_the_shipped_pipeline_gives_evaluate_bleu_number
     the same multi-reference BLEU, chrF and TER."""
     from vaswani.hub import attach_translation_pipeline
 
-    model, tokenizer = build_model_and_tokenizer(position_embedding_type="learned", max_position_embeddings=32)
+    model, tokenizer = tiny_models(position_embedding_type="learned", max_position_embeddings=32)
     checkpoint = tmp_path / "checkpoint"
     attach_translation_pipeline(model, checkpoint)
     model.save_pretrained(checkpoint)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hub_stub import HubStub
 from huggingface_hub import ModelCard
-from tiny_translation_model import SOURCES, build_model_and_tokenizer
+from tiny_translation_model import SOURCES
 
 from vaswani.files import exclusive
 from vaswani.hub import (
@@ -33,8 +33,8 @@ TOKEN = "hf_stand_in_token"
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
-    return build_model_and_tokenizer()
+def model_and_tokenizer(tiny_models):
+    return tiny_models()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from tiny_translation_model import SOURCES, build_model_and_tokenizer
+from tiny_translation_model import SOURCES
 from transformers import pipeline
 
 from vaswani.evaluation import translate
@@ -18,8 +18,8 @@ GENERATION = {"num_beams": 1, "max_new_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
-    return build_model_and_tokenizer()
+def model_and_tokenizer(tiny_models):
+    return tiny_models()
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,7 @@
 """tokenization.py: tokenized datasets, the word-cached encoder that gives the tokenizer's own ids, the tokenizer
 trained on a sample of the train split (and scripts/train_tokenizer.py), caches on disk."""
 
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,8 @@ from vaswani.batching import example_lengths
 from vaswani.data import group_references, load_translation_dataset
 from vaswani.tokenization import tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
-from data_helpers import REPO, isolated_caches, made_up_pairs, small_tokenizer, write_tsv  # noqa: F401 (fixtures)
+from conftest import script_main
+from data_helpers import isolated_caches, made_up_pairs, small_tokenizer, write_tsv  # noqa: F401 (fixtures)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,12 +159,7 @@ def save_to(tokenizer, directory: Path) -> Path:
 def test_train_tokenizer_script(tmp_path):
     corpus = write_tsv(tmp_path / "pairs.tsv", made_up_pairs(300))
     out = tmp_path / "tokenizer"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--corpus", str(corpus),
-         "--vocab_size", "400", "--output_dir", str(out)],
-        capture_output=True, text=True, env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf")},
-    )
-    assert result.returncode == 0, result.stderr
+    script_main("train_tokenizer")(["--corpus", str(corpus), "--vocab_size", "400", "--output_dir", str(out)])
     tokenizer = VaswaniTokenizer.from_pretrained(out)
     assert len(tokenizer) == 400
     assert tokenizer.decode(tokenizer("Le chat numéro 7 dort !")["input_ids"], skip_special_tokens=True) == (

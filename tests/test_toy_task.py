@@ -109,6 +109,7 @@ def exact_match(model, kind: str) -> float:
 @pytest.mark.parametrize("preset", ["paper", "modern"])
 @pytest.mark.parametrize("kind", ["seq2seq", "causal"])
 def test_learns_to_reverse_digit_sequences(kind, preset, record_property):
+    """Up to a minute on a slow CPU: 400 or 800 training steps are what the model needs to learn the task."""
     torch.manual_seed(0)
     config = task_config(preset)
     model = (VaswaniForConditionalGeneration if kind == "seq2seq" else VaswaniForCausalLM)(config)

@@ -1,6 +1,7 @@
 """The training script end to end on a small synthetic corpus (`vaswani.training.run_training`): single process,
 then DDP with two CPU processes; what it writes, how it evaluates, and the models it trains."""
 
+import io
 import json
 import os
 import shlex
@@ -17,21 +18,22 @@ import vaswani.inference
 import vaswani.loading
 import vaswani.training
 from conftest import free_port, script_main
-from training_script import SCRIPTS, run_script, synthetic_corpus, train_args
+from training_script import SCRIPTS, run_script, synthetic_corpus, train_args, train_in_this_process
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """A 30-step run of the training script, in this process (what it prints, not its process, is tested)."""
     root = tmp_path_factory.mktemp("train")
     corpus = synthetic_corpus(root / "corpus.tsv")
     output_dir = root / "model"
-    result = run_script("train_translation.py", *train_args(corpus, output_dir, "--max_tokens_per_batch", "400"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return corpus, output_dir, result
+    stdout = train_in_this_process(*train_args(corpus, output_dir, "--max_tokens_per_batch", "400"))
+    return corpus, output_dir, stdout
 
 
+@pytest.mark.slow
 def test_training_writes_a_complete_checkpoint(trained):
-    _, output_dir, result = trained
+    _, output_dir, stdout = trained
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "configuration_vaswani.py", "modeling_vaswani.py", "README.md",
                  "metrics.json", "training_args.json", "pipeline_vaswani.py", "tokenization_vaswani.py"):
@@ -44,9 +46,10 @@ def test_training_writes_a_complete_checkpoint(trained):
     assert metrics["tokenizer_training_sentences"] > 0
     assert f"trained on {metrics['tokenizer_training_sentences']:,} sentences" in (output_dir / "README.md").read_text()
     # The printed metrics are the saved ones: the number in the report comes from the evaluation.
-    assert json.loads(result.stdout[result.stdout.index("{"):])["test_bleu"] == metrics["test_bleu"]
+    assert json.loads(stdout[stdout.index("{"):])["test_bleu"] == metrics["test_bleu"]
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_loads_and_translates(trained):
     _, output_dir, _ = trained
     model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
@@ -63,25 +66,24 @@ def test_trained_checkpoint_loads_and_translates(trained):
     assert output.shape[0] == 1
 
 
-def test_translate_and_visualize_scripts(trained, tmp_path, capsys):
+@pytest.mark.slow
+def test_translate_and_visualize_scripts(trained, tmp_path, capsys, monkeypatch):
     _, output_dir, _ = trained
-    # Sentences as arguments through the script's `main` in this process; from stdin, and the attention maps, in
-    # processes of their own.
+    # Sentences as arguments, then from stdin, then the attention maps, through the scripts' `main` in this process.
     script_main("translate")(["--model", str(output_dir), "--num_beams", "2", "--max_new_tokens", "12",
                               "I have one dog.", "I have five books."])
     assert len(capsys.readouterr().out.strip().splitlines()) == 2
-    stdin = subprocess.run([sys.executable, str(SCRIPTS / "translate.py"), "--model", str(output_dir),
-                            "--num_beams", "1", "--max_new_tokens", "8"], input="I have one cat.\n",
-                           capture_output=True, text=True, timeout=120)
-    assert stdin.returncode == 0 and len(stdin.stdout.strip().splitlines()) == 1
-    result = run_script("visualize_attention.py", "--model", str(output_dir), "--source", "I have two dogs.",
-                        "--output_dir", str(tmp_path / "maps"))
-    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"I have one cat.\n"), encoding="utf-8"))
+    script_main("translate")(["--model", str(output_dir), "--num_beams", "1", "--max_new_tokens", "8"])
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+    script_main("visualize_attention")(["--model", str(output_dir), "--source", "I have two dogs.",
+                                        "--output_dir", str(tmp_path / "maps")])
     pngs = sorted((tmp_path / "maps").glob("*.png"))
     # tiny preset: 2 encoder + 2 decoder layers → encoder, decoder-self and cross maps per layer
     assert len(pngs) == 6 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
+@pytest.mark.slow
 def test_evaluate_bleu_script_on_files(trained, tmp_path, capsys):
     _, output_dir, _ = trained
     (tmp_path / "src.en").write_text("I have one cat.\nI have two dogs.\n")
@@ -174,6 +176,7 @@ def test_pad_to_multiple_of_pads_the_batches_and_the_token_budget_counts_it(tmp_
     """--pad_to_multiple_of 8 reaches the collator, and the token-budget sampler counts each side rounded up to it, so
     that a batch's padded shape stays within --max_tokens_per_batch; without the flag nothing is rounded, on every
     device (on fra-eng the multiple of 8 cost 26% of a 4,000-token batch's real tokens)."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
     trainers = []
     real_build = vaswani.training.build_trainer
 
@@ -239,10 +242,8 @@ def counting_translator(tmp_path_factory):
     corpus = root / "corpus.tsv"
     corpus.write_text("".join(f"{en}\t{fr}\n" for en, fr in counting_pairs() * 4), encoding="utf-8")
     output_dir = root / "model"
-    args = train_args(corpus, output_dir, "--max_steps", "250", "--max_tokens_per_batch", "600",
-                      "--max_test_samples", "100", "--vocab_size", "500")
-    result = run_script("train_translation.py", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_this_process(*train_args(corpus, output_dir, "--max_steps", "250", "--max_tokens_per_batch", "600",
+                                      "--max_test_samples", "100", "--vocab_size", "500"))
     held_out = [(en, fr) for en, fr in counting_pairs()
                 if vaswani.data.split_of(en, vaswani.data.VALIDATION_FRACTION, vaswani.data.TEST_FRACTION) == "test"]
     assert len(held_out) >= 4  # the split is by a hash of the source: these sentences were never trained on
@@ -251,6 +252,8 @@ def counting_translator(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_trained_translator_translates_unseen_sentences(counting_translator):
+    """About 30 s on a slow CPU, most of it the fixture's 250 training steps (in this process): a model that has
+    learned the counting corpus, so that a decoding cache that is ignored shows as wrong translations."""
     output_dir, held_out = counting_translator
     sources, references = [en for en, _ in held_out], [fr for _, fr in held_out]
     metrics = json.loads((output_dir / "metrics.json").read_text())  # the training script's own test evaluation
@@ -268,7 +271,8 @@ def test_a_trained_translator_translates_unseen_sentences(counting_translator):
 def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evaluates(tmp_path):
     """`accelerate launch --num_processes 2` on CPU, as the README shows it: a run that writes checkpoints and ends
     with the final evaluation, then `--resume` from its last checkpoint to more steps. Every process of both
-    launches exits cleanly (status 0, no abort at teardown), and the data is prepared once per launch."""
+    launches exits cleanly (status 0, no abort at teardown), and the data is prepared once per launch. About a minute:
+    two launches of three processes each (the launcher and two ranks)."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     output_dir = tmp_path / "accelerate"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
@@ -301,7 +305,8 @@ def test_accelerate_launch_with_two_cpu_processes_checkpoints_resumes_and_evalua
     assert "Reading" in first.stderr and "Training a" in first.stderr
 
 
-def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp_path):
+@pytest.mark.slow  # two runs of 5 s of training, in this process
+def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp_path, caplog):
     """--save_interval_seconds writes checkpoints by the clock, through the same atomic writer; with
     --average_last_checkpoints the final model (evaluated, saved, carded) is the mean of the last ones."""
     from safetensors.torch import load_file
@@ -312,14 +317,13 @@ def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp
     output_dir = tmp_path / "averaged"
     args = train_args(corpus, output_dir, "--max_steps", "100000", "--max_train_time", "5",
                       "--save_interval_seconds", "0.5", "--average_last_checkpoints", "3", "--save_total_limit", "4")
-    result = run_script("train_translation.py", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout = train_in_this_process(*args)
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
     assert len(checkpoints) == 4, checkpoints  # rotated by --save_total_limit, none half-written
     assert not list(output_dir.glob(".tmp-*"))
     assert all((path / "trainer_state.json").is_file() for path in checkpoints)
     states = [json.loads((path / "trainer_state.json").read_text()) for path in checkpoints]
-    assert states[-1]["global_step"] == json.loads(result.stdout)["train_steps"]  # the last step is one of them
+    assert states[-1]["global_step"] == json.loads(stdout)["train_steps"]  # the last step is one of them
     final = load_file(output_dir / "model.safetensors")
     expected = average_state_dicts([str(path) for path in checkpoints[-3:]])
     assert final.keys() == expected.keys()
@@ -333,7 +337,7 @@ def test_checkpoints_at_a_time_interval_and_their_average_as_the_final_model(tmp
     # The interval checkpoints are ordinary ones: --resume continues from the last, here as if the run had been
     # killed after it, before its final model was saved (a finished run's --resume trains nothing).
     (output_dir / "config.json").unlink()
-    resumed = run_script("train_translation.py", *args, "--resume", "--log_level", "info")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resuming from {checkpoints[-1]}." in resumed.stderr
-    assert json.loads(resumed.stdout)["train_steps"] > states[-1]["global_step"]
+    with caplog.at_level("INFO", logger="vaswani"):
+        resumed = train_in_this_process(*args, "--resume", "--log_level", "info")
+    assert f"Resuming from {checkpoints[-1]}." in caplog.text
+    assert json.loads(resumed)["train_steps"] > states[-1]["global_step"]

@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from transformers import BertConfig, HfArgumentParser, Trainer
 
 from conftest import fails_with_one_line, script_main, snapshot, subprocess_env, tiny_config
-from training_script import SCRIPTS, synthetic_corpus, train_args
+from training_script import SCRIPTS, synthetic_corpus, train_args, train_in_this_process
 
+import vaswani.inference
 import vaswani.tokenization
 import vaswani.training
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -35,6 +36,14 @@ from vaswani.training import (
     run_training,
 )
 from vaswani.run_directory import remove_old_checkpoints
+
+
+@pytest.fixture(autouse=True)
+def _malloc_left_alone(monkeypatch):
+    """The training script's `main`, called in this process, leaves glibc's malloc as it is: keep_freed_cpu_memory
+    would change it for the rest of the test process (and it finds the C library through `ldconfig -p`, a process,
+    which the quick tier skips a test for)."""
+    monkeypatch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
 
 
 def parse_training_args(argv):
@@ -324,14 +333,15 @@ def test_non_finite_loss_stops_training_naming_the_step_and_saves_nothing_after_
     assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-1", "checkpoint-2"]
 
 
-def test_non_finite_loss_ends_the_script_with_one_line_and_status_2(corpus, tmp_path):
-    command = [sys.executable, str(SCRIPTS / "train_translation.py"),
-               *train_args(corpus, tmp_path / "out", "--learning_rate", "1e30", "--warmup_steps", "0",
-                           "--max_steps", "8", "--logging_steps", "4")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=subprocess_env())
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+def test_non_finite_loss_ends_the_script_with_one_line_and_status_2(corpus, tmp_path, capsys, single_thread):
+    """Through the script's `main` in this process: its status 2 and its last line are what a fresh process shows."""
+    with pytest.raises(SystemExit) as exit_info:
+        script_main("train_translation")(train_args(corpus, tmp_path / "out", "--learning_rate", "1e30",
+                                                    "--warmup_steps", "0", "--max_steps", "8", "--logging_steps", "4"))
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2, stderr[-2000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: Training loss became NaN/inf at step "), last
     assert not (tmp_path / "out").exists()  # no checkpoint was due: nothing is left behind
 
@@ -375,12 +385,12 @@ def kill_and_resume_args(corpus: Path, output_dir: Path, *extra: str) -> list[st
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
+    """Three runs of 24 steps and their test evaluations, about 30 s: the uninterrupted one, one killed in the middle
+    of epoch 2 (the only process of its own: a SIGKILL) and its resume (both in this process), which must match."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
     env = subprocess_env()
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
-    result = subprocess.run([sys.executable, *kill_and_resume_args(corpus, reference)], capture_output=True,
-                            text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_this_process(*kill_and_resume_args(corpus, reference)[1:])
 
     process = subprocess.Popen([sys.executable, *kill_and_resume_args(corpus, killed)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, env=env)
@@ -398,9 +408,7 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert not (killed / "checkpoint-24").exists() and not (killed / "config.json").exists()
 
     resumed_at = time.time()
-    result = subprocess.run([sys.executable, *kill_and_resume_args(corpus, killed, "--resume")],
-                            capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_this_process(*kill_and_resume_args(corpus, killed, "--resume")[1:])
     # It continued from checkpoint-16 (a restart would have written checkpoints 8 and 16 again).
     assert all((killed / f"checkpoint-{step}").stat().st_mtime < resumed_at for step in (8, 16))
     assert (killed / "checkpoint-24").stat().st_mtime > resumed_at
@@ -429,12 +437,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.slow  # three runs of the training script (the last in this process), about 10 s
+@pytest.mark.slow  # three runs of the training script (the last two in this process), about 10 s
 def test_sigkill_before_the_first_checkpoint_then_resume_trains_from_the_start_and_only_once(tmp_path, capsys,
                                                                                             caplog):
     """The same command line, `--resume` included, as a scheduler requeues it: after a kill before any checkpoint it
-    trains from the start; once the run has ended, it trains no more and leaves the output as it is (that last run
-    through the script's `main` in this process: it reads and writes nothing)."""
+    trains from the start; once the run has ended, it trains no more and leaves the output as it is (the two runs
+    after the kill through the script's `main` in this process)."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=200)
     output_dir = tmp_path / "out"
     argv = [str(SCRIPTS / "train_translation.py"),
@@ -447,9 +455,10 @@ def test_sigkill_before_the_first_checkpoint_then_resume_trains_from_the_start_a
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert output_dir.is_dir() and not any(path.name.startswith("checkpoint-") for path in output_dir.iterdir())
 
-    resumed = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "holds no complete checkpoint; starting from scratch" in resumed.stderr
+    with caplog.at_level("WARNING", logger="vaswani"):
+        train_in_this_process(*argv[1:])
+    assert "holds no complete checkpoint; starting from scratch" in caplog.text
+    caplog.clear()
     assert {"checkpoint-2", "checkpoint-4", "config.json", "model.safetensors"} <= {p.name for p in output_dir.iterdir()}
 
     before = snapshot(output_dir), {path: path.stat().st_mtime_ns for path in output_dir.rglob("*")}

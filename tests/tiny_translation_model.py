@@ -8,10 +8,15 @@ input (the tests check that they differ), not to be good.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani.tokenization_vaswani import train_tokenizer
+from vaswani.tokenization_vaswani import VaswaniTokenizer, train_tokenizer
 
 SOURCES = ["the cat sat on the mat", "a dog ran", "the bird flew under a tree", "cat", "the dog sat on a mat"]
 TARGETS = ["le chat était assis sur le tapis", "un chien a couru", "l'oiseau a volé sous un arbre", "chat",
@@ -39,3 +44,27 @@ def build_model_and_tokenizer(seed: int = 0, **config_overrides):
         model(**batch).loss.backward()
         optimizer.step()
     return model.eval(), tokenizer
+
+
+def shared_model_and_tokenizer(directory: Path, seed: int = 0, **config_overrides):
+    """`build_model_and_tokenizer(seed, **config_overrides)`, trained once per `directory` (one test session, shared by
+    its xdist workers: the first to ask trains and saves it under a file lock, the others wait) and loaded fresh on
+    each call, so that a caller's changes to its model reach no other test."""
+    from filelock import FileLock
+
+    key = hashlib.sha256(json.dumps([seed, config_overrides], sort_keys=True).encode()).hexdigest()[:16]
+    path = directory / f"tiny-translation-model-{key}"
+    with FileLock(f"{path}.lock"):
+        if not path.is_dir():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # tiny model: threads cost more than they save
+            try:
+                model, tokenizer = build_model_and_tokenizer(seed, **config_overrides)
+            finally:
+                torch.set_num_threads(threads)
+            staging = directory / f".staging-{key}"
+            shutil.rmtree(staging, ignore_errors=True)
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(path)  # a directory that exists is complete
+    return VaswaniForConditionalGeneration.from_pretrained(path).eval(), VaswaniTokenizer.from_pretrained(path)

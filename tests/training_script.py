@@ -1,10 +1,15 @@
 """The training script on a small synthetic corpus, as the training tests run it: the corpus, the arguments of a
-short run, and the script run in a fresh process."""
+short run, and the script run in this process or in a fresh one."""
 
+import contextlib
+import io
 import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -47,3 +52,21 @@ def train_args(corpus: Path, output_dir: Path, *extra: str) -> list[str]:
 def run_script(name: str, *args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def train_in_this_process(*args: str) -> str:
+    """scripts/train_translation.py's `main`, run in this process; returns what it printed. On one intra-op thread, as
+    the scripts the tests start, and with glibc's malloc left as it is: the script's keep_freed_cpu_memory would
+    change it for the rest of the test process."""
+    import vaswani.inference
+    from conftest import script_main
+
+    stdout, threads = io.StringIO(), torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        patch.setattr(vaswani.inference, "keep_freed_cpu_memory", lambda largest_block_mib=32: None)
+        torch.set_num_threads(1)
+        try:
+            script_main("train_translation")(list(args))
+        finally:
+            torch.set_num_threads(threads)
+    return stdout.getvalue()
