@@ -383,6 +383,28 @@ def test_two_processes_write_the_file_one_process_writes(checkpoint, expected, t
     assert not (tmp_path / "out.fr.parts").exists()
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_process_count_and_chunk_count_ends_complete_with_status_0(checkpoint, expected, tmp_path, world_size):
+    """One launch translates the file six times, at 1, 4 and 9 chunks (each divides among 2 or 3 processes or does
+    not), twice each, with process 0 slowed so that the others finish their share first: every run must end with
+    the file one process writes and its record marked complete, and the launch with status 0. Before, a process
+    left once its last chunk was done, and process 0 took it for a lost one ("process 1 of 2 … ended (killed or
+    crashed)") and exited 1 with the record not complete. About 30 s a launch on 2 cores (each process imports torch
+    and loads the model; process 0 waits up to 5 s, once, for a process that left): one launch covers six runs."""
+    input_file = write_input(tmp_path)
+    plan = [(input_file, str(tmp_path / f"out-{chunk_lines}-{run}.fr"), chunk_lines)
+            for run in range(2) for chunk_lines in (100, 12, 5)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
+    process = run_script([*launcher, str(Path(__file__).with_name("file_translation_worker.py")), str(checkpoint),
+                          json.dumps(plan)])
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err.decode()[-3000:]
+    for _, output, _ in plan:
+        assert Path(output).read_text(encoding="utf-8") == expected, output
+        assert json.loads(Path(f"{output}.resume.json").read_text())["complete"] is True, output
+        assert not Path(f"{output}.parts").exists()
+
+
 def test_processes_read_their_place_from_the_launcher():
     assert Processes.from_environment({}) == Processes(0, 1, 0)
     assert Processes.from_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == Processes(3, 4, 1)
