@@ -198,8 +198,7 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
     if resumable:
         reporting = files.reporting_full_disk(output_path, stop.kept)
     else:
-        reporting = files.reporting_unwritable_stream(output_path or "stdout", stop.sent,
-                                                      stream=stdout if output_path is None else None)
+        reporting = files.reporting_unwritable_stream(output_path or "stdout", stop.sent)
     with lock, reporting, catching_stop_signals(stop.request, holding_after=(PeerLost,)):
         try:
             # Every process ends at the group's barrier, process 0 once it has written the last chunk: none leaves

@@ -300,20 +300,16 @@ class ClosedOutputError(OSError):
 
 
 @contextmanager
-def reporting_unwritable_stream(name: str, kept, stream=None):
+def reporting_unwritable_stream(name: str, kept):
     """Turn a write inside the block that fails for want of space or of a reader into `DiskFullError` or
     `ClosedOutputError`: "No space left on the device to write NAME; KEPT." / "NAME was closed by its reader; KEPT."
-    `kept` (a string, or a function giving one) says what the stream got. `stream`, where given (stdout, which this
-    process does not close), is then pointed at /dev/null: the bytes left in its buffer would fail again when the
-    interpreter flushes it at exit, with a traceback there (Python's advice for a closed pipe)."""
+    `kept` (a string, or a function giving one) says what the stream got and how to go on."""
     try:
         yield
     except OSError as error:
         closed = _is_closed_pipe(error)
         if not closed and not is_full_disk(error):
             raise
-        if stream is not None:
-            _point_at_devnull(stream)
         what = kept() if callable(kept) else kept
         if closed:
             raise ClosedOutputError(f"{name} was closed by its reader; {what}.") from error
@@ -328,18 +324,6 @@ def _is_closed_pipe(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
-
-
-def _point_at_devnull(stream) -> None:
-    try:
-        descriptor = stream.fileno()
-    except (AttributeError, OSError, ValueError):  # not a file (a test's BytesIO), or closed
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, descriptor)
-    finally:
-        os.close(devnull)
 
 
 # Atomic writes --------------------------------------------------------------------------------------------------------
