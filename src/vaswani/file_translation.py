@@ -22,7 +22,13 @@ is refused untouched. A refused run leaves every file as it found it.
 Processes: under `torchrun` or `accelerate launch` (which set RANK and WORLD_SIZE), process r translates the
 chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 also appends the finished chunks to
 the output in input order, keeps the resume state and shows the progress bar. A chunk's translation does not depend
-on which process made it, so N processes write the file one process writes.
+on which process made it, so N processes write the file one process writes. Every process ends at the group's
+barrier (`vaswani.peers.ending_process_group`): one that has done its share waits there, running, so that process 0,
+which looks between chunks for a process that has ended, never takes a finished one for a lost one.
+
+Outputs: a regular file (by any name: a link's record lies beside the link) is resumable. stdout, a device or a
+FIFO gets the lines as they come, with no record or lock beside it, and `resume` into one is refused
+(`check_output`); a full device or a reader that has gone is one line naming it.
 
 One writer at a time: process 0 holds the output's lock (`vaswani.files.exclusive`) while it runs, so a second run
 on the same output is refused instead of interleaving its chunks with the first's. A full disk is one
