@@ -23,7 +23,7 @@ from training_script import SCRIPTS, synthetic_corpus, train_args
 # marker file once training has begun. Optionally, to place a kill: from step HOLD_AFTER on, process HOLD_RANK (1 by
 # default) sleeps before its step and the other writes HELD_MARKER as it goes into its own, where it then waits for
 # it in a collective; `LOST_DELAY` seconds more to work out which process ended, as on a loaded machine, and
-# `END_DELAY` seconds more to end the process group (where the launcher's SIGTERM then reaches the survivor). With
+# `END_DELAY` seconds more to end the process group, having written ENDING_MARKER (where a SIGTERM then lands). With
 # `LEFT_FOR_THE_EXIT` set, it says at the interpreter's exit how many DDP wrappers (each holding the process group,
 # with gloo's threads) are left for the exit to free.
 SLOW_STEPS = """
@@ -52,6 +52,8 @@ def slow_lost(self, *args, **kwargs):
     return lost(self, *args, **kwargs)
 
 def slow_end(*args, **kwargs):
+    if os.environ.get("ENDING_MARKER"):
+        Path(os.environ["ENDING_MARKER"]).touch()
     time.sleep(end_delay)
     return end(*args, **kwargs)
 
@@ -275,20 +277,25 @@ def test_a_process_killed_mid_run_ends_the_other_in_one_line_and_resume_gives_th
     under torchrun, process 0 under accelerate launch: each launcher, each rank), while the other waits for it in a
     collective: the survivor ends within seconds with one line of ours naming the process that died and the last
     complete checkpoint, before the launcher's own report, though the launcher's SIGTERM reaches it while it works
-    that out and while it ends its process group (both slowed down here, as on a loaded machine). No staging
-    directory or lock is left; `--resume` gives every step's loss and the final weights of the run never stopped."""
+    that out (slowed down here, as on a loaded machine), and though another SIGTERM reaches it while it ends its
+    process group (sent here, at a moment that the launcher's takes by chance). No staging directory or lock is
+    left; `--resume` gives every step's loss and the final weights of the run never stopped."""
     output_dir = tmp_path / "ddp"
     argv = two_process_argv(corpus, output_dir, tmp_path)
-    held = tmp_path / "held"
+    held, ending = tmp_path / "held", tmp_path / "ending"
     process = start(argv, tmp_path, slow=0.5, launcher=LAUNCHERS[launcher](), HOLD_AFTER="4", HELD_MARKER=str(held),
-                    HOLD_RANK=str(victim), LOST_DELAY="1", END_DELAY="2")
+                    HOLD_RANK=str(victim), LOST_DELAY="1", END_DELAY="2", ENDING_MARKER=str(ending))
     while not held.exists():
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.05)
     time.sleep(0.5)  # the survivor's forward and backward, up to the gradients' all-reduce
-    pid = rank_process(process, victim)
+    pid, survivor = rank_process(process, victim), rank_process(process, 1 - victim)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    while not ending.exists() and process.poll() is None and time.monotonic() - killed < 60:
+        time.sleep(0.05)
+    if process.poll() is None:
+        os.kill(survivor, signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert time.monotonic() - killed < 60 and process.returncode != 0
     errors = [line for line in ours(err).splitlines() if line.startswith("error: ")]

@@ -102,31 +102,22 @@ class Peers:
 
 @contextmanager
 def ending_process_group(rank: int = 0, world_size: int = 1):
-    """Run the block, then end the process group: after a barrier where the block returned or was preempted (every
-    process stops after the same step, or at the end of its share), at once where it failed. The group is the
-    block's where none was started before it (the Trainer starts one inside; where `world_size` is above 1 a gloo one
-    is started here, for file translation): destroyed when it ends (`end_process_group`). A group the caller had
-    already started is left to the caller, after the same barrier."""
-    owned = not (dist.is_available() and dist.is_initialized())
-    if owned and world_size > 1:
+    """Run the block, then end the process group (`end_process_group`): after a barrier where the block returned or
+    was preempted (every process stops after the same step, or at the end of its share), at once where it failed.
+    Where `world_size` is above 1 and no group is started yet, the block runs in a gloo group started here (file
+    translation: the Trainer starts its own)."""
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
         # Long: slow chunks may keep a process busy for hours between two collectives (the start and the end).
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(hours=24))
     try:
         yield
     except Preempted:
-        _end(completed=True, owned=owned)
+        end_process_group(completed=True)
         raise
     except BaseException:
-        _end(completed=False, owned=owned)
+        end_process_group(completed=False)
         raise
-    _end(completed=True, owned=owned)
-
-
-def _end(completed: bool, owned: bool) -> None:
-    if owned:
-        end_process_group(completed)
-    elif completed:
-        barrier()
+    end_process_group(completed=True)
 
 
 def end_process_group(completed: bool) -> None:
