@@ -21,7 +21,7 @@ from tiny_translation_model import SOURCES, build_model_and_tokenizer
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate
-from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
+from vaswani.file_translation import Processes, check_output, count_lines, read_raw_chunks, translate_file
 from vaswani.files import decode_lines, lock_path
 from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, engine_for_model
 
@@ -324,6 +324,16 @@ def test_resume_into_an_output_that_cannot_be_resumed_is_refused_before_the_mode
     fails_with_one_line(script_main("translate"), [*argv, *(["--output_file", name] if name else [])], capsys,
                         f"--resume needs an --output_file that is a regular file: {kind[output]} cannot be cut back")
     assert beside(tmp_path / "in.en") <= {"fifo"} and not Path(f"{os.devnull}.resume.json").exists()
+
+
+def test_several_processes_need_an_input_file_and_a_regular_output_file(tmp_path):
+    two = Processes(0, 2, 0)
+    os.mkfifo(tmp_path / "fifo")
+    for input_file, output in ((None, tmp_path / "out.fr"), (write_input(tmp_path), None),
+                               (write_input(tmp_path), tmp_path / "fifo")):
+        with pytest.raises(ValueError, match="Several processes need --input_file and an --output_file that is a "):
+            check_output(output and str(output), input_file, processes=two)
+    assert check_output(str(tmp_path / "out.fr"), write_input(tmp_path), processes=two)
 
 
 def test_a_full_stdout_is_one_line_from_a_real_process(checkpoint, tmp_path):

@@ -239,20 +239,18 @@ def check_output(output_path: str | None, input_path: str | None, *, resume: boo
     output is resumable: a regular file (or a new one), locked while written and kept with its record. Any other
     output (stdout, a device, a FIFO) gets the lines as they come, with no record beside it."""
     processes = processes or Processes.from_environment()
-    kind = "stdout"
+    stream = "stdout"
     if output_path is not None:
         files.check_output_file(output_path, [input_path], streams=True)
         kind = files.stream_kind(output_path)
-        if kind is None:
-            return True
-        kind = f"{output_path}, {kind},"
-    if resume:
-        raise ValueError(f"--resume needs an --output_file that is a regular file: {kind} cannot be cut back or "
+        stream = kind and f"{output_path}, {kind},"
+    if resume and stream:
+        raise ValueError(f"--resume needs an --output_file that is a regular file: {stream} cannot be cut back or "
                          "appended to. Run without --resume to translate the whole input into it.")
-    if processes.world_size > 1:
-        raise ValueError(f"Several processes need --input_file and an --output_file that is a regular file, not "
-                         f"{kind.rstrip(',')}: each reads the input and writes its chunks beside the output.")
-    return False
+    if processes.world_size > 1 and (input_path is None or stream):
+        raise ValueError("Several processes need --input_file and an --output_file that is a regular file: each "
+                         "reads the input and writes its chunks beside the output.")
+    return not stream
 
 
 class _StopRequest:
