@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from tiny_translation_model import SOURCES, build_model_and_tokenizer
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani.batching import token_budget_batches
 from vaswani.evaluation import translate
-from vaswani.file_translation import Processes, count_lines, read_raw_chunks, translate_file
-from vaswani.files import decode_lines
+from vaswani.file_translation import Processes, check_output, count_lines, read_raw_chunks, translate_file
+from vaswani.files import decode_lines, lock_path
 from vaswani.loading import CPU_BF16_MIN_D_MODEL, choose_dtype, engine_for_model
 
 GREEDY = {"num_beams": 1, "max_new_tokens": 8}
+GREEDY_FLAGS = ["--num_beams", "1", "--max_new_tokens", "8"]
 # Enough lines for several chunks at --chunk_lines 7, with empty and blank lines among them.
 LINES = [*SOURCES, "", *SOURCES[::-1], "   ", *SOURCES[1:4]] * 3
 
@@ -236,6 +238,118 @@ def test_an_output_that_cannot_be_written_leaves_nothing_and_names_the_users_pat
             (tmp_path / "dir").iterdir())
 
 
+# Every output the shell gives: stdout as a file, a pipe, a full device or a pipe whose reader has gone; --output_file
+# as a file, a link, a device or a FIFO. A file (by any name) gets a record and can be resumed; anything else gets the
+# lines as they come, with nothing written beside it.
+
+
+def read_in_background(path) -> tuple[threading.Thread, list[bytes]]:
+    """A reader of a FIFO or a pipe's read end (a path, or a descriptor), until its writer closes it."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(path, "rb").read()))
+    reader.start()
+    return reader, got
+
+
+def beside(path: Path) -> set[str]:
+    return {entry.name for entry in path.parent.iterdir()} - {path.name}
+
+
+def test_outputs_that_are_not_files_get_the_lines_with_nothing_beside_them(trained, expected, tmp_path):
+    engine = engine_for_model(*trained, **GREEDY)
+    source = write_input(tmp_path)
+    for device in (Path(os.devnull), tmp_path / "null"):  # by its name and by a link
+        if device != Path(os.devnull):
+            device.symlink_to(os.devnull)
+        translate_file(engine, source, str(device), chunk_lines=7, progress=False)
+        assert not Path(f"{device}.resume.json").exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader, got = read_in_background(fifo)
+    translate_file(engine, source, str(fifo), chunk_lines=7, progress=False)
+    reader.join(timeout=60)
+    assert got == [expected.encode()]
+    read, write = os.pipe()  # stdout a pipe
+    reader, got = read_in_background(read)
+    with open(write, "wb") as stdout:
+        translate_file(engine, source, None, chunk_lines=7, progress=False, stdout=stdout)
+    reader.join(timeout=60)
+    assert got == [expected.encode()]
+    assert beside(fifo) == {"in.en", "null"} and not Path(f"{os.devnull}.resume.json").exists()
+    assert not lock_path(os.devnull).exists()
+
+
+def test_a_link_to_a_file_is_written_and_resumed_through_it(trained, expected, tmp_path):
+    engine = engine_for_model(*trained, **GREEDY)
+    link, target = tmp_path / "link.fr", tmp_path / "target.fr"
+    link.symlink_to(target)
+    translate_file(engine, write_input(tmp_path), str(link), chunk_lines=7, progress=False)
+    assert target.read_text(encoding="utf-8") == expected and link.is_symlink()
+    assert json.loads(Path(f"{link}.resume.json").read_text())["complete"] is True
+    result = translate_file(engine, write_input(tmp_path), str(link), chunk_lines=7, progress=False, resume=True)
+    assert result.resumed_chunks == result.chunks and target.read_text(encoding="utf-8") == expected
+
+
+@pytest.mark.parametrize("output", ["stdout a full device", "stdout a closed pipe", "--output_file a full device"])
+def test_an_output_that_takes_no_more_is_one_line_naming_it(checkpoint, tmp_path, capsys, monkeypatch, output):
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--input_file", write_input(tmp_path), *GREEDY_FLAGS]
+    name, message = "stdout", "No space left on the device to write stdout; it got the first 0 lines"
+    if output == "--output_file a full device":
+        name = tmp_path / "full"
+        name.symlink_to("/dev/full")
+        argv += ["--output_file", str(name)]
+        message = f"No space left on the device to write {name}; it got the first 0 lines"
+    else:
+        if output == "stdout a full device":
+            stream = open("/dev/full", "wb")
+        else:
+            read, write = os.pipe()
+            os.close(read)
+            stream = open(write, "wb")
+            message = "stdout was closed by its reader; it got the first 0 lines"
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(stream))
+    error = fails_with_one_line(script_main("translate"), argv, capsys, message)
+    assert error.endswith("an output that is not a file cannot be resumed, so translate into a file (--output_file) "
+                          "to keep what is done when a run stops.")
+    assert beside(tmp_path / "in.en") <= {"full"}  # no record, no lock
+
+
+@pytest.mark.parametrize("output", ["stdout", "/dev/null", "a FIFO"])
+def test_resume_into_an_output_that_cannot_be_resumed_is_refused_before_the_model_loads(tmp_path, capsys, output):
+    name = {"stdout": None, "/dev/null": os.devnull, "a FIFO": str(tmp_path / "fifo")}[output]
+    if output == "a FIFO":
+        os.mkfifo(name)
+    kind = {"stdout": "stdout", "/dev/null": f"{os.devnull}, a character device,", "a FIFO": f"{name}, a FIFO,"}
+    argv = ["--model", str(tmp_path / "missing"), "--input_file", write_input(tmp_path), "--resume"]
+    fails_with_one_line(script_main("translate"), [*argv, *(["--output_file", name] if name else [])], capsys,
+                        f"--resume needs an --output_file that is a regular file: {kind[output]} cannot be cut back")
+    assert beside(tmp_path / "in.en") <= {"fifo"} and not Path(f"{os.devnull}.resume.json").exists()
+
+
+def test_several_processes_need_an_input_file_and_a_regular_output_file(tmp_path):
+    two = Processes(0, 2, 0)
+    os.mkfifo(tmp_path / "fifo")
+    for input_file, output in ((None, tmp_path / "out.fr"), (write_input(tmp_path), None),
+                               (write_input(tmp_path), tmp_path / "fifo")):
+        with pytest.raises(ValueError, match="Several processes need --input_file and an --output_file that is a "):
+            check_output(output and str(output), input_file, processes=two)
+    assert check_output(str(tmp_path / "out.fr"), write_input(tmp_path), processes=two)
+
+
+def test_a_full_stdout_is_one_line_from_a_real_process(checkpoint, tmp_path):
+    """`translate.py > /dev/full`, the whole process: one line and status 2, and nothing from the interpreter's exit,
+    which flushes stdout again (a closed pipe takes the same way out, `vaswani.files.reporting_unwritable_stream`:
+    one launch shows it). Before: `OSError: [Errno 28]` in a traceback from `self.sink.write`."""
+    argv = [str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu", "--input_file",
+            write_input(tmp_path), *GREEDY_FLAGS]
+    with open("/dev/full", "wb") as stdout:
+        process = subprocess.run([sys.executable, *argv], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert process.returncode == 2, process.stderr
+    assert process.stderr.splitlines()[-1].startswith("error: No space left on the device to write stdout;")
+    assert "Traceback" not in process.stderr and "Exception ignored" not in process.stderr, process.stderr
+
+
 def test_resume_after_the_input_was_edited_is_refused_and_changes_nothing(trained, expected, tmp_path, monkeypatch):
     """Two lines joined (the same byte size, one line fewer), or a character changed, in lines already translated:
     the old translations would no longer line up, so resuming is refused, naming the input, and nothing changes."""
@@ -381,6 +495,28 @@ def test_two_processes_write_the_file_one_process_writes(checkpoint, expected, t
     assert process.returncode == 0, err.decode()[-3000:]
     assert output.read_text(encoding="utf-8") == expected
     assert not (tmp_path / "out.fr.parts").exists()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_process_count_and_chunk_count_ends_complete_with_status_0(checkpoint, expected, tmp_path, world_size):
+    """One launch translates the file six times, at 1, 4 and 9 chunks (each divides among 2 or 3 processes or does
+    not), twice each, with process 0 slowed so that the others finish their share first: every run must end with
+    the file one process writes and its record marked complete, and the launch with status 0. Before, a process
+    left once its last chunk was done, and process 0 took it for a lost one ("process 1 of 2 … ended (killed or
+    crashed)") and exited 1 with the record not complete. About 30 s a launch on 2 cores (each process imports torch
+    and loads the model; process 0 waits up to 5 s, once, for a process that left): one launch covers six runs."""
+    input_file = write_input(tmp_path)
+    plan = [(input_file, str(tmp_path / f"out-{chunk_lines}-{run}.fr"), chunk_lines)
+            for run in range(2) for chunk_lines in (100, 12, 5)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
+    process = run_script([*launcher, str(Path(__file__).with_name("file_translation_worker.py")), str(checkpoint),
+                          json.dumps(plan)])
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err.decode()[-3000:]
+    for _, output, _ in plan:
+        assert Path(output).read_text(encoding="utf-8") == expected, output
+        assert json.loads(Path(f"{output}.resume.json").read_text())["complete"] is True, output
+        assert not Path(f"{output}.parts").exists()
 
 
 def test_processes_read_their_place_from_the_launcher():

@@ -193,6 +193,18 @@ def test_an_output_that_is_an_input_by_any_name_is_refused(tmp_path):
     check_output_file(tmp_path / "out.fr", [source, "some/hub-model"])  # another file, and inputs not on disk
 
 
+def test_a_device_or_fifo_output_is_refused_where_a_file_would_be_renamed_over_it(tmp_path):
+    """A report written atomically (`evaluate_bleu.py --output_file`) would replace /dev/null itself, as root; a
+    translation writes such an output as a stream (`streams=True`)."""
+    (tmp_path / "null").symlink_to(os.devnull)
+    os.mkfifo(tmp_path / "fifo")
+    for output, kind in ((os.devnull, "a character device"), (tmp_path / "null", "a character device"),
+                         (tmp_path / "fifo", "a FIFO")):
+        with pytest.raises(ValueError, match=f"{output} is {kind}, not a file"):
+            check_output_file(output)
+        check_output_file(output, streams=True)
+
+
 def test_a_directory_that_is_or_holds_an_input_is_refused(tmp_path):
     model = tmp_path / "run" / "model"
     model.mkdir(parents=True)

@@ -318,13 +318,16 @@ def test_a_signalled_translation_stops_at_a_chunk_boundary_and_resumes_to_the_sa
     assert output.read_bytes() == expected
 
 
-def slowed_torchrun_translation(checkpoint, tmp_path):
-    """translate.py with --resume under torchrun, 2 processes, each chunk slowed (SLOW), started and waited for until
-    two chunks are written: the launcher's arguments, the script's, the output file and the running launch."""
+def slowed_torchrun_translation(checkpoint, tmp_path, launcher="torchrun"):
+    """translate.py with --resume under torchrun (or `launcher`), 2 processes, each chunk slowed (SLOW), started and
+    waited for until two chunks are written: the launcher's arguments, the script's, the output file and the running
+    launch."""
+    from test_training_interruptions import LAUNCHERS
+
     output = tmp_path / "out.fr"
     wrapper = tmp_path / "slow.py"
     wrapper.write_text(SLOW)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    launch = LAUNCHERS[launcher]()
     argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
     process = start([*launch, str(wrapper), "0.5", *argv])
     wait_for_chunks(process, output, 2)
@@ -349,25 +352,32 @@ def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the
 
 
 @pytest.mark.slow
-def test_a_translation_process_killed_under_torchrun_ends_the_other_in_one_line_and_resumes_to_the_same_bytes(
-        checkpoint, expected, tmp_path):
-    """SIGKILL to process 1 of 2 mid-file: process 0, which waits for its chunks, ends within seconds with one line
-    of ours naming the process that died and what the output holds (torchrun then reports the launch's failure);
-    the output is its recorded lines, the lock is released, and `--resume` finishes it to the bytes of one run."""
+@pytest.mark.parametrize(("launcher", "victim"), [("torchrun", 1), ("accelerate", 0)])
+def test_a_translation_process_killed_ends_the_other_in_one_line_and_resumes_to_the_same_bytes(
+        checkpoint, expected, tmp_path, launcher, victim):
+    """SIGKILL mid-file to process 1 of 2 under torchrun, or to process 0 under accelerate launch (each launcher,
+    each rank): the survivor (waiting for its chunks, translating its own, or stopped by the launcher's SIGTERM) ends
+    within seconds with one line of ours, before the launcher's report, naming the process that died and what the
+    output holds; the output holds its recorded lines (and, where process 0 died while writing a chunk, perhaps
+    part of the next, which a resume cuts off), the lock is released, and `--resume` finishes it to the bytes of
+    one run."""
     from test_training_interruptions import ours, rank_process
 
-    launch, argv, output, process = slowed_torchrun_translation(checkpoint, tmp_path)
-    victim = rank_process(process, 1)
-    os.kill(victim, signal.SIGKILL)
+    launch, argv, output, process = slowed_torchrun_translation(checkpoint, tmp_path, launcher)
+    pid = rank_process(process, victim)
+    os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     _, err = process.communicate(timeout=120)
     assert time.monotonic() - killed < 60 and process.returncode != 0
     state = recorded(output)
-    assert output.stat().st_size == state["bytes"] and not state.get("complete")
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: process 1 of 2 (pid {victim}) of this translation ended (killed or crashed), so "
-                    f"process 0 stops too; {output} holds its first {state['lines']} lines, recorded in "
-                    f"{output}.resume.json. Run the same command with --resume to finish it."], err[-3000:]
+    assert output.stat().st_size >= state["bytes"] and not state.get("complete")
+    errors = [line for line in ours(err).splitlines() if line.startswith("error: ")]
+    lost = (f"error: process {victim} of 2 (pid {pid}) of this translation ended (killed or crashed), so process "
+            f"{1 - victim} stops too;")
+    kept = (f"{output} holds its first {state['lines']} lines, recorded in {output}.resume.json. Run the same "
+            "command with --resume to finish it." if victim else
+            f"run the same command with --resume to finish {output}.")
+    assert errors == [f"{lost} {kept}"], err[-3000:]
     assert "Traceback" not in ours(err), err[-3000:]
     resumed = start([*launch, *argv])
     _, err = resumed.communicate(timeout=120)

@@ -20,26 +20,29 @@ from test_interruptions import last_line, small_tmpfs
 from training_script import SCRIPTS, synthetic_corpus, train_args
 
 # The training script with every step slowed down (so that a signal or a second run lands mid-way), writing a
-# marker file once training has begun. Optionally, to place a kill: from step HOLD_AFTER on, process 1 sleeps before
-# its step and process 0 writes HELD_MARKER as it goes into its own, where it then waits for process 1 in a
-# collective; and `LOST_DELAY` seconds more to work out which process ended, as on a loaded machine. With
+# marker file once training has begun. Optionally, to place a kill: from step HOLD_AFTER on, process HOLD_RANK (1 by
+# default) sleeps before its step and the other writes HELD_MARKER as it goes into its own, where it then waits for
+# it in a collective; `LOST_DELAY` seconds more to work out which process ended, as on a loaded machine, and
+# `END_DELAY` seconds more to end the process group, having written ENDING_MARKER (where a SIGTERM then lands). With
 # `LEFT_FOR_THE_EXIT` set, it says at the interpreter's exit how many DDP wrappers (each holding the process group,
 # with gloo's threads) are left for the exit to free.
 SLOW_STEPS = """
 import atexit, gc, os, runpy, sys, time
 from pathlib import Path
 from torch.nn.parallel import DistributedDataParallel
+import vaswani.peers as peers
 from vaswani.peers import Peers
 from vaswani.trainer import VaswaniSeq2SeqTrainer
 step, delay, marker = VaswaniSeq2SeqTrainer.training_step, float(sys.argv[1]), Path(os.environ["STEP_MARKER"])
 hold_after, rank = int(os.environ.get("HOLD_AFTER", 1 << 30)), os.environ.get("RANK")
 lost, lost_delay = Peers.lost, float(os.environ.get("LOST_DELAY", 0))
+end, end_delay = peers.end_process_group, float(os.environ.get("END_DELAY", 0))
 
 def slow_step(self, *args, **kwargs):
     marker.touch()
     time.sleep(delay)
     if self.state.global_step >= hold_after:
-        if rank == "1":
+        if rank == os.environ.get("HOLD_RANK", "1"):
             time.sleep(600)
         Path(os.environ["HELD_MARKER"]).touch()
     return step(self, *args, **kwargs)
@@ -48,12 +51,19 @@ def slow_lost(self, *args, **kwargs):
     time.sleep(lost_delay)
     return lost(self, *args, **kwargs)
 
+def slow_end(*args, **kwargs):
+    if os.environ.get("ENDING_MARKER"):
+        Path(os.environ["ENDING_MARKER"]).touch()
+    time.sleep(end_delay)
+    return end(*args, **kwargs)
+
 def left_for_the_exit():
     left = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
     print(f"DDP wrappers left for the interpreter's exit: {left}", file=sys.stderr)
 
 VaswaniSeq2SeqTrainer.training_step = slow_step
 Peers.lost = slow_lost
+peers.end_process_group = slow_end
 if os.environ.get("LEFT_FOR_THE_EXIT"):
     atexit.register(left_for_the_exit)
 sys.argv = sys.argv[2:]
@@ -260,33 +270,39 @@ def test_a_two_process_run_ends_cleanly_and_leaves_nothing_holding_its_group_for
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize(("launcher", "victim"), [("torchrun", 1), ("accelerate", 0)])
 def test_a_process_killed_mid_run_ends_the_other_in_one_line_and_resume_gives_the_uninterrupted_run(
-        corpus, tmp_path, uninterrupted_two_processes, launcher):
-    """SIGKILL (the out-of-memory killer, a lost node) to process 1 of 2 after the first checkpoint, while process 0
-    waits for it in a collective: process 0 ends within seconds with one line of ours naming the process that died
-    and the last complete checkpoint, though the launcher's SIGTERM reaches it while it works that out (slowed down
-    here, as on a loaded machine); torchrun then reports the launch's failure. No staging directory or lock is left;
-    `--resume` gives every step's loss and the final weights of the run never stopped."""
+        corpus, tmp_path, uninterrupted_two_processes, launcher, victim):
+    """SIGKILL (the out-of-memory killer, a lost node) to one process of 2 after the first checkpoint (process 1
+    under torchrun, process 0 under accelerate launch: each launcher, each rank), while the other waits for it in a
+    collective: the survivor ends within seconds with one line of ours naming the process that died and the last
+    complete checkpoint, before the launcher's own report, though the launcher's SIGTERM reaches it while it works
+    that out (slowed down here, as on a loaded machine), and though another SIGTERM reaches it while it ends its
+    process group (sent here, at a moment that the launcher's takes by chance). No staging directory or lock is
+    left; `--resume` gives every step's loss and the final weights of the run never stopped."""
     output_dir = tmp_path / "ddp"
     argv = two_process_argv(corpus, output_dir, tmp_path)
-    held = tmp_path / "held"
+    held, ending = tmp_path / "held", tmp_path / "ending"
     process = start(argv, tmp_path, slow=0.5, launcher=LAUNCHERS[launcher](), HOLD_AFTER="4", HELD_MARKER=str(held),
-                    LOST_DELAY="1")
+                    HOLD_RANK=str(victim), LOST_DELAY="1", END_DELAY="2", ENDING_MARKER=str(ending))
     while not held.exists():
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.05)
-    time.sleep(0.5)  # process 0's forward and backward, up to the gradients' all-reduce
-    victim = rank_process(process, 1)
-    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)  # the survivor's forward and backward, up to the gradients' all-reduce
+    pid, survivor = rank_process(process, victim), rank_process(process, 1 - victim)
+    os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    while not ending.exists() and process.poll() is None and time.monotonic() - killed < 60:
+        time.sleep(0.05)
+    if process.poll() is None:
+        os.kill(survivor, signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert time.monotonic() - killed < 60 and process.returncode != 0
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    errors = [line for line in ours(err).splitlines() if line.startswith("error: ")]
     last = output_dir / f"checkpoint-{checkpoint_steps(output_dir)[-1]}"
-    assert errors == [f"error: process 1 of 2 (pid {victim}) of this run ended (killed or crashed), so process 0 stops "
-                    f"too; the last complete checkpoint is {last}; resume it with: python train_translation.py "
-                    f"{' '.join(argv[1:])} --resume."], err[-3000:]
+    assert errors == [f"error: process {victim} of 2 (pid {pid}) of this run ended (killed or crashed), so process "
+                      f"{1 - victim} stops too; the last complete checkpoint is {last}; resume it with: python "
+                      f"train_translation.py {' '.join(argv[1:])} --resume."], err[-3000:]
     assert "Traceback" not in ours(err) and "terminate called" not in err, err[-3000:]
     assert not any(p.name.startswith(".tmp-") for p in output_dir.iterdir())
     assert_every_process_random_state(output_dir)

@@ -7,17 +7,17 @@ import functools
 import math
 import sys
 
-from .files import DiskFullError
 from .engine_choice import EngineChoice, load_default_engine
+from .files import ClosedOutputError, DiskFullError
 from .loading import DECODING_LOOPS, DTYPES
 from .peers import PeerLost
 from .preemption import Preempted
 
 # Errors a user can fix from the message alone; anything else is a bug and keeps its traceback. A non-finite
 # training loss (FloatingPointError) is here because its message names the step and the fix; a full disk
-# (DiskFullError) because it names the path and what is kept.
+# (DiskFullError) and an output whose reader has gone (ClosedOutputError) because they name it and what it got.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError, KeyError, FloatingPointError, DiskFullError)
+               PermissionError, KeyError, FloatingPointError, DiskFullError, ClosedOutputError)
 
 
 def user_errors_exit(main):

@@ -22,7 +22,13 @@ is refused untouched. A refused run leaves every file as it found it.
 Processes: under `torchrun` or `accelerate launch` (which set RANK and WORLD_SIZE), process r translates the
 chunks r, r + N, r + 2N, … and writes each to `<output>.parts/`; process 0 also appends the finished chunks to
 the output in input order, keeps the resume state and shows the progress bar. A chunk's translation does not depend
-on which process made it, so N processes write the file one process writes.
+on which process made it, so N processes write the file one process writes. Every process ends at the group's
+barrier (`vaswani.peers.ending_process_group`): one that has done its share waits there, running, so that process 0,
+which looks between chunks for a process that has ended, never takes a finished one for a lost one.
+
+Outputs: a regular file (by any name: a link's record lies beside the link) is resumable. stdout, a device or a
+FIFO gets the lines as they come, with no record or lock beside it, and `resume` into one is refused
+(`check_output`); a full device or a reader that has gone is one line naming it.
 
 One writer at a time: process 0 holds the output's lock (`vaswani.files.exclusive`) while it runs, so a second run
 on the same output is refused instead of interleaving its chunks with the first's. A full disk is one
@@ -46,7 +52,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 from tqdm.auto import tqdm
@@ -54,7 +59,7 @@ from tqdm.auto import tqdm
 from . import files
 from .files import decode_lines, read_json_object, sync_file, write_atomically
 from .loading import choose_device
-from .peers import PeerLost, Peers
+from .peers import PeerLost, Peers, barrier, ending_process_group
 from .preemption import Preempted, catching_stop_signals, signal_name
 from .translation import translate, warn_truncated
 
@@ -96,13 +101,6 @@ def read_raw_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
             chunk = []
     if chunk:
         yield chunk
-
-
-def first_lines(path: str, count: int = DEFAULT_CHUNK_LINES) -> list[str]:
-    """The first `count` lines of the file at `path`, read as `translate_file` reads them (what `engine_from_args`
-    times the engines on, before the file is translated)."""
-    with open(path, "rb") as f:
-        return decode_lines(next(read_raw_chunks(f, count), []), path)
 
 
 def count_lines(path: str) -> int:
@@ -188,44 +186,64 @@ def translate_file(engine, input_path: str | None, output_path: str | None, *, c
     stdout = stdout if stdout is not None else sys.stdout.buffer
     if chunk_lines < 1:
         raise ValueError(f"chunk_lines={chunk_lines}; it must be positive.")
-    if resume and output_path is None:
-        raise ValueError("--resume needs --output_file: what went to stdout cannot be cut back or appended to.")
-    if processes.world_size > 1 and (input_path is None or output_path is None):
-        raise ValueError("Several processes need --input_file and --output_file: each reads the input and writes "
-                         "its chunks beside the output.")
-    if output_path is not None:
-        files.check_output_file(output_path, [input_path])  # before anything is written: never the input itself
+    resumable = check_output(output_path, input_path, resume=resume, processes=processes)
     name = input_path or "stdin"
     settings = {**(settings or {}), "chunk_lines": chunk_lines, "max_tokens": max_tokens,
                 "max_sentences": max_sentences, "seed": seed}
-    state_path = resume_record_path(output_path) if output_path else None
-    parts_dir = f"{output_path}.parts" if output_path else None
+    state_path = resume_record_path(output_path) if resumable else None
+    parts_dir = f"{output_path}.parts" if resumable else None
     stop = _StopRequest(output_path, state_path, processes)
-    lock = files.exclusive(output_path) if output_path and processes.rank == 0 else nullcontext()
-    full_disk = files.reporting_full_disk(output_path, stop.kept) if output_path else nullcontext()
-    with lock, full_disk, catching_stop_signals(stop.request):
-        group = _start_process_group(processes)
-        stop.peers = Peers.gather()
+    lock = files.exclusive(output_path) if resumable and processes.rank == 0 else nullcontext()
+    if resumable:
+        reporting = files.reporting_full_disk(output_path, stop.kept)
+    else:
+        reporting = files.reporting_unwritable_stream(output_path or "stdout", stop.sent)
+    with lock, reporting, catching_stop_signals(stop.request, holding_after=(PeerLost,)):
         try:
-            if processes.rank == 0:
-                state = _prepare_output(output_path, state_path, parts_dir, settings, resume)
-            _barrier(group)
-            if processes.rank != 0:
-                resumed = resume and os.path.exists(state_path)
-                state = _read_state(state_path) if resumed else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0}
-                if state.get("complete"):  # process 0 checks the input and says so
-                    return FileTranslation(lines=state["lines"], chunks=state["chunks"], truncated=state["truncated"],
-                                           resumed_chunks=state["chunks"], settings=settings)
-            return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path, parts_dir,
-                                     state, settings, processes, max_tokens, max_sentences, progress, seed,
-                                     chunk_lines, stop)
+            # Every process ends at the group's barrier, process 0 once it has written the last chunk: none leaves
+            # before the others are done, so a finished process is never taken for a lost one.
+            with ending_process_group(processes.rank, processes.world_size):
+                stop.peers = Peers.gather()
+                if processes.rank == 0:
+                    state = _prepare_output(output_path, state_path, parts_dir, settings, resume)
+                barrier()
+                if processes.rank != 0:
+                    resumed = resume and os.path.exists(state_path)
+                    state = (_read_state(state_path) if resumed
+                             else {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0})
+                    if state.get("complete"):  # process 0 checks the input and says so
+                        return FileTranslation(lines=state["lines"], chunks=state["chunks"],
+                                               truncated=state["truncated"], resumed_chunks=state["chunks"],
+                                               settings=settings)
+                return _translate_chunks(engine, input_path, name, stdin, stdout, output_path, state_path,
+                                         parts_dir, state, settings, processes, max_tokens, max_sentences, progress,
+                                         seed, chunk_lines, stop)
         except RuntimeError as error:  # what a collective raises when it lost a process
             if stop.peers and (ended := stop.peers.lost(error)):
                 raise stop.lost(ended) from None
             raise
-        finally:
-            if group:
-                torch.distributed.destroy_process_group()
+
+
+def check_output(output_path: str | None, input_path: str | None, *, resume: bool = False,
+                 processes: Processes | None = None) -> bool:
+    """Refuse, before anything is written (the script asks before the model loads), an output this run cannot
+    write: the input by any name, a directory (`vaswani.files.check_output_file`); `resume` into an output that
+    cannot be resumed; under several processes, one that cannot hold their parts beside it. Returns whether the
+    output is resumable: a regular file (or a new one), locked while written and kept with its record. Any other
+    output (stdout, a device, a FIFO) gets the lines as they come, with no record beside it."""
+    processes = processes or Processes.from_environment()
+    stream = "stdout"
+    if output_path is not None:
+        files.check_output_file(output_path, [input_path], streams=True)
+        kind = files.stream_kind(output_path)
+        stream = kind and f"{output_path}, {kind},"
+    if resume and stream:
+        raise ValueError(f"--resume needs an --output_file that is a regular file: {stream} cannot be cut back or "
+                         "appended to. Run without --resume to translate the whole input into it.")
+    if processes.world_size > 1 and (input_path is None or stream):
+        raise ValueError("Several processes need --input_file and an --output_file that is a regular file: each "
+                         "reads the input and writes its chunks beside the output.")
+    return not stream
 
 
 class _StopRequest:
@@ -263,6 +281,11 @@ class _StopRequest:
         return (f"its first {self.recorded_lines()} lines are complete and recorded in {self.state_path}; free some "
                 "space, then run the same command with --resume")
 
+    def sent(self) -> str:
+        """What a stream that cannot be written any more got, and how to go on."""
+        return (f"it got the first {self.lines} lines; an output that is not a file cannot be resumed, so translate "
+                "into a file (--output_file) to keep what is done when a run stops")
+
     def lost(self, ended: str) -> PeerLost:
         stopped = f"{ended} of this translation ended (killed or crashed), so process {self.processes.rank} stops too"
         if self.processes.rank != 0:
@@ -278,7 +301,7 @@ class _StopRequest:
         stopped = f"Translation stopped by {signal_name(self.signum)}"
         if self.processes.rank != 0:
             return Preempted(self.signum, f"{stopped} in process {self.processes.rank}.")
-        if self.output_path is None:
+        if self.state_path is None:
             return Preempted(self.signum, f"{stopped} after {self.lines} lines.")
         return Preempted(self.signum, f"{stopped}; {self.output_path} holds its first {self.recorded_lines()} lines, "
                          f"recorded in {self.state_path}. Run the same command with --resume to finish it.")
@@ -301,7 +324,7 @@ def _translate_chunks(engine, input_path, name, stdin, stdout, output_path, stat
                     raise _changed_input(name, output_path, f"it has more lines than the {state['lines']} translated")
                 print(f"{output_path} is already complete ({state['lines']} lines); nothing to do.", file=sys.stderr)
                 return result
-            if output_path:
+            if state_path:
                 with open(output_path, "ab") as f:  # created here if the kill came before the output was
                     f.truncate(state["bytes"])
             total = count_lines(input_path) if input_path else None
@@ -484,7 +507,7 @@ def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dic
     before the output is created, so an output this tool has created always has one beside it; with `resume`, an
     output without one is started again only if it is missing or empty (nothing to lose), and refused otherwise."""
     fresh = {"chunks": 0, "lines": 0, "bytes": 0, "truncated": 0, "input_digest": ""}
-    if output_path is None:
+    if state_path is None:  # a stream: nothing to resume
         return fresh
     if resume and os.path.exists(state_path):
         state = _read_state(state_path)
@@ -515,19 +538,3 @@ def _prepare_output(output_path, state_path, parts_dir, settings, resume) -> dic
         raise
     return fresh
 
-
-def _start_process_group(processes: Processes):
-    """A gloo group across the launched processes (only to start together), or None for one process."""
-    if processes.world_size == 1:
-        return None
-    if not torch.distributed.is_initialized():
-        # Long: the group only synchronises the start, after which slow chunks may keep a process busy for hours.
-        torch.distributed.init_process_group("gloo", rank=processes.rank, world_size=processes.world_size,
-                                             timeout=timedelta(hours=24))
-        return True
-    return None
-
-
-def _barrier(group) -> None:
-    if group:
-        torch.distributed.barrier()

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, suppress
@@ -90,17 +91,42 @@ def check_not_an_input(output: str | os.PathLike, inputs: Iterable[str | os.Path
                                  "another output.")
 
 
-def check_output_file(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+def check_output_file(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                      streams: bool = False) -> None:
     """Refuse, before anything is written, an output file that cannot be written as a file (a directory, a missing or
-    read-only directory to hold it) or that is one of `inputs` (`check_not_an_input`); the messages name `output`."""
+    read-only directory to hold it) or that is one of `inputs` (`check_not_an_input`); the messages name `output`.
+    An output that is a device or a FIFO (`stream_kind`) is refused too, since a file is written beside it and
+    renamed over it, unless the writer writes it as a `stream` (a translation's lines, as to stdout)."""
     if os.path.isdir(output) or os.fspath(output).endswith(os.sep):
         raise IsADirectoryError(f"{output} is a directory; give the path of a file to write.")
+    kind = stream_kind(output)
+    if kind is not None:
+        if not streams or kind == "a socket":
+            raise ValueError(f"{output} is {kind}, not a file; give the path of a file to write.")
+        if not os.access(output, os.W_OK):
+            raise PermissionError(f"Cannot write {output}: permission denied.")
+        check_not_an_input(output, inputs)
+        return
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"Cannot write {output}: the directory {parent} does not exist.")
     if not os.access(parent, os.W_OK) or (os.path.exists(output) and not os.access(output, os.W_OK)):
         raise PermissionError(f"Cannot write {output}: permission denied.")
     check_not_an_input(output, inputs)
+
+
+def stream_kind(path: str | os.PathLike) -> str | None:
+    """What `path` names (through links) where it is neither a regular file nor a directory: "a character device",
+    "a block device", "a FIFO" or "a socket"; None otherwise, or where nothing is there yet."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
 
 
 def _kind(path: str | os.PathLike) -> str:
@@ -261,6 +287,43 @@ def reporting_full_disk(path: str | os.PathLike, kept):
         cause = error.__cause__ if isinstance(error, DiskFullError) else error
         raise DiskFullError(f"No space left on the device to write {path}; "
                             f"{kept() if callable(kept) else kept}.") from cause
+
+
+# Streams ------------------------------------------------------------------------------------------------------------
+# stdout, a device or a FIFO get a translation's lines as they come; they cannot be cut back or appended to, so nothing
+# is resumed there. A write that fails (a full device, a pipe or FIFO whose reader has gone, as after `| head -1`) is
+# one line naming the stream and what it got, never a traceback.
+
+
+class ClosedOutputError(OSError):
+    """The reader of the pipe or FIFO this process writes has gone; the message names it and what it got."""
+
+
+@contextmanager
+def reporting_unwritable_stream(name: str, kept):
+    """Turn a write inside the block that fails for want of space or of a reader into `DiskFullError` or
+    `ClosedOutputError`: "No space left on the device to write NAME; KEPT." / "NAME was closed by its reader; KEPT."
+    `kept` (a string, or a function giving one) says what the stream got and how to go on."""
+    try:
+        yield
+    except OSError as error:
+        closed = _is_closed_pipe(error)
+        if not closed and not is_full_disk(error):
+            raise
+        what = kept() if callable(kept) else kept
+        if closed:
+            raise ClosedOutputError(f"{name} was closed by its reader; {what}.") from error
+        raise DiskFullError(f"No space left on the device to write {name}; {what}.") from error
+
+
+def _is_closed_pipe(error: BaseException) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.EPIPE:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # Atomic writes --------------------------------------------------------------------------------------------------------

@@ -8,13 +8,19 @@ process died or what is kept. Instead each process learns its peers' host and pr
 looks for the one that has ended (`Peers.lost`), and the run ends with `PeerLost`, whose one line names it and says
 what is kept. A process on another machine cannot be looked at; its end is told by gloo's message.
 
-The run's end is one place too (`end_process_group`): after a barrier where the run ended normally, so that no
-process tears its group down while another still uses it, then `destroy_process_group`, never left to the
+The group's start and end are one place too (`ending_process_group`, around a run: training, where the Trainer
+starts the group, and file translation, which starts its own). It ends after a barrier where the run ended normally,
+so that no process tears its group down while another still uses it, and none leaves before the others are done: a
+process that has finished its share waits there, running, instead of exiting, so that a peer that looks for ended
+processes never takes a finished one for a lost one. Then `destroy_process_group`, never left to the
 interpreter's exit, where gloo's threads can abort a process whose work is done ("terminate called without an
 active exception"). `destroy_process_group` only forgets the group: whatever else holds it keeps it, with its
 threads, alive. The finished Trainer is such a holder (its DDP wrapper's reducer holds the group), and it lives in
 reference cycles that only the garbage collector frees, which left alone it does at the interpreter's exit; so the
 group's end collects them first.
+
+A process that has found a lost peer is ending: its run holds the stop signals from then on (`catching_stop_signals`'
+`holding_after`), since the launcher's SIGTERM to the survivors would otherwise end it before its line is printed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -94,9 +101,14 @@ class Peers:
 
 
 @contextmanager
-def ending_process_group():
+def ending_process_group(rank: int = 0, world_size: int = 1):
     """Run the block, then end the process group (`end_process_group`): after a barrier where the block returned or
-    was preempted (every process stops after the same step), at once where it failed."""
+    was preempted (every process stops after the same step, or at the end of its share), at once where it failed.
+    Where `world_size` is above 1 and no group is started yet, the block runs in a gloo group started here (file
+    translation: the Trainer starts its own)."""
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        # Long: slow chunks may keep a process busy for hours between two collectives (the start and the end).
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(hours=24))
     try:
         yield
     except Preempted:
@@ -114,7 +126,13 @@ def end_process_group(completed: bool) -> None:
     since the others may be gone or elsewhere."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if completed and dist.get_world_size() > 1:
-        dist.barrier()
+    if completed:
+        barrier()
     gc.collect()  # the run's cycles that hold the group (a finished Trainer's DDP wrapper), freed while Python is whole
     dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every process of the launch (nothing to wait for in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

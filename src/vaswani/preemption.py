@@ -45,10 +45,13 @@ def resume_command(command: Sequence[str]) -> str:
 
 
 @contextmanager
-def catching_stop_signals(handler: Callable[[int], bool | None]):
+def catching_stop_signals(handler: Callable[[int], bool | None],
+                          holding_after: tuple[type[BaseException], ...] = ()):
     """Call `handler(signum)` on SIGTERM and SIGINT during the block, then put the previous handlers back. Where the
     handler returns False it declines the signal, which then acts as it would have without the block (the previous
-    handler, or the default action: the process ends). Python runs signal handlers in the main thread only;
+    handler, or the default action: the process ends). Where the block raises one of `holding_after` (a run that is
+    over, with a line still to print: one that lost a process, whose launcher sends the survivors SIGTERM), the
+    signals are ignored instead, until the process exits. Python runs signal handlers in the main thread only;
     elsewhere the block runs with the handlers as they are."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -67,11 +70,15 @@ def catching_stop_signals(handler: Callable[[int], bool | None]):
             signal.signal(signum, on_signal)
 
     previous.update({signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS})
+    held = False
     try:
         yield
+    except holding_after:
+        held = True
+        raise
     finally:
         for signum, old in previous.items():
-            signal.signal(signum, old)
+            signal.signal(signum, signal.SIG_IGN if held else old)
 
 
 class StepLateMaximum:

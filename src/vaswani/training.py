@@ -205,9 +205,10 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
     created = not os.path.exists(args.output_dir)
     peers = Peers.gather()
     # The stop signals' handler outlives a failed training until its end is told: torchrun's agent sends SIGTERM to
-    # the survivors of a process that died, which must not end one while it works out which process that was.
+    # the survivors of a process that died, which must not end one while it works out which process that was, nor
+    # (held from then on) before it has said so.
     preemption = PreemptionCallback()
-    with catching_stop_signals(preemption.request):
+    with catching_stop_signals(preemption.request, holding_after=(PeerLost,)):
         try:
             with files.exclusive(args.output_dir) if args.process_index == 0 else nullcontext():
                 return _run_training(model_args, data_args, args, command, preemption)
