@@ -53,6 +53,38 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200"
                     "A100": 312.0, "L40S": 362.0, "L4": 121.0}
 
 
+
+@dataclass(frozen=True)
+class Target:
+    """A figure a lent GPU is to reach: its name, its words, the result's field that holds it and its bound."""
+
+    name: str
+    text: str
+    field: str
+    bound: float
+    at_most: bool = False  # the figure must not exceed the bound (a time); otherwise, reach it
+
+    def met(self, value: float | None) -> bool | None:
+        """Whether `value` meets the target; None where there is no figure."""
+        if value is None:
+            return None
+        return value <= self.bound if self.at_most else value >= self.bound
+
+
+# The GPU targets, on an H100 or H200: the one list the quality run's notes and the landing of a GPU's figures
+# (gpu_land.py) judge by.
+GPU_TARGETS = (
+    Target("steady step", "a steady 4,000-token base step ≤ 15 ms", "steady_ms_per_step", 15, at_most=True),
+    Target("training × Marian", "base training ≥ 3× Marian's tokens/s on the same batches, with MFU reported",
+           "training_vs_marian", 3),
+    Target("BLEU, first 1,000", "after 300 s, test BLEU ≥ 62 on the first 1,000 sentences",
+           "test_bleu_first_1000", 62),
+    Target("BLEU, whole split", "after 300 s, test BLEU ≥ 45 on the whole split", "test_bleu", 45),
+    Target("translation × Marian", "translation at beam 4 in bf16 ≥ 5× Marian's sentences/s on the quality model",
+           "translation_vs_marian", 5),
+)
+
+
 class Device:
     """Where a benchmark runs and at which precision: bf16 where CUDA's defaults are taken (`as_cuda`: on a GPU, and
     on a CPU rehearsing one, `generation_vaswani.runs_as`), fp32 on a CPU (where bf16 is an engine's option)."""

@@ -5,6 +5,7 @@ so they are run by hand before a GPU call (benchmarks/README.md, "A lent GPU"), 
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -245,3 +246,60 @@ def test_quality_report_names_each_slow_step_recompiled_or_kernel_set_up():
     assert quality.slow_steps_note(row) == ("Slow steps: step 1 (2.50 s, recompiled: 1 graph), "
                                             "step 40 (1.25 s, kernel set-up: no graph built), and 1 more.")
     assert quality.slow_steps_note({**row, "metrics": {"train_slow_steps_named": []}}) is None
+
+
+def test_quality_run_measures_its_steady_step_from_the_logged_intervals(tmp_path):
+    """A log with a slow start (a compilation left to the first interval, then a shape's kernels), one recompile
+    later, and a last line cut mid-write: each figure of the steady step, by hand."""
+    quality = load_quality()
+    elapsed = [50.0, 60.0, 64.0, 68.0, 72.2, 76.2, 86.2, 90.2, 94.2]  # ms a step: 500 100 40 40 42 40 100 40 40
+    log = tmp_path / "train.log"
+    log.write_text("$ python scripts/train_translation.py ...\nwarming up\n" + "".join(
+        f"{{'loss': '{6 - i / 4:.3g}', 'grad_norm': '1.2', 'elapsed_seconds': '{seconds}', 'epoch': '{i / 9:.3g}'}}\n"
+        for i, seconds in enumerate(elapsed)) + "{'loss': '3.9', 'elapsed_sec")
+    entries = quality.training_log(log, 100)
+    assert [entry["step"] for entry in entries] == list(range(100, 1000, 100))
+    assert entries[0]["loss"] == 6 and entries[-1]["loss"] == 4
+    tokens = {"batches": 50, "real_per_batch": 3000.0, "padded_per_batch": 3600.0, "flops_per_batch": 1e12}
+    steady = quality.steady_step(entries, 10.0, tokens, 989.0)
+    expected = {"steady_ms_per_step": 40, "steady_from_step": 200, "steady_intervals": 7,
+                "steady_real_tokens_per_second": 75_000, "steady_padded_tokens_per_second": 90_000,
+                "steady_mfu": 25 / 989, "warmup_seconds": 10 + 46 + 6, "recompile_seconds": 6}
+    assert steady == {key: pytest.approx(value, rel=1e-9) for key, value in expected.items()}
+    # No peak (a CPU), no FLOPs: no MFU; under three timed intervals: no steady step yet.
+    assert quality.steady_step(entries, None, {**tokens, "flops_per_batch": None}, None)["steady_mfu"] is None
+    assert quality.steady_step(entries[:2], 10.0, tokens, 989.0) == {}
+
+
+def test_quality_run_cut_by_its_stage_limit_leaves_its_report(tmp_path):
+    """A real quality run (--dry_run, tiny, on a small synthetic corpus), its process group sent SIGTERM as the plan
+    stops a stage at its limit, once its report shows logged intervals: the report then says the run was cut, with
+    its steps and loss curve. One launch: the report rewritten at each interval is also what a SIGKILL leaves."""
+    from training_script import synthetic_corpus
+
+    results = tmp_path / "results"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "VASWANI_FRA_ENG": str(synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_quality.py"), "--dry_run", "--train_seconds", "120",
+         "--vocab_size", "300", "--output_root", str(tmp_path / "out"), "--results_dir", str(results),
+         "--data_cache_dir", str(tmp_path / "cache")], cwd=REPO, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    report_path, deadline = results / "gpu-quality-cpu.json", time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            running = json.loads(report_path.read_text())["results"][0] if report_path.exists() else None
+            if running and len(running["loss_curve"]) >= 2:
+                break
+            time.sleep(1)
+        assert running and running["ended"].startswith("running"), (results / "gpu-quality-cpu-train.log").read_text()
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    [row] = json.loads(report_path.read_text())["results"]
+    assert row["ended"].startswith("cut by SIGTERM") and row["train_steps"] >= 20
+    assert len(row["loss_curve"]) >= 2 and row["loss_curve"][0][0] == 10
+    assert "Training cut by SIGTERM" in (results / "gpu-quality-cpu.md").read_text()
