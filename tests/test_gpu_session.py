@@ -21,6 +21,9 @@ import gpu_plan  # noqa: E402
 # A device call runs at most 10 minutes and a session has 15 of device time, the machine's start included: the
 # first plan must leave room for the start and the second fit what is left after it.
 FIRST_PLAN_SECONDS, SECOND_PLAN_SECONDS = 480, 300
+# A machine's compile-cache key (gpu_plan.cache_key).
+KEY = {"torch": "2.11.0+cu128", "cuda": "12.8", "triton": "3.5.0", "gpu": "NVIDIA H200", "code": "0123456789abcdef",
+       "commit": "3cc5c8f"}
 
 
 def test_each_plan_fits_one_call_and_the_compile_caches_let_the_probe_join_the_quality_run(tmp_path):
@@ -28,17 +31,58 @@ def test_each_plan_fits_one_call_and_the_compile_caches_let_the_probe_join_the_q
     assert first == ["setup", "quality", "probe-4000"] and gpu_plan.plan(["first"]) == (first_budget, first)
     assert second == ["setup", "translation-trained", "kernels", "tests"]
     assert first_budget <= FIRST_PLAN_SECONDS and second_budget <= SECOND_PLAN_SECONDS
-    cold = {name: gpu_plan.stage_limit(name, tmp_path) for name in gpu_plan.STAGES}
-    for stage in gpu_plan.STAGES.values():
+    cold = {name: gpu_plan.stage_limit(name, tmp_path, KEY) for name in gpu_plan.STAGES}
+    for name, stage in gpu_plan.STAGES.items():
         if stage.cache:
             (tmp_path / stage.cache).write_bytes(b"carried")
-    warm = {name: gpu_plan.stage_limit(name, tmp_path) for name in gpu_plan.STAGES}
+            gpu_plan.sign(name, tmp_path, KEY)
+    warm = {name: gpu_plan.stage_limit(name, tmp_path, KEY) for name in gpu_plan.STAGES}
     # With the caches carried the whole first plan fits; without, the quality run still does (the probe is left out).
     assert sum(warm[name] for name in first) <= first_budget
     assert cold["setup"] + cold["quality"] <= first_budget < sum(cold[name] for name in first)
     # 300 s of training are the quality stage's core; the rest of its limit covers the compilation (about 115 s cold
     # on the 2026-11-27 H200), and the test split.
     assert cold["quality"] >= 300 + 115 + 25 and warm["quality"] >= 300 + 25
+
+
+def test_a_compile_cache_gives_the_warm_limit_only_with_this_machines_key(tmp_path, capsys):
+    """Carried without a key, or made on another GPU, torch or code, a cache runs its stage cold: set aside, the
+    reason in one line; a stage's cache is signed with the key once it ran. Another commit of the same code serves."""
+    quality, cache = gpu_plan.STAGES["quality"], tmp_path / "quality.bin"
+    cache.write_bytes(b"compiled")
+    assert gpu_plan.stage_limit("quality", tmp_path, KEY) == quality.cold
+    gpu_plan.sign("quality", tmp_path, KEY)
+    assert gpu_plan.stage_limit("quality", tmp_path, {**KEY, "commit": "0000000"}) == quality.limit
+    h100 = {**KEY, "gpu": "NVIDIA H100 80GB HBM3"}
+    assert gpu_plan.stage_limit("quality", tmp_path, h100) == quality.cold
+    gpu_plan.set_aside("quality", tmp_path, h100, quality.cold)
+    assert capsys.readouterr().out == (f"== quality: runs cold, limit {quality.cold} s: quality.bin was made by "
+                                       "another gpu NVIDIA H200 ≠ NVIDIA H100 80GB HBM3\n")
+    assert not cache.exists() and (tmp_path / "quality.bin.stale").read_bytes() == b"compiled"
+    key = gpu_plan.cache_key([sys.executable])  # this machine's, as a dry run computes it
+    assert key["gpu"] == "cpu" and key["torch"] == __import__("torch").__version__ and len(key["code"]) == 16
+
+
+def test_the_compile_caches_come_back_as_their_own_file_checked_against_a_calls_limits(tmp_path, monkeypatch,
+                                                                                        capsys):
+    out, results, cache = tmp_path / "out", tmp_path / "results", tmp_path / "cache"
+    for folder in (out, results, cache):
+        folder.mkdir()
+    (results / "training.json").write_text("{}")
+    (cache / "quality.bin").write_bytes(os.urandom(4096))
+    gpu_plan.sign("quality", cache, KEY)
+    (cache / "probe.bin.stale").write_bytes(b"another machine's")
+    run = gpu_plan.Run(False, results, cache, {})
+    gpu_plan.publish(run, str(out / "results.tar.gz"))
+    with tarfile.open(out / "results.tar.gz") as packed:
+        assert "./training.json" in packed.getnames() and not any("quality" in n for n in packed.getnames())
+    with tarfile.open(out / "compile-cache.tar.gz") as packed:
+        assert sorted(packed.getnames()) == ["quality.bin", "quality.bin.key.json"]
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(gpu_plan, "RETURNED_FILE_MIB", 2 / 1024)  # a 2 KiB limit: the random 4 KiB cache exceeds it
+    gpu_plan.publish(run, str(out / "results.tar.gz"))
+    assert not (out / "compile-cache.tar.gz").exists()
+    assert capsys.readouterr().out.startswith("compile cache left out: 0.0 MiB, over the 0.001953125 MiB")
 
 
 def test_named_stages_run_after_setup_and_an_unknown_one_is_refused():
@@ -90,6 +134,7 @@ def test_dry_run_of_the_setup_stage(tmp_path):
                               "COMPILE_CACHE": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "device: cpu" in run.stdout and "== setup: ok" in run.stdout
+    assert not (tmp_path / "cache").exists()  # a dry run writes nothing into the carried caches' folder
     with tarfile.open(archive) as packed:
         assert "./gpu-setup.log" in packed.getnames()
 
