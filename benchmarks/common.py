@@ -16,6 +16,7 @@ import platform
 import random
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from vaswani.engine_timing import cpu_name
 from vaswani.files import write_atomically
 from vaswani.generation_vaswani import runs_as
 from vaswani.loading import choose_device, named_dtype
+from vaswani.preemption import catching_stop_signals
 from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
@@ -83,6 +85,25 @@ GPU_TARGETS = (
     Target("translation × Marian", "translation at beam 4 in bf16 ≥ 5× Marian's sentences/s on the quality model",
            "translation_vs_marian", 5),
 )
+
+
+class Stopped(Exception):
+    """A stop signal (SIGTERM from a lent GPU's stage limit, SIGINT) reached a benchmark, which then writes what it
+    has measured before it ends (`stopping`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stopping():
+    """A block in which SIGTERM and SIGINT raise `Stopped` where the main thread is, so that the benchmark can write
+    its figures so far and end with 128 + the signal's number."""
+
+    def stop(signum: int):
+        raise Stopped(signum)
+
+    return catching_stop_signals(stop)
 
 
 class Device:

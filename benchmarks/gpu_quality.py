@@ -22,7 +22,6 @@ import ast
 import json
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,11 +32,11 @@ from transformers import HfArgumentParser
 
 from bench_training import model_flops
 from common import (
-    GPU_TARGETS, REPO_ROOT, SHARED_CORPUS, Column, Device, argument_parser, pick_device, report, result_name,
+    GPU_TARGETS, REPO_ROOT, SHARED_CORPUS, Column, Device, Stopped, argument_parser, pick_device, report,
+    result_name, stopping,
 )
 from vaswani.batching import TokenBatchSampler, batch_positions, example_lengths
 from vaswani.evaluation import score_corpus
-from vaswani.preemption import catching_stop_signals
 from vaswani.training import (
     DataArguments, ModelArguments, VaswaniTrainingArguments, build_model_and_tokenizer, prepare_data, tokenize_splits,
 )
@@ -53,14 +52,6 @@ SCORING_LOOPS = ("auto", "transformers")
 STEADY_FACTOR = 1.2
 # How often the running training's log is read for new intervals (seconds).
 POLL_SECONDS = 2
-
-
-class Stopped(Exception):
-    """A stop signal (SIGTERM from the stage's limit, SIGINT) reached the quality run."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def device_arguments(device: Device) -> list[str]:
@@ -294,12 +285,9 @@ def main(argv=None):
     def write(*_) -> None:
         write_report(argv, args, device, run, tokens, references, prepare_seconds)
 
-    def stop(signum: int):
-        raise Stopped(signum)
-
     # A stop signal (the stage's limit) ends the run with its report written; a run killed outright keeps the report
     # of its last logged interval, which is rewritten as each interval is logged.
-    with catching_stop_signals(stop):
+    with stopping():
         try:
             run["returncode"] = train(command, log, args.logging_steps, write)
             run["metrics"] = read_json(output_dir / "metrics.json") if run["returncode"] == 0 else None

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -348,3 +349,43 @@ def test_quality_run_cut_by_its_stage_limit_leaves_its_report(tmp_path):
     assert row["ended"].startswith("cut by SIGTERM") and row["train_steps"] >= 20
     assert len(row["loss_curve"]) >= 2 and row["loss_curve"][0][0] == 10
     assert "Training cut by SIGTERM" in (results / "gpu-quality-cpu.md").read_text()
+
+
+def test_training_probe_cut_by_its_stage_limit_keeps_its_rows_and_its_compile_cache(tmp_path):
+    """bench_training.py as the probe stage runs it (a compiled engine against Marian, --seconds_per_setting, a
+    compile cache), tiny, its process group sent SIGTERM during the timed steps, once the cache saved after the
+    compiled engine's warm-up is there: the report holds both engines' rows of the steps done, marked cut.
+    About 60 s on 2 busy cores: the tiny step's compilation on a CPU is most of it."""
+    from training_script import synthetic_corpus
+
+    results, cache = tmp_path / "results", tmp_path / "probe.bin"
+    corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "bench_training.py"), "--device", "cpu", "--threads", "1",
+         "--corpus", str(corpus), "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), "--results_dir",
+         str(results), "--sizes", "tiny", "--batch_tokens", "128", "--steps", "2", "--warmup_steps", "1",
+         "--seconds_per_setting", "600", "--engines", "vaswani-compiled,marian", "--compile_cache", str(cache),
+         "--output_name", "training-probe-{device}"], cwd=REPO, env=env, start_new_session=True, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    watchdog = threading.Timer(240, os.killpg, (process.pid, signal.SIGKILL))  # a hang fails instead of blocking
+    watchdog.start()
+    try:
+        for line in process.stderr:  # the warm-up lines on stderr: both engines warm, the timed steps begun
+            if line.startswith("tiny Marian"):
+                break
+        time.sleep(2)
+        assert cache.is_file() and not (results / "training-probe-cpu.json").exists()
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    report = json.loads((results / "training-probe-cpu.json").read_text())
+    rows = {row["engine"]: row for row in report["results"]}
+    assert sorted(rows) == ["marian", "vaswani-compiled"] and rows["vaswani-compiled"]["vs_marian"] > 0
+    assert all(row["cut"] == f"by SIGTERM after {row['steps']} timed steps" and row["steps"] >= 1
+               for row in rows.values())
+    assert report["notes"][0].startswith("Cut by SIGTERM after")
