@@ -140,12 +140,16 @@ def test_dry_run_of_the_setup_stage(tmp_path):
         assert "./gpu-setup.log" in packed.getnames()
 
 
-def load_quality():
+def load_benchmark(name: str):
     sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("gpu_quality", REPO / "benchmarks" / "gpu_quality.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_quality():
+    return load_benchmark("gpu_quality")
 
 
 def test_quality_run_tokens_a_step_are_those_of_an_epochs_padded_batches():
@@ -389,3 +393,31 @@ def test_training_probe_cut_by_its_stage_limit_keeps_its_rows_and_its_compile_ca
     assert all(row["cut"] == f"by SIGTERM after {row['steps']} timed steps" and row["steps"] >= 1
                for row in rows.values())
     assert report["notes"][0].startswith("Cut by SIGTERM after")
+
+
+def test_translation_stage_stopped_by_sigterm_keeps_the_settings_measured_before(tmp_path, monkeypatch):
+    """bench_translation.py in this process (--same_process, tiny), sent a real SIGTERM as its second setting (beam
+    2) starts: the report holds beam 1's rows, says it was cut, and the run ends with 128 + SIGTERM."""
+    from training_script import synthetic_corpus
+
+    translation = load_benchmark("bench_translation")
+    measure, calls = translation.measure, []
+
+    def measure_then_stop(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(translation, "measure", measure_then_stop)
+    results = tmp_path / "results"
+    with pytest.raises(SystemExit) as ended:
+        translation.main(["--device", "cpu", "--threads", "1", "--corpus",
+                          str(synthetic_corpus(tmp_path / "corpus.tsv", pairs=100)), "--vocab_size", "300",
+                          "--cache_dir", str(tmp_path / "cache"), "--results_dir", str(results), "--sizes", "tiny",
+                          "--engines", "vaswani,marian", "--batch_sizes", "4", "--beams", "1,2", "--num_sentences",
+                          "8", "--new_tokens", "3", "--same_process"])
+    assert ended.value.code == 128 + signal.SIGTERM and calls == [1, 2]
+    report = json.loads((results / "translation-cpu.json").read_text())
+    assert sorted((row["engine"], row["beams"]) for row in report["results"]) == [("marian", 1), ("vaswani", 1)]
+    assert report["notes"][0].startswith("Cut by SIGTERM")
