@@ -264,7 +264,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.dry_run:
         args.preset, args.train_seconds, args.warmup, args.max_tokens = "tiny", min(args.train_seconds, 20), 50, 1000
-        args.eval_batch_size, args.logging_steps = 32, 10
+        args.eval_batch_size, args.logging_steps = 32, 2
     device = pick_device("auto")
     name = result_name(args, "gpu-quality", device)
 

@@ -5,6 +5,7 @@ so they are run by hand before a GPU call (benchmarks/README.md, "A lent GPU"), 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -351,7 +352,7 @@ def test_quality_run_cut_by_its_stage_limit_leaves_its_report(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
     [row] = json.loads(report_path.read_text())["results"]
     assert row["ended"].startswith("cut by SIGTERM") and row["train_steps"] >= 20
-    assert len(row["loss_curve"]) >= 2 and row["loss_curve"][0][0] == 10
+    assert len(row["loss_curve"]) >= 2 and row["loss_curve"][0][0] == 2
     assert "Training cut by SIGTERM" in (results / "gpu-quality-cpu.md").read_text()
 
 
@@ -421,3 +422,68 @@ def test_translation_stage_stopped_by_sigterm_keeps_the_settings_measured_before
     report = json.loads((results / "translation-cpu.json").read_text())
     assert sorted((row["engine"], row["beams"]) for row in report["results"]) == [("marian", 1), ("vaswani", 1)]
     assert report["notes"][0].startswith("Cut by SIGTERM")
+
+
+def fabricated_archive(folder: Path, tag: str, bleu: float, steady_ms: float) -> Path:
+    """What a first and second plan return on the GPU `tag`: the quality report, the probe's and translation's, the
+    stage logs, the quality model's path on that machine."""
+    results = folder / "results"
+    results.mkdir(parents=True)
+    env = {"device": tag, "device_name": "NVIDIA H200", "git_commit": "abc1234"}
+
+    def write(stem, rows):
+        (results / f"{stem}.json").write_text(json.dumps(
+            {"environment": env, "timestamp": "2026-12-08T10:00:00+0000", "results": rows}))
+        (results / f"{stem}.md").write_text(f"# {stem}\n")
+
+    write(f"gpu-quality-{tag}", [{"test_bleu": bleu, "test_bleu_first_1000": 63.5, "test_score": "scored",
+                                  "train_steps": 9000, "steady_ms_per_step": steady_ms, "steady_mfu": 0.31,
+                                  "ended": "trained"}])
+    write(f"training-probe-{tag}-4000", [
+        {"engine": "vaswani-compiled", "batching": "bucketed", "vs_marian": 3.4, "mfu": 0.3, "steps_per_s": 70.0},
+        {"engine": "marian", "batching": "bucketed", "vs_marian": None, "mfu": 0.1, "steps_per_s": 20.0}])
+    write(f"translation-trained-{tag}", [{"engine": "vaswani", "beams": 4, "batch_size": 256, "vs_marian": 2.5}])
+    (results / "gpu-quality.log").write_text("quality\n")
+    (results / "gpu-quality-selected.txt").write_text("/tmp/outputs/gpu-quality/model\n")
+    archive = folder / "results.tar.gz"
+    with tarfile.open(archive, "w:gz") as packed:
+        packed.add(results, arcname=".")
+    return archive
+
+
+def test_landing_a_returned_archive_updates_the_gpu_rows_and_says_each_missed_target(tmp_path, capsys):
+    """On copies of the README, the results index and gpu-notes.md: the files of one GPU kind land beside another
+    kind's (stage logs tagged), the GPU rows' cells (and only theirs) are rewritten, and every target missed is said."""
+    land = load_benchmark("gpu_land")
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    results.mkdir()
+    shutil.copyfile(REPO / "README.md", readme)
+    for name in ("README.md", "gpu-notes.md"):
+        shutil.copyfile(REPO / "benchmarks" / "results" / name, results / name)
+    (results / "gpu-quality-h100.log").write_text("the other kind's log\n")
+    before = readme.read_text()
+    archive = fabricated_archive(tmp_path / "device", "cuda-h200", bleu=44.0, steady_ms=16.0)
+    status = land.main([str(archive), "--results_dir", str(results), "--readme", str(readme), "--compile_cache",
+                        str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert {"gpu-quality-cuda-h200.json", "gpu-quality-cuda-h200.log", "training-probe-cuda-h200-4000.md",
+            "translation-trained-cuda-h200.json", "gpu-quality-h100.log"} <= {p.name for p in results.iterdir()}
+    assert not (results / "gpu-quality-selected.txt").exists()
+    assert out.count("MISSED: ") == 3
+    assert "MISSED: a steady 4,000-token base step ≤ 15 ms (got 16.00)" in out
+    assert "MISSED: after 300 s, test BLEU ≥ 45 on the whole split (got 44.00)" in out
+    assert "MISSED: translation at beam 4 in bf16 ≥ 5× Marian's sentences/s on the quality model (got 2.50)" in out
+    after = readme.read_text()
+    changed = [line for line in after.split("\n") if line not in before.split("\n")]
+    assert len(changed) == 3 and all(line.startswith("| GPU ") for line in changed)
+    assert ("| GPU training against Marian | base, compiled, 4,000-token batches: 3.40 × Marian's tokens/s, MFU 30.0%, "
+            "14.3 ms a step ([training-probe-cuda-h200-4000](benchmarks/results/training-probe-cuda-h200-4000.md)) | "
+            "H200, 2026-12-08, abc1234 |") in changed
+    assert all(len(cell) < 200 for line in changed for cell in line.split("|"))
+    index = (results / "README.md").read_text()
+    assert "[training-probe-cuda-h200-4000](training-probe-cuda-h200-4000.md)" in index  # the others: linked already
+    notes = (results / "gpu-notes.md").read_text()
+    assert "| 2026-12-08 | H200 | abc1234 | base, 300 s: test BLEU 44.00" in notes
+    assert "On the H200 of 2026-12-08 (abc1234): missed: a steady 4,000-token base step ≤ 15 ms (got 16.00);" in notes
+    assert "No GPU has run the current code" not in notes  # the targets paragraph is rewritten, not added to
