@@ -3,7 +3,9 @@ valuable first. Every stage runs under its own time limit (`STAGES`) inside its 
 folder is packed into $ARCHIVE after every stage, so that a stage cut by its limit loses only its own results.
 
     python3 benchmarks/gpu_plan.py                  # the first plan: setup quality probe-4000
-    python3 benchmarks/gpu_plan.py second           # the second plan: setup translation-trained kernels tests
+    python3 benchmarks/gpu_plan.py second           # the second plan: setup translation-trained probe-4000
+    python3 benchmarks/gpu_plan.py third            # the third plan: setup kernels tests
+    python3 benchmarks/gpu_plan.py second --budget 240   # within what the session has left, not the plan's 300 s
     python3 benchmarks/gpu_plan.py STAGE …          # chosen stages only, in order (setup always first)
     python3 benchmarks/gpu_plan.py --dry_run [second|STAGE …]   # the same at tiny sizes on this CPU, rehearsing
                                                     #   CUDA (VASWANI_REHEARSE_CUDA=1) before device time is spent
@@ -168,8 +170,12 @@ STAGES = {
 }
 # Each plan's budget is what its call leaves after the machine's start: the first is made at once, the second only
 # where enough device time is left (benchmarks/README.md, "A lent GPU").
+# The second holds the two × Marian figures the first may leave out: translation on the quality run's model first
+# (it needs its whole limit for one setting's rows), then the step probe, whose timed steps so far are kept when it is
+# cut; `--budget` cuts it to what the session has left. The third waits for a later session.
 PLANS = {"first": (480, ["setup", "quality", "probe-4000"]),
-         "second": (300, ["setup", "translation-trained", "kernels", "tests"])}
+         "second": (300, ["setup", "translation-trained", "probe-4000"]),
+         "third": (300, ["setup", "kernels", "tests"])}
 
 
 def plan(names: list[str]) -> tuple[int, list[str]]:
@@ -326,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     dry, limits_only = "--dry_run" in argv, "--limits" in argv
+    cut_to = None
+    if "--budget" in argv:  # what the session has left, where it is less than the plan's budget
+        at = argv.index("--budget")
+        cut_to, argv = int(argv[at + 1]), argv[:at] + argv[at + 2:]
     budget, stages = plan([arg for arg in argv if arg not in ("--dry_run", "--limits")])
+    budget = min(budget, cut_to or budget)
     # A dry run compiles a tiny model on a CPU: its caches go to a scratch folder, never among the carried ones.
     cache = (Path(tempfile.mkdtemp(prefix="gpu-plan-dry-compile-cache-")) if dry
              else Path(os.environ.get("COMPILE_CACHE", REPO / ".compile-cache")).resolve())

@@ -31,7 +31,8 @@ KEY = {"torch": "2.11.0+cu128", "cuda": "12.8", "triton": "3.5.0", "gpu": "NVIDI
 def test_each_plan_fits_one_call_and_the_compile_caches_let_the_probe_join_the_quality_run(tmp_path):
     (first_budget, first), (second_budget, second) = gpu_plan.plan([]), gpu_plan.plan(["second"])
     assert first == ["setup", "quality", "probe-4000"] and gpu_plan.plan(["first"]) == (first_budget, first)
-    assert second == ["setup", "translation-trained", "kernels", "tests"]
+    assert second == ["setup", "translation-trained", "probe-4000"]
+    assert gpu_plan.plan(["third"])[1] == ["setup", "kernels", "tests"]
     assert first_budget <= FIRST_PLAN_SECONDS and second_budget <= SECOND_PLAN_SECONDS
     cold = {name: gpu_plan.stage_limit(name, tmp_path, KEY) for name in gpu_plan.STAGES}
     for name, stage in gpu_plan.STAGES.items():
@@ -42,6 +43,9 @@ def test_each_plan_fits_one_call_and_the_compile_caches_let_the_probe_join_the_q
     # With the caches carried the whole first plan fits; without, the quality run still does (the probe is left out).
     assert sum(warm[name] for name in first) <= first_budget
     assert cold["setup"] + cold["quality"] <= first_budget < sum(cold[name] for name in first)
+    # The second plan's × Marian figures: translation whole, then the probe with at least half its cold limit (its
+    # timed steps are kept when it is cut), within the plan's budget.
+    assert cold["setup"] + cold["translation-trained"] + cold["probe-4000"] / 2 <= second_budget
     # 300 s of training are the quality stage's core; the rest of its limit covers the compilation (about 115 s cold
     # on the 2026-11-27 H200), and the test split.
     assert cold["quality"] >= 300 + 115 + 25 and warm["quality"] >= 300 + 25
@@ -85,6 +89,13 @@ def test_the_compile_caches_come_back_as_their_own_file_checked_against_a_calls_
     gpu_plan.publish(run, str(out / "results.tar.gz"))
     assert not (out / "compile-cache.tar.gz").exists()
     assert capsys.readouterr().out.startswith("compile cache left out: 0.0 MiB, over the 0.001953125 MiB")
+
+
+def test_a_plan_is_cut_to_the_budget_the_session_has_left(capsys):
+    assert gpu_plan.main(["second", "--budget", "200", "--limits"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "budget 200"
+    assert gpu_plan.main(["second", "--budget", "900", "--limits"]) == 0  # never over the plan's own
+    assert capsys.readouterr().out.splitlines()[-1] == f"budget {gpu_plan.PLANS['second'][0]}"
 
 
 def test_named_stages_run_after_setup_and_an_unknown_one_is_refused():
