@@ -210,8 +210,11 @@ def test_quality_report_says_why_the_training_failed(tmp_path):
                    "error: Training loss became NaN/inf at step 1869. Lower the learning rate.\n\n"
                    "[W] a data loader worker's warning, printed after the error\n")
     assert quality.failure_line(log) == "error: Training loss became NaN/inf at step 1869. Lower the learning rate."
+    assert quality.how_it_ended(1, None, log) == ("stopped by a non-finite loss: error: Training loss became NaN/inf "
+                                                  "at step 1869. Lower the learning rate.")
     log.write_text("starting\nKilled\n")
     assert quality.failure_line(log) == "Killed"
+    assert quality.how_it_ended(137, None, log) == "crashed (exit 137): Killed"
     assert quality.failure_line(tmp_path / "missing.log") is None
 
 
