@@ -21,9 +21,9 @@ about=$(dirname "$corpus")/ABOUT.txt
 [ -f "$about" ] && install -m 0644 "$about" .corpus/ABOUT.txt  # the corpus' attribution travels with it
 rm -rf .whl/*.whl .whl/datasets4  # datasets4/: what an earlier version downloaded, which nothing installs
 # The lent GPU runs the image's torch 2.11: the wheels carried are CI's oldest set (.ci/oldest.txt), the pairing with
-# torch 2.11 that CI tests, without torch and accelerate (the image's); datasets' own helpers at the newest versions
+# torch 2.11 that CI tests, all but torch (the image's); datasets' own helpers at the newest versions
 # that datasets' wheel allows (its METADATA). Wheels for the machine's Python 3.12, without their dependencies.
-pins=$(grep -E '^(transformers|tokenizers|datasets|evaluate|safetensors|sacrebleu)==' .ci/oldest.txt | tr '\n' ' ')
+pins=$(grep -E '^(transformers|tokenizers|datasets|accelerate|evaluate|safetensors|sacrebleu)==' .ci/oldest.txt | tr '\n' ' ')
 download() {
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
