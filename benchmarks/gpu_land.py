@@ -75,8 +75,10 @@ def figures(results: Path, tag: str) -> dict:
         reports["GPU quality"] = quality
         row = quality["results"][0]
         found.update({field: row.get(field) for field in ("test_bleu", "test_bleu_first_1000", "steady_ms_per_step")})
-        bleu = (f"test BLEU {row['test_bleu']:.2f} on the whole split, {row['test_bleu_first_1000']:.2f} on its first "
-                "1,000" if row.get("test_bleu") is not None else f"no test score ({row.get('test_score')})")
+        first = row.get("test_bleu_first_1000")
+        bleu = (f"test BLEU {row['test_bleu']:.2f} on the whole split" + (
+            f", {first:.2f} on its first 1,000" if first is not None else "")
+            if row.get("test_bleu") is not None else f"no test score ({row.get('test_score')})")
         steady = (f"; steady step {row['steady_ms_per_step']:.1f} ms" + (
             f", MFU {row['steady_mfu']:.1%}" if row.get("steady_mfu") is not None else "")
             if row.get("steady_ms_per_step") is not None else "")

@@ -365,7 +365,7 @@ def test_quality_run_cut_by_its_stage_limit_leaves_its_report(tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     [row] = json.loads(report_path.read_text())["results"]
-    assert row["ended"].startswith("cut by SIGTERM") and row["train_steps"] >= 20
+    assert row["ended"].startswith("cut by SIGTERM") and row["train_steps"] == row["loss_curve"][-1][0] >= 4
     assert len(row["loss_curve"]) >= 2 and row["loss_curve"][0][0] == 2
     assert "Training cut by SIGTERM" in (results / "gpu-quality-cpu.md").read_text()
 
