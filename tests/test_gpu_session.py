@@ -345,7 +345,8 @@ def test_quality_run_cut_by_its_stage_limit_leaves_its_report(tmp_path):
     results = tmp_path / "results"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "VASWANI_FRA_ENG": str(synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks"),
+                                          os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "gpu_quality.py"), "--dry_run", "--train_seconds", "120",
          "--vocab_size", "300", "--output_root", str(tmp_path / "out"), "--results_dir", str(results),
@@ -380,7 +381,8 @@ def test_training_probe_cut_by_its_stage_limit_keeps_its_rows_and_its_compile_ca
     results, cache = tmp_path / "results", tmp_path / "probe.bin"
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks"),
+                                          os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "bench_training.py"), "--device", "cpu", "--threads", "1",
          "--corpus", str(corpus), "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), "--results_dir",
@@ -491,8 +493,8 @@ def test_landing_a_returned_archive_updates_the_gpu_rows_and_says_each_missed_ta
     after = readme.read_text()
     changed = [line for line in after.split("\n") if line not in before.split("\n")]
     assert len(changed) == 3 and all(line.startswith("| GPU ") for line in changed)
-    assert ("| GPU training against Marian | base, compiled, 4,000-token batches: 3.40 × Marian's tokens/s, MFU 30.0%, "
-            "14.3 ms a step ([training-probe-cuda-h200-4000](benchmarks/results/training-probe-cuda-h200-4000.md)) | "
+    assert ("| GPU training against Marian | base, compiled, 4,000-token batches: 3.40 × Marian's tokens/s, "
+            "MFU 30.0%, 14.3 ms a step ([training-probe-cuda-h200-4000](benchmarks/results/training-probe-cuda-h200-4000.md)) | "
             "H200, 2026-12-08, abc1234 |") in changed
     assert all(len(cell) < 200 for line in changed for cell in line.split("|"))
     index = (results / "README.md").read_text()
