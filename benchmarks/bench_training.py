@@ -33,8 +33,8 @@ from vaswani.training import MAX_SHAPE_BUCKETS
 from vaswani.training_clock import compile_cache_hits, compiled_graphs
 
 from common import (
-    SDPA_BACKENDS, Column, PeakMemory, WrongKernel, argument_parser, attention_ran, build_seq2seq, check_ran,
-    corpus_and_tokenizer, engine_label, csv_of, pick_device, report, sdpa_backend, timed,
+    SDPA_BACKENDS, Column, PeakMemory, Stopped, WrongKernel, argument_parser, attention_ran, build_seq2seq,
+    check_ran, corpus_and_tokenizer, engine_label, csv_of, pick_device, report, sdpa_backend, stopping, timed,
 )
 
 ENGINES = ("vaswani", "vaswani-compiled", "marian")
@@ -186,10 +186,12 @@ def prepare(args, batching, source_ids, target_ids, tokenizer, batch_tokens, ste
 
 
 def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, vocab_size, peak_tflops,
-            started, refused: list[str]) -> list[dict]:
-    """Every size × batching × engine: the rows of one batch budget. An engine whose first steps fail is left out,
-    the reason added to `refused`."""
-    rows = []
+            started, refused: list[str], rows: list[dict], warmed, measured) -> None:
+    """Every size × batching × engine: the rows of one batch budget, appended to `rows`. An engine whose first steps
+    fail is left out, the reason added to `refused`. `warmed(trainee)` is called once an engine's warm-up is done
+    (a compiled engine has compiled), `measured()` once a size's rows are in `rows`. A stop signal (`Stopped`)
+    during the timed steps ends them: the rows of the steps done so far are added, marked `cut`, then it is
+    raised again."""
     for size in args.sizes:
         dropout = {"dropout": args.dropout} if args.dropout is not None else {}
         config = VaswaniConfig.from_preset(size, vocab_size=vocab_size, **dropout)
@@ -208,6 +210,7 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
                 with PeakMemory(device) as peak:
                     trainee.step(0)
                 ran[trainee] = trainee.check()
+                warmed(trainee)
             except WrongKernel:
                 raise
             except Exception as error:  # the device refused the engine (a kernel it lacks): its row only is lost
@@ -227,16 +230,21 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
         # has trained that long (every engine takes as many steps, each on its batching's batches).
         indices = {trainee: list(range(1 + prepared[trainee.batching].warmup, len(trainee.batches)))
                    for trainee in trainees}
-        rounds, epoch, timing = 0, min(map(len, indices.values())), args.seconds_per_setting
-        while rounds < epoch * args.passes or (timing and max(seconds.values()) < timing):
-            rotation = rounds % len(trainees)  # interleaved, order rotating: machine-load drifts hit every engine alike
-            for trainee in trainees[rotation:] + trainees[:rotation]:
-                i = indices[trainee][rounds % len(indices[trainee])]
-                seconds[trainee] += timed(device, lambda: trainee.step(i))[1]
-                done[trainee].append(prepared[trainee.batching].batches[i])
-                if len(done[trainee]) == len(indices[trainee]):
-                    first_pass[trainee] = seconds[trainee]
-            rounds += 1
+        rounds, epoch, timing, stopped = 0, min(map(len, indices.values())), args.seconds_per_setting, None
+        try:
+            while rounds < epoch * args.passes or (timing and max(seconds.values()) < timing):
+                rotation = rounds % len(trainees)  # interleaved, order rotating: load drifts hit every engine alike
+                for trainee in trainees[rotation:] + trainees[:rotation]:
+                    i = indices[trainee][rounds % len(indices[trainee])]
+                    step_seconds = timed(device, lambda: trainee.step(i))[1]
+                    seconds[trainee] += step_seconds
+                    done[trainee].append(prepared[trainee.batching].batches[i])
+                    if len(done[trainee]) == len(indices[trainee]):
+                        first_pass[trainee] = seconds[trainee]
+                rounds += 1
+        except Stopped as error:
+            stopped = error
+            trainees = [trainee for trainee in trainees if done[trainee]]
         compiles_timed = compiled_graphs() - compiles_before
         if args.profile:
             for trainee in trainees:
@@ -258,6 +266,7 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
                 "mfu": flops / elapsed / (peak_tflops * 1e12) if peak_tflops else None, "state_mib": state,
                 "step_added_mib": added, "peak_mib": state + added if added is not None else None,
                 "load_average": load_average, "compilations_while_timed": compiles_timed, **ran[trainee],
+                "cut": f"by {stopped} after {len(trained)} timed steps" if stopped else None,
             })
             # ms a step of the first pass over the timed batches and of the later ones: with --warmup_steps 0, what
             # a new shape costs (a compilation, a kernel's plan).
@@ -268,12 +277,16 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
             print(f"{size:>5} {batch_tokens:>6} {trainee.batching:>10} {rows[-1]['engine_label']:>12}: "
                   f"{rows[-1]['tokens_per_s']:9.0f} tokens/s {rows[-1]['model_tflops_per_s']:.3f} model TFLOP/s, "
                   f"peak {rows[-1]['peak_mib'] or 0:.0f} MiB", flush=True)
-    return rows
+        measured()
+        if stopped:
+            raise stopped
 
 
-def notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused) -> list[str]:
+def notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused, rows) -> list[str]:
     buckets = f", shape_buckets={args.shape_buckets}" if args.shape_buckets else ""
+    cut = next((row["cut"] for row in rows if row.get("cut")), None)
     return [
+        *([f"Cut {cut}: the rows are those measured before; any later setting has none."] if cut else []),
         *(f"Refused, no row: {why}" for why in refused),
         f"Batches: all {len(pairs)} pairs of {corpus.name} tokenized by the project's joint BPE ({len(tokenizer)} "
         f"tokens), cut as train_translation.py cuts them (vaswani.batching.TokenBatchSampler{buckets}) into batches of "
@@ -384,6 +397,36 @@ def main(argv=None) -> Path:
     carried, hits = args.compile_cache and args.compile_cache.is_file(), compile_cache_hits()
     if carried:
         torch.compiler.load_cache_artifacts(args.compile_cache.read_bytes())
+
+    def save_cache(trainee) -> None:
+        """torch.compile's cache, saved as soon as a compiled engine has compiled, as train_translation.py does:
+        where none was carried or the one carried served nothing."""
+        if (args.compile_cache and "compiled" in trainee.name.split("-")
+                and not (carried and compile_cache_hits() > hits)
+                and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
+            write_atomically(args.compile_cache, artifacts[0])
+
+    def write() -> Path:
+        """The report of the rows so far, rewritten as each setting's rows are in."""
+        add_ratios(rows)
+        return report(__file__, argv, args, device, "training", "Training throughput", rows, COLUMNS,
+                      notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused, rows),
+                      settings)
+
+    with stopping():
+        try:
+            measure_budgets(args, device, engines, budgets, steps, warmup, source_ids, target_ids, tokenizer,
+                            peak_tflops, started, refused, rows, settings, save_cache, write)
+        except Stopped as stopped:
+            write()
+            sys.exit(128 + stopped.signum)
+    return write()
+
+
+def measure_budgets(args, device, engines, budgets, steps, warmup, source_ids, target_ids, tokenizer, peak_tflops,
+                    started, refused, rows, settings, warmed, measured) -> None:
+    """`measure` at each batch budget, on the batches `prepare` cuts for it (their sizes and padding in
+    `settings`)."""
     for batch_tokens in budgets:
         prepared = {}
         for batching in args.batchings:
@@ -398,14 +441,8 @@ def main(argv=None) -> Path:
             # Progress on stderr as each phase ends: a GPU run cut short by its time limit still says how far it got.
             print(f"{len(batches.batches)} {batching} batches of {batch_tokens} tokens ready after "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        rows += measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started, refused)
-    add_ratios(rows)
-    # As train_translation.py does: written where none was carried or the one carried served nothing.
-    if (args.compile_cache and not (carried and compile_cache_hits() > hits)
-            and (artifacts := torch.compiler.save_cache_artifacts()) is not None):
-        write_atomically(args.compile_cache, artifacts[0])
-    return report(__file__, argv, args, device, "training", "Training throughput", rows, COLUMNS,
-                  notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, refused), settings)
+        measure(args, device, engines, prepared, batch_tokens, len(tokenizer), peak_tflops, started, refused, rows,
+                warmed, measured)
 
 
 if __name__ == "__main__":

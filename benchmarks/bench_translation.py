@@ -37,9 +37,10 @@ from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.translation import CTranslate2Engine, generate_token_ids, output_ids
 
 from common import (
-    SDPA_BACKENDS, Column, PeakMemory, argument_parser, attention_ran, check_ran, corpus_and_tokenizer,
+    SDPA_BACKENDS, Column, PeakMemory, Stopped, argument_parser, attention_ran, check_ran, corpus_and_tokenizer,
     engine_label, csv_of, pick_device, random_checkpoint, report, resident_mib, sample_sentences, test_sources, timed,
 )
+from common import stopping as stop_signals  # `stopping` is the run's stopping modes here
 
 # An engine's options after its model's name (`vaswani-int8-hfloop`): `load_engine`'s precision (`int8`, CPU only;
 # `bf16`) and decoding loop (`hfloop`: transformers', `lean`, `graphs`: the lean loop as CUDA graphs, `steps`: the
@@ -371,26 +372,6 @@ def main(argv=None) -> Path:
     # Sorted by length so that batches pad little; every engine gets exactly these batches.
     source_ids = sorted(sampled_ids, key=len)
     rows, failed = [], {}  # failed: engine → why it was dropped (--keep_going)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir:
-        for size in args.sizes:
-            model_dir = args.model or random_checkpoint(size, tokenizer, args.seed, Path(workdir) / size)
-            start = LocalEngine if args.same_process else EngineProcess
-            engines = {name: start(name=name, model_dir=model_dir, device_name=args.device, threads=args.threads,
-                                   ct2_dir=Path(workdir) / f"{size}-ct2") for name in names}
-            for batch_size, batches in batchings(args, sampled_ids, source_ids):
-                for beams, mode in ((beams, mode) for mode in stopping for beams in args.beams):
-                    for row in measure(engines, batches, beams, mode == "eos", args, failed):
-                        load = engines[row["engine"]].load_mib
-                        row.update(size=size, batch_size=batch_size, batches=len(batches), load_mib=load,
-                                   peak_mib=None if None in (load, row["work_mib"]) else load + row["work_mib"])
-                        rows.append(row)
-                        print(f"{size:>5} {row['engine_label']:>12} {row['stopping']:>6} batch {batch_size:>4} beams "
-                              f"{beams}: {row['sentences_per_s']:8.1f} sentences/s {row['tokens_per_s']:9.0f} "
-                              "tokens/s", flush=True)
-            for engine in engines.values():
-                engine.close()
-    _add_ratios(rows)
     columns = [Column("size", "model" if args.model else "size"), Column("engine_label", "engine"),
                *([Column("stopping", "stopping")] if args.model else []), Column("batch_size", "batch"),
                Column("beams", "beams"), Column("sentences", "sentences"), Column("seconds", "seconds", "{:.2f}"),
@@ -400,11 +381,44 @@ def main(argv=None) -> Path:
                Column("dtype", "dtype"), Column("linear", "linear"),
                *([Column("identical_to_vaswani", "identical")] if args.model else []),
                Column("peak_mib", "peak MiB", "{:.0f}"), Column("load_average", "load avg", "{:.1f}")]
-    return report(__file__, argv, args, device, "translation", "Translation throughput", rows,
-                  columns, _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device),
-                  dict(engines=names, corpus=str(corpus), vocab_size_actual=len(tokenizer),
-                       source_tokens_total=sum(map(len, source_ids)),
-                       source_tokens_mean=sum(map(len, source_ids)) / len(source_ids)))
+
+    def write(stopped: Stopped | None = None) -> Path:
+        """The report of the rows so far: rewritten as each setting's rows are in, and where a stop signal ends the
+        run (`stopped`), with a note that says so."""
+        _add_ratios(rows)
+        cut = [f"Cut by {stopped}: the rows are the settings measured before; the later ones have none."] \
+            if stopped else []
+        return report(__file__, argv, args, device, "translation", "Translation throughput", rows, columns,
+                      cut + _notes(args, names, stopping, failed, corpus, tokenizer, source_ids, device),
+                      dict(engines=names, corpus=str(corpus), vocab_size_actual=len(tokenizer),
+                           source_tokens_total=sum(map(len, source_ids)),
+                           source_tokens_mean=sum(map(len, source_ids)) / len(source_ids)))
+
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.cache_dir) as workdir, stop_signals():
+        try:
+            for size in args.sizes:
+                model_dir = args.model or random_checkpoint(size, tokenizer, args.seed, Path(workdir) / size)
+                start = LocalEngine if args.same_process else EngineProcess
+                engines = {name: start(name=name, model_dir=model_dir, device_name=args.device,
+                                       threads=args.threads, ct2_dir=Path(workdir) / f"{size}-ct2") for name in names}
+                for batch_size, batches in batchings(args, sampled_ids, source_ids):
+                    for beams, mode in ((beams, mode) for mode in stopping for beams in args.beams):
+                        for row in measure(engines, batches, beams, mode == "eos", args, failed):
+                            load = engines[row["engine"]].load_mib
+                            row.update(size=size, batch_size=batch_size, batches=len(batches), load_mib=load,
+                                       peak_mib=None if None in (load, row["work_mib"]) else load + row["work_mib"])
+                            rows.append(row)
+                            print(f"{size:>5} {row['engine_label']:>12} {row['stopping']:>6} batch {batch_size:>4} "
+                                  f"beams {beams}: {row['sentences_per_s']:8.1f} sentences/s "
+                                  f"{row['tokens_per_s']:9.0f} tokens/s", flush=True)
+                        write()
+                for engine in engines.values():
+                    engine.close()
+        except Stopped as stopped:
+            write(stopped)
+            sys.exit(128 + stopped.signum)
+    return write()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import platform
 import random
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from vaswani.machine import cpu_name
 from vaswani.files import write_atomically
 from vaswani.generation_vaswani import runs_as
 from vaswani.loading import choose_device, named_dtype
+from vaswani.preemption import catching_stop_signals
 from vaswani.tokenization import cached_corpus_tokenizer
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 
@@ -51,6 +53,57 @@ DEFAULT_VOCAB_SIZE = 32000
 # torch.cuda.get_device_name() in this order (so "H100 PCIe" wins over "H100", "L40S" over "L4").
 BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "GH200": 989.0,  # H100: SXM
                     "A100": 312.0, "L40S": 362.0, "L4": 121.0}
+
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure a lent GPU is to reach: its name, its words, the result's field that holds it and its bound."""
+
+    name: str
+    text: str
+    field: str
+    bound: float
+    at_most: bool = False  # the figure must not exceed the bound (a time); otherwise, reach it
+
+    def met(self, value: float | None) -> bool | None:
+        """Whether `value` meets the target; None where there is no figure."""
+        if value is None:
+            return None
+        return value <= self.bound if self.at_most else value >= self.bound
+
+
+# The GPU targets, on an H100 or H200: the one list the quality run's notes and the landing of a GPU's figures
+# (gpu_land.py) judge by.
+GPU_TARGETS = (
+    Target("steady step", "a steady 4,000-token base step ≤ 15 ms", "steady_ms_per_step", 15, at_most=True),
+    Target("training × Marian", "base training ≥ 3× Marian's tokens/s on the same batches, with MFU reported",
+           "training_vs_marian", 3),
+    Target("BLEU, first 1,000", "after 300 s, test BLEU ≥ 62 on the first 1,000 sentences",
+           "test_bleu_first_1000", 62),
+    Target("BLEU, whole split", "after 300 s, test BLEU ≥ 45 on the whole split", "test_bleu", 45),
+    Target("translation × Marian", "translation at beam 4 in bf16 ≥ 5× Marian's sentences/s on the quality model",
+           "translation_vs_marian", 5),
+)
+
+
+class Stopped(Exception):
+    """A stop signal (SIGTERM from a lent GPU's stage limit, SIGINT) reached a benchmark, which then writes what it
+    has measured before it ends (`stopping`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stopping():
+    """A block in which SIGTERM and SIGINT raise `Stopped` where the main thread is, so that the benchmark can write
+    its figures so far and end with 128 + the signal's number."""
+
+    def stop(signum: int):
+        raise Stopped(signum)
+
+    return catching_stop_signals(stop)
 
 
 class Device:

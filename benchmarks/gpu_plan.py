@@ -3,20 +3,26 @@ valuable first. Every stage runs under its own time limit (`STAGES`) inside its 
 folder is packed into $ARCHIVE after every stage, so that a stage cut by its limit loses only its own results.
 
     python3 benchmarks/gpu_plan.py                  # the first plan: setup quality probe-4000
-    python3 benchmarks/gpu_plan.py second           # the second plan: setup translation-trained kernels tests
+    python3 benchmarks/gpu_plan.py second           # the second plan: setup translation-trained probe-4000
+    python3 benchmarks/gpu_plan.py third            # the third plan: setup kernels tests
+    python3 benchmarks/gpu_plan.py second --budget 240   # within what the session has left, not the plan's 300 s
     python3 benchmarks/gpu_plan.py STAGE …          # chosen stages only, in order (setup always first)
     python3 benchmarks/gpu_plan.py --dry_run [second|STAGE …]   # the same at tiny sizes on this CPU, rehearsing
                                                     #   CUDA (VASWANI_REHEARSE_CUDA=1) before device time is spent
     python3 benchmarks/gpu_plan.py --limits [second|STAGE …]    # each stage's limit and their sum; runs nothing
 
 Environment: RESULTS_DIR (default benchmarks/results), ARCHIVE (a .tar.gz), COMPILE_CACHE (default .compile-cache/,
-carried: the compiled stages' torch.compile caches, returned in the results' compile-cache/; a stage whose cache was
-carried gets its shorter limit), INSTALL_WHEELS=0 (skip .whl/, the dry run's default), TRANSLATION_MODEL (for
-translation-trained where this machine made no quality model). Each stage's log is gpu-<stage>.log beside its results.
+carried: the compiled stages' torch.compile caches, each with its key, `<file>.key.json`: `cache_key`), INSTALL_WHEELS=0
+(skip .whl/, the dry run's default), TRANSLATION_MODEL (for translation-trained where this machine made no quality
+model). Each stage's log is gpu-<stage>.log beside its results. A stage gets its shorter limit only where its cache
+was carried with this machine's key; otherwise it runs cold, and says so in one line. The caches come back as their
+own file beside $ARCHIVE (`compile-cache.tar.gz`), each file checked against what a device call returns
+(`RETURNED_FILES`). A dry run keeps its caches in a scratch folder: it never writes into $COMPILE_CACHE.
 """
 
+import hashlib
+import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +36,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE_SECONDS = 20  # the step probe repeats its batches until Marian, the slowest, has trained this long
 DRY_RUN_LIMIT = 480  # a dry run checks paths, not times: a shared CPU compiles the tiny model slower than a GPU base
+# What one device call returns from $OUT: at most 8 files, 16 MiB each, 64 MiB in all (/work/.library/device).
+RETURNED_FILES, RETURNED_FILE_MIB, RETURNED_MIB = 8, 16, 64
+# What a compile cache was made by, besides the compiled code (`cache_key`): Inductor's own keys include each.
+CACHE_KEY = """import importlib.metadata, json, torch
+try:
+    triton = importlib.metadata.version("triton")
+except importlib.metadata.PackageNotFoundError:
+    triton = None
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton,
+                  "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
+"""
 # The torch the package supports (pyproject.toml), checked before anything else runs.
 CHECK_TORCH = """import importlib, re, sys, torch
 from packaging.specifiers import SpecifierSet
@@ -153,8 +170,12 @@ STAGES = {
 }
 # Each plan's budget is what its call leaves after the machine's start: the first is made at once, the second only
 # where enough device time is left (benchmarks/README.md, "A lent GPU").
+# The second holds the two × Marian figures the first may leave out: translation on the quality run's model first
+# (it needs its whole limit for one setting's rows), then the step probe, whose timed steps so far are kept when it is
+# cut; `--budget` cuts it to what the session has left. The third waits for a later session.
 PLANS = {"first": (480, ["setup", "quality", "probe-4000"]),
-         "second": (300, ["setup", "translation-trained", "kernels", "tests"])}
+         "second": (300, ["setup", "translation-trained", "probe-4000"]),
+         "third": (300, ["setup", "kernels", "tests"])}
 
 
 def plan(names: list[str]) -> tuple[int, list[str]]:
@@ -167,20 +188,108 @@ def plan(names: list[str]) -> tuple[int, list[str]]:
     return sum(STAGES[name].cold or STAGES[name].limit for name in stages), stages
 
 
-def stage_limit(name: str, cache: Path) -> int:
+def cache_key(python: list[str], env: dict | None = None) -> dict:
+    """What a compile cache made here now would be made by: torch, CUDA, Triton and the GPU (`CACHE_KEY`, run by
+    the plan's Python), the compiled code (a hash of the package's sources, which a working tree without git has
+    too) and, for the reader, its commit. Where the versions cannot be read, `versions` says why, and no cache
+    matches."""
+    read = subprocess.run([*python, "-c", CACHE_KEY], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = (read.stdout if read.returncode == 0 else read.stderr).strip().splitlines() or ["no output"]
+    versions = json.loads(lines[-1]) if read.returncode == 0 else {"versions": f"unread: {lines[-1]}"}
+    sources = hashlib.sha256()
+    for path in sorted((REPO / "src" / "vaswani").glob("*.py")):
+        sources.update(path.name.encode() + b"\0" + path.read_bytes())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {**versions, "code": sources.hexdigest()[:16], "commit": commit}
+
+
+def key_path(cache_file: Path) -> Path:
+    return cache_file.with_name(cache_file.name + ".key.json")
+
+
+def cache_mismatch(cache_file: Path, key: dict) -> str | None:
+    """Why `cache_file` cannot serve this machine, in words (None where it can): absent, without a key, or made by
+    another torch, CUDA, Triton, GPU or code (the commit only informs)."""
+    if not cache_file.is_file():
+        return "no cache carried"
+    try:
+        made = json.loads(key_path(cache_file).read_text())
+    except (OSError, ValueError):
+        return f"{cache_file.name} carries no key"
+    differ = [f"{field} {made.get(field)} ≠ {key[field]}" for field in key if field != "commit"
+              and made.get(field) != key[field]]
+    return f"{cache_file.name} was made by another {', '.join(differ)}" if differ else None
+
+
+def stage_limit(name: str, cache: Path, key: dict) -> int:
+    """The stage's warm limit where its compile cache was carried with this machine's `key`, else its cold one."""
     stage = STAGES[name]
-    return stage.limit if stage.cache is None or (cache / stage.cache).is_file() else stage.cold or stage.limit
+    if stage.cache is None or cache_mismatch(cache / stage.cache, key) is None:
+        return stage.limit
+    return stage.cold or stage.limit
+
+
+def set_aside(name: str, cache: Path, key: dict, limit: float) -> None:
+    """A stage about to run cold (under `limit`): its cache, where one was carried that cannot serve (another
+    machine's, or keyless), set aside so that the stage compiles and saves its own; the reason in one line."""
+    stage = STAGES[name]
+    why = stage.cache and cache_mismatch(cache / stage.cache, key)
+    if why:
+        print(f"== {name}: runs cold, limit {limit:.0f} s: {why}", flush=True)
+        if (cache / stage.cache).is_file():
+            os.replace(cache / stage.cache, cache / f"{stage.cache}.stale")
+
+
+def sign(name: str, cache: Path, key: dict) -> None:
+    """After a stage: its cache file, where it has one, marked with the key of the machine that made or used it."""
+    stage = STAGES[name]
+    if stage.cache and (cache / stage.cache).is_file():
+        write_atomically(key_path(cache / stage.cache), json.dumps(key, indent=1) + "\n")
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """`data` into `path` through a scratch file beside it: the file is whole or absent, whenever the plan stops."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    partial.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(partial, path)
+
+
+def pack(path: Path, folder: Path, names: list[str] | None = None) -> None:
+    """`folder` (or its files `names`) into the .tar.gz `path`, which is whole or absent whenever the plan stops."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    with tarfile.open(partial, "w:gz") as packed:
+        for name in names if names is not None else ["."]:
+            packed.add(folder / name, arcname=name)
+    os.replace(partial, path)
 
 
 def publish(run: Run, archive: str | None) -> None:
-    """The compile caches into the results, then the results packed into `archive` (whole, or the last pack)."""
-    if run.cache.is_dir():
-        shutil.copytree(run.cache, run.results / "compile-cache", dirs_exist_ok=True)
-    if archive:
-        partial = f"{archive}.{os.getpid()}"
-        with tarfile.open(partial, "w:gz") as packed:
-            packed.add(run.results, arcname=".")
-        os.replace(partial, archive)
+    """The results packed into `archive`, and the compile caches with their keys into `compile-cache.tar.gz` beside
+    it (each the whole folder, or the last pack). The returned files are checked against what a device call
+    returns: a cache pack over a file's limit is left out, with the reason; any other excess is said."""
+    if not archive:
+        return
+    archive = Path(archive)
+    pack(archive, run.results)
+    caches = archive.with_name("compile-cache.tar.gz")
+    names = sorted(path.name for path in run.cache.glob("*") if path.is_file() and not path.name.endswith(".stale"))
+    if names:
+        pack(caches, run.cache, names)
+        if (mib := caches.stat().st_size / 2**20) > RETURNED_FILE_MIB:
+            caches.unlink()
+            print(f"compile cache left out: {mib:.1f} MiB, over the {RETURNED_FILE_MIB} MiB a returned file may have",
+                  flush=True)
+    returned = [path for path in archive.parent.iterdir() if path.is_file()]
+    total = sum(path.stat().st_size for path in returned) / 2**20
+    large = [path.name for path in returned if path.stat().st_size > RETURNED_FILE_MIB * 2**20]
+    if large or total > RETURNED_MIB or len(returned) > RETURNED_FILES:
+        print(f"warning: {len(returned)} files, {total:.1f} MiB beside {archive.name} (a call returns "
+              f"{RETURNED_FILES} files of {RETURNED_FILE_MIB} MiB, {RETURNED_MIB} MiB in all)"
+              + (f"; over a file's limit: {', '.join(large)}" if large else ""), flush=True)
 
 
 def run_stage(name: str, run: Run, limit: float) -> bool:
@@ -223,9 +332,17 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     dry, limits_only = "--dry_run" in argv, "--limits" in argv
+    cut_to = None
+    if "--budget" in argv:  # what the session has left, where it is less than the plan's budget
+        at = argv.index("--budget")
+        cut_to, argv = int(argv[at + 1]), argv[:at] + argv[at + 2:]
     budget, stages = plan([arg for arg in argv if arg not in ("--dry_run", "--limits")])
-    cache = Path(os.environ.get("COMPILE_CACHE", REPO / ".compile-cache")).resolve()
-    limits = {name: DRY_RUN_LIMIT if dry else stage_limit(name, cache) for name in stages}
+    budget = min(budget, cut_to or budget)
+    # A dry run compiles a tiny model on a CPU: its caches go to a scratch folder, never among the carried ones.
+    cache = (Path(tempfile.mkdtemp(prefix="gpu-plan-dry-compile-cache-")) if dry
+             else Path(os.environ.get("COMPILE_CACHE", REPO / ".compile-cache")).resolve())
+    key = cache_key([sys.executable if dry else "python3"])
+    limits = {name: DRY_RUN_LIMIT if dry else stage_limit(name, cache, key) for name in stages}
     if limits_only:
         print("\n".join(f"{name} {limit}" for name, limit in limits.items()) + f"\nbudget {budget}")
         return 0
@@ -247,10 +364,12 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         limit = min(limits[name], left)
+        set_aside(name, cache, key, limit)
         print(f"== {name} at {time.monotonic() - started:.0f} s, limit {limit:.0f} s", flush=True)
         begun = time.monotonic()
         ok = run_stage(name, run, limit)
         print(f"== {name}: {'ok' if ok else 'failed'} after {time.monotonic() - begun:.0f} s", flush=True)
+        sign(name, cache, key)
         publish(run, os.environ.get("ARCHIVE"))
         status |= not ok
         if name == "setup" and not ok:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run here, before the first call on a lent GPU machine: it gathers what that machine lacks into folders that git
-# ignores, to be carried there with the working tree: .whl/ (wheels for Python 3.12 of what the image lacks or has too
-# old, at this checkout's versions; gpu_plan.py installs them), .corpus/ (the corpus: ../shared does not travel),
+# ignores, to be carried there with the working tree: .whl/ (wheels for Python 3.12 of CI's oldest set, the pairing
+# with the image's torch 2.11 that CI tests; gpu_plan.py installs them), .corpus/ (the corpus: ../shared does not travel),
 # benchmarks/.cache/data/ (the corpus' splits, the benchmarks' tokenizer and the quality run's tokenized splits, which
 # the call only loads). Prints the device call to make and the carried size (benchmarks/README.md, "A lent GPU").
 # Needs a package registry (pip download) and the corpus ($VASWANI_FRA_ENG, else the scripts' default).
@@ -20,12 +20,20 @@ install -m 0644 "$corpus" .corpus/fra_eng.tsv.gz
 about=$(dirname "$corpus")/ABOUT.txt
 [ -f "$about" ] && install -m 0644 "$about" .corpus/ABOUT.txt  # the corpus' attribution travels with it
 rm -rf .whl/*.whl .whl/datasets4  # datasets4/: what an earlier version downloaded, which nothing installs
-versions=$(python3 -c "from importlib.metadata import version
-print(' '.join(f'{name}=={version(name)}' for name in ('transformers', 'datasets', 'dill', 'multiprocess', 'fsspec')))")
-# Wheels for the machine's Python 3.12, without their dependencies (the image has the rest).
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --dest .whl $versions evaluate==0.4.6
+# The lent GPU runs the image's torch 2.11: the wheels carried are CI's oldest set (.ci/oldest.txt), the pairing with
+# torch 2.11 that CI tests, all but torch (the image's); datasets' own helpers at the newest versions
+# that datasets' wheel allows (its METADATA). Wheels for the machine's Python 3.12, without their dependencies.
+pins=$(grep -E '^(transformers|tokenizers|datasets|accelerate|evaluate|safetensors|sacrebleu)==' .ci/oldest.txt | tr '\n' ' ')
+download() {
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --dest .whl "$@"
+}
+# shellcheck disable=SC2086  # one pin a word
+download $pins
+helpers=$(unzip -p .whl/datasets-*.whl '*.dist-info/METADATA' | sed -nE 's/^Requires-Dist: (dill|multiprocess|fsspec)(\[[a-z]+\])? ?\(?([^;)]*)\)?.*/\1\3/p' | tr -d ' ')
+# shellcheck disable=SC2086
+download $helpers
 # The corpus' splits and the tokenizer, which the benchmarks otherwise make on first use.
 PYTHONPATH=benchmarks:${PYTHONPATH:-} python3 -c 'import common; common.corpus_and_tokenizer(".corpus/fra_eng.tsv.gz")'
 VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \

@@ -4,9 +4,12 @@ then multi-reference BLEU (beam 4) on the held-out fra-eng test split (`scripts/
     python benchmarks/gpu_quality.py                                  # on a GPU: base, 300 s
     python benchmarks/gpu_quality.py --dry_run                        # anywhere: tiny, 20 s, 64 test sentences
 
-Writes `gpu-quality-<device>.json/.md`: test BLEU on the whole split and on its first 1,000 sentences, steps, ms a
-step and real and padded tokens/s after the compilation, `train_compile_seconds` (before the budget's clock starts)
-and the slow steps; first as soon as training ends, then with the test scores or why they failed (`score_test`).
+Writes `gpu-quality-<device>.json/.md`: test BLEU on the whole split and on its first 1,000 sentences, steps, the
+steady step read from the training log's intervals (`steady_step`: ms a step, real and padded tokens/s, MFU, the
+seconds lost to warm-up and recompiles), the loss curve, `train_compile_seconds` (before the budget's clock starts),
+the slow steps and how the run ended (`ended`). The report is rewritten at each logged interval while training runs,
+then when training ends, however it ends (a stop signal, a NaN, a crash), then with the test scores or why they
+failed (`score_test`): a run cut at any point leaves its figures so far.
 Beside them the training's log, the model's test translations (`gpu-quality-<device>-test-translations.txt`) and
 `gpu-quality-selected.txt` (the model's directory, for the translation benchmark that follows). The corpus is
 train_translation.py's default ($VASWANI_FRA_ENG, ../shared/data/fra-eng, or its download); `--data_cache_dir` keeps
@@ -15,9 +18,11 @@ caches are keyed by the corpus' content).
 """
 
 import argparse
+import ast
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +30,11 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import REPO_ROOT, SHARED_CORPUS, Column, Device, argument_parser, pick_device, report, result_name
+from bench_training import model_flops
+from common import (
+    GPU_TARGETS, REPO_ROOT, SHARED_CORPUS, Column, Device, Stopped, argument_parser, pick_device, report,
+    result_name, stopping,
+)
 from vaswani.batching import TokenBatchSampler, batch_positions, example_lengths
 from vaswani.evaluation import score_corpus
 from vaswani.training import (
@@ -38,6 +47,11 @@ TEST_SUBSET = 1000
 # loop replayed as CUDA graphs on a GPU, the lean loop on a CPU), then transformers' own loop, which shares none of the
 # lean loop's code, so that a fault in one loop costs a run its default loop, not its score.
 SCORING_LOOPS = ("auto", "transformers")
+# A logged interval whose ms a step is within this factor of the settled step time counts as steady; the settled time
+# is the median interval of the run's second half, which the compiled warm-up and the first shapes do not reach.
+STEADY_FACTOR = 1.2
+# How often the running training's log is read for new intervals (seconds).
+POLL_SECONDS = 2
 
 
 def device_arguments(device: Device) -> list[str]:
@@ -65,7 +79,8 @@ def shared_arguments(args: argparse.Namespace, output_dir: Path, device: Device 
             "--max_tokens_per_batch", str(args.max_tokens), "--learning_rate", str(args.lr),
             "--lr_scheduler_type", "inverse_sqrt", "--warmup_steps", str(args.warmup),
             "--adam_beta2", "0.98", "--adam_epsilon", "1e-9", "--weight_decay", "0.0",
-            "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "100", "--report_to", "none",
+            "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", str(args.logging_steps),
+            "--report_to", "none",
             "--generation_num_beams", "4", "--generation_length_penalty", "0.6",
             "--per_device_eval_batch_size", str(args.eval_batch_size), "--dataloader_num_workers", "2",
             "--disable_tqdm", "true", "--seed", "0", "--max_test_samples", "0", *cache,
@@ -80,11 +95,12 @@ def prepare_caches(argv: list[str]) -> tuple[dict, list]:
         (ModelArguments, DataArguments, VaswaniTrainingArguments)).parse_args_into_dataclasses(args=argv)
     data_args.default_corpus = str(SHARED_CORPUS)  # as train_translation.py, which the run starts, finds it
     data = prepare_data(model_args, data_args, training_args)
-    _, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, None)
+    model, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, None)
     train, _ = tokenize_splits(data, tokenizer, data_args, training_args)
     test = data.splits["test"]
     references = test["references"] if "references" in test.column_names else [[t] for t in test["target"]]
-    return epoch_tokens(train, training_args.max_tokens_per_batch, training_args.pad_to_multiple_of), references
+    return epoch_tokens(train, training_args.max_tokens_per_batch, training_args.pad_to_multiple_of,
+                        model.config), references
 
 
 def failure_line(log: Path) -> str | None:
@@ -97,16 +113,87 @@ def failure_line(log: Path) -> str | None:
     return (errors or lines or [None])[-1]
 
 
-def epoch_tokens(train, max_tokens: int, pad_to: int | None) -> dict:
+def epoch_tokens(train, max_tokens: int, pad_to: int | None, config=None) -> dict:
     """Mean real and padded tokens (source + target) of a batch over one epoch of the token-budget batches the
     Trainer cuts (every epoch has the same batches in another order), each side padded to its longest example
-    rounded up to `pad_to`: times steps/s, the run's tokens/s, with no count read back during training."""
+    rounded up to `pad_to`: times steps/s, the run's tokens/s, with no count read back during training. With the
+    model's `config`, also the mean training FLOPs of a batch (`bench_training.model_flops`, on the real lengths)."""
     sides = example_lengths(train, sides=True)
     sampler = TokenBatchSampler(sides.max(axis=0), max_tokens, shuffle=False, pad_to_multiple_of=pad_to)
     batches = sampler.batches_by_length()
     real, padded = batch_positions(batches, *sides, pad_to)
-    return {"batches": len(batches), "real_per_batch": real.sum() / len(batches),
-            "padded_per_batch": padded.sum() / len(batches)}
+    tokens = {"batches": len(batches), "real_per_batch": real.sum() / len(batches),
+              "padded_per_batch": padded.sum() / len(batches)}
+    if config is not None:
+        flops = sum(model_flops(config, sides[0][batch].tolist(), sides[1][batch].tolist()) for batch in batches)
+        tokens["flops_per_batch"] = flops / len(batches)
+    return tokens
+
+
+def training_log(log: Path, logging_steps: int) -> list[dict]:
+    """The training's logged intervals from its log, in order: the Trainer prints each as a dict every
+    `logging_steps` steps, with its loss and (once the clock runs) `elapsed_seconds`. Each entry: `step`, `loss`,
+    `elapsed_seconds` (None before the clock started). A line cut mid-write is skipped."""
+    entries = []
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for line in text.splitlines():
+        if not line.startswith("{'loss'"):
+            continue
+        try:
+            logged = ast.literal_eval(line)
+        except (ValueError, SyntaxError):
+            continue
+        elapsed = logged.get("elapsed_seconds")
+        entries.append({"step": logging_steps * (len(entries) + 1), "loss": float(logged["loss"]),
+                        "elapsed_seconds": None if elapsed is None else float(elapsed)})
+    return entries
+
+
+def steady_step(entries: list[dict], compile_seconds: float | None, tokens: dict,
+                peak_tflops: float | None) -> dict:
+    """The steady step of a run from its logged intervals (`training_log`): each interval's ms a step; the run
+    settles at the first interval within `STEADY_FACTOR` of the median interval of the run's second half, and the
+    steady ms a step is the median interval from there on. Seconds lost: `warmup_seconds`, the compilation before
+    the clock plus what the intervals before settling took over the steady step, and `recompile_seconds`, what the
+    later intervals slower than `STEADY_FACTOR` × steady took over it. Tokens/s and MFU (against `peak_tflops`, the
+    GPU's dense bf16 peak) are the steady step's, on an epoch's mean batch (`epoch_tokens`). Empty before three
+    timed intervals."""
+    timed = [entry for entry in entries if entry["elapsed_seconds"] is not None]
+    if len(timed) < 3:
+        return {}
+    ms, steps, step, seconds = [], [], 0, 0.0
+    for entry in timed:
+        steps.append(entry["step"] - step)
+        ms.append(1000 * (entry["elapsed_seconds"] - seconds) / steps[-1])
+        step, seconds = entry["step"], entry["elapsed_seconds"]
+    settled_time = statistics.median(ms[len(ms) // 2:])
+    settled = next(i for i, interval in enumerate(ms) if interval <= STEADY_FACTOR * settled_time)
+    steady = statistics.median(ms[settled:])
+    warmup = sum((interval - steady) * count for interval, count in zip(ms[:settled], steps[:settled])) / 1000
+    recompiles = sum((interval - steady) * count for interval, count in zip(ms[settled:], steps[settled:])
+                     if interval > STEADY_FACTOR * steady) / 1000
+    flops = tokens.get("flops_per_batch")
+    return {"steady_ms_per_step": steady, "steady_from_step": timed[settled - 1]["step"] if settled else 0,
+            "steady_intervals": len(ms) - settled,
+            "steady_real_tokens_per_second": tokens["real_per_batch"] * 1000 / steady,
+            "steady_padded_tokens_per_second": tokens["padded_per_batch"] * 1000 / steady,
+            "steady_mfu": flops * 1000 / steady / (peak_tflops * 1e12) if flops and peak_tflops else None,
+            "warmup_seconds": (compile_seconds or 0.0) + warmup, "recompile_seconds": recompiles}
+
+
+def how_it_ended(returncode: int | None, stopped: Stopped | None, log: Path) -> str:
+    """How the training ended, in words: still running (a report written during training), trained, cut by a
+    signal, stopped by a non-finite loss, or crashed with the line its log ends on."""
+    if stopped is not None:
+        return f"cut by {stopped} (the stage's limit, or stopped by hand)"
+    if returncode is None:
+        return "running (the last interval logged; a run killed outright ends here)"
+    if returncode == 0:
+        return "trained"
+    why = failure_line(log) or "no log"
+    if "NaN/inf" in why:
+        return f"stopped by a non-finite loss: {why}"
+    return f"crashed (exit {returncode}): {why}"
 
 
 def step_rates(metrics: dict, tokens: dict) -> dict:
@@ -126,6 +213,19 @@ def subset_bleu(translations: Path, references: list, count: int) -> float | Non
         return None
     hypotheses = translations.read_text(encoding="utf-8").removesuffix("\n").split("\n")[:count]
     return score_corpus(hypotheses, references[:len(hypotheses)])["bleu"]
+
+
+def train(command: list[str], log: Path, logging_steps: int, on_interval) -> int:
+    """Run the training `command` into `log`, calling `on_interval()` each time the log holds a new interval;
+    returns its exit status."""
+    process, seen = launch(command, log), 0
+    while True:
+        try:
+            return process.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            if (logged := len(training_log(log, logging_steps))) > seen:
+                seen = logged
+                on_interval()
 
 
 def launch(command: list[str], log: Path) -> subprocess.Popen:
@@ -148,6 +248,7 @@ def main(argv=None):
     add("--vocab_size", type=int, default=16000)
     # 4,000-token batches, a 400-step warm-up: more steps in the budget, most past the peak rate (benchmarks/README.md).
     add("--max_tokens", type=int, default=4000, help="padded tokens per side per batch")
+    add("--logging_steps", type=int, default=100, help="steps per logged interval: the steady step's resolution")
     add("--lr", type=float, default=7e-4)
     add("--warmup", type=int, default=400)
     add("--eval_batch_size", type=int, default=256)
@@ -163,7 +264,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.dry_run:
         args.preset, args.train_seconds, args.warmup, args.max_tokens = "tiny", min(args.train_seconds, 20), 50, 1000
-        args.eval_batch_size = 32
+        args.eval_batch_size, args.logging_steps = 32, 2
     device = pick_device("auto")
     name = result_name(args, "gpu-quality", device)
 
@@ -177,13 +278,27 @@ def main(argv=None):
     output_dir = args.output_root / "model"
     command = [sys.executable, "scripts/train_translation.py", *shared_arguments(args, output_dir, device),
                "--overwrite_output_dir", "true"]
-    run = {"output_dir": output_dir, "command": command,
-           "returncode": launch(command, args.results_dir / f"{name}-train.log").wait()}
-    run["metrics"] = read_json(output_dir / "metrics.json") if run["returncode"] == 0 else None
-    print(f"training done in {time.monotonic() - started:.0f} s", flush=True)
-    # The training figures are reported now, before anything scores: a scoring that fails, or a device taken back
-    # during it, leaves them.
-    write_report(argv, args, device, run, tokens, references, prepare_seconds)
+    log = args.results_dir / f"{name}-train.log"
+    run = {"output_dir": output_dir, "command": command, "returncode": None, "metrics": None, "stopped": None,
+           "log": log, "logging_steps": args.logging_steps}
+
+    def write(*_) -> None:
+        write_report(argv, args, device, run, tokens, references, prepare_seconds)
+
+    # A stop signal (the stage's limit) ends the run with its report written; a run killed outright keeps the report
+    # of its last logged interval, which is rewritten as each interval is logged.
+    with stopping():
+        try:
+            run["returncode"] = train(command, log, args.logging_steps, write)
+            run["metrics"] = read_json(output_dir / "metrics.json") if run["returncode"] == 0 else None
+            print(f"training done in {time.monotonic() - started:.0f} s", flush=True)
+            # The training figures are reported now, before anything scores: a scoring that fails, or a device taken
+            # back during it, leaves them.
+            write()
+        except Stopped as stopped:
+            run["stopped"] = stopped
+            write()
+            return 128 + stopped.signum
     if run["metrics"] is None:
         return 1
     run.update(score_test(output_dir, args, args.results_dir / name))
@@ -224,20 +339,27 @@ def score_test(model_dir: Path, args: argparse.Namespace, log_stem: Path) -> dic
     return {"test": None, "test_decoding": None, "test_failures": failures}
 
 
-def result_row(run: dict, tokens: dict, references: list) -> dict:
-    """The report's row: the training's figures (metrics.json, written when training ended) and, once `score_test`
-    has run, the test scores or why they failed (`test_score`)."""
+def result_row(run: dict, tokens: dict, references: list, peak_tflops: float | None) -> dict:
+    """The report's row: how the training ended (`ended`), its logged intervals (the loss curve, the steady step:
+    `steady_step`), the training's figures (metrics.json, written where training ended by itself) and, once
+    `score_test` has run, the test scores or why they failed (`test_score`)."""
     metrics, test = run["metrics"] or {}, run.get("test") or {}
     state = ("scored" if test else "failed") if "test_failures" in run else "not scored yet" if metrics else None
     first = subset_bleu(run["output_dir"] / "test_translations.txt", references, TEST_SUBSET) if test else None
-    return {"returncode": run["returncode"], f"test_bleu_first_{TEST_SUBSET}": first,
+    entries = training_log(run["log"], run["logging_steps"])
+    return {"returncode": run["returncode"], "ended": how_it_ended(run["returncode"], run["stopped"], run["log"]),
+            f"test_bleu_first_{TEST_SUBSET}": first,
             **{f"test_{key}": test.get(key) for key in ("bleu", "chrf", "ter", "sentences")}, "test_score": state,
             "test_decoding": run.get("test_decoding"), "test_failures": run.get("test_failures"),
-            "train_steps": metrics.get("train_steps"), "train_seconds": metrics.get("train_wall_seconds"),
+            "train_steps": metrics.get("train_steps", entries[-1]["step"] if entries else None),
+            "train_seconds": metrics.get("train_wall_seconds"),
             "train_loss": metrics.get("train_loss"), **{f"train_{key}": metrics.get(f"train_{key}") for key in (
                 "compile_seconds", "graphs_compiled_on_the_clock", "slow_steps", "slow_steps_recompiling",
                 "slow_steps_seconds")},
-            **step_rates(metrics, tokens), "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
+            **step_rates(metrics, tokens),
+            **steady_step(entries, metrics.get("train_compile_seconds"), tokens, peak_tflops),
+            "loss_curve": [[entry["step"], entry["loss"]] for entry in entries],
+            "command": shlex.join(["python", *run["command"][1:]]), "metrics": metrics}
 
 
 def slow_steps_note(row: dict) -> str | None:
@@ -270,9 +392,14 @@ def write_report(argv, args: argparse.Namespace, device: Device, run: dict, toke
                  prepare_seconds: float) -> None:
     """The report of the run as it stands (`report`'s JSON and Markdown, rewritten at each stage)."""
     name = result_name(args, "gpu-quality", device)
-    row = result_row(run, tokens, references)
+    row = result_row(run, tokens, references, device.bf16_peak_tflops)
     notes = [
-        f"Trained for {args.train_seconds:.0f} s with the device to itself.",
+        f"Training {row['ended']}; budget {args.train_seconds:.0f} s with the device to itself.",
+        f"Steady step: the median of the logged {args.logging_steps}-step intervals from the first within "
+        f"{STEADY_FACTOR}× the second half's median (column `from step`); `warm-up s` is the compilation before the "
+        "clock plus what the intervals before it took over the steady step, `recompile s` what later intervals over "
+        f"{STEADY_FACTOR}× steady took over it; tokens/s and MFU at the steady step (MFU: bench_training.model_flops "
+        "on an epoch's mean batch, against the GPU's dense bf16 peak). The loss curve: the JSON's `loss_curve`.",
         "torch.compile compiles the step before the budget starts (column `compile s`), so the budget is training "
         "alone; `graphs on the clock` counts the graphs it built after that (0 where the warm-up built all a run "
         "needed; the training's log names each recompilation's reason). `slow steps` counts the steps whose forward "
@@ -281,7 +408,7 @@ def write_report(argv, args: argparse.Namespace, device: Device, run: dict, toke
         "and `slow s` their seconds; a note names the first of them, and the training's log each with its batch's "
         "shape." if "--torch_compile" in device_arguments(device)
         else "No compilation on this device.",
-        f"ms/step and tokens/s: the training after the compilation (metrics.json's train_runtime over its steps); "
+        f"mean ms/step and tokens/s: the training after the compilation (metrics.json's train_runtime over its steps); "
         f"tokens a step are the mean of one epoch's {tokens['batches']} token-budget batches (the same each epoch): "
         f"{tokens['real_per_batch']:.0f} real and {tokens['padded_per_batch']:.0f} padded (source + target, each "
         "side padded to its longest sentence as the collator pads it).",
@@ -291,14 +418,18 @@ def write_report(argv, args: argparse.Namespace, device: Device, run: dict, toke
         f"({' where it fails, then '.join(f'--decoding {loop}' for loop in SCORING_LOOPS)}).",
         f"Data preparation in this process (corpus read, tokenizer trained, splits tokenized; nothing to do where "
         f"`--prepare_only` filled the caches before) took {prepare_seconds:.0f} s, before the budget started.",
-        f"Targets (beam 4, multi-reference): test BLEU ≥ 62 on the first {TEST_SUBSET} sentences and ≥ 45 on the "
-        "whole split; a steady 4,000-token base step ≤ 15 ms on an H100 or H200.",
+        f"Targets on an H100 or H200: {'; '.join(target.text for target in GPU_TARGETS)}.",
         "Data: Tatoeba via manythings.org (fra-eng), CC-BY 2.0.",
     ]
-    if row["returncode"] != 0:  # the reason in the report itself: a device's logs may not all come back
+    if row["returncode"] not in (0, None):  # the reason in the report itself: a device's logs may not all come back
         why = failure_line(args.results_dir / f"{name}-train.log")
         notes.insert(0, f"Training failed (exit {row['returncode']})" + (f": {why}" if why else "."))
     notes[:0] = [note for note in (score_note(row), slow_steps_note(row)) if note]
+    if row.get("steady_ms_per_step") is not None:
+        mfu = "" if row["steady_mfu"] is None else f", MFU {row['steady_mfu']:.1%}"
+        notes.insert(0, f"Steady step: {row['steady_ms_per_step']:.1f} ms from step {row['steady_from_step']}, "
+                     f"{row['steady_real_tokens_per_second']:.0f} real tokens/s{mfu}; "
+                     f"{row['warmup_seconds']:.1f} s lost to warm-up, {row['recompile_seconds']:.1f} s to recompiles.")
     if row["test_bleu"] is not None:
         first = row[f"test_bleu_first_{TEST_SUBSET}"]
         first = "" if first is None else f", {first:.2f} on the first {TEST_SUBSET} sentences"
@@ -307,7 +438,12 @@ def write_report(argv, args: argparse.Namespace, device: Device, run: dict, toke
                Column("test_bleu", "test BLEU", "{:.2f}"), Column("test_chrf", "test chrF", "{:.2f}"),
                Column("test_ter", "test TER", "{:.2f}"), Column("test_score", "test score"),
                Column("test_decoding", "decoding"), Column("train_steps", "steps"),
-               Column("train_epochs", "epochs", "{:.1f}"), Column("ms_per_step", "ms/step", "{:.1f}"),
+               Column("steady_ms_per_step", "steady ms/step", "{:.1f}"), Column("steady_from_step", "from step"),
+               Column("steady_real_tokens_per_second", "steady real tokens/s", "{:.0f}"),
+               Column("steady_padded_tokens_per_second", "steady padded tokens/s", "{:.0f}"),
+               Column("steady_mfu", "MFU", "{:.1%}"), Column("warmup_seconds", "warm-up s", "{:.1f}"),
+               Column("recompile_seconds", "recompile s", "{:.1f}"),
+               Column("train_epochs", "epochs", "{:.1f}"), Column("ms_per_step", "mean ms/step", "{:.1f}"),
                Column("real_tokens_per_second", "real tokens/s", "{:.0f}"),
                Column("padded_tokens_per_second", "padded tokens/s", "{:.0f}"),
                Column("train_compile_seconds", "compile s", "{:.1f}"),

@@ -470,7 +470,8 @@ def test_gpu_quality_gives_train_translation_arguments_it_parses():
                            ((True, True), (False, True), (False, False)))
     for dry_run, device in ((False, gpu), (True, rehearsal), (True, cpu), (False, None)):
         args = argparse.Namespace(dry_run=dry_run, preset="base", vocab_size=16000, train_seconds=300, max_tokens=4000,
-                                  lr=7e-4, warmup=400, eval_batch_size=256, data_cache_dir=Path("cache"))
+                                  lr=7e-4, warmup=400, eval_batch_size=256, data_cache_dir=Path("cache"),
+                                  logging_steps=100)
         namespace = parser.parse_args(quality.shared_arguments(args, Path("out"), device))  # exits on error
         assert namespace.max_train_time == 300 and namespace.data_cache_dir == "cache"
         assert namespace.config_overrides == "dropout=0.1"
@@ -496,7 +497,7 @@ def test_the_quality_runs_gpu_arguments_train_compile_and_score_on_a_cpu_rehears
     device = quality.Device(torch.device("cpu"))
     assert device.as_cuda and not device.is_cuda and device.dtype_name == "bfloat16"
     args = argparse.Namespace(dry_run=False, preset="tiny", vocab_size=300, train_seconds=120, max_tokens=300, lr=3e-3,
-                              warmup=5, eval_batch_size=16, data_cache_dir=tmp_path / "cache")
+                              warmup=5, eval_batch_size=16, data_cache_dir=tmp_path / "cache", logging_steps=100)
     arguments = quality.shared_arguments(args, tmp_path / "out", device)
     assert {"--bf16", "--torch_compile"} <= set(arguments) and "--tf32" not in arguments
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
