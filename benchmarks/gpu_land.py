@@ -23,9 +23,10 @@ from common import GPU_TARGETS, REPO_ROOT, RESULTS_DIR
 
 # The README's and the results index's GPU rows: the question (the first cell, which starts with "GPU") → the
 # result file, by its name's pattern, that answers it.
-QUESTIONS = {"GPU quality": "gpu-quality-{tag}",
-             "GPU training against Marian": "training-probe-{tag}-4000",
-             "GPU translation against Marian": "translation-trained-{tag}"}
+QUALITY, TRAINING, TRANSLATION = ("GPU quality: test BLEU of the base model in 300 s", "GPU training speed against Marian",
+                                  "GPU translation speed against Marian")
+QUESTIONS = {QUALITY: "gpu-quality-{tag}", TRAINING: "training-probe-{tag}-4000",
+             TRANSLATION: "translation-trained-{tag}"}
 NOT_LANDED = {"gpu-quality-selected.txt"}  # a path on the lent machine
 
 
@@ -70,9 +71,9 @@ def read_report(results: Path, stem: str) -> dict | None:
 def figures(results: Path, tag: str) -> dict:
     """Each target's figure (`Target.field`) from the landed reports, and each question's row cell and report."""
     found, cells, reports = {}, {}, {}
-    quality = read_report(results, QUESTIONS["GPU quality"].format(tag=tag))
+    quality = read_report(results, QUESTIONS[QUALITY].format(tag=tag))
     if quality:
-        reports["GPU quality"] = quality
+        reports[QUALITY] = quality
         row = quality["results"][0]
         found.update({field: row.get(field) for field in ("test_bleu", "test_bleu_first_1000", "steady_ms_per_step")})
         first = row.get("test_bleu_first_1000")
@@ -82,10 +83,10 @@ def figures(results: Path, tag: str) -> dict:
         steady = (f"; steady step {row['steady_ms_per_step']:.1f} ms" + (
             f", MFU {row['steady_mfu']:.1%}" if row.get("steady_mfu") is not None else "")
             if row.get("steady_ms_per_step") is not None else "")
-        cells["GPU quality"] = f"base, 300 s: {bleu}, {row.get('train_steps')} steps{steady}; {row.get('ended')}"
-    probe = read_report(results, QUESTIONS["GPU training against Marian"].format(tag=tag))
+        cells[QUALITY] = f"base, 300 s: {bleu}, {row.get('train_steps')} steps{steady}; {row.get('ended')}"
+    probe = read_report(results, QUESTIONS[TRAINING].format(tag=tag))
     if probe:
-        reports["GPU training against Marian"] = probe
+        reports[TRAINING] = probe
         compiled = next((r for r in probe["results"] if r["engine"] == "vaswani-compiled"
                          and r.get("batching", "bucketed") == "bucketed"), None)
         if compiled:
@@ -93,17 +94,17 @@ def figures(results: Path, tag: str) -> dict:
             found.setdefault("steady_ms_per_step", 1000 / compiled["steps_per_s"])
             ratio = "–" if compiled.get("vs_marian") is None else f"{compiled['vs_marian']:.2f}"
             mfu = "" if compiled.get("mfu") is None else f", MFU {compiled['mfu']:.1%}"
-            cells["GPU training against Marian"] = (f"base, compiled, 4,000-token batches: {ratio} × Marian's "
-                                                    f"tokens/s{mfu}, {1000 / compiled['steps_per_s']:.1f} ms a step")
-    translation = read_report(results, QUESTIONS["GPU translation against Marian"].format(tag=tag))
+            cells[TRAINING] = (f"base, compiled, 4,000-token batches: {ratio} × Marian's tokens/s{mfu}, "
+                               f"{1000 / compiled['steps_per_s']:.1f} ms a step")
+    translation = read_report(results, QUESTIONS[TRANSLATION].format(tag=tag))
     if translation:
-        reports["GPU translation against Marian"] = translation
+        reports[TRANSLATION] = translation
         default = next((r for r in translation["results"] if r["engine"] == "vaswani" and r["beams"] == 4), None)
         if default:
             found["translation_vs_marian"] = default.get("vs_marian")
             ratio = "–" if default.get("vs_marian") is None else f"{default['vs_marian']:.2f}"
-            cells["GPU translation against Marian"] = (f"the quality run's model, beam 4, bf16, batch "
-                                                       f"{default['batch_size']}: {ratio} × Marian's sentences/s")
+            cells[TRANSLATION] = (f"the quality run's model, beam 4, bf16, batch {default['batch_size']}: {ratio} × "
+                                  "Marian's sentences/s")
     return {"found": found, "cells": cells, "reports": reports}
 
 
@@ -118,10 +119,14 @@ def judged(found: dict) -> tuple[list[str], list[str]]:
     return met, missed
 
 
-def machine_cell(report: dict) -> str:
+def machine_cell(report: dict, order: str = "machine") -> str:
+    """The row's last cell: "GPU, date, commit" (`gpu-notes.md`), "GPU, commit, date" (the README's "machine, commit,
+    date") or "commit, GPU, date" (the results index's "commit, machine, date")."""
     environment = report["environment"]
     gpu = re.sub(r"^NVIDIA ", "", environment.get("device_name") or environment["device"])
-    return f"{gpu}, {report['timestamp'][:10]}, {environment.get('git_commit') or 'commit unknown'}"
+    date, commit = report["timestamp"][:10], environment.get("git_commit") or "commit unknown"
+    return {"notes": f"{gpu}, {date}, {commit}", "machine": f"{gpu}, {commit}, {date}",
+            "commit": f"{commit}, {gpu}, {date}"}[order]
 
 
 def replace_rows(text: str, cells: dict[str, list[str]]) -> tuple[str, list[str]]:
@@ -136,38 +141,14 @@ def replace_rows(text: str, cells: dict[str, list[str]]) -> tuple[str, list[str]
     return "\n".join(lines), found
 
 
-def link(results_dir_from: str, stem: str) -> str:
-    return f"[{stem}]({results_dir_from}{stem}.md)"
-
-
-def update_readme(readme: Path, landed: dict, tag: str) -> list[str]:
-    """The README's headline rows whose first cell is a GPU question: their figure and machine cells."""
-    cells = {question: [f"{cell} ({link('benchmarks/results/', QUESTIONS[question].format(tag=tag))})",
-                        machine_cell(landed["reports"][question])]
+def update_rows(path: Path, landed: dict, tag: str, results_from: str, order: str) -> list[str]:
+    """The GPU question rows (question | answer | file | machine) of the README's headline table or of the results
+    index: their answer, file and machine cells, from the files landed."""
+    cells = {question: [cell, f"[{QUESTIONS[question].format(tag=tag)}]({results_from}"
+                                f"{QUESTIONS[question].format(tag=tag)}.md)", machine_cell(landed["reports"][question], order)]
              for question, cell in landed["cells"].items()}
-    text, found = replace_rows(readme.read_text(), cells)
-    readme.write_text(text)
-    return found
-
-
-def update_index(index: Path, landed: dict, tag: str) -> list[str]:
-    """The results index's rows whose question starts with "GPU": where a row names a GPU question of ours, its file
-    and figure cells; the other GPU rows (by session) gain a link to each file landed for a question."""
-    text = index.read_text()
-    cells = {question: [link("", QUESTIONS[question].format(tag=tag)), cell,
-                        machine_cell(landed["reports"][question])] for question, cell in landed["cells"].items()}
-    text, found = replace_rows(text, cells)
-    lines = text.split("\n")
-    for i, line in enumerate(lines):
-        parts = line.split("|")
-        if line.startswith("| GPU") and parts[1].strip() not in cells and len(parts) > 3:
-            missing = [link("", QUESTIONS[q].format(tag=tag)) for q in landed["cells"]
-                       if f"({QUESTIONS[q].format(tag=tag)}.md)" not in parts[2]]
-            if missing:
-                parts[2] = parts[2].rstrip() + ", " + ", ".join(missing) + " "
-                lines[i] = "|".join(parts)
-                found.append(parts[1].strip())
-    index.write_text("\n".join(lines))
+    text, found = replace_rows(path.read_text(), cells)
+    path.write_text(text)
     return found
 
 
@@ -177,7 +158,7 @@ def update_notes(notes: Path, landed: dict, tag: str, names: list[str], met: lis
     text, report = notes.read_text(), next(iter(landed["reports"].values()), None)
     if report is None:
         return
-    gpu, date, commit = machine_cell(report).split(", ")
+    gpu, date, commit = machine_cell(report, "notes").split(", ")
     measured = "; ".join(landed["cells"].values()) or "no figure for a GPU question"
     files = ", ".join(f"`{name}`" for name in names if name.endswith((".md", ".log")))
     row = f"| {date} | {gpu} | {commit} | {measured} | {files} |"
@@ -212,8 +193,8 @@ def main(argv=None) -> int:
         print(f"compile caches into {args.compile_cache}")
     landed = figures(args.results_dir, tag)
     met, missed = judged(landed["found"])
-    rows = update_readme(args.readme, landed, tag)
-    indexed = update_index(args.results_dir / "README.md", landed, tag)
+    rows = update_rows(args.readme, landed, tag, "benchmarks/results/", "machine")
+    indexed = update_rows(args.results_dir / "README.md", landed, tag, "", "commit")
     update_notes(args.results_dir / "gpu-notes.md", landed, tag, names, met, missed)
     print(f"landed {len(names)} files for {tag} in {args.results_dir}; README rows: {', '.join(rows) or 'none'}; "
           f"results index rows: {', '.join(indexed) or 'none'}; gpu-notes.md: a row and the targets")

@@ -493,12 +493,16 @@ def test_landing_a_returned_archive_updates_the_gpu_rows_and_says_each_missed_ta
     after = readme.read_text()
     changed = [line for line in after.split("\n") if line not in before.split("\n")]
     assert len(changed) == 3 and all(line.startswith("| GPU ") for line in changed)
-    assert ("| GPU training against Marian | base, compiled, 4,000-token batches: 3.40 × Marian's tokens/s, "
-            "MFU 30.0%, 14.3 ms a step ([training-probe-cuda-h200-4000](benchmarks/results/training-probe-cuda-h200-4000.md)) | "
-            "H200, 2026-12-08, abc1234 |") in changed
+    assert ("| GPU training speed against Marian | base, compiled, 4,000-token batches: 3.40 × Marian's tokens/s, "
+            "MFU 30.0%, 14.3 ms a step | [training-probe-cuda-h200-4000](benchmarks/results/training-probe-cuda-h200-4000.md) | "
+            "H200, abc1234, 2026-12-08 |") in changed
     assert all(len(cell) < 200 for line in changed for cell in line.split("|"))
-    index = (results / "README.md").read_text()
-    assert "[training-probe-cuda-h200-4000](training-probe-cuda-h200-4000.md)" in index  # the others: linked already
+    index_before = (REPO / "benchmarks" / "results" / "README.md").read_text().split("\n")
+    changed = [line for line in (results / "README.md").read_text().split("\n") if line not in index_before]
+    assert len(changed) == 3 and all(line.startswith("| GPU ") for line in changed)
+    assert ("| GPU training speed against Marian | base, compiled, 4,000-token batches: 3.40 × Marian's tokens/s, "
+            "MFU 30.0%, 14.3 ms a step | [training-probe-cuda-h200-4000](training-probe-cuda-h200-4000.md) | "
+            "abc1234, H200, 2026-12-08 |") in changed
     notes = (results / "gpu-notes.md").read_text()
     assert "| 2026-12-08 | H200 | abc1234 | base, 300 s: test BLEU 44.00" in notes
     assert "On the H200 of 2026-12-08 (abc1234): missed: a steady 4,000-token base step ≤ 15 ms (got 16.00);" in notes
