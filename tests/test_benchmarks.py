@@ -185,6 +185,8 @@ def test_translation_benchmark_refuses_eos_stopping_without_a_model(corpus, tmp_
 
 
 def test_training_benchmark(corpus, tmp_path, monkeypatch):
+    """About a minute: the compiled engines compile the tiny step (with and without CUDA graphs' static shapes) in
+    this process, which no smaller run can skip; every engine's row and what it ran are read from one report."""
     module = load("bench_training")
     kept = []  # the real call would change this test process' malloc for good
     monkeypatch.setattr(module, "keep_freed_cpu_memory",

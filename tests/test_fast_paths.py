@@ -55,6 +55,8 @@ def exact_matmuls():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["paper", "modern"])
 def test_compiled_training_step_matches_eager(device, variant, exact_matmuls, single_thread):
+    """Up to a minute on a CPU: inductor compiles the forward and backward twice (a static, then a dynamic graph) and
+    builds their C++ kernels; the third shape checks that the dynamic graph is reused."""
     config = _config() if variant == "paper" else _config(
         norm_first=True, norm_type="rmsnorm", position_embedding_type="rope", ffn_activation="swiglu", num_key_value_heads=2
     )

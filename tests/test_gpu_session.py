@@ -281,6 +281,8 @@ def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(t
 
 
 def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(tmp_path, monkeypatch):
+    """About half a minute: the quality run trains in a process of its own, then scores in others (as on the GPU):
+    the default loop, which the injected fault breaks, then transformers' loop."""
     status, report, logs = quality_dry_run(tmp_path, monkeypatch, broken=("auto",))
     assert status == 0, logs
     [row] = report["results"]
