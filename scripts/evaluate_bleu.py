@@ -13,6 +13,9 @@ checkpoint's, from its generation_config.json, as training evaluated it. The eng
 scripts/translate.py (vaswani.engine_choice: on a CPU the one scripts/choose_engine.py recorded beside the
 checkpoint for this machine, else PyTorch; --ctranslate2 / --no-ctranslate2 decide it), named with why on stderr
 and in the report's "engine" and "engine_choice".
+
+Under torchrun or `accelerate launch` each process translates every N-th source and process 0 scores them all, prints
+and writes the report; a process that is lost ends the others with one line naming it (vaswani.peers).
 """
 
 import argparse
@@ -22,7 +25,9 @@ from contextlib import nullcontext
 from vaswani.cli import add_decoding_arguments, engine_from_args, positive_int, user_errors_exit
 from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus
+from vaswani.file_translation import Processes
 from vaswani.files import check_output_file, exclusive, read_lines, write_atomically
+from vaswani.peers import PeerLost, Peers, ending_process_group, gathered
 from vaswani.translation import translate
 
 from shared_corpus import SHARED_CORPUS, SHARED_CORPUS_RELATIVE  # beside this script
@@ -47,11 +52,13 @@ def main(argv=None):
 
     if args.output_file:  # refused before anything is read: never one of the inputs
         check_output_file(args.output_file, [args.source_file, *(args.reference_file or []), args.corpus])
-    with exclusive(args.output_file) if args.output_file else nullcontext():  # one run writes the report at a time
-        evaluate(args)
+    processes = Processes.from_environment()
+    # One run writes the report at a time (process 0 writes it).
+    with exclusive(args.output_file) if args.output_file and processes.rank == 0 else nullcontext():
+        evaluate(args, processes)
 
 
-def evaluate(args: argparse.Namespace) -> None:
+def evaluate(args: argparse.Namespace, processes: Processes) -> None:
     if args.source_file:
         if not args.reference_file:
             raise ValueError("--source_file needs at least one --reference_file")
@@ -75,8 +82,21 @@ def evaluate(args: argparse.Namespace) -> None:
     if not sources:
         raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
-    engine = engine_from_args(args)
-    hypotheses = translate(engine, sources, max_sentences=args.batch_size).texts
+    engine = engine_from_args(args, processes.device(args.device))
+    sources, rank, world_size = list(sources), processes.rank, processes.world_size
+    # Every process ends at the group's barrier, so a process that is done is never taken for a lost one.
+    with ending_process_group(rank, world_size):
+        peers = Peers.gather()
+        try:
+            share = translate(engine, sources[rank::world_size], max_sentences=args.batch_size).texts
+            hypotheses = gathered(share, world_size)
+        except RuntimeError as error:  # what a collective raises when it lost a process
+            if peers and (ended := peers.lost(error)):
+                raise PeerLost(f"{ended} of this evaluation ended (killed or crashed), so process {rank} stops too; "
+                               "nothing was scored: run the same command again.") from None
+            raise
+    if rank != 0:
+        return
     result = {**score_corpus(hypotheses, references), "hypotheses": hypotheses}
     settings = engine.settings
     summary = {k: result[k] for k in ("bleu", "chrf", "ter")} | {"sentences": len(sources)} | settings | {

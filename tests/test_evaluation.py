@@ -182,6 +182,27 @@ def test_evaluate_bleu_script_decodes_with_the_chosen_length_penalty(model_and_t
     assert "--decoding: the PyTorch engine's" in capsys.readouterr().err
 
 
+def test_evaluate_bleu_under_two_processes_scores_what_one_process_scores(good_checkpoint, tmp_path, capsys):
+    """torchrun with 2 processes: each translates every other source (5 sources: shares of 3 and 2), process 0
+    gathers them in order, scores and writes the report, and the launch ends with status 0 (a process that is done
+    waits at the group's barrier rather than being taken for a lost one). About 20 s: one launch of two processes."""
+    (tmp_path / "src.en").write_text("\n".join(SOURCES) + "\n")
+    (tmp_path / "ref.fr").write_text("le chat\nun chien\nl'oiseau\nchat\nle chien\n")
+    arguments = ["--model", str(good_checkpoint), "--device", "cpu", "--num_beams", "1", "--source_file",
+                 str(tmp_path / "src.en"), "--reference_file", str(tmp_path / "ref.fr"), "--output_file"]
+    script_main("evaluate_bleu")([*arguments, str(tmp_path / "one.json")])
+    capsys.readouterr()
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "evaluate_bleu.py")
+    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             script, *arguments, str(tmp_path / "two.json")], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    assert launch.stdout.count('"sentences"') == 1  # process 0 alone prints the scores
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert two["hypotheses"] == one["hypotheses"] and len(set(one["hypotheses"])) > 1
+    assert (two["bleu"], two["sentences"]) == (one["bleu"], 5)
+
+
 def test_evaluate_bleu_never_writes_its_report_over_an_input(tmp_path, capsys):
     """Refused before the model is read: --model names nothing here."""
     source, reference = tmp_path / "src.en", tmp_path / "ref.fr"

@@ -136,3 +136,13 @@ def barrier() -> None:
     """Wait for every process of the launch (nothing to wait for in a single process)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def gathered(share: list, world_size: int) -> list:
+    """One list, in order, from every process's `share`, where process r holds the items r, r + world_size, …
+    (a collective: every process calls it, and every process gets the whole list)."""
+    if world_size == 1:
+        return share
+    parts = [None] * world_size
+    dist.all_gather_object(parts, share)
+    return [parts[i % world_size][i // world_size] for i in range(sum(map(len, parts)))]
