@@ -109,6 +109,7 @@ def cpu_multiplies_bf16() -> bool:
         return False
     key = machine(threads=None)
     path = cache_dir(CPU_BF16_RECORD)
+    speedups = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with exclusive(path, wait=True):
@@ -120,7 +121,8 @@ def cpu_multiplies_bf16() -> bool:
             records.append({"machine": key, "speedups": speedups, "bf16": min(speedups) >= CPU_BF16_MARGIN})
             write_atomically(path, json.dumps({"records": records}, indent=1))
     except OSError as error:  # a cache that cannot be written: decided for this process alone, and said so
-        speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
+        if speedups is None:  # the record could not be read or locked (a failed write keeps what it timed)
+            speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
         print(f"bf16 products timed {speedups} × fp32's on this CPU; not recorded, {path} cannot be written "
               f"({error}).", file=sys.stderr, flush=True)
     return min(speedups) >= CPU_BF16_MARGIN
