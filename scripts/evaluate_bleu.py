@@ -27,7 +27,7 @@ from vaswani.data import load_translation_dataset
 from vaswani.evaluation import score_corpus
 from vaswani.file_translation import Processes
 from vaswani.files import check_output_file, exclusive, read_lines, write_atomically
-from vaswani.peers import PeerLost, Peers, ending_process_group, gathered
+from vaswani.peers import Peers, ending_process_group, gathered, peer_lost
 from vaswani.translation import translate
 
 from shared_corpus import SHARED_CORPUS, SHARED_CORPUS_RELATIVE  # beside this script
@@ -92,8 +92,7 @@ def evaluate(args: argparse.Namespace, processes: Processes) -> None:
             hypotheses = gathered(share, world_size)
         except RuntimeError as error:  # what a collective raises when it lost a process
             if peers and (ended := peers.lost(error)):
-                raise PeerLost(f"{ended} of this evaluation ended (killed or crashed), so process {rank} stops too; "
-                               "nothing was scored: run the same command again.") from None
+                raise peer_lost(ended, "evaluation", rank, "nothing was scored: run the same command again.") from None
             raise
     if rank != 0:
         return

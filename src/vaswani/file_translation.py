@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 from . import files
 from .files import decode_lines, read_json_object, sync_file, write_atomically
 from .loading import choose_device
-from .peers import PeerLost, Peers, barrier, ending_process_group
+from .peers import PeerLost, Peers, barrier, ending_process_group, peer_lost
 from .preemption import Preempted, catching_stop_signals, signal_name
 from .translation import translate, warn_truncated
 
@@ -287,11 +287,12 @@ class _StopRequest:
                 "into a file (--output_file) to keep what is done when a run stops")
 
     def lost(self, ended: str) -> PeerLost:
-        stopped = f"{ended} of this translation ended (killed or crashed), so process {self.processes.rank} stops too"
         if self.processes.rank != 0:
-            return PeerLost(f"{stopped}; run the same command with --resume to finish {self.output_path}.")
-        return PeerLost(f"{stopped}; {self.output_path} holds its first {self.recorded_lines()} lines, recorded in "
-                        f"{self.state_path}. Run the same command with --resume to finish it.")
+            kept = f"run the same command with --resume to finish {self.output_path}."
+        else:
+            kept = (f"{self.output_path} holds its first {self.recorded_lines()} lines, recorded in "
+                    f"{self.state_path}. Run the same command with --resume to finish it.")
+        return peer_lost(ended, "translation", self.processes.rank, kept)
 
     def error(self) -> Preempted | PeerLost:
         """A stop signal's error; where another process has ended (torchrun stops the rest of a launch that lost

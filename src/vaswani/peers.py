@@ -47,6 +47,12 @@ class PeerLost(Exception):
     exit_status = 1
 
 
+def peer_lost(ended: str, run: str, rank: int, kept: str) -> PeerLost:
+    """The error that ends process `rank` of a `run` ("run", "translation", "evaluation") that lost the process
+    `ended` describes (`Peers.lost`): one line naming it, then what is kept and how to go on (`kept`)."""
+    return PeerLost(f"{ended} of this {run} ended (killed or crashed), so process {rank} stops too; {kept}")
+
+
 def is_running(pid: int) -> bool:
     """Whether process `pid` (on this machine) runs: neither gone nor a zombie its parent has not reaped yet."""
     try:

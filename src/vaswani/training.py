@@ -34,7 +34,7 @@ from . import files
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
 from .modeling_vaswani import VaswaniForConditionalGeneration
-from .peers import PeerLost, Peers
+from .peers import PeerLost, Peers, peer_lost
 from .preemption import PreemptionCallback, catching_stop_signals
 from .run_directory import (
     check_checkpoint_matches,
@@ -217,8 +217,8 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
                 os.rmdir(args.output_dir)  # the Trainer creates it on start
             lost = peers.lost(error) if peers and isinstance(error, Exception) else None
             if lost:
-                raise PeerLost(f"{lost} of this run ended (killed or crashed), so process {args.process_index} "
-                               f"stops too; {kept_after_a_lost_process(args.output_dir, command)}.") from None
+                raise peer_lost(lost, "run", args.process_index,
+                                f"{kept_after_a_lost_process(args.output_dir, command)}.") from None
             raise
 
 
