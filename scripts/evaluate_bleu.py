@@ -82,7 +82,7 @@ def evaluate(args: argparse.Namespace, processes: Processes) -> None:
     if not sources:
         raise ValueError("there is nothing to evaluate: the source file or split is empty")
 
-    engine = engine_from_args(args, processes.device(args.device))
+    engine = engine_from_args(args, processes.local_rank)
     sources, rank, world_size = list(sources), processes.rank, processes.world_size
     # Every process ends at the group's barrier, so a process that is done is never taken for a lost one.
     with ending_process_group(rank, world_size):

@@ -45,8 +45,7 @@ from vaswani.cli import (
     probability,
     user_errors_exit,
 )
-from vaswani.file_translation import (DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, Processes, check_output,
-                                       check_resume_record, translate_file)
+from vaswani.file_translation import DEFAULT_CHUNK_LINES, DEFAULT_MAX_TOKENS, check_run, translate_file
 from vaswani.files import exclusive
 
 
@@ -80,15 +79,13 @@ def main(argv=None):
     if args.sentences and (args.input_file or args.resume):
         parser.error("give sentences as arguments or --input_file, not both (--resume needs --input_file)")
 
-    processes = Processes.from_environment()
     # Refused before the model loads: an output that cannot be written or resumed, a damaged resume record.
-    resumable = check_output(args.output_file, args.input_file, resume=args.resume, processes=processes)
-    resumed = check_resume_record(args.output_file) if args.resume else None
+    processes, resumable, resumed = check_run(args.output_file, args.input_file, resume=args.resume)
     # Another run writing the same output is refused before the model loads too (process 0 holds the lock).
     with exclusive(args.output_file) if resumable and processes.rank == 0 else nullcontext():
         sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p}
-        engine = engine_from_args(args, processes.device(args.device), resumed, **sampling)
+        engine = engine_from_args(args, processes.local_rank, resumed, **sampling)
         settings = {key: getattr(args, key) for key in ("model", "decoding", "slots", "ctranslate2",
                                                         "compute_type", *sampling)} | engine.settings
         stdin = io.BytesIO("".join(f"{sentence}\n" for sentence in args.sentences).encode()) if args.sentences else None

@@ -1,4 +1,4 @@
-"""One decoding contract (`vaswani.translation.DecodingSettings`): a sentence gets the same translation whichever
+"""One decoding contract (`vaswani.decoding_settings.DecodingSettings`): a sentence gets the same translation whichever
 engine, batch or caller decodes it, within its own output limit; the exported CTranslate2 model follows the same
 settings; settings that generate() cannot honour are refused before anything is loaded; sources are bounded for
 every kind of positions; validation decodes the weights the test score decodes."""

@@ -26,13 +26,12 @@ from tiny_translation_model import SOURCES
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration, loading
 from vaswani.configuration_vaswani import decoder_start_token_id, tokenizer_fingerprint
 from vaswani.evaluation import translate
-from vaswani.file_translation import Processes
 from vaswani.loading import load_translator
 from vaswani.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS, VaswaniTokenizer, train_tokenizer
 from vaswani.training import ModelArguments
 from vaswani.training import build_model_and_tokenizer as build_model_and_tokenizer_for_training
 from vaswani.translation import translate as translate_with
-from vaswani.translation import write_decoding_defaults
+from vaswani.decoding_settings import write_decoding_defaults
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,11 +147,11 @@ def test_auto_device_is_a_gpu_when_there_is_one_and_each_process_takes_its_own(m
     assert loading.choose_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert loading.choose_device("auto") == loading.choose_device(None) == torch.device("cpu")
-    assert Processes(1, 2, 1).device("auto") == "cpu"
+    assert loading.choose_device("auto", local_rank=1) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert loading.choose_device("auto") == torch.device("cuda")
-    assert Processes(1, 2, 1).device("auto") == "cuda:1"
-    assert Processes(1, 2, 1).device("cuda:0") == "cuda:0"
+    assert loading.choose_device("auto", local_rank=1) == torch.device("cuda:1")
+    assert loading.choose_device("cuda:0", local_rank=1) == torch.device("cuda:0")
 
 
 # Checkpoints ----------------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from vaswani.pipeline_vaswani import register_pipeline
 from vaswani.tokenization import TRUNCATION_TOKENS, tokenize_translation_dataset
 from vaswani.tokenization_vaswani import VaswaniTokenizer
 from vaswani.loading import engine_for_model
-from vaswani.translation import DecodingSettings, model_decoding, translate, write_decoding_defaults
+from vaswani.decoding_settings import DecodingSettings, model_decoding, write_decoding_defaults
+from vaswani.translation import translate
 from vaswani.visualize import attention_maps
 
 LONG = " ".join(["the cat sat on the mat and the dog sat on a mat"] * 3)

@@ -132,17 +132,16 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: the checkpoint's generation config")
 
 
-def engine_from_args(args: argparse.Namespace, device: str | None = None, resumed: dict | None = None,
+def engine_from_args(args: argparse.Namespace, local_rank: int | None = None, resumed: dict | None = None,
                      **decoding_options):
     """`vaswani.engine_choice.load_default_engine` over `--model` and the flags of `add_decoding_arguments`;
-    `device` (default `--device`) and `decoding_options` (a script's own `generate()` flags) are passed on as they
-    are. `resumed`: the recorded settings of the run this one resumes; where `--ctranslate2` leaves the engine open,
-    that run's choice decodes again (a choice recorded since would otherwise change the engine, and the resume be
-    refused). The engine and why it was chosen go to stderr in one line."""
-    choice = None
-    if args.ctranslate2 is None and (resumed or {}).get("engine_choice"):
-        choice = EngineChoice(**resumed["engine_choice"])
-    engine = load_default_engine(args.model, device=args.device if device is None else device, dtype=args.dtype,
+    `local_rank` (this process's GPU under a launcher, where `--device` is auto) and `decoding_options` (a script's
+    own `generate()` flags) are passed on as they are. `resumed`: the recorded settings of the run this one resumes;
+    where `--ctranslate2` leaves the engine open, that run's choice decodes again (a choice recorded since would
+    otherwise change the engine, and the resume be refused). The engine and why it was chosen go to stderr in one
+    line."""
+    choice = (resumed or {}).get("engine_choice") if args.ctranslate2 is None else None
+    engine = load_default_engine(args.model, device=args.device, local_rank=local_rank, dtype=args.dtype,
                                  decoding=args.decoding, slots=args.slots, ctranslate2=args.ctranslate2,
                                  compute_type=args.compute_type, num_beams=args.num_beams,
                                  max_new_tokens=args.max_new_tokens, length_penalty=args.length_penalty,

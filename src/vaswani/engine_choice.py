@@ -39,14 +39,14 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoConfig
 
+from .decoding_settings import DecodingSettings
 from .export import cached_export, check_exportable
 from .files import exclusive, write_atomically
 from .generation_vaswani import runs_as
 from .inference import PackedLinear
-from .loading import (CTRANSLATE2_WEIGHTS, PYTORCH_OPTIONS, check_checkpoint_dir, checkpoint_decoding, choose_device,
-                      load_engine, pytorch_options)
+from .loading import EngineRequest, build_engine, checked_checkpoint, engine_request, load_engine
 from .machine import machine, read_records
-from .translation import CTranslate2Engine, DecodingSettings, translate
+from .translation import CTranslate2Engine, translate
 
 # The record beside a checkpoint's weights.
 CHOICE_FILE = "engine_choice.json"
@@ -78,41 +78,42 @@ class EngineChoice:
         return f"{self.engine} by {self.reason}{timed}"
 
 
-def load_default_engine(model_dir: str, *, device: str | torch.device | None = None, ctranslate2: bool | None = None,
-                        cache_dir: str | None = None, choice: EngineChoice | None = None, **options):
+def load_default_engine(model_dir: str, *, device: str | torch.device | None = None, local_rank: int | None = None,
+                        ctranslate2: bool | None = None, cache_dir: str | None = None, choice: dict | None = None,
+                        **options):
     """`vaswani.loading.load_engine` as the scripts build it, with the engine `decide` names (or `choice`, a resumed
-    run's), recorded in its `choice`. A checkpoint decoded with CTranslate2 goes through its float32 export, made once
-    and cached (`vaswani.export.cached_export` in `cache_dir`, made again when the weights change). `options`:
-    `load_engine`'s."""
-    device = choose_device(device)
-    choice = choice or decide(model_dir, device, ctranslate2, **options)
-    if choice.engine == "ctranslate2" and not os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS)):
-        check_checkpoint_dir(model_dir)
+    run's, as its record keeps it), recorded in its `choice`. The settings are resolved once
+    (`vaswani.loading.engine_request`: the device, `choose_device`'s of `device` and `local_rank`), read by `decide`
+    and built from (`vaswani.loading.build_engine`). A checkpoint decoded with CTranslate2 goes through its float32
+    export, made once and cached (`vaswani.export.cached_export` in `cache_dir`, made again when the weights
+    change). `options`: `load_engine`'s."""
+    request = engine_request(model_dir, device=device, local_rank=local_rank, **options)
+    choice = EngineChoice(**choice) if choice else decide(request, ctranslate2)
+    if choice.engine == "ctranslate2" and not request.exported:
         export_dir, _ = cached_export(model_dir, cache_dir)
-        engine = load_engine(export_dir, device=device, ctranslate2=True, export_of=model_dir, **options)
+        engine = build_engine(request, ctranslate2=True, export_dir=export_dir)
     else:
-        engine = load_engine(model_dir, device=device, ctranslate2=choice.engine == "ctranslate2",
-                             pack=choice.engine != "pytorch-unpacked", **options)
+        engine = build_engine(request, ctranslate2=choice.engine == "ctranslate2",
+                              pack=choice.engine != "pytorch-unpacked")
     engine.choice = choice.record()
     return engine
 
 
-def decide(model_dir: str, device: torch.device, ctranslate2: bool | None = None, **options) -> EngineChoice:
-    """The engine for the checkpoint or CTranslate2 directory `model_dir` on `device`: the flags' (`ctranslate2`, and
-    PyTorch options among `options`, `load_engine`'s), else this machine's record (`recorded_choice`), else the
-    fixed rule (the module docstring's). Nothing is timed or exported here."""
-    exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
+def decide(request: EngineRequest, ctranslate2: bool | None = None) -> EngineChoice:
+    """The engine for the checkpoint or CTranslate2 directory that `request` asks of (`vaswani.loading.engine_request`)
+    on its device: the flags' (`ctranslate2`, and the PyTorch engine's options the request gives), else this
+    machine's record (`recorded_choice`), else the fixed rule (the module docstring's). Nothing is timed or exported
+    here."""
+    model_dir = request.model_dir
     if ctranslate2:
         return EngineChoice("ctranslate2", "--ctranslate2")
-    if exported and ctranslate2 is None:
+    if request.exported and ctranslate2 is None:
         return EngineChoice("ctranslate2", f"the fixed rule: {model_dir} is a CTranslate2 export")
-    rest = {name: value for name, value in options.items() if name != "compute_type"}
-    if given := [flag for flag, value in pytorch_options(**rest).items() if value]:
+    if given := [flag for flag, value in request.pytorch_only.items() if value]:
         return EngineChoice("pytorch", f"{', '.join(given)}, the PyTorch engine's")
-    if runs_as(device) != "cpu":  # (a CPU rehearsing CUDA decides as a GPU does)
-        return EngineChoice("pytorch", f"the fixed rule: on {device}, the PyTorch engine")
-    decoding = {name: value for name, value in rest.items() if name not in PYTORCH_OPTIONS}
-    recorded = None if exported else recorded_choice(model_dir, **decoding)
+    if runs_as(request.device) != "cpu":  # (a CPU rehearsing CUDA decides as a GPU does)
+        return EngineChoice("pytorch", f"the fixed rule: on {request.device}, the PyTorch engine")
+    recorded = None if request.exported else recorded_choice(model_dir, request.decoding)
     if ctranslate2 is False:
         if recorded is None or not recorded.seconds:
             return EngineChoice("pytorch", "--no-ctranslate2")
@@ -125,14 +126,14 @@ def decide(model_dir: str, device: torch.device, ctranslate2: bool | None = None
                         f"{os.path.join(model_dir, CHOICE_FILE)} (scripts/choose_engine.py makes one)")
 
 
-def recorded_choice(model_dir: str, **decoding_overrides) -> EngineChoice | None:
+def recorded_choice(model_dir: str, settings: DecodingSettings) -> EngineChoice | None:
     """The choice that `choose_engine` recorded beside the checkpoint in `model_dir` for this machine, at this
-    process's thread count, and the decoding settings that `decoding_overrides` resolve to; None where there is
-    none (a Hub id, no record, another machine)."""
+    process's thread count, and the decoding `settings` (the checkpoint's, resolved); None where there is none (a Hub
+    id, no record, another machine)."""
     path = os.path.join(model_dir, CHOICE_FILE)
     if not os.path.isfile(path):
         return None
-    key = choice_key(decoding_of(model_dir, **decoding_overrides))
+    key = choice_key(settings)
     for record in read_records(path):
         if {name: record.get(name) for name in key} == key:
             return EngineChoice(record["engine"], f"the record for this machine in {path}", record["seconds"],
@@ -145,13 +146,6 @@ def choice_key(settings: DecodingSettings) -> dict:
     so that `--num_beams 4` and a checkpoint's own 4 are one)."""
     key = {"machine": machine(torch.get_num_threads()), "decoding": settings.record()}
     return json.loads(json.dumps(key))  # as a record reads back: lists, not tuples
-
-
-def decoding_of(model_dir: str, **decoding_overrides) -> DecodingSettings:
-    """The checkpoint's decoding settings with `decoding_overrides`, as `load_engine` resolves them."""
-    check_checkpoint_dir(model_dir)
-    return checkpoint_decoding(model_dir, AutoConfig.from_pretrained(model_dir, trust_remote_code=False),
-                               **decoding_overrides)
 
 
 def ctranslate2_decodes(model_dir: str, settings: DecodingSettings) -> bool:
@@ -188,7 +182,7 @@ def choose_engine(model_dir: str, sentences: Sequence[str], *, max_tokens: int, 
     if not os.path.isdir(model_dir):
         raise NotADirectoryError(f"{model_dir} is not a local checkpoint directory; the engine choice is written "
                                  "beside the weights.")
-    settings = decoding_of(model_dir, **decoding_overrides)
+    _, settings = checked_checkpoint(model_dir, **decoding_overrides)
     key = choice_key(settings)
     sample = choice_sample(sentences)
     if not sample:

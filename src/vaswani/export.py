@@ -35,11 +35,12 @@ import torch
 
 from .checkpoints import check_output_dir
 from .configuration_vaswani import OUTPUT_SLACK, VaswaniConfig
+from .decoding_settings import model_decoding
 from .files import exclusive, locking, staged_directory, write_atomically
 from .loading import engine_for_model, load_engine, load_translator
 from .machine import cache_dir as machine_cache_dir
-from .translation import model_decoding, translate
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniSinusoidalPositionalEmbedding
+from .translation import translate
 
 # Our activation names → CTranslate2's, and whether the FFN is gated (two input projections).
 FFN_ACTIVATIONS = {"relu": ("RELU", False), "gelu": ("GELU", False), "silu": ("SWISH", False),

@@ -52,13 +52,13 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
 from . import files
 from .files import decode_lines, read_json_object, sync_file, write_atomically
-from .loading import choose_device
 from .peers import PeerLost, Peers, barrier, ending_process_group, peer_lost
 from .preemption import Preempted, catching_stop_signals, signal_name
 from .translation import translate, warn_truncated
@@ -143,10 +143,6 @@ class Processes:
     @classmethod
     def from_environment(cls, environ=os.environ) -> Processes:
         return cls(int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_RANK", 0)))
-
-    def device(self, device: str | None) -> str:
-        """`device`, with "auto" (or None) meaning this process's own GPU when there are GPUs, else the CPU."""
-        return str(choose_device(device, self.local_rank))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,6 +478,23 @@ def _part_digest(parts_dir: str, index: int) -> str | None:
     except FileNotFoundError:
         return None
     return header[2] if len(header) == 3 else None
+
+
+class RunCheck(NamedTuple):
+    """What `check_run` found before the model loads."""
+
+    processes: Processes
+    resumable: bool  # `check_output`'s answer
+    resumed: dict | None  # the settings in the resume record a `resume` continues (`check_resume_record`)
+
+
+def check_run(output_path: str | None, input_path: str | None, *, resume: bool = False) -> RunCheck:
+    """What a script asks before its model loads, in one call: this process's place among those launched
+    (`Processes.from_environment`), whether the output can be written and resumed (`check_output`), and with
+    `resume`, the settings in its resume record, a damaged one refused (`check_resume_record`)."""
+    processes = Processes.from_environment()
+    resumable = check_output(output_path, input_path, resume=resume, processes=processes)
+    return RunCheck(processes, resumable, check_resume_record(output_path) if resume else None)
 
 
 def resume_record_path(output_path: str) -> str:

@@ -19,6 +19,7 @@ or files are missing, unexpected, mismatched, truncated or corrupted, is an erro
 tokenizer that is missing or does not fit the model.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -32,12 +33,13 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Gener
 from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_weights
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
+from .decoding_settings import DecodingSettings, is_learned, model_decoding
 from .files import exclusive, read_json_object, write_atomically
 from .generation_vaswani import runs_as
 from .inference import compile_decoding_steps, keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
 from .machine import cache_dir, machine, read_records
 from .tokenization_vaswani import VaswaniTokenizer
-from .translation import CTranslate2Engine, DecodingSettings, Engine, TorchEngine, is_learned, model_decoding
+from .translation import CTranslate2Engine, Engine, TorchEngine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DECODING_LOOPS = ("auto", "lean", "compiled", "graphs", "transformers")
@@ -179,10 +181,53 @@ PYTORCH_OPTIONS = {"dtype": "auto", "int8": False, "decoding": "auto", "slots": 
 
 def pytorch_options(**options) -> dict[str, bool]:
     """Which options of the PyTorch engine `options` (`load_engine`'s keyword arguments) give, by flag: its own
-    (`PYTORCH_OPTIONS`) and the decoding settings that CTranslate2 does not take (`CTranslate2Engine.pytorch_only`)."""
+    (`PYTORCH_OPTIONS`) and the decoding settings given that CTranslate2 does not take (not among
+    `CTranslate2Engine.SETTINGS`)."""
     given = {f"--{name}": options.get(name, unset) != unset for name, unset in PYTORCH_OPTIONS.items()}
-    decoding = {name: value for name, value in options.items() if name not in PYTORCH_OPTIONS}
-    return CTranslate2Engine.pytorch_only(given, decoding)
+    return given | {f"--{name}": value is not None for name, value in options.items()
+                    if name not in PYTORCH_OPTIONS and name not in CTranslate2Engine.SETTINGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """An engine asked of `model_dir`, its settings resolved once (`engine_request`): what chooses the engine reads
+    them (`vaswani.engine_choice.decide`), and `build_engine` builds it from them.
+
+    `exported`: `model_dir` holds a CTranslate2 model (`model.bin`), not a checkpoint. `pytorch_only`: by flag, the
+    options given that only the PyTorch engine takes (`pytorch_options`). `config` and `decoding`: a checkpoint's
+    config and decoding settings with the caller's overrides, read and checked once, before any weight (None for a
+    CTranslate2 model, whose settings are its own export's). `options`: `load_engine`'s keyword arguments as given."""
+
+    model_dir: str
+    device: torch.device
+    exported: bool
+    pytorch_only: dict[str, bool]
+    config: object | None
+    decoding: DecodingSettings | None
+    options: dict
+
+
+def engine_request(model_dir: str, *, device: str | torch.device | None = None, local_rank: int | None = None,
+                   **options) -> EngineRequest:
+    """The settings of an engine for `model_dir`, resolved once: the device (`choose_device`, with `local_rank`), the
+    PyTorch engine's options given, and for a checkpoint its checks, config and decoding settings. `options`:
+    `load_engine`'s keyword arguments (`ctranslate2`, `export_of` and `pack` aside, which `build_engine` takes)."""
+    device = choose_device(device, local_rank)
+    given = {name: value for name, value in options.items() if name != "compute_type"}
+    exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
+    config, decoding = (None, None) if exported else checked_checkpoint(model_dir, **options)
+    return EngineRequest(model_dir, device, exported, pytorch_options(**given), config, decoding, options)
+
+
+def checked_checkpoint(model_dir: str, **options):
+    """The checkpoint in `model_dir`, checked (`check_checkpoint_dir`): its config and its decoding settings with the
+    decoding settings among `options`, resolved, and refused if generate() could not honour them, before any weight
+    is read."""
+    check_checkpoint_dir(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    overrides = {name: value for name, value in options.items()
+                 if name not in PYTORCH_OPTIONS and name != "compute_type"}
+    return config, checkpoint_decoding(model_dir, config, **overrides)
 
 
 def load_engine(model_dir: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
@@ -190,7 +235,7 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
                 compute_type: str = "default", attn_implementation: str | None = None, export_of: str | None = None,
                 pack: bool = True, **decoding_overrides) -> Engine:
     """The engine that translates with the checkpoint in `model_dir` (a directory or Hub id), or with the
-    CTranslate2 model there.
+    CTranslate2 model there: `build_engine(engine_request(...))`.
 
     `ctranslate2`: True, CTranslate2 decodes the export in `model_dir` (`model.bin`); False, the PyTorch checkpoint
     decodes; None (the default), whichever `model_dir` holds. `export_of`: the checkpoint that `model_dir` is the
@@ -202,45 +247,61 @@ def load_engine(model_dir: str, *, device: str | torch.device | None = None, dty
     a CTranslate2 model: `compute_type` (CTranslate2's: int8, int8_float32, float32, …; "default" keeps the format
     on disk), and those five are refused. `decoding_overrides`: `num_beams`, `max_new_tokens`, `max_source_length`,
     and for PyTorch any `generate()` option (`length_penalty`, `do_sample`, `temperature`…); one given as None is
-    the checkpoint's `generation_config` (`vaswani.translation.DecodingSettings.resolve`).
+    the checkpoint's `generation_config` (`vaswani.decoding_settings.DecodingSettings.resolve`).
     """
-    device = choose_device(device)
-    pytorch_only = pytorch_options(dtype=dtype, int8=int8, decoding=decoding, slots=slots,
-                                   attn_implementation=attn_implementation, **decoding_overrides)
-    exported = os.path.isfile(os.path.join(model_dir, CTRANSLATE2_WEIGHTS))
-    if ctranslate2 is None:
-        ctranslate2 = exported
-    elif ctranslate2 and not exported:
-        raise ValueError(f"{model_dir} holds no CTranslate2 export (model.bin); export it with "
-                         "scripts/export_ctranslate2.py, or translate with the scripts, which use a cached export.")
-    positions = "exported positions"
+    options = {"dtype": dtype, "int8": int8, "decoding": decoding, "slots": slots, "compute_type": compute_type,
+               "attn_implementation": attn_implementation, **decoding_overrides}
     if export_of is not None:
-        # Sources are cut where the checkpoint's positions end, named as its PyTorch engine names them.
-        learned = is_learned(AutoConfig.from_pretrained(export_of, trust_remote_code=False))
-        positions = "learned positions" if learned else "source positions"
+        return build_engine(engine_request(export_of, device=device, **options), ctranslate2=True, export_dir=model_dir,
+                            pack=pack)
+    return build_engine(engine_request(model_dir, device=device, **options), ctranslate2=ctranslate2, pack=pack)
+
+
+def build_engine(request: EngineRequest, *, ctranslate2: bool | None = None, export_dir: str | None = None,
+                 pack: bool = True) -> Engine:
+    """The engine `request` asks for, as `load_engine` describes it: CTranslate2 where `ctranslate2` says so (None:
+    where `request.model_dir` is a CTranslate2 model), decoding the model there or, for a checkpoint, its export in
+    `export_dir`, the PyTorch engine's options refused by name; else the PyTorch checkpoint, with its linear layers
+    laid out for oneDNN where `pack` (and torch can)."""
+    options = dict(PYTORCH_OPTIONS, compute_type="default") | request.options
+    decoding_overrides = {name: value for name, value in options.items()
+                          if name not in PYTORCH_OPTIONS and name != "compute_type"}
+    path, export_of = (request.model_dir, None) if export_dir is None else (export_dir, request.model_dir)
+    if ctranslate2 is None:
+        ctranslate2 = request.exported
+    elif ctranslate2 and not os.path.isfile(os.path.join(path, CTRANSLATE2_WEIGHTS)):
+        raise ValueError(f"{path} holds no CTranslate2 export (model.bin); export it with "
+                         "scripts/export_ctranslate2.py, or translate with the scripts, which use a cached export.")
     if ctranslate2:
-        CTranslate2Engine.check(pytorch_only=pytorch_only | {"pack=False": not pack})
-        check_ctranslate2_dir(model_dir)
-        path = os.path.join(model_dir, "generation_config.json")
-        exported = read_generation_config(model_dir) if os.path.isfile(path) else GenerationConfig()
-        settings = DecodingSettings.resolve(exported, positions=exported_positions(model_dir), learned=True,
-                                            origin=path, **decoding_overrides)
+        if given := [flag for flag, value in (request.pytorch_only | {"pack=False": not pack}).items() if value]:
+            raise ValueError(f"{', '.join(given)}: the PyTorch engine's; a CTranslate2 model takes --compute_type and "
+                             f"{', '.join('--' + name for name in CTranslate2Engine.SETTINGS)}.")
+        check_ctranslate2_dir(path)
+        origin = os.path.join(path, "generation_config.json")
+        exported = read_generation_config(path) if os.path.isfile(origin) else GenerationConfig()
+        positions = "exported positions"
+        if export_of is not None:
+            # Sources are cut where the checkpoint's positions end, named as its PyTorch engine names them.
+            positions = "learned positions" if is_learned(request.config) else "source positions"
+        settings = DecodingSettings.resolve(exported, positions=exported_positions(path), learned=True,
+                                            origin=origin, **decoding_overrides)
         CTranslate2Engine.check(settings)
         # CPU threads as torch uses them (its own default is a fixed count), so either engine gets the same cores.
-        threads = torch.get_num_threads() if device.type == "cpu" else 0
-        translator, tokenizer = load_ctranslate2(model_dir, device, compute_type, threads)
-        return CTranslate2Engine(translator, tokenizer, settings, path=model_dir, export_of=export_of,
+        threads = torch.get_num_threads() if request.device.type == "cpu" else 0
+        translator, tokenizer = checked_ctranslate2(path, request.device, options["compute_type"], threads)
+        return CTranslate2Engine(translator, tokenizer, settings, path=path, export_of=export_of,
                                  positions=positions)
-    if compute_type != "default":
+    if options["compute_type"] != "default":
         raise ValueError("--compute_type is CTranslate2's: add --ctranslate2 (--ctranslate2 --compute_type int8 "
                          "decodes a checkpoint in int8); the PyTorch engine takes --dtype.")
-    check_checkpoint_dir(model_dir)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    # The decoding settings are resolved, and refused if generate() could not honour them, before any weight is read.
-    settings = checkpoint_decoding(model_dir, config, **decoding_overrides)
-    model, tokenizer = load_translator(model_dir, device, attn_implementation, int8, decoding, dtype,
-                                       num_beams=settings.num_beams, pack=pack)
-    return TorchEngine(model, tokenizer, settings, slots=slots)
+    config, decoding = request.config, request.decoding
+    if request.exported:  # a PyTorch engine asked of a CTranslate2 directory: refused as no checkpoint, by name
+        config, decoding = checked_checkpoint(request.model_dir, **request.options)
+    dtype = checked_options(options["int8"], options["decoding"], options["dtype"])
+    model, tokenizer = checked_translator(request.model_dir, request.device, config, options["attn_implementation"],
+                                          options["int8"], options["decoding"], dtype, num_beams=decoding.num_beams,
+                                          pack=pack)
+    return TorchEngine(model, tokenizer, decoding, slots=options["slots"])
 
 
 def checkpoint_decoding(model_dir: str, config, **decoding_overrides) -> DecodingSettings:
@@ -292,23 +353,35 @@ def load_translator(model_dir: str, device: str | torch.device | None = None, at
     the eager engine on one CPU and slower on another, benchmarks/results/README.md). The checks are the module
     docstring's.
     """
-    import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
+    dtype = checked_options(int8, decoding, dtype)  # a wrong choice is refused before any file is read
+    check_checkpoint_dir(model_dir)
+    return checked_translator(model_dir, choose_device(device), None, attn_implementation, int8, decoding, dtype,
+                              num_beams=num_beams, pack=pack)
 
+
+def checked_options(int8: bool, decoding: str, dtype: str | torch.dtype | None) -> str | torch.dtype:
+    """`load_translator`'s `decoding` and `dtype`, refused where they are not one of its choices or not with `int8`;
+    returns the dtype (a torch dtype, or "auto")."""
     if decoding not in DECODING_LOOPS:
         raise ValueError(f"decoding={decoding!r}; choose one of {', '.join(DECODING_LOOPS)}.")
     if int8 and decoding == "compiled":  # torch.compile cannot trace fbgemm's packed int8 weights
         raise ValueError("decoding='compiled' compiles fp32 or bf16 models, not int8 ones (int8=True).")
     dtype = "auto" if dtype is None else dtype
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = named_dtype(dtype, int8)  # a wrong choice is refused before any file is read
+    return named_dtype(dtype, int8) if isinstance(dtype, str) and dtype != "auto" else dtype
 
-    check_checkpoint_dir(model_dir)
-    device = choose_device(device)
+
+def checked_translator(model_dir: str, device: torch.device, config, attn_implementation: str | None, int8: bool,
+                       decoding: str, dtype: str | torch.dtype, *, num_beams: int | None = None, pack: bool = True):
+    """`load_translator` for a checkpoint that `check_checkpoint_dir` has passed, with options that `checked_options`
+    has passed, on `device` (resolved); `config` is the checkpoint's where it has been read (None: read here, where
+    the precision needs it)."""
+    import vaswani  # noqa: F401  (registers the Auto classes: no remote code needed)
+
     # The tokenizer first: it is cheap, and a missing one is refused before the weights are read.
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     try:
         if dtype == "auto":
-            d_model = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).d_model
+            d_model = (config or AutoConfig.from_pretrained(model_dir, trust_remote_code=False)).d_model
             if num_beams is None:  # the checkpoint's, as every engine resolves it
                 num_beams = DecodingSettings.resolve(read_generation_config(model_dir),
                                                      origin=generation_config_name(model_dir)).num_beams
@@ -364,9 +437,14 @@ def load_ctranslate2(path: str, device: str | torch.device = "cpu", compute_type
     (its `model_max_length` the exported position table's size). `device`:
     a torch device (cpu, cuda, cuda:1); `compute_type`: as `load_engine` takes it; `threads`: CPU threads, 0 = all
     cores. `load_engine` is the way in for translating; this is its CTranslate2 half."""
+    check_ctranslate2_dir(path)
+    return checked_ctranslate2(path, device, compute_type, threads)
+
+
+def checked_ctranslate2(path: str, device: str | torch.device, compute_type: str, threads: int):
+    """`load_ctranslate2` for a directory that `check_ctranslate2_dir` has passed."""
     import ctranslate2
 
-    check_ctranslate2_dir(path)
     device = torch.device(device)
     translator = ctranslate2.Translator(path, device=device.type, device_index=device.index or 0,
                                         compute_type=compute_type, intra_threads=threads)

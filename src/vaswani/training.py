@@ -33,6 +33,7 @@ from . import data as vdata
 from . import files
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
+from .decoding_settings import write_decoding_defaults
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .peers import PeerLost, Peers, peer_lost
 from .preemption import PreemptionCallback, catching_stop_signals
@@ -66,7 +67,6 @@ from .training_callbacks import (
     callbacks_for,
 )
 from .training_clock import TrainingClock
-from .translation import write_decoding_defaults
 
 __all__ = [
     "MAX_SHAPE_BUCKETS", "DataArguments", "IntervalCheckpointCallback", "ModelArguments", "PreparedData",

@@ -9,11 +9,11 @@ benchmarks time the engines' own calls below the decoding to text: `generate_tok
 `CTranslate2Engine.generate_ids`.
 
 Engines are built by `vaswani.loading` (`load_engine`, `engine_for_model`), which decides device, precision and
-loop, and resolves the decoding settings once (`DecodingSettings`: the checkpoint's `generation_config`, which
-training writes with `write_decoding_defaults`, under the caller's overrides). An engine has `decoding` (those
-settings), `max_source_length`, `positions` (what that limit counts, for the warning), `continuous`,
-`encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`, in which each sentence is
-decoded within its own output limit, so that its translation does not depend on its batch:
+loop, and resolves the decoding settings once (`vaswani.decoding_settings.DecodingSettings`: the checkpoint's
+`generation_config`, which training writes with `write_decoding_defaults`, under the caller's overrides). An engine
+has `decoding` (those settings), `max_source_length`, `positions` (what that limit counts, for the warning),
+`continuous`, `encode(sentences, truncate=False)` and `translate_batch(batch of token ids) → strings`, in which each
+sentence is decoded within its own output limit, so that its translation does not depend on its batch:
 
 * `TorchEngine`: a transformers model's `generate()` (a Vaswani or converted model, fp32, bf16 or int8, any
   decoding loop); or, with `slots`, `slots.decode_in_slots`, an engine that is `continuous`: it takes every
@@ -24,7 +24,6 @@ decoded within its own output limit, so that its translation does not depend on 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
@@ -33,7 +32,8 @@ import torch
 
 from .batching import token_budget_batches
 # OUTPUT_SLACK: the length rule's slack, under this module's name too.
-from .configuration_vaswani import OUTPUT_SLACK, longest_output, output_limit  # noqa: F401
+from .configuration_vaswani import OUTPUT_SLACK  # noqa: F401
+from .decoding_settings import DecodingSettings, is_learned
 from .pipeline_vaswani import sentence_limit_options
 from .slots import decode_in_slots, slots_cover
 
@@ -47,151 +47,6 @@ class Engine(Protocol):
     def encode(self, sentences: Sequence[str], truncate: bool = False) -> list[list[int]]: ...
 
     def translate_batch(self, batch: list[list[int]]) -> list[str]: ...
-
-
-GENERATE_DEFAULT_LENGTH_PENALTY = 1.0  # generate()'s, where the generation config says nothing
-EARLY_STOPPING = (False, True, "never")
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodingSettings:
-    """The decoding settings of one translation run, resolved once (`resolve`) from a checkpoint's
-    `generation_config` and the caller's overrides, and read by every engine and caller (`TorchEngine`,
-    `CTranslate2Engine`, the file translator's resume record, validation and the test score), so that a sentence
-    gets one translation whoever decodes it:
-
-    * `num_beams`, `length_penalty`, `early_stopping`: beam search's (`length_penalty` and `early_stopping` are
-      generate()'s defaults where the generation config has none); sampling (`do_sample`) means one beam unless
-      the caller gives a beam count too;
-    * each sentence's output limit (`output_limit`): `max_new_tokens` where one is given, else the one length rule
-      (`configuration_vaswani.output_limit`: its own source's length plus `OUTPUT_SLACK`), never past
-      `longest_output`, where the positions end;
-    * `max_source_length`: where sources are truncated (`translate` warns, counting them);
-    * `options`: the caller's other `generate()` options (temperature, no_repeat_ngram_size, …), which an engine
-      that cannot follow them refuses by name;
-    * `precision`: what the engine's weights compute in (set by the engine that holds them).
-    """
-
-    num_beams: int = 1
-    do_sample: bool = False
-    length_penalty: float = GENERATE_DEFAULT_LENGTH_PENALTY
-    early_stopping: bool | str = False
-    max_new_tokens: int | None = None
-    min_new_tokens: int = 0
-    longest_output: int | None = None
-    max_source_length: int | None = None
-    options: tuple[tuple[str, object], ...] = ()
-    precision: str | None = None
-
-    @classmethod
-    def resolve(cls, generation_config, *, positions: int | None = None, learned: bool = False,
-                origin: str = "generation_config", max_source_length: int | None = None,
-                **overrides) -> "DecodingSettings":
-        """The settings for a model whose `generation_config` (read from `origin`, named in errors) gives the
-        defaults, with each of `overrides` that is not None over it. `positions`: the model's position count
-        (`max_position_embeddings`), where sources are cut unless `max_source_length` says otherwise (never past
-        `learned` positions), and where outputs stop (`configuration_vaswani.longest_output`). A value that
-        generate() cannot decode with is refused in one line naming where it came from and the field."""
-        given = {name: value for name, value in overrides.items() if value is not None}
-        stored = {name: getattr(generation_config, name, None)
-                  for name in ("num_beams", "do_sample", "length_penalty", "early_stopping", "max_new_tokens",
-                               "min_new_tokens")}
-        for name, value in stored.items():
-            _check_setting(name, value, origin)
-        for name, value in given.items():
-            _check_setting(name, value, "the caller's options")
-        if max_source_length is not None:
-            _check_setting("max_source_length", max_source_length, "the caller's options")
-        do_sample = bool(given.pop("do_sample", stored["do_sample"]))
-        if "num_beams" in given:
-            num_beams = given.pop("num_beams")
-        else:  # sampling means one beam, unless the caller gives a count
-            num_beams = 1 if do_sample else stored["num_beams"] or 1
-
-        def setting(name, default):
-            value = given.pop(name, stored[name])
-            return default if value is None else value
-
-        length_penalty = setting("length_penalty", GENERATE_DEFAULT_LENGTH_PENALTY)
-        early_stopping = setting("early_stopping", False)
-        max_new_tokens = setting("max_new_tokens", None)
-        min_new_tokens = setting("min_new_tokens", 0)
-        longest = positions - 1 if positions else None
-        if max_source_length is None or (learned and positions and max_source_length > positions):
-            max_source_length = positions if max_source_length is None else min(max_source_length, positions)
-        return cls(num_beams=num_beams, do_sample=do_sample, length_penalty=float(length_penalty),
-                   early_stopping=early_stopping, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                   longest_output=longest, max_source_length=max_source_length,
-                   options=tuple(sorted(given.items())))
-
-    def output_limit(self, source_length: int) -> int:
-        """How many tokens (its end of sentence included) a sentence whose source has `source_length` tokens may be
-        given: the package's one length rule."""
-        return output_limit(source_length, self.max_new_tokens, self.longest_output)
-
-    def generate_options(self) -> dict:
-        """`generate()`'s keyword arguments for these settings, the output length aside (per sentence: see
-        `TorchEngine`). Beam search's own settings go only with beams, where transformers accepts them."""
-        options = {"num_beams": self.num_beams, "do_sample": self.do_sample, **dict(self.options)}
-        if self.num_beams > 1:
-            options |= {"length_penalty": self.length_penalty, "early_stopping": self.early_stopping}
-        if self.min_new_tokens:
-            options["min_new_tokens"] = self.min_new_tokens
-        return options
-
-    def record(self) -> dict:
-        """What decides the outputs, as plain values (a resumed run compares them with its record)."""
-        record = dataclasses.asdict(self)
-        record["options"] = dict(self.options)
-        return record
-
-
-def _check_setting(name: str, value, origin: str) -> None:
-    """Refuse, in one line naming `origin` and the field, a decoding setting generate() cannot honour."""
-    if value is None:
-        return
-    counts = {"num_beams": 1, "max_new_tokens": 1, "max_source_length": 1, "min_new_tokens": 0}
-    problem = None
-    if name in counts and (isinstance(value, bool) or not isinstance(value, int) or value < counts[name]):
-        problem = f"must be a whole number of at least {counts[name]}"
-    elif name == "length_penalty" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                       or not math.isfinite(value)):
-        problem = "must be a finite number"
-    elif name == "early_stopping" and value not in EARLY_STOPPING:
-        problem = "must be true, false or \"never\""
-    elif name == "do_sample" and not isinstance(value, bool):
-        problem = "must be true or false"
-    if problem:
-        raise ValueError(f"{origin}: {name}={value!r} cannot be decoded with; it {problem}.")
-
-def write_decoding_defaults(generation_config, *, num_beams: int, length_penalty: float | None,
-                            max_new_tokens: int | None = None, max_length: int | None = None) -> None:
-    """Write the decoding settings a model is evaluated with into its `generation_config`, so that every later
-    decoding uses them: our engines (`DecodingSettings.resolve`), and a stock `generate()` or `pipeline` (remote-code
-    users). `length_penalty` is beam search's (transformers refuses it beside greedy search, so one beam drops it).
-    `max_new_tokens` None keeps the one length rule of the engines (each source's length plus `OUTPUT_SLACK`), which
-    `generate()` cannot express; it then needs `max_length`, the longest output the model allows (its
-    `config.max_position_embeddings`), in place of `generate()`'s default of 20 tokens."""
-    if max_new_tokens is None and max_length is None:
-        raise ValueError("without max_new_tokens, give max_length (the model's max_position_embeddings): a stock "
-                         "generate() would stop at 20 tokens.")
-    generation_config.num_beams = num_beams
-    generation_config.length_penalty = length_penalty if num_beams > 1 else None
-    generation_config.max_new_tokens = max_new_tokens
-    generation_config.max_length = None if max_new_tokens is not None else max_length
-
-
-def model_decoding(model, origin: str = "generation_config", **overrides) -> DecodingSettings:
-    """`DecodingSettings.resolve` for a model in memory: its own `generation_config` and position count (for a
-    model of another type, which the pipeline may run: none)."""
-    longest = longest_output(model.config)
-    return DecodingSettings.resolve(model.generation_config, positions=None if longest is None else longest + 1,
-                                    learned=is_learned(model.config), origin=origin, **overrides)
-
-
-def is_learned(config) -> bool:
-    """Whether `config`'s positions are a learned table, which ends."""
-    return getattr(config, "position_embedding_type", None) == "learned"
 
 
 class TorchEngine:
@@ -335,23 +190,11 @@ class CTranslate2Engine:
         return (not decoding.options and not decoding.do_sample
                 and (decoding.num_beams == 1 or decoding.early_stopping is True))
 
-    @classmethod
-    def pytorch_only(cls, engine_options: dict[str, bool], decoding_overrides: dict) -> dict[str, bool]:
-        """Which of the PyTorch engine's own options a caller gave, by flag: `engine_options` (flag → given) and the
-        `decoding_overrides` given that are not CTranslate2's `SETTINGS`."""
-        return engine_options | {f"--{name}": value is not None for name, value in decoding_overrides.items()
-                                 if name not in cls.SETTINGS}
-
-    @classmethod
-    def check(cls, decoding: DecodingSettings | None = None, pytorch_only: dict[str, bool] | None = None) -> None:
-        """Refuse in one line, naming them, what CTranslate2 cannot decode with, before its model is loaded: the
-        PyTorch engine's own options given by the caller (`pytorch_only`), then settings `decoding` holds (which a
-        checkpoint's generation config may give)."""
-        if given := [name for name, value in (pytorch_only or {}).items() if value]:
-            raise ValueError(f"{', '.join(given)}: the PyTorch engine's; a CTranslate2 model takes --compute_type and "
-                             f"{', '.join('--' + name for name in cls.SETTINGS)}.")
-        if decoding is None:
-            return
+    @staticmethod
+    def check(decoding: DecodingSettings) -> None:
+        """Refuse in one line, naming them, the settings `decoding` holds (which a checkpoint's generation config may
+        give) that CTranslate2 cannot decode with, before its model is loaded. The PyTorch engine's own options are
+        refused by `vaswani.loading`, which tells them apart (`pytorch_options`)."""
         refused = [name for name, _ in decoding.options] + ["do_sample"] * decoding.do_sample
         refused += ["early_stopping='never'"] * (decoding.early_stopping == "never")
         if refused:

@@ -10,7 +10,7 @@ import os
 import torch
 
 from .configuration_vaswani import length_options
-from .translation import model_decoding
+from .decoding_settings import model_decoding
 
 
 @torch.no_grad()
