@@ -15,7 +15,7 @@ or cut batches; their entries are in the failure message."""
 import contextlib
 import sys
 from collections import Counter
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import greedy_checkpoint, interrupted_after, script_main
@@ -44,35 +44,38 @@ def is_method(code) -> bool:
 
 @contextlib.contextmanager
 def walk():
-    """Record the visits (module entered, function, module it came from) made inside the block, from the script's
-    `main` to the first `translate_batch` an engine is asked for; returns the list, filled as the block runs."""
-    visits, state = [], {"on": False, "done": False}
+    """Record the visits made inside the block, from the script's `main` to the first `translate_batch` an engine is
+    asked for; yields `.visits` (module entered, function, module it came from), filled as the block runs, and
+    `.reached` (whether that batch came)."""
+    walked = SimpleNamespace(visits=[], reached=False)
+    started = []
     last = []  # the last crossing: the calling frame (kept, so that its id is not reused) and the module it entered
 
     def profile(frame, event, arg):
-        if event != "call" or state["done"]:
+        if event != "call" or walked.reached:
             return
         module = module_of(frame)
         if module is None:
             return
         code = frame.f_code
-        if not state["on"]:
-            state["on"] = module == SCRIPT and code.co_name == "main"
+        if not started:
+            started.extend([True] if module == SCRIPT and code.co_name == "main" else [])
             return
         if code.co_name == "translate_batch":
-            state["done"] = True
+            walked.reached = True
             return
         caller = module_of(frame.f_back) if frame.f_back is not None else None
         if caller is None or caller == module or is_method(code):
             return
-        if last[:] != [frame.f_back, module]:  # calls one after the other from one function into one module: one visit
-            visits.append((module, code.co_qualname, caller))
+        # Calls one after the other from one function into one module are one visit.
+        if last != [frame.f_back, module]:
+            walked.visits.append((module, code.co_qualname, caller))
         last[:] = [frame.f_back, module]
 
     previous = sys.getprofile()
     sys.setprofile(profile)
     try:
-        yield visits
+        yield walked
     finally:
         sys.setprofile(previous)
         last.clear()
@@ -84,9 +87,11 @@ def held_to_the_rule(visits) -> Counter:
 
 
 def translate(argv: list[str]) -> list[tuple[str, str, str]]:
-    with walk() as visits:
+    """The visits of translate.py's walk with `argv` (it must reach a translated batch)."""
+    with walk() as walked:
         script_main("translate")(argv)
-    return visits
+    assert walked.reached, walked.visits
+    return walked.visits
 
 
 @pytest.mark.parametrize("case", ["fixed rule", "recorded choice", "resumed", "ctranslate2"])
