@@ -258,8 +258,13 @@ def test_single_query_cpu_steps_use_the_plain_path(monkeypatch):
 
 
 _FREED_MEMORY_KEPT = """
-import sys, torch
+import subprocess, sys, torch
 from vaswani.inference import keep_freed_cpu_memory
+
+def no_process(*args, **kwargs):
+    raise AssertionError(f"keep_freed_cpu_memory started a process: {args}")
+
+subprocess.Popen.__init__ = no_process  # it runs before every CPU engine loads: no process of its own
 
 def resident_mib():
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) >> 10
@@ -278,8 +283,8 @@ for mib in (16, 64):
 @pytest.mark.parametrize("largest_block_mib, kept", [("32", {16: True, 64: False}), ("none", {16: True, 64: True})])
 def test_keep_freed_cpu_memory_keeps_freed_blocks_up_to_the_limit(largest_block_mib, kept):
     """After the call, a freed tensor's memory stays in the process (resident, to be reused) when it is at most
-    `largest_block_mib`, of any size with None; larger ones are still returned to the system. Each in a process of
-    its own: the setting is process-wide."""
+    `largest_block_mib`, of any size with None; larger ones are still returned to the system. It starts no process
+    (every CPU engine load calls it). Each in a process of its own: the setting is process-wide."""
     import platform
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

@@ -21,7 +21,6 @@ with checkpoints (this module imports the model, not the other way round) and tr
 """
 
 import ctypes
-import ctypes.util
 import functools
 import warnings
 
@@ -199,9 +198,10 @@ def keep_freed_cpu_memory(largest_block_mib: int | None = 32) -> bool:
     The cost: the process keeps its peak heap instead of returning it. Not glibc (musl, macOS): returns False and
     changes nothing.
     """
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+        # The process' own symbols, the C library's among them: no search for its file (ctypes.util.find_library
+        # runs `ldconfig -p`, a process, at every call).
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # no C library to load, or one without mallopt
         mallopt = None
     if mallopt is None:
