@@ -1,5 +1,6 @@
 """The command-line layer (`vaswani.cli`): the scripts that decode share one set of engine flags, leave every decoding
-setting to the checkpoint unless told, and build their engine through `vaswani.loading.load_engine` alone."""
+setting to the checkpoint unless told, and build their engine through `vaswani.engine_choice.load_default_engine`
+alone."""
 
 import argparse
 import ast
