@@ -47,10 +47,13 @@ except importlib.metadata.PackageNotFoundError:
 print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton,
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
 """
-# The torch the package supports (pyproject.toml), checked before anything else runs.
-CHECK_TORCH = """import importlib, re, sys, torch
+# The versions every stage imports (the carried wheels' and the image's), then the torch the package supports
+# (pyproject.toml), checked before anything else runs.
+CHECK_TORCH = """import importlib, platform, re, sys, torch
 from packaging.specifiers import SpecifierSet
-for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "safetensors"):
+print("python", platform.python_version())
+for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "evaluate", "sacrebleu", "safetensors",
+             "huggingface_hub", "dill", "multiprocess", "fsspec", "numpy"):
     print(name, importlib.import_module(name).__version__)
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 supported = re.search(r'"torch([^"]+)"', open("pyproject.toml").read()).group(1)

@@ -21,19 +21,12 @@ about=$(dirname "$corpus")/ABOUT.txt
 [ -f "$about" ] && install -m 0644 "$about" .corpus/ABOUT.txt  # the corpus' attribution travels with it
 rm -rf .whl/*.whl .whl/datasets4  # datasets4/: what an earlier version downloaded, which nothing installs
 # The lent GPU runs the image's torch 2.11: the wheels carried are CI's oldest set (.ci/oldest.txt), the pairing with
-# torch 2.11 that CI tests, all but torch (the image's); datasets' own helpers at the newest versions
-# that datasets' wheel allows (its METADATA). Wheels for the machine's Python 3.12, without their dependencies.
-pins=$(grep -E '^(transformers|tokenizers|datasets|accelerate|evaluate|safetensors|sacrebleu)==' .ci/oldest.txt | tr '\n' ' ')
-download() {
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --dest .whl "$@"
-}
+# torch 2.11 that CI tests, datasets' helpers included; all of it but torch (the image's) and tensorboard and
+# matplotlib (which no stage imports). Wheels for the machine's Python 3.12, without their dependencies.
+pins=$(grep -E '^[A-Za-z0-9_.-]+==' .ci/oldest.txt | grep -vE '^(torch|tensorboard|matplotlib)==' | tr '\n' ' ')
 # shellcheck disable=SC2086  # one pin a word
-download $pins
-helpers=$(unzip -p .whl/datasets-*.whl '*.dist-info/METADATA' | sed -nE 's/^Requires-Dist: (dill|multiprocess|fsspec)(\[[a-z]+\])? ?\(?([^;)]*)\)?.*/\1\3/p' | tr -d ' ')
-# shellcheck disable=SC2086
-download $helpers
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest .whl $pins
 # The corpus' splits and the tokenizer, which the benchmarks otherwise make on first use.
 PYTHONPATH=benchmarks:${PYTHONPATH:-} python3 -c 'import common; common.corpus_and_tokenizer(".corpus/fra_eng.tsv.gz")'
 VASWANI_FRA_ENG=.corpus/fra_eng.tsv.gz PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} \

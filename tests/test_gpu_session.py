@@ -12,6 +12,7 @@ import sys
 import tarfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,32 @@ def test_dry_run_of_the_setup_stage(tmp_path):
     assert not (tmp_path / "cache").exists()  # a dry run writes nothing into the carried caches' folder
     with tarfile.open(archive) as packed:
         assert "./gpu-setup.log" in packed.getnames()
+
+
+def test_setup_installs_the_carried_wheels_ahead_of_the_installed_packages(tmp_path, monkeypatch):
+    """INSTALL_WHEELS=1, as on a lent GPU: a carried wheel of a package the Python already has (here a stand-in
+    sacrebleu 0.0.1) is the one every later stage imports, and the versions the stage prints are the carried ones."""
+    wheel = tmp_path / ".whl" / "sacrebleu-0.0.1-py3-none-any.whl"
+    wheel.parent.mkdir()
+    files = {"sacrebleu/__init__.py": '__version__ = "0.0.1"\n',
+             "sacrebleu-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: sacrebleu\nVersion: 0.0.1\n",
+             "sacrebleu-0.0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n"}
+    files["sacrebleu-0.0.1.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files) + \
+        "sacrebleu-0.0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as packed:
+        for name, text in files.items():
+            packed.writestr(name, text)
+    monkeypatch.setattr(gpu_plan, "REPO", tmp_path)
+    monkeypatch.setattr(gpu_plan.tempfile, "tempdir", str(tmp_path))  # the scratch folder setup installs into
+    run = gpu_plan.Run(dry=True, results=tmp_path, cache=tmp_path,
+                       env={**os.environ, "INSTALL_WHEELS": "1", "PYTHONPATH": str(REPO / "src")})
+    *install, check = gpu_plan.setup(run)
+    for command in install:
+        subprocess.run(command, check=True, env=run.env, timeout=120)
+    printed = subprocess.run(check, cwd=REPO, env=run.env, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stdout + printed.stderr
+    assert "sacrebleu 0.0.1\n" in printed.stdout and "python 3." in printed.stdout
 
 
 def load_benchmark(name: str):
