@@ -169,8 +169,11 @@ def test_setup_installs_the_carried_wheels_ahead_of_the_installed_packages(tmp_p
             packed.writestr(name, text)
     monkeypatch.setattr(gpu_plan, "REPO", tmp_path)
     monkeypatch.setattr(gpu_plan.tempfile, "tempdir", str(tmp_path))  # the scratch folder setup installs into
+    # A lent GPU has no pip constraints; CI's oldest suite sets PIP_CONSTRAINT (.ci/oldest.txt pins sacrebleu), which
+    # would refuse the stand-in's version.
+    env = {name: value for name, value in os.environ.items() if name != "PIP_CONSTRAINT"}
     run = gpu_plan.Run(dry=True, results=tmp_path, cache=tmp_path,
-                       env={**os.environ, "INSTALL_WHEELS": "1", "PYTHONPATH": str(REPO / "src")})
+                       env={**env, "INSTALL_WHEELS": "1", "PYTHONPATH": str(REPO / "src")})
     *install, check = gpu_plan.setup(run)
     for command in install:
         subprocess.run(command, check=True, env=run.env, timeout=120)
