@@ -13,6 +13,9 @@ TRAIN_SECONDS=${TRAIN_SECONDS:-600}
 TEST_SENTENCES=${TEST_SENTENCES:-1000}
 rm -rf "$OUTPUT_DIR"
 
+# --preset auto sizes the model to this machine and budget: it times a few steps of each size in vaswani.sizing (in
+# the budget) and trains the one whose steps in what is left predict the best validation BLEU
+# (benchmarks/results/main-job-sizes.md); on a CPU that takes 2,500 steps of the small preset or more, that preset.
 # On two CPU cores the budget covers about one epoch. Batches of 1,000 tokens (twice the steps of 2,000-token ones
 # at nearly the same tokens/s), a 400-step warm-up to a fixed peak, then its inverse square root (the paper's
 # schedule shape with Adam β2 0.98, §5.3; 400 steps against shorter and longer warm-ups), all chosen on the
@@ -28,7 +31,7 @@ sys.exit(torch.cuda.is_available() or not cpu_multiplies_bf16())" 2>/dev/null; t
   precision=(--bf16 --use_cpu --attn_implementation eager)
 fi
 python3 scripts/train_translation.py \
-  --preset small --vocab_size 8000 --config_overrides dropout=0.0 "${precision[@]}" \
+  --preset auto --vocab_size 8000 --config_overrides dropout=0.0 "${precision[@]}" \
   --output_dir "$OUTPUT_DIR" \
   --max_train_time "$TRAIN_SECONDS" --num_train_epochs 10 \
   --max_tokens_per_batch 1000 --learning_rate 1e-3 --lr_scheduler_type inverse_sqrt --warmup_steps 400 \

@@ -128,6 +128,9 @@ def write_model_card(
                         "train split (both languages).\n")
     if training_command:
         sections.append(f"## Training\n\n```bash\n{training_command}\n```\n")
+    if isinstance(metrics.get("model_size_choice"), str):  # `--preset auto` (vaswani.sizing)
+        sections.append(f"The model's size, {metrics.get('model_size')}, was chosen for the training machine and "
+                        f"time budget: {metrics['model_size_choice']}.\n")
     if averaged_checkpoints:
         listed = "\n".join(f"- {name}" for name in averaged_checkpoints)
         sections.append(f"## Checkpoint averaging\n\nThe weights are the element-wise mean (in float32) of these "

@@ -105,12 +105,16 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
         # the run where the filter would have trained on.
         self.args.logging_nan_inf_filter = False
 
+    # Seconds of the run spent before training that its time budget counts (timing `--preset auto`'s sizes).
+    seconds_before_training = 0.0
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """The Trainer's `train`, with the run's clock carried on from the checkpoint it resumes from."""
+        """The Trainer's `train`, with the run's clock carried on from the checkpoint it resumes from (for a run
+        that starts, from `seconds_before_training`)."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
-        self.clock.resume(read_clock(checkpoint) if checkpoint else 0.0)
+        self.clock.resume(read_clock(checkpoint) if checkpoint else self.seconds_before_training)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:

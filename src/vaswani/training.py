@@ -13,12 +13,15 @@ module of its own:
 users, scripts and tests import from `vaswani.training` stay importable from here.
 """
 
+import itertools
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import torch
 from datasets import Dataset, DatasetDict
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -31,6 +34,7 @@ from transformers import (
 
 from . import data as vdata
 from . import files
+from .batching import TokenBatchSampler, example_lengths
 from .checkpoints import checkpoints_in, is_complete_checkpoint, load_average
 from .configuration_vaswani import VaswaniConfig, check_tokenizer_fits, decoder_start_token_id, tokenizer_fingerprint
 from .decoding_settings import write_decoding_defaults
@@ -49,9 +53,11 @@ from .run_directory import (
     replace_pickled_arguments,
     save_final,
 )
+from .sizing import DEFAULT_SIZE, SIZES, TIMED_STEPS, WARM_UP_STEPS, SizeChoice, auto_size
 from .tokenization import cached_corpus_tokenizer, tokenize_translation_dataset
 from .trainer import ShapePaddedCollator, VaswaniSeq2SeqTrainer, decoding_model, score_split
 from .training_arguments import (
+    AUTO_PRESET,
     MAX_SHAPE_BUCKETS,
     DataArguments,
     ModelArguments,
@@ -112,6 +118,11 @@ def build_model_and_tokenizer(model_args: ModelArguments, new_tokenizer: PreTrai
         # Fine-tuning may give the model another tokenizer (grown by resizing): the new model records it.
         model.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         check_tokenizer_fits(model, tokenizer)
+    elif checkpoint and model_args.preset == AUTO_PRESET:
+        # The size that `--preset auto` chose when the run began: the checkpoint's.
+        model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(checkpoint))
+        if model_args.attn_implementation:
+            model.set_attn_implementation(model_args.attn_implementation)
     else:
         model = new_model(model_args, tokenizer)
     if model.config.position_embedding_type == "learned":
@@ -120,11 +131,18 @@ def build_model_and_tokenizer(model_args: ModelArguments, new_tokenizer: PreTrai
     return model, tokenizer
 
 
-def new_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> VaswaniForConditionalGeneration:
-    """A new model of `--preset` with `--config_overrides`, its vocabulary and special tokens those of `tokenizer`."""
+def new_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase,
+              size: str | None = None) -> VaswaniForConditionalGeneration:
+    """A new model of `--preset` with `--config_overrides`, its vocabulary and special tokens those of `tokenizer`.
+    Under `--preset auto`, of `size` (one of `vaswani.sizing.SIZES`, the `small` preset's fields changed; by default
+    the first), the overrides applied on top."""
+    preset, fields = model_args.preset, {}
+    if preset == AUTO_PRESET:
+        preset, fields = "small", SIZES[size or next(iter(SIZES))]
     config = VaswaniConfig.from_preset(
-        model_args.preset,
+        preset,
         **{
+            **fields,
             "vocab_size": len(tokenizer),
             "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id,
@@ -224,6 +242,10 @@ def run_training(model_args: ModelArguments, data_args: DataArguments, args: Vas
 
 def _run_training(model_args: ModelArguments, data_args: DataArguments, args: VaswaniTrainingArguments,
                   command: Sequence[str], preemption: PreemptionCallback) -> dict:
+    if model_args.preset == AUTO_PRESET and args.world_size > 1 and not model_args.model_name_or_path:
+        raise ValueError(f"--preset auto sizes the model by timing steps in one process; under {args.world_size} "
+                         "processes name the size instead: --preset small, with --config_overrides for the fields "
+                         "of another size (vaswani.sizing.SIZES).")
     finished = finished_run(args.output_dir, args) if args.resume and not args.resume_from_checkpoint else None
     if finished is not None:
         # A requeued `--resume` of a run that has ended: nothing to train, and the final model stays as it is.
@@ -236,10 +258,19 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         check_resumed_weights(last_checkpoint)
     set_seed(args.seed)
     data = prepare_data(model_args, data_args, args, last_checkpoint)
+    initial_random_state = torch.random.get_rng_state()
     model, tokenizer = build_model_and_tokenizer(model_args, data.tokenizer, last_checkpoint)
     if last_checkpoint:
         check_checkpoint_matches(last_checkpoint, model.config)
     remove_old_checkpoints(args)
+    train_features, validation_features = tokenize_splits(data, tokenizer, data_args, args)
+    sizing = None
+    if model_args.preset == AUTO_PRESET and not (last_checkpoint or model_args.model_name_or_path):
+        sizing = choose_size(model_args, tokenizer, train_features, args)
+        # The chosen size starts from the random state a named preset's model starts from, so that it is the model
+        # that `--preset small --config_overrides <its fields>` would train.
+        torch.random.set_rng_state(initial_random_state)
+        model = new_model(model_args, tokenizer, sizing.size)
     if args.paper_recipe:
         apply_paper_recipe(args, model.config.d_model)
     # The decoding settings of the evaluations, saved with the model for every later decoding of it.
@@ -247,11 +278,12 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
     write_decoding_defaults(generation, num_beams=args.generation_num_beams or generation.num_beams,
                             length_penalty=args.generation_length_penalty, max_new_tokens=args.generation_max_length,
                             max_length=model.config.max_position_embeddings)
-    train_features, validation_features = tokenize_splits(data, tokenizer, data_args, args)
     # The final model is pushed once, complete, at the end; the Trainer's own pushes (a repo set up at the start and
     # an upload at every save) would publish intermediate states.
     push, args.push_to_hub = args.push_to_hub, False
     trainer = build_trainer(model, tokenizer, args, train_features, validation_features, data.validation)
+    if sizing is not None:
+        trainer.seconds_before_training = sizing.seconds  # timing the sizes counts in the time budget
     trainer.add_callback(preemption)
     preemption.listening = True  # until training returns; where it raises, until the run's end is told
     metrics = train(trainer, last_checkpoint)
@@ -260,6 +292,8 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         raise preemption.stopped(args.output_dir, trainer.state.global_step, command)
     if data.tokenizer_sentences is not None:
         metrics["tokenizer_training_sentences"] = data.tokenizer_sentences
+    if sizing is not None:
+        metrics.update(sizing.metrics())
     if trainer.is_world_process_zero():
         test = data.splits["test"]
         if data_args.max_test_samples:
@@ -282,6 +316,46 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
             push_to_hub(args.output_dir, args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
                         token=args.hub_token, private=bool(args.hub_private_repo))
     return metrics
+
+
+def choose_size(model_args: ModelArguments, tokenizer, train_features: Dataset,
+                args: VaswaniTrainingArguments) -> SizeChoice:
+    """`--preset auto`'s size (`vaswani.sizing`), timed on the run's first training batches (`timing_batches`),
+    under its precision and on its device, or as recorded for this machine and these batches and model fields."""
+    named = sorted(set(parse_overrides(model_args.config_overrides)) & {f for fields in SIZES.values() for f in fields})
+    if named:  # the user's fields win over any size's: nothing to time
+        choice = SizeChoice(DEFAULT_SIZE, f"--config_overrides sets {', '.join(named)}, which the sizes differ in",
+                            0.0, {}, {}, {})
+        print(choice.line, file=sys.stderr, flush=True)
+        return choice
+    batches = timing_batches(tokenizer, train_features, args)
+    recipe = {"config_overrides": model_args.config_overrides, "attn_implementation": model_args.attn_implementation,
+              "vocab_size": len(tokenizer)}
+    return auto_size(lambda size: new_model(model_args, tokenizer, size), batches, device=args.device,
+                     autocast_dtype=autocast_dtype(args), max_train_time=args.max_train_time, max_steps=args.max_steps,
+                     recipe=recipe)
+
+
+def autocast_dtype(args: VaswaniTrainingArguments) -> torch.dtype | None:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def timing_batches(tokenizer, train_features: Dataset, args: VaswaniTrainingArguments) -> list[dict]:
+    """The run's first training batches as the trainer will draw them (token-budget batches with
+    --max_tokens_per_batch), collated: what `--preset auto` times its sizes on."""
+    count = WARM_UP_STEPS + TIMED_STEPS
+    if args.max_tokens_per_batch:
+        sampler = TokenBatchSampler(example_lengths(train_features), args.max_tokens_per_batch, shuffle=True,
+                                    seed=args.seed)
+        indices = list(itertools.islice(iter(sampler), count))
+    else:
+        rows = args.per_device_train_batch_size
+        indices = [list(range(start, min(start + rows, len(train_features))))
+                   for start in range(0, min(len(train_features), count * rows), rows)]
+    indices = (indices * count)[:count]  # a corpus of fewer batches repeats them
+    features = train_features.select_columns(["input_ids", "attention_mask", "labels"])
+    collate = DataCollatorForSeq2Seq(tokenizer)
+    return [collate([features[int(i)] for i in batch]) for batch in indices]
 
 
 def build_trainer(model, tokenizer, args: VaswaniTrainingArguments, train_features: Dataset,

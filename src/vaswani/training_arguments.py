@@ -19,9 +19,17 @@ from .corpus import CORPUS_ENV_VAR
 from .tokenization import TRUNCATION_TOKENS
 
 
+# `--preset auto`: a `small`-preset model sized to the machine and the time budget by timing steps (vaswani.sizing).
+AUTO_PRESET = "auto"
+
+
 @dataclass
 class ModelArguments:
-    preset: str = field(default="small", metadata={"help": f"Config preset for a new model: {VaswaniConfig.PRESETS}."})
+    preset: str = field(default="small", metadata={
+        "help": f"Config preset for a new model: {VaswaniConfig.PRESETS}, or {AUTO_PRESET!r}: a small model whose "
+                "width and depth are chosen for this machine and --max_train_time (or --max_steps), by timing a few "
+                "steps of each size at the start (counted in the budget) and the validation BLEU each size reached "
+                "after so many steps (vaswani.sizing). --config_overrides apply on top of the size chosen."})
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Fine-tune this checkpoint (directory or Hub id) instead of a new model."}
     )
@@ -46,8 +54,9 @@ class ModelArguments:
 
     def __post_init__(self):
         # Checked at parse time, before any data is read or anything is written.
-        if self.preset not in VaswaniConfig.PRESETS:
-            raise ValueError(f"Unknown --preset {self.preset!r}; choose one of {', '.join(VaswaniConfig.PRESETS)}.")
+        if self.preset not in (*VaswaniConfig.PRESETS, AUTO_PRESET):
+            raise ValueError(f"Unknown --preset {self.preset!r}; choose one of "
+                             f"{', '.join((*VaswaniConfig.PRESETS, AUTO_PRESET))}.")
         if self.vocab_size < 1:
             raise ValueError(f"--vocab_size must be positive, got {self.vocab_size}.")
         for flag in ("model_name_or_path", "tokenizer_name_or_path"):
@@ -56,7 +65,9 @@ class ModelArguments:
                 raise NotADirectoryError(f"--{flag} {path} is a file; give the checkpoint directory (or a Hub id).")
         if self.tokenizer_train_pairs is not None and self.tokenizer_train_pairs < 1:
             raise ValueError(f"--tokenizer_train_pairs must be positive, got {self.tokenizer_train_pairs}.")
-        VaswaniConfig.from_preset(self.preset, **parse_overrides(self.config_overrides))  # raises on a bad value
+        # Raises on a bad value; every size of `auto` is the small preset with some fields changed.
+        VaswaniConfig.from_preset("small" if self.preset == AUTO_PRESET else self.preset,
+                                  **parse_overrides(self.config_overrides))
         known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
         if self.attn_implementation and "/" not in self.attn_implementation and self.attn_implementation not in known:
             # A Hub kernel ("org/repo") is checked by transformers when the model is built.
