@@ -9,9 +9,11 @@ does not depend on the run's length, so the checkpoint at step N is the model a 
     python benchmarks/main_job_sizes.py --work_dir /tmp/sizes --size d256-3x3 --max_steps 3000
     python benchmarks/main_job_sizes.py --work_dir /tmp/sizes --size d128-2x2 --max_steps 4000 --bf16
     python benchmarks/main_job_sizes.py --step_times   # each size's step time over the default's, as auto times it
+    python benchmarks/main_job_sizes.py --work_dir /tmp/sizes --size d128-2x2 --max_steps 4000 --bf16 \
+        --variant "--learning_rate 2e-3" --eval_steps 4000   # another recipe for a size: a row apart
 
-Rows are added to benchmarks/results/main-job-sizes.json (one per size and step count, replacing an older row of the
-same size and steps), with the commit, versions and CPU. Steps do not depend on the machine, only on the seed and
+Rows are added to benchmarks/results/main-job-sizes.json (one per size, step count and `--variant`, replacing an
+older row of the same), with the commit, versions and CPU. Steps do not depend on the machine, only on the seed and
 the batches, so a BLEU row holds on any CPU: the machine sets how many steps a budget buys (what `--preset auto`
 times), not what a step teaches. bf16 autocast trains with the same loss per step as float32 (main-job-recipes.md).
 """
@@ -19,6 +21,7 @@ times), not what a step teaches. bf16 autocast trains with the same loss per ste
 import argparse
 import json
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -38,16 +41,18 @@ RECIPE = ["--vocab_size", "8000", "--num_train_epochs", "10", "--max_tokens_per_
           "--adam_beta2", "0.98", "--adam_epsilon", "1e-9", "--weight_decay", "0.0", "--generation_num_beams", "4",
           "--per_device_eval_batch_size", "64", "--seed", "0"]
 CHECKPOINT_EVERY = 250
+# Sizes measured and then removed from SIZES (main-job-sizes.md says why), kept so that their rows can be made again.
+REMOVED_SIZES = {"d192-3x3": {"d_model": 192, "d_ff": 768}, "d128-3x3": {"d_model": 128, "d_ff": 512}}
 
 
-def train(size: str, max_steps: int, directory: Path, bf16: bool) -> None:
-    fields = ",".join(["dropout=0.0", *(f"{name}={value}" for name, value in SIZES[size].items())])
+def train(size: str, max_steps: int, directory: Path, bf16: bool, variant: list[str]) -> None:
+    fields = ",".join(["dropout=0.0", *(f"{name}={value}" for name, value in {**SIZES, **REMOVED_SIZES}[size].items())])
     precision = ["--bf16", "--use_cpu", "--attn_implementation", "eager"] if bf16 else []
     subprocess.run([sys.executable, str(REPO / "scripts" / "train_translation.py"), "--preset", "small",
                     "--config_overrides", fields, *precision, *RECIPE, "--output_dir", str(directory),
                     "--max_steps", str(max_steps), "--eval_strategy", "no", "--save_strategy", "steps",
                     "--save_steps", str(CHECKPOINT_EVERY), "--save_only_model", "true", "--logging_steps", "50",
-                    "--report_to", "none", "--disable_tqdm", "true", "--max_test_samples", "0"], check=True)
+                    "--report_to", "none", "--disable_tqdm", "true", "--max_test_samples", "0", *variant], check=True)
 
 
 def validation_scores(checkpoint: Path) -> dict:
@@ -91,16 +96,18 @@ def step_time_ratios(bf16: bool, repeats: int = 3) -> dict[str, float]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=list(SIZES))
+    parser.add_argument("--size", choices=[*SIZES, *REMOVED_SIZES])
     parser.add_argument("--max_steps", type=int)
     parser.add_argument("--step_times", action="store_true", help="instead of training, time every size's step "
                         "as --preset auto does, in float32 and in bf16, and record the ratios to the default size's")
-    parser.add_argument("--eval_steps", default="250,500,750,1000,1250,1500,2000,2500,3000,3500,4000",
+    parser.add_argument("--eval_steps", default="250,500,750,1000,1250,1500,2000,2500,3000,3500,4000,5000,6000,7000,8000,9000,10000",
                         help="comma-separated steps whose checkpoints are scored (multiples of 250)")
     parser.add_argument("--work_dir", type=Path, help="where the runs and checkpoints go")
     parser.add_argument("--bf16", action="store_true", help="train under bf16 autocast with eager attention, as the "
                         "main job does where the CPU multiplies bf16 faster")
     parser.add_argument("--skip_training", action="store_true", help="score the checkpoints a run left")
+    parser.add_argument("--variant", default="", help="training flags that replace the recipe's, e.g. "
+                        "'--learning_rate 2e-3': a row of another recipe for this size, kept apart from the table's")
     args = parser.parse_args(argv)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -114,28 +121,34 @@ def main(argv=None) -> None:
         return
     if not (args.size and args.max_steps and args.work_dir):
         parser.error("--size, --max_steps and --work_dir name the run (or give --step_times)")
-    directory = args.work_dir / args.size
+    variant = shlex.split(args.variant)
+    directory = args.work_dir / "_".join([args.size, *(flag.lstrip("-") for flag in variant)])
     if not args.skip_training:
-        train(args.size, args.max_steps, directory, args.bf16)
+        train(args.size, args.max_steps, directory, args.bf16, variant)
     environment["bf16"] = args.bf16
     rows = []
     for steps in sorted(int(s) for s in args.eval_steps.split(",")):
         checkpoint = directory / f"checkpoint-{steps}"
         if steps <= args.max_steps and checkpoint.is_dir():
-            rows.append({"size": args.size, "steps": steps, **validation_scores(checkpoint), **environment})
+            rows.append({"size": args.size, "steps": steps, **({"variant": args.variant} if variant else {}),
+                         **validation_scores(checkpoint), **environment})
             print(json.dumps(rows[-1]), flush=True)
     record(rows=rows)
 
 
 def record(fields: dict | None = None, rows: list[dict] = ()) -> None:
     """Add `fields` and `rows` to the results file, read afresh (another run may have written it since this one
-    began); a row replaces an older one of the same size and steps."""
+    began); a row replaces an older one of the same size, steps and variant."""
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
     results.update(fields or {})
-    added = {(row["size"], row["steps"]) for row in rows}
-    results["rows"] = [row for row in results["rows"] if (row["size"], row["steps"]) not in added] + list(rows)
-    results["rows"].sort(key=lambda row: (row["size"], row["steps"]))
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    def key(row):
+        return row["size"], row.get("variant", ""), row["steps"]
+
+    added = {key(row) for row in rows}
+    results["rows"] = sorted([row for row in results["rows"] if key(row) not in added] + list(rows), key=key)
+    rows = ",\n".join(f"  {json.dumps(row)}" for row in results.pop("rows"))  # a row a line
+    head = json.dumps(results, indent=1)[1:-1].strip("\n")
+    RESULTS.write_text("{\n" + (f"{head},\n" if head else "") + f' "rows": [\n{rows}\n ]\n}}\n')
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ rm -rf "$OUTPUT_DIR"
 
 # --preset auto sizes the model to this machine and budget: it times a few steps of each size in vaswani.sizing (in
 # the budget) and trains the one whose steps in what is left predict the best validation BLEU
-# (benchmarks/results/main-job-sizes.md); on a CPU that takes 2,500 steps of the small preset or more, that preset.
+# (benchmarks/results/main-job-sizes.md); on a CPU that takes about 2,900 steps of the small preset or more, that
+# preset.
 # On two CPU cores the budget covers about one epoch. Batches of 1,000 tokens (twice the steps of 2,000-token ones
 # at nearly the same tokens/s), a 400-step warm-up to a fixed peak, then its inverse square root (the paper's
 # schedule shape with Adam β2 0.98, §5.3; 400 steps against shorter and longer warm-ups), all chosen on the
