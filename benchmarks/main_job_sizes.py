@@ -100,7 +100,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max_steps", type=int)
     parser.add_argument("--step_times", action="store_true", help="instead of training, time every size's step "
                         "as --preset auto does, in float32 and in bf16, and record the ratios to the default size's")
-    parser.add_argument("--eval_steps", default="250,500,750,1000,1250,1500,2000,2500,3000,3500,4000,5000,6000,7000,8000,9000,10000",
+    parser.add_argument("--eval_steps", default="250,500,750,1000,1250,1500,2000,2500,3000,3500,4000,5000,6000,7000,"
+                        "8000,9000,10000",
                         help="comma-separated steps whose checkpoints are scored (multiples of 250)")
     parser.add_argument("--work_dir", type=Path, help="where the runs and checkpoints go")
     parser.add_argument("--bf16", action="store_true", help="train under bf16 autocast with eager attention, as the "
