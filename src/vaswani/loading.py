@@ -34,10 +34,10 @@ from .checkpoints import RECOPY, check_checkpoint_files, check_weights, damaged_
 from .configuration_vaswani import check_tokenizer_fits
 from .decoding import use_lean_decoding
 from .decoding_settings import DecodingSettings, is_learned, model_decoding
-from .files import exclusive, read_json_object, write_atomically
+from .files import read_json_object
 from .generation_vaswani import runs_as
 from .inference import compile_decoding_steps, keep_freed_cpu_memory, pack_for_cpu, quantize_for_cpu
-from .machine import cache_dir, machine, read_records
+from .machine import cache_dir, machine, measured_once
 from .tokenization_vaswani import VaswaniTokenizer
 from .translation import CTranslate2Engine, Engine, TorchEngine
 
@@ -109,25 +109,15 @@ def cpu_multiplies_bf16() -> bool:
     and read by every later process, so that one machine always trains and decodes in the same precision."""
     if not cpu_bf16_flags():
         return False
-    key = machine(threads=None)
-    path = cache_dir(CPU_BF16_RECORD)
-    speedups = None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with exclusive(path, wait=True):
-            records = read_records(path)
-            for record in records:
-                if record["machine"] == key:
-                    return record["bf16"]
-            speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
-            records.append({"machine": key, "speedups": speedups, "bf16": min(speedups) >= CPU_BF16_MARGIN})
-            write_atomically(path, json.dumps({"records": records}, indent=1))
-    except OSError as error:  # a cache that cannot be written: decided for this process alone, and said so
-        if speedups is None:  # the record could not be read or locked (a failed write keeps what it timed)
-            speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
-        print(f"bf16 products timed {speedups} × fp32's on this CPU; not recorded, {path} cannot be written "
-              f"({error}).", file=sys.stderr, flush=True)
-    return min(speedups) >= CPU_BF16_MARGIN
+    def measure() -> dict:
+        speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
+        return {"speedups": speedups, "bf16": min(speedups) >= CPU_BF16_MARGIN}
+
+    record, _, error = measured_once(CPU_BF16_RECORD, machine(threads=None), measure)
+    if error is not None:  # decided for this process alone, and said so
+        print(f"bf16 products timed {record['speedups']} × fp32's on this CPU; not recorded, "
+              f"{cache_dir(CPU_BF16_RECORD)} cannot be written ({error}).", file=sys.stderr, flush=True)
+    return record["bf16"]
 
 
 # The narrowest models for which bf16 weights decode faster than the fp32 engine (its linear layers laid out for

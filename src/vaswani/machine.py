@@ -4,16 +4,19 @@ A timing holds for one CPU, its kernels and the versions that chose them (`machi
 name can be only its vendor's line, so its family and model numbers are part of it (`cpu_name`). What is measured
 once per machine and kept (`cache_dir`): whether bf16 products pay (`vaswani.loading.cpu_multiplies_bf16`) and the
 checkpoints' cached CTranslate2 exports (`vaswani.export.cached_export`). Records made per machine are read from
-files of `{"records": [...]}` (`read_records`): that bf16 answer, and a checkpoint's engine choice
-(`vaswani.engine_choice`).
+files of `{"records": [...]}` (`read_records`): that bf16 answer, the step times `--preset auto` sizes a model by
+(`vaswani.sizing`), both measured once by `measured_once`, and a checkpoint's engine choice (`vaswani.engine_choice`).
 """
 
 import importlib.metadata
 import json
 import os
 import platform
+from collections.abc import Callable
 
 import torch
+
+from .files import exclusive, write_atomically
 
 # What changes which kernels run, besides the CPU itself: the variables torch, oneDNN and CTranslate2 read.
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CT2_USE_MKL",
@@ -68,3 +71,24 @@ def read_records(path: str) -> list[dict]:
         return records if isinstance(records, list) else []
     except (OSError, ValueError, KeyError, TypeError):
         return []
+
+
+def measured_once(name: str, key: dict, measure: Callable[[], dict]) -> tuple[dict, bool, OSError | None]:
+    """The record of `key` in `cache_dir(name)`, else the fields `measure()` returns, recorded under `key` for every
+    later process (one process measures while the others wait for its record); whether they were measured now; and
+    the error that kept them from being read or recorded, if one did: they then hold for this process alone."""
+    path = cache_dir(name)
+    fields = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with exclusive(path, wait=True):
+            records = read_records(path)
+            for record in records:
+                if record.get("key") == key:
+                    return record, False, None
+            fields = measure()
+            records.append({"key": key, **fields})
+            write_atomically(path, json.dumps({"records": records}, indent=1))
+    except OSError as error:  # a failed write keeps what was measured
+        return (fields if fields is not None else measure()), True, error
+    return fields, True, None

@@ -20,7 +20,6 @@ the user names always wins. The choice, its reason and the timings go into the m
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .files import exclusive, write_atomically
-from .machine import cache_dir, machine, read_records
+from .machine import cache_dir, machine, measured_once
 
 # Each size's fields on top of the `small` preset, largest first; all keep its vocabulary and 4 heads. Two more sizes
 # were measured and removed (main-job-sizes.md): d128-3x3 reached d128-2x2's BLEU after as many steps at 1.25 to 1.3
@@ -172,24 +170,11 @@ def timing_key(batches: Sequence[Mapping[str, torch.Tensor]], device: torch.devi
 def recorded_seconds_per_step(key: dict, measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float], bool]:
     """The step times recorded under `key` in `cache_dir()/RECORD`, else `measure()`d and recorded; and whether
     they were measured now. A cache that cannot be written: measured for this run alone, and said so."""
-    path = cache_dir(RECORD)
-    paces = None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with exclusive(path, wait=True):
-            records = read_records(path)
-            for record in records:
-                if record.get("key") == key:
-                    return record["seconds_per_step"], False
-            paces = measure()
-            records.append({"key": key, "seconds_per_step": paces})
-            write_atomically(path, json.dumps({"records": records}, indent=1))
-    except OSError as error:
-        if paces is None:
-            paces = measure()
-        print(f"--preset auto: step times not recorded, {path} cannot be written ({error}).", file=sys.stderr,
-              flush=True)
-    return paces, True
+    record, measured, error = measured_once(RECORD, key, lambda: {"seconds_per_step": measure()})
+    if error is not None:
+        print(f"--preset auto: step times not recorded, {cache_dir(RECORD)} cannot be written ({error}).",
+              file=sys.stderr, flush=True)
+    return record["seconds_per_step"], measured
 
 
 def auto_size(build: Callable[[str], torch.nn.Module], batches: Sequence[Mapping[str, torch.Tensor]], *,
