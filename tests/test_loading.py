@@ -531,7 +531,7 @@ def test_a_cpu_multiplies_in_bf16_only_where_every_round_of_its_products_is_fast
         assert loading.cpu_multiplies_bf16() is chosen and not timed
         if flags:
             record = json.loads((tmp_path / "vaswani" / loading.CPU_BF16_RECORD).read_text())["records"]
-            assert len(record) == 1 and record[0]["bf16"] is chosen and record[0]["key"]["threads"] is None
+            assert len(record) == 1 and record[0]["bf16"] is chosen and record[0]["machine"]["threads"] is None
     finally:
         loading.cpu_multiplies_bf16.cache_clear()
 

@@ -113,7 +113,8 @@ def cpu_multiplies_bf16() -> bool:
         speedups = [round(bf16_product_speedup(), 3) for _ in range(CPU_BF16_ROUNDS)]
         return {"speedups": speedups, "bf16": min(speedups) >= CPU_BF16_MARGIN}
 
-    record, _, error = measured_once(CPU_BF16_RECORD, machine(threads=None), measure)
+    # The records made before measured_once name their key "machine"; they stay the answer on their machines.
+    record, _, error = measured_once(CPU_BF16_RECORD, machine(threads=None), measure, key_field="machine")
     if error is not None:  # decided for this process alone, and said so
         print(f"bf16 products timed {record['speedups']} × fp32's on this CPU; not recorded, "
               f"{cache_dir(CPU_BF16_RECORD)} cannot be written ({error}).", file=sys.stderr, flush=True)

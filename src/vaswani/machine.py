@@ -73,10 +73,12 @@ def read_records(path: str) -> list[dict]:
         return []
 
 
-def measured_once(name: str, key: dict, measure: Callable[[], dict]) -> tuple[dict, bool, OSError | None]:
-    """The record of `key` in `cache_dir(name)`, else the fields `measure()` returns, recorded under `key` for every
-    later process (one process measures while the others wait for its record); whether they were measured now; and
-    the error that kept them from being read or recorded, if one did: they then hold for this process alone."""
+def measured_once(name: str, key: dict, measure: Callable[[], dict],
+                  key_field: str = "key") -> tuple[dict, bool, OSError | None]:
+    """The record whose `key_field` is `key` in `cache_dir(name)`, else the fields `measure()` returns, recorded under
+    `key` for every later process (one process measures while the others wait for its record); whether they were
+    measured now; and the error that kept them from being read or recorded, if one did: they then hold for this
+    process alone."""
     path = cache_dir(name)
     fields = None
     try:
@@ -84,10 +86,10 @@ def measured_once(name: str, key: dict, measure: Callable[[], dict]) -> tuple[di
         with exclusive(path, wait=True):
             records = read_records(path)
             for record in records:
-                if record.get("key") == key:
+                if record.get(key_field) == key:
                     return record, False, None
             fields = measure()
-            records.append({"key": key, **fields})
+            records.append({key_field: key, **fields})
             write_atomically(path, json.dumps({"records": records}, indent=1))
     except OSError as error:  # a failed write keeps what was measured
         return (fields if fields is not None else measure()), True, error
