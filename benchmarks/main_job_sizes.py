@@ -43,10 +43,11 @@ RECIPE = ["--vocab_size", "8000", "--num_train_epochs", "10", "--max_tokens_per_
 CHECKPOINT_EVERY = 250
 # Sizes measured and then removed from SIZES (main-job-sizes.md says why), kept so that their rows can be made again.
 REMOVED_SIZES = {"d192-3x3": {"d_model": 192, "d_ff": 768}, "d128-3x3": {"d_model": 128, "d_ff": 512}}
+MEASURED_SIZES = {**SIZES, **REMOVED_SIZES}
 
 
 def train(size: str, max_steps: int, directory: Path, bf16: bool, variant: list[str]) -> None:
-    fields = ",".join(["dropout=0.0", *(f"{name}={value}" for name, value in {**SIZES, **REMOVED_SIZES}[size].items())])
+    fields = ",".join(["dropout=0.0", *(f"{name}={value}" for name, value in MEASURED_SIZES[size].items())])
     precision = ["--bf16", "--use_cpu", "--attn_implementation", "eager"] if bf16 else []
     subprocess.run([sys.executable, str(REPO / "scripts" / "train_translation.py"), "--preset", "small",
                     "--config_overrides", fields, *precision, *RECIPE, "--output_dir", str(directory),
@@ -66,7 +67,7 @@ def validation_scores(checkpoint: Path) -> dict:
 
 def step_time_ratios(bf16: bool, repeats: int = 3) -> dict[str, float]:
     """Each size's seconds a step over the default size's, as `--preset auto` times them (vaswani.training.choose_size:
-    the corpus' first token-budget batches, the main job's precision), the median of `repeats` timings."""
+    the run's first token-budget batches, the main job's precision), the median of `repeats` timings."""
     import tempfile
     from statistics import median
 
@@ -96,7 +97,7 @@ def step_time_ratios(bf16: bool, repeats: int = 3) -> dict[str, float]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=[*SIZES, *REMOVED_SIZES])
+    parser.add_argument("--size", choices=list(MEASURED_SIZES))
     parser.add_argument("--max_steps", type=int)
     parser.add_argument("--step_times", action="store_true", help="instead of training, time every size's step "
                         "as --preset auto does, in float32 and in bf16, and record the ratios to the default size's")
