@@ -248,6 +248,20 @@ def test_the_size_chosen_trains_the_model_its_explicit_flags_train(corpus, tmp_p
     assert auto.keys() == named.keys() and all(torch.equal(auto[name], named[name]) for name in auto)
 
 
+def test_a_resumed_auto_run_trains_on_the_size_it_chose_without_timing(corpus, tmp_path, single_thread,
+                                                                       monkeypatch):
+    """`--resume` of an auto run builds its checkpoint's size, not a new choice (here another size would be chosen)."""
+    monkeypatch.setattr(vaswani.training, "auto_size",
+                        lambda build, batches, **kwargs: sizing.SizeChoice("d128-2x2", "chosen", 0.0, {}, {}, {}))
+    saving = ("--save_strategy", "steps", "--save_steps", "1")
+    run_training(*parse(auto_args(corpus, tmp_path / "run", "--max_steps", "2", *saving)))
+    monkeypatch.setattr(vaswani.training, "auto_size", lambda *args, **kwargs: pytest.fail("sized a resumed run"))
+    metrics = run_training(*parse(auto_args(corpus, tmp_path / "run", "--max_steps", "3", "--resume", *saving)))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["d_model"], config["encoder_layers"]) == (128, 2) and metrics["train_steps"] == 3
+    assert "model_size" not in metrics
+
+
 def test_config_overrides_of_a_size_field_win_without_timing(corpus, tmp_path, single_thread, monkeypatch, capsys):
     monkeypatch.setattr(sizing, "seconds_per_step", lambda *args: pytest.fail("timed the sizes"))
     metrics = run_training(*parse(auto_args(corpus, tmp_path / "run", "--max_train_time", "600", "--config_overrides",

@@ -120,9 +120,7 @@ def build_model_and_tokenizer(model_args: ModelArguments, new_tokenizer: PreTrai
         check_tokenizer_fits(model, tokenizer)
     elif checkpoint and model_args.preset == AUTO_PRESET:
         # The size that `--preset auto` chose when the run began: the checkpoint's.
-        model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(checkpoint))
-        if model_args.attn_implementation:
-            model.set_attn_implementation(model_args.attn_implementation)
+        model = model_of(VaswaniConfig.from_pretrained(checkpoint), model_args)
     else:
         model = new_model(model_args, tokenizer)
     if model.config.position_embedding_type == "learned":
@@ -152,6 +150,11 @@ def new_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase,
             **parse_overrides(model_args.config_overrides),
         },
     )
+    return model_of(config, model_args)
+
+
+def model_of(config: VaswaniConfig, model_args: ModelArguments) -> VaswaniForConditionalGeneration:
+    """A new model of `config`, with `--attn_implementation` where one is named."""
     model = VaswaniForConditionalGeneration(config)
     if model_args.attn_implementation:
         model.set_attn_implementation(model_args.attn_implementation)
