@@ -15,8 +15,8 @@ rm -rf "$OUTPUT_DIR"
 
 # --preset auto sizes the model to this machine and budget: it times a few steps of each size in vaswani.sizing (in
 # the budget) and trains the one whose steps in what is left predict the best validation BLEU
-# (benchmarks/results/main-job-sizes.md); on a CPU that takes about 2,900 steps of the small preset or more, that
-# preset.
+# (benchmarks/results/main-job-sizes.md), at that size's peak learning rate (vaswani.sizing.PEAK_LEARNING_RATE, which
+# a --learning_rate here would override).
 # On two CPU cores the budget covers about one epoch. Batches of 1,000 tokens (twice the steps of 2,000-token ones
 # at nearly the same tokens/s), a 400-step warm-up to a fixed peak, then its inverse square root (the paper's
 # schedule shape with Adam β2 0.98, §5.3; 400 steps against shorter and longer warm-ups), all chosen on the
@@ -35,7 +35,7 @@ python3 scripts/train_translation.py \
   --preset auto --vocab_size 8000 --config_overrides dropout=0.0 "${precision[@]}" \
   --output_dir "$OUTPUT_DIR" \
   --max_train_time "$TRAIN_SECONDS" --num_train_epochs 10 \
-  --max_tokens_per_batch 1000 --learning_rate 1e-3 --lr_scheduler_type inverse_sqrt --warmup_steps 400 \
+  --max_tokens_per_batch 1000 --lr_scheduler_type inverse_sqrt --warmup_steps 400 \
   --adam_beta2 0.98 --adam_epsilon 1e-9 --weight_decay 0.0 \
   --eval_strategy no --save_strategy no --logging_steps 50 --report_to tensorboard \
   --generation_num_beams 4 --per_device_eval_batch_size 64 \

@@ -38,14 +38,17 @@ def parse(argv):
 
 
 def test_the_table_is_the_measured_one():
-    """Every row of BLEU_AFTER_STEPS is a row of the committed measurement, and every size has rows."""
+    """Every row of BLEU_AFTER_STEPS is a row of the committed measurement, at the size's peak learning rate, and every
+    size has rows."""
     measured = {}
     for row in json.loads(RESULTS.read_text())["rows"]:
         if not row.get("variant"):  # rows of another recipe for a size (main_job_sizes.py --variant) are apart
             measured.setdefault(row["size"], []).append((row["steps"], row["validation_bleu"]))
+            if row["size"] in sizing.SIZES:  # measured at the peak that --preset auto trains the size at
+                assert row["learning_rate"] == sizing.PEAK_LEARNING_RATE[row["size"]], row
     # A size measured and then removed (main-job-sizes.md says why) keeps its rows in the measurement.
     assert {size: tuple(sorted(measured[size])) for size in sizing.SIZES} == sizing.BLEU_AFTER_STEPS
-    assert set(sizing.BLEU_AFTER_STEPS) == set(sizing.SIZES)
+    assert set(sizing.BLEU_AFTER_STEPS) == set(sizing.SIZES) == set(sizing.PEAK_LEARNING_RATE)
 
 
 def test_the_benchmark_trains_with_the_main_jobs_recipe():
@@ -62,6 +65,7 @@ def test_the_benchmark_trains_with_the_main_jobs_recipe():
     pairs = dict(zip(RECIPE[::2], RECIPE[1::2]))
     for flag, value in pairs.items():
         assert flag in words and words[words.index(flag) + 1] == value, (flag, value)
+    assert "--learning_rate" not in words  # each size's own peak (PEAK_LEARNING_RATE), as the benchmark trains it
 
 
 def test_bleu_is_read_between_rows_on_a_log_scale_and_held_beyond_the_last(monkeypatch):
@@ -97,9 +101,22 @@ def test_the_size_with_the_best_predicted_bleu_wins_by_more_than_the_margin(two_
     assert sizing.choose({}, None, max_steps=100).size == "big"
 
 
+def test_the_choice_line_names_the_peak_learning_rate_the_size_trains_at(monkeypatch):
+    """The size's own peak, or the one the run names."""
+    monkeypatch.setattr(sizing, "PEAK_LEARNING_RATE", {"d256-3x3": 1e-3, "d128-2x2": 2e-3})
+    paces = {"d256-3x3": 1.0, "d128-2x2": 0.01}
+    assert sizing.choose(paces, 600).line.startswith(
+        "--preset auto: d128-2x2 (d_model=128, d_ff=512, encoder_layers=2, decoder_layers=2; peak learning rate "
+        "0.002): ")
+    named = sizing.choose(paces, 600, named_learning_rate=4e-4)
+    assert "decoder_layers=2; --learning_rate 0.0004): " in named.line and named.learning_rate == 4e-4
+    assert sizing.choose({"d256-3x3": 0.1, "d128-2x2": 10.0}, 600).line.startswith(
+        "--preset auto: d256-3x3 (the small preset; peak learning rate 0.001): ")
+
+
 # The CPU kinds of main-job-sizes.md's predictions: the `small` preset's steps in the main job's 600 s there
 # (main-job-cpu.md), the precision the main job trains in, and the size the file says the table chooses.
-PREDICTED = [("AMD Zen 5", 3331, "bf16", "d256-3x3"), ("Intel Xeon with AMX", 3328, "bf16", "d256-3x3"),
+PREDICTED = [("AMD Zen 5", 3331, "bf16", "d128-2x2"), ("Intel Xeon with AMX", 3328, "bf16", "d128-2x2"),
              ("Intel Xeon without AMX", 2101, "fp32", "d128-2x2"), ("AMD Zen 3", 1360, "fp32", "d128-2x2"),
              ("AMD Zen 1", 647, "fp32", "d128-2x2")]
 
@@ -114,7 +131,7 @@ def test_the_choices_main_job_sizes_md_predicts(cpu, steps, precision, size):
 
 # The step times that runs 36 and 37 (main-job-cpu.md) timed and recorded, the seconds left of their budget after
 # timing, and the size each trained: the 2-core Zen 4 and one of its cores.
-MEASURED = [("2 cores", {"d256-3x3": 0.20464, "d128-2x2": 0.08588}, 596.7, "d256-3x3"),
+MEASURED = [("2 cores", {"d256-3x3": 0.20464, "d128-2x2": 0.08588}, 596.7, "d128-2x2"),
             ("1 core", {"d256-3x3": 0.35047, "d128-2x2": 0.14204}, 594.5, "d128-2x2")]
 
 
@@ -224,7 +241,8 @@ def test_step_times_that_cannot_be_recorded_are_measured_and_said(tmp_path, monk
 
 def test_timing_the_sizes_is_spent_from_the_time_budget(corpus, tmp_path, single_thread, monkeypatch):
     """Where timing took the whole budget, training stops after its first step."""
-    def whole_budget(build, batches, *, device, autocast_dtype, max_train_time, max_steps, recipe):
+    def whole_budget(build, batches, *, device, autocast_dtype, max_train_time, max_steps, recipe,
+                     named_learning_rate):
         return sizing.SizeChoice(sizing.DEFAULT_SIZE, "timed", max_train_time, {}, {}, {})
 
     monkeypatch.setattr(vaswani.training, "auto_size", whole_budget)
@@ -233,12 +251,17 @@ def test_timing_the_sizes_is_spent_from_the_time_budget(corpus, tmp_path, single
     assert metrics["train_steps"] == 1
 
 
+def chosen(size):
+    """auto_size, choosing `size` without timing, at the learning rate the run names (if any)."""
+    return lambda build, batches, **kwargs: sizing.SizeChoice(size, "chosen", 0.0, {}, {}, {},
+                                                              kwargs["named_learning_rate"])
+
+
 def test_the_size_chosen_trains_the_model_its_explicit_flags_train(corpus, tmp_path, single_thread, monkeypatch):
     """auto choosing a size gives the weights that `--preset small --config_overrides <its fields>` gives: the same
     random start, as if no size had been timed."""
     size = "d128-2x2"
-    monkeypatch.setattr(vaswani.training, "auto_size",
-                        lambda build, batches, **kwargs: sizing.SizeChoice(size, "chosen", 0.0, {}, {}, {}))
+    monkeypatch.setattr(vaswani.training, "auto_size", chosen(size))
     run_training(*parse(auto_args(corpus, tmp_path / "auto")))
     fields = ",".join(f"{name}={value}" for name, value in sizing.SIZES[size].items())
     explicit = auto_args(corpus, tmp_path / "explicit", "--config_overrides", fields)
@@ -251,8 +274,7 @@ def test_the_size_chosen_trains_the_model_its_explicit_flags_train(corpus, tmp_p
 def test_a_resumed_auto_run_trains_on_the_size_it_chose_without_timing(corpus, tmp_path, single_thread,
                                                                        monkeypatch):
     """`--resume` of an auto run builds its checkpoint's size, not a new choice (here another size would be chosen)."""
-    monkeypatch.setattr(vaswani.training, "auto_size",
-                        lambda build, batches, **kwargs: sizing.SizeChoice("d128-2x2", "chosen", 0.0, {}, {}, {}))
+    monkeypatch.setattr(vaswani.training, "auto_size", chosen("d128-2x2"))
     saving = ("--save_strategy", "steps", "--save_steps", "1")
     run_training(*parse(auto_args(corpus, tmp_path / "run", "--max_steps", "2", *saving)))
     monkeypatch.setattr(vaswani.training, "auto_size", lambda *args, **kwargs: pytest.fail("sized a resumed run"))
@@ -260,6 +282,56 @@ def test_a_resumed_auto_run_trains_on_the_size_it_chose_without_timing(corpus, t
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["d_model"], config["encoder_layers"]) == (128, 2) and metrics["train_steps"] == 3
     assert "model_size" not in metrics
+
+
+def without_learning_rate(argv: list[str]) -> list[str]:
+    at = argv.index("--learning_rate")
+    return argv[:at] + argv[at + 2:]
+
+
+@pytest.fixture
+def trainers(monkeypatch):
+    """The Trainers that run_training builds, in order."""
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(build_trainer(*args, **kwargs))
+        return built[-1]
+
+    build_trainer = vaswani.training.build_trainer
+    monkeypatch.setattr(vaswani.training, "build_trainer", build)
+    return built
+
+
+@pytest.mark.parametrize("size", ["d128-2x2", "d256-3x3"])
+def test_auto_trains_the_chosen_size_at_its_peak_learning_rate_and_a_resumed_run_keeps_it(
+        corpus, tmp_path, single_thread, monkeypatch, trainers, size):
+    """Without --learning_rate, the size chosen trains at its PEAK_LEARNING_RATE (the table was measured there), says
+    so in its metrics, and its resumed run continues at that peak."""
+    monkeypatch.setattr(vaswani.training, "auto_size", chosen(size))
+    saving = ("--save_strategy", "steps", "--save_steps", "1")
+    metrics = run_training(*parse(without_learning_rate(auto_args(corpus, tmp_path / "run", "--max_steps", "2",
+                                                                  *saving))))
+    peak = sizing.PEAK_LEARNING_RATE[size]
+    assert trainers[0].lr_scheduler.base_lrs == [peak] * 2 and trainers[0].args.learning_rate == peak
+    assert metrics["model_size_learning_rate"] == peak
+    assert f"It trained at a peak learning rate of {peak:g}." in (tmp_path / "run" / "README.md").read_text()
+    run_training(*parse(without_learning_rate(auto_args(corpus, tmp_path / "run", "--max_steps", "3", "--resume",
+                                                        *saving))))
+    assert trainers[1].lr_scheduler.base_lrs == [peak] * 2
+
+
+def test_a_learning_rate_named_wins_over_the_sizes(corpus, tmp_path, single_thread, monkeypatch, trainers):
+    monkeypatch.setattr(vaswani.training, "auto_size", chosen("d128-2x2"))
+    metrics = run_training(*parse(auto_args(corpus, tmp_path / "run", "--learning_rate", "4e-4")))
+    assert trainers[0].lr_scheduler.base_lrs == [4e-4] * 2 and metrics["model_size_learning_rate"] == 4e-4
+
+
+def test_a_named_preset_keeps_the_trainers_default_learning_rate(corpus, tmp_path, single_thread, trainers):
+    argv = without_learning_rate(auto_args(corpus, tmp_path / "run", "--max_steps", "1"))
+    argv[argv.index("--preset") + 1] = "small"
+    run_training(*parse(argv))
+    assert trainers[0].lr_scheduler.base_lrs == [5e-5] * 2
 
 
 def test_config_overrides_of_a_size_field_win_without_timing(corpus, tmp_path, single_thread, monkeypatch, capsys):

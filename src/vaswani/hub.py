@@ -130,7 +130,9 @@ def write_model_card(
         sections.append(f"## Training\n\n```bash\n{training_command}\n```\n")
     if isinstance(metrics.get("model_size_choice"), str):  # `--preset auto` (vaswani.sizing)
         sections.append(f"The model's size, {metrics.get('model_size')}, was chosen for the training machine and "
-                        f"time budget: {metrics['model_size_choice']}.\n")
+                        f"time budget: {metrics['model_size_choice']}."
+                        + (f" It trained at a peak learning rate of {metrics['model_size_learning_rate']:g}."
+                           if isinstance(metrics.get("model_size_learning_rate"), float) else "") + "\n")
     if averaged_checkpoints:
         listed = "\n".join(f"- {name}" for name in averaged_checkpoints)
         sections.append(f"## Checkpoint averaging\n\nThe weights are the element-wise mean (in float32) of these "

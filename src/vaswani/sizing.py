@@ -12,7 +12,8 @@ each. Which wins depends on the steps the budget buys, so `--preset auto`:
 3. reads the validation BLEU that size reached after that many steps (`BLEU_AFTER_STEPS`, measured by
    benchmarks/main_job_sizes.py: benchmarks/results/main-job-sizes.md);
 4. trains the size with the best, keeping `DEFAULT_SIZE` (the main job's model before sizing) unless another is
-   predicted to beat it by more than `MARGIN`.
+   predicted to beat it by more than `MARGIN`, at that size's peak learning rate (`PEAK_LEARNING_RATE`) unless
+   `--learning_rate` names one.
 
 Every size is the `small` preset with the fields below changed; `--config_overrides` apply on top of each, so a field
 the user names always wins. The choice, its reason and the timings go into the metrics and the model card.
@@ -38,20 +39,25 @@ SIZES: dict[str, dict[str, int]] = {
 }
 DEFAULT_SIZE = "d256-3x3"
 
+# Each size's peak learning rate under the main job's schedule (400 warm-up steps, then the inverse square root), the
+# best of those tried on the validation split (main-job-sizes.md): 1e-3 and 2e-3 for d256-3x3, 1e-3 to 4e-3 for
+# d128-2x2. `BLEU_AFTER_STEPS` was measured at these peaks.
+PEAK_LEARNING_RATE: dict[str, float] = {"d256-3x3": 1e-3, "d128-2x2": 3e-3}
+
 # Validation BLEU (fra-eng, first 1,000 sentences, all references, beam 4, length penalty 0.6, float32) after so
-# many steps of the main job's recipe (1,000-token batches, peak 1e-3 after 400 warm-up steps, inverse square root,
-# no dropout, seed 0): benchmarks/results/main-job-sizes.md, whose JSON rows a test compares with these. Each size
-# runs as far as the fastest CPU measured takes it in 600 s. BLEU is read in between on a log scale of steps; beyond a
-# size's last row it is held at that row's, which underrates it.
+# many steps of the main job's recipe (1,000-token batches, the size's peak learning rate after 400 warm-up steps,
+# inverse square root, no dropout, seed 0): benchmarks/results/main-job-sizes.md, whose JSON rows a test compares
+# with these. Each size runs as far as the fastest CPU measured takes it in 600 s. BLEU is read in between on a log
+# scale of steps; beyond a size's last row it is held at that row's, which underrates it.
 BLEU_AFTER_STEPS: dict[str, tuple[tuple[int, float], ...]] = {
     "d256-3x3": (
         (250, 5.95), (500, 15.62), (750, 26.91), (1000, 34.57), (1250, 39.58), (1500, 42.8), (2000, 46.25),
         (2500, 47.01), (3000, 50.82), (3500, 52.45), (4000, 53.42),
     ),
     "d128-2x2": (
-        (250, 4.23), (500, 10.52), (750, 18.58), (1000, 26.48), (1250, 31.49), (1500, 34.4), (2000, 38.76),
-        (2500, 41.21), (3000, 44.23), (3500, 45.82), (4000, 46.43), (5000, 47.77), (6000, 49.04), (7000, 50.44),
-        (8000, 50.85), (9000, 51.01), (10000, 51.87),
+        (250, 6.91), (500, 19.17), (750, 27.61), (1000, 34.15), (1250, 38.3), (1500, 42.08), (2000, 45.54),
+        (2500, 47.81), (3000, 49.51), (3500, 49.86), (4000, 50.66), (5000, 53.12), (6000, 54.09), (7000, 53.83),
+        (8000, 55.65), (9000, 55.62), (10000, 56.1),
     ),
 }
 
@@ -89,24 +95,34 @@ class SizeChoice:
     seconds_per_step: dict[str, float]
     predicted_steps: dict[str, int]
     predicted_bleu: dict[str, float]
+    named_learning_rate: float | None = None  # --learning_rate, where the run names one
+
+    @property
+    def learning_rate(self) -> float:
+        """The peak learning rate the run trains at: the one named, else the size's."""
+        return self.named_learning_rate or PEAK_LEARNING_RATE[self.size]
 
     @property
     def line(self) -> str:
         fields = ", ".join(f"{name}={value}" for name, value in SIZES[self.size].items()) or "the small preset"
-        return f"--preset auto: {self.size} ({fields}): {self.reason}"
+        peak = f"--learning_rate {self.learning_rate:g}" if self.named_learning_rate else \
+            f"peak learning rate {self.learning_rate:g}"
+        return f"--preset auto: {self.size} ({fields}; {peak}): {self.reason}"
 
     def metrics(self) -> dict:
         """The choice as metrics.json and the model card record it."""
-        return {"model_size": self.size, "model_size_choice": self.reason, "model_size_timing_seconds":
+        return {"model_size": self.size, "model_size_choice": self.reason,
+                "model_size_learning_rate": self.learning_rate, "model_size_timing_seconds":
                 round(self.seconds, 2), "model_size_seconds_per_step": dict(self.seconds_per_step),
                 "model_size_predicted_steps": dict(self.predicted_steps),
                 "model_size_predicted_validation_bleu": dict(self.predicted_bleu)}
 
 
 def choose(seconds_per_step: Mapping[str, float], seconds_left: float | None, max_steps: int | None = None,
-           seconds: float = 0.0, timed: str = "") -> SizeChoice:
+           seconds: float = 0.0, timed: str = "", named_learning_rate: float | None = None) -> SizeChoice:
     """The size predicted to reach the best validation BLEU: each takes `seconds_left` / its seconds a step (or
-    `max_steps`, whichever is fewer); without a time budget every size takes `max_steps`."""
+    `max_steps`, whichever is fewer); without a time budget every size takes `max_steps`. The table was measured at
+    each size's `PEAK_LEARNING_RATE`; a `named_learning_rate` trains the size chosen at that rate instead."""
     steps = {}
     for size in SIZES:
         bound = [max_steps] if max_steps and max_steps > 0 else []
@@ -123,7 +139,7 @@ def choose(seconds_per_step: Mapping[str, float], seconds_left: float | None, ma
               + ", ".join(f"{bleu[s]:.1f} for {s} ({steps[s]:,} steps)" for s in SIZES if s != best)
               + (f" (another size must be {MARGIN} better)" if best == default else "")
               + (f"; {timed}" if timed else ""))
-    return SizeChoice(best, reason, seconds, dict(seconds_per_step), steps, bleu)
+    return SizeChoice(best, reason, seconds, dict(seconds_per_step), steps, bleu, named_learning_rate)
 
 
 def seconds_per_step(build: Callable[[str], torch.nn.Module], batches: Sequence[Mapping[str, torch.Tensor]],
@@ -179,13 +195,15 @@ def recorded_seconds_per_step(key: dict, measure: Callable[[], dict[str, float]]
 
 def auto_size(build: Callable[[str], torch.nn.Module], batches: Sequence[Mapping[str, torch.Tensor]], *,
               device: torch.device, autocast_dtype: torch.dtype | None, max_train_time: float | None,
-              max_steps: int | None, recipe: Mapping | None = None) -> SizeChoice:
+              max_steps: int | None, recipe: Mapping | None = None,
+              named_learning_rate: float | None = None) -> SizeChoice:
     """Time the sizes where there is a time budget (or read the step times recorded for this machine and run
     shape), choose, and say so in one line on stderr."""
     if not max_train_time and not (max_steps and max_steps > 0):
-        choice = SizeChoice(DEFAULT_SIZE, "no time budget or step count to size the model to", 0.0, {}, {}, {})
+        choice = SizeChoice(DEFAULT_SIZE, "no time budget or step count to size the model to", 0.0, {}, {}, {},
+                            named_learning_rate)
     elif not max_train_time:
-        choice = choose({}, None, max_steps)
+        choice = choose({}, None, max_steps, named_learning_rate=named_learning_rate)
     else:
         start = time.monotonic()
         key = timing_key(batches, device, autocast_dtype, recipe or {})
@@ -194,6 +212,6 @@ def auto_size(build: Callable[[str], torch.nn.Module], batches: Sequence[Mapping
         spent = time.monotonic() - start
         how = (f"timing the sizes took {spent:.1f} s of the budget" if timed else
                f"the step times recorded for this machine in {cache_dir(RECORD)} (delete it to time them again)")
-        choice = choose(paces, max_train_time - spent, max_steps, spent, how)
+        choice = choose(paces, max_train_time - spent, max_steps, spent, how, named_learning_rate)
     print(choice.line, file=sys.stderr, flush=True)
     return choice

@@ -274,6 +274,7 @@ def _run_training(model_args: ModelArguments, data_args: DataArguments, args: Va
         # that `--preset small --config_overrides <its fields>` would train.
         torch.random.set_rng_state(initial_random_state)
         model = new_model(model_args, tokenizer, sizing.size)
+        args.learning_rate = sizing.learning_rate  # the one named, else the size's own peak (its BLEU's)
     if args.paper_recipe:
         apply_paper_recipe(args, model.config.d_model)
     # The decoding settings of the evaluations, saved with the model for every later decoding of it.
@@ -328,7 +329,7 @@ def choose_size(model_args: ModelArguments, tokenizer, train_features: Dataset,
     named = sorted(set(parse_overrides(model_args.config_overrides)) & {f for fields in SIZES.values() for f in fields})
     if named:  # the user's fields win over any size's: nothing to time
         choice = SizeChoice(DEFAULT_SIZE, f"--config_overrides sets {', '.join(named)}, which the sizes differ in",
-                            0.0, {}, {}, {})
+                            0.0, {}, {}, {}, named_learning_rate(args))
         print(choice.line, file=sys.stderr, flush=True)
         return choice
     batches = timing_batches(tokenizer, train_features, args)
@@ -336,7 +337,12 @@ def choose_size(model_args: ModelArguments, tokenizer, train_features: Dataset,
               "vocab_size": len(tokenizer)}
     return auto_size(lambda size: new_model(model_args, tokenizer, size), batches, device=args.device,
                      autocast_dtype=autocast_dtype(args), max_train_time=args.max_train_time, max_steps=args.max_steps,
-                     recipe=recipe)
+                     recipe=recipe, named_learning_rate=named_learning_rate(args))
+
+
+def named_learning_rate(args: VaswaniTrainingArguments) -> float | None:
+    """The run's --learning_rate where it names one."""
+    return args.learning_rate if args.learning_rate_named else None
 
 
 def autocast_dtype(args: VaswaniTrainingArguments) -> torch.dtype | None:

@@ -19,6 +19,9 @@ from .corpus import CORPUS_ENV_VAR
 from .tokenization import TRUNCATION_TOKENS
 
 
+# The Trainer's default peak learning rate (Seq2SeqTrainingArguments.learning_rate), where none is named.
+TRAINER_LEARNING_RATE = 5e-5
+
 # `--preset auto`: a `small`-preset model sized to the machine and the time budget by timing steps (vaswani.sizing).
 AUTO_PRESET = "auto"
 
@@ -140,6 +143,12 @@ def check_batching(max_tokens_per_batch: int | None, shape_buckets: int | None =
 
 @dataclass
 class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
+    learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "The peak learning rate. Default: under --preset auto, the chosen size's "
+                          "(vaswani.sizing.PEAK_LEARNING_RATE, measured with the main job's recipe); otherwise the "
+                          f"Trainer's {TRAINER_LEARNING_RATE:g}."},
+    )
     max_train_time: float | None = field(
         default=None, metadata={"help": "Stop training after this many seconds (then evaluate and save)."}
     )
@@ -239,6 +248,10 @@ class VaswaniTrainingArguments(Seq2SeqTrainingArguments):
     )
 
     def __post_init__(self):
+        # Whether the run names its learning rate: under --preset auto, the size chosen brings its own otherwise.
+        self.learning_rate_named = self.learning_rate is not None
+        if self.learning_rate is None:
+            self.learning_rate = TRAINER_LEARNING_RATE
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
             # Several processes (torchrun) on a machine without an accelerator: accelerate makes them a DDP run over
             # gloo only when told `cpu`. Without it, it starts the process group yet leaves every process on its
