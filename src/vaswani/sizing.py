@@ -138,6 +138,8 @@ def choose(seconds_per_step: Mapping[str, float], seconds_left: float | None, ma
     reason = (f"{steps[best]:,} steps{paced} predict validation BLEU {bleu[best]:.1f}, against "
               + ", ".join(f"{bleu[s]:.1f} for {s} ({steps[s]:,} steps)" for s in SIZES if s != best)
               + (f" (another size must be {MARGIN} better)" if best == default else "")
+              + ("; the table's BLEU is each size's at its own peak learning rate, not at the one named"
+                 if named_learning_rate else "")
               + (f"; {timed}" if timed else ""))
     return SizeChoice(best, reason, seconds, dict(seconds_per_step), steps, bleu, named_learning_rate)
 
