@@ -61,7 +61,7 @@ def left_for_the_exit():
     left = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
     # One write of the whole line: both processes write to one stderr as they exit, and print's separate writes of
     # the text and its newline interleaved there once ("...exit: 0DDP wrappers left...").
-    os.write(2, f"DDP wrappers left for the interpreter's exit: {left}\n".encode())
+    os.write(2, f"DDP wrappers left for the interpreter's exit: {left}\\n".encode())
 
 VaswaniSeq2SeqTrainer.training_step = slow_step
 Peers.lost = slow_lost
