@@ -19,8 +19,8 @@ from .corpus import CORPUS_ENV_VAR
 from .tokenization import TRUNCATION_TOKENS
 
 
-# The Trainer's default peak learning rate (Seq2SeqTrainingArguments.learning_rate), where none is named.
-TRAINER_LEARNING_RATE = 5e-5
+# The Trainer's default peak learning rate, where none is named: read from its field, not written again here.
+TRAINER_LEARNING_RATE = Seq2SeqTrainingArguments.__dataclass_fields__["learning_rate"].default
 
 # `--preset auto`: a `small`-preset model sized to the machine and the time budget by timing steps (vaswani.sizing).
 AUTO_PRESET = "auto"
