@@ -9,6 +9,7 @@ import getpass
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -64,6 +65,97 @@ def run_without_the_package(script: str, *args: str, work: Path, home: Path):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+class Forked:
+    """`target()` in a child process forked from this one, with a Popen's poll, wait, send_signal and communicate:
+    a real process (its own pid, signals, locks and SIGKILL), without the seconds a fresh Python spends importing
+    torch and transformers. For what a test does to a process of our code (kill it mid-write, signal it); a test of
+    how a script starts, or of a launcher, runs the script itself. The child's stdout and stderr go to files of its
+    own; it ends as an interpreter does: status 0, a SystemExit's code, SIGINT after an uncaught KeyboardInterrupt's
+    traceback, or 1 after any other's; and it runs none of this process' exit handlers."""
+
+    def __init__(self, target):
+        import subprocess
+        import traceback
+
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.returncode, self._timeout = None, subprocess.TimeoutExpired
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid:
+            return
+        status = 1
+        try:
+            os.dup2(self._out.fileno(), 1)
+            os.dup2(self._err.fileno(), 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's handlers
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                target()
+                status = 0
+            except SystemExit as exit:  # as the interpreter ends on one
+                if exit.code is None or isinstance(exit.code, int):
+                    status = exit.code or 0
+                else:
+                    print(exit.code, file=sys.stderr)
+            except KeyboardInterrupt:  # the interpreter prints it, then ends by SIGINT
+                traceback.print_exc()
+                sys.stderr.flush()
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            except BaseException:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status)
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._timeout("forked process", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return tuple(self._read(f) for f in (self._out, self._err))
+
+    @staticmethod
+    def _read(f) -> str:
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def forked_script(name: str, argv: list[str], prepare=None) -> Forked:
+    """scripts/<name>.py on `argv` as a process of its own, forked from this one (`Forked`), with the sys.argv that
+    `python scripts/<name>.py ARGV` gives; `prepare()` runs first, in that process (to slow or break what it calls)."""
+
+    def run():
+        sys.argv = [str(SCRIPTS / f"{name}.py"), *argv]
+        if prepare is not None:
+            prepare()
+        script_main(name)(argv)
+
+    return Forked(run)
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import SCRIPTS, fails_with_one_line, interrupted_after, other_names, script_main
+from conftest import SCRIPTS, fails_with_one_line, forked_script, interrupted_after, other_names, script_main
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -419,30 +419,30 @@ def run_script(argv, env=None, **kwargs):
                             stderr=subprocess.PIPE, **kwargs)
 
 
-# Runs scripts/translate.py with each chunk slowed down, so that a kill lands mid-way, or with SIGKILL sent by the
-# process itself at the worst moments: a chunk's lines on disk, the resume state not yet updated ("after_write");
-# the first resume state written, the output not yet created ("before_output"); the output created, empty, before
-# the first chunk is translated ("before_first_chunk").
-KILLABLE = """
-import os, runpy, signal, sys, time
-import vaswani.file_translation as ft
-mode = os.environ["KILL_MODE"]
-kill = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-if mode == "slow":
-    chunk = ft.translate_chunk
-    ft.translate_chunk = lambda *a, **k: (time.sleep(0.3), chunk(*a, **k))[1]
-elif mode == "after_write":  # the state is written at the start, then after each chunk: killed at the third chunk
-    calls = iter(range(10**6))
-    save = ft.write_atomically
-    ft.write_atomically = lambda *a: save(*a) if next(calls) < 3 else kill()
-elif mode == "before_output":
-    save = ft.write_atomically
-    ft.write_atomically = lambda *a: (save(*a), kill())
-elif mode == "before_first_chunk":
-    ft.translate_chunk = kill
-sys.argv = [sys.argv[1], *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+def killable(mode: str):
+    """What makes translate.py's process, forked (`forked_script`), killable: each chunk slowed down ("slow"), so
+    that a kill lands mid-way, or SIGKILL sent by the process itself at the worst moments: a chunk's lines on disk,
+    the resume state not yet updated ("after_write"); the first resume state written, the output not yet created
+    ("before_output"); the output created, empty, before the first chunk is translated ("before_first_chunk")."""
+    import vaswani.file_translation as ft
+
+    def kill(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def prepare():
+        if mode == "slow":
+            chunk = ft.translate_chunk
+            ft.translate_chunk = lambda *a, **k: (time.sleep(0.3), chunk(*a, **k))[1]
+        elif mode == "after_write":  # the state is written at the start, then after each chunk: killed at the third
+            calls, save = iter(range(10**6)), ft.write_atomically
+            ft.write_atomically = lambda *a: save(*a) if next(calls) < 3 else kill()
+        elif mode == "before_output":
+            save = ft.write_atomically
+            ft.write_atomically = lambda *a: (save(*a), kill())
+        elif mode == "before_first_chunk":
+            ft.translate_chunk = kill
+
+    return prepare
 
 
 @pytest.mark.parametrize("mode", ["slow", "after_write", "before_output", "before_first_chunk"])
@@ -450,15 +450,14 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
     """The same command line twice, `--resume` included, as a scheduler requeues a preempted job: the first in a
     process of its own, killed; the second through the script's `main` in this process."""
     output = tmp_path / "out.fr"
-    argv = ["-c", KILLABLE, str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu",
-            "--input_file", write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "5",
-            "--num_beams", "1", "--max_new_tokens", "8", "--resume"]
-    process = run_script(argv, env={"KILL_MODE": mode})
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--input_file", write_input(tmp_path), "--output_file",
+            str(output), "--chunk_lines", "5", "--num_beams", "1", "--max_new_tokens", "8", "--resume"]
+    process = forked_script("translate", argv, killable(mode))
     state = tmp_path / "out.fr.resume.json"
     if mode == "slow":  # kill it once two chunks are recorded, while it translates the third
         deadline = time.monotonic() + 120
         while not (state.exists() and json.loads(state.read_text() or "{}").get("chunks", 0) >= 2):
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1].decode()
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
             time.sleep(0.02)
         process.send_signal(signal.SIGKILL)
     process.wait(timeout=120)
@@ -473,28 +472,13 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
     if mode == "after_write":  # the third chunk reached the file, its record did not
         assert output.stat().st_size > recorded["bytes"]
 
-    script_main("translate")(argv[3:])
+    script_main("translate")(argv)
     assert output.read_text(encoding="utf-8") == expected
     assert json.loads(state.read_text())["complete"] is True and not (tmp_path / "out.fr.parts").exists()
 
 
-# accelerate's --multi_gpu is its torchrun launcher, which on a machine without GPUs starts CPU processes.
-LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
-             "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]}
-
-
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_processes_write_the_file_one_process_writes(checkpoint, expected, tmp_path, launcher):
-    if launcher == "accelerate":
-        pytest.importorskip("accelerate")
-    output = tmp_path / "out.fr"
-    process = run_script([*LAUNCHERS[launcher], str(SCRIPTS / "translate.py"), "--model", str(checkpoint), "--device", "cpu", "--input_file",
-                          write_input(tmp_path), "--output_file", str(output), "--chunk_lines", "3",
-                          "--num_beams", "1", "--max_new_tokens", "8"])
-    _, err = process.communicate(timeout=300)
-    assert process.returncode == 0, err.decode()[-3000:]
-    assert output.read_text(encoding="utf-8") == expected
-    assert not (tmp_path / "out.fr.parts").exists()
+# translate.py under each launcher, two processes writing one file: test_interruptions.py's resumes after a SIGTERM
+# (torchrun) and a SIGKILL (torchrun and accelerate launch) finish the file to the bytes of one run.
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

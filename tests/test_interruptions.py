@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, script_main
+from conftest import SCRIPTS, Forked, forked_script, script_main
 from tiny_translation_model import SOURCES
 
 import vaswani.file_translation
@@ -52,7 +52,7 @@ def translate_argv(checkpoint, input_file, output, *extra):
 
 GREEDY_FLAGS = ["--num_beams", "1", "--max_new_tokens", "8"]
 
-# translate.py with every chunk slowed down, so that a second run or a signal lands while the first translates.
+# translate.py with every chunk slowed down, so that a signal lands while a launcher's processes translate.
 SLOW = """
 import runpy, sys, time
 import vaswani.file_translation as ft
@@ -63,10 +63,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def start(argv, slow: float | None = None):
-    prefix = ["-c", SLOW, str(slow)] if slow is not None else []
-    return subprocess.Popen([sys.executable, *prefix, *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+def start(argv):
+    """`python ARGV` (a launcher's), in a fresh interpreter."""
+    return subprocess.Popen([sys.executable, *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def translation(argv, slow: float | None = None) -> Forked:
+    """translate.py (`argv`: the script and its arguments) as one process of its own, forked from this one
+    (`forked_script`: the same `main`, without a fresh interpreter's imports), each chunk `slow` seconds longer if
+    given, as SLOW does under a launcher."""
+
+    def slowed():
+        chunk = vaswani.file_translation.translate_chunk
+        vaswani.file_translation.translate_chunk = lambda *a, **k: (time.sleep(slow), chunk(*a, **k))[1]
+
+    return forked_script("translate", argv[1:], slowed if slow is not None else None)
 
 
 def recorded(output: Path) -> dict:
@@ -88,12 +100,17 @@ def last_line(text: str) -> str:
 # One writer at a time ------------------------------------------------------------------------------------------------
 
 
-HOLDER = """
-import sys, time
-from vaswani.files import exclusive
-with exclusive(sys.argv[1]):
+# A process that holds the lock on argv[1] (for argv[2] seconds, 600 by default). vaswani.files imports only the
+# standard library, so the holder loads that file alone, not the package (whose import of transformers takes seconds):
+# the same lock code, in a process that starts in a tenth of a second.
+HOLDER = f"""
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("vaswani_files", {files.__file__!r})
+files = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(files)
+with files.exclusive(sys.argv[1]):
     print("held", flush=True)
-    time.sleep(600)
+    time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 600)
 """
 
 
@@ -117,7 +134,7 @@ def test_a_lock_refuses_a_second_process_naming_the_first_and_dies_with_its_hold
 
 def test_waiting_for_a_lock_takes_it_once_its_holder_ends(tmp_path):
     target = tmp_path / "cache-entry"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER.replace("600", "1"), str(target)],
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(target), "1"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
     started = time.monotonic()
@@ -133,7 +150,7 @@ def test_a_second_translation_of_the_same_output_is_refused_and_the_first_comple
     refused in one line naming it."""
     output = tmp_path / "out.fr"
     argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
-    runs = [start(argv, slow=1.0), start(argv, slow=1.0)]
+    runs = [translation(argv, slow=1.0), translation(argv, slow=1.0)]
     results = [(run, *run.communicate(timeout=300)) for run in runs]
     assert sorted(run.returncode for run in runs) == [0, 2], [err for _, _, err in results]
     (winner, _, _), (loser, _, err) = sorted(results, key=lambda result: result[0].returncode)
@@ -276,7 +293,7 @@ def test_a_real_full_disk_under_translate_then_resume_after_freeing_space(traine
     with small_tmpfs(tmp_path / "disk", "16k") as disk:
         output = disk / "out.fr"
         argv = translate_argv(checkpoint, write_input(tmp_path, lines), output, "--resume")
-        process = start(argv)
+        process = translation(argv)
         _, err = process.communicate(timeout=300)
         assert process.returncode == 2, err
         kept = recorded(output)["lines"]
@@ -285,7 +302,7 @@ def test_a_real_full_disk_under_translate_then_resume_after_freeing_space(traine
                                   f"complete and recorded in {output}.resume.json; free some space, then run the same "
                                   "command with --resume.")
         subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)
-        process = start(argv)
+        process = translation(argv)
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
         # The same file translated in one go, as `expected` is.
@@ -303,7 +320,7 @@ def test_a_signalled_translation_stops_at_a_chunk_boundary_and_resumes_to_the_sa
         checkpoint, expected, tmp_path, signum):
     output = tmp_path / "out.fr"
     argv = translate_argv(checkpoint, write_input(tmp_path), output, "--resume")
-    process = start(argv, slow=0.3)
+    process = translation(argv, slow=0.3)
     wait_for_chunks(process, output, 2)
     process.send_signal(signum)
     _, err = process.communicate(timeout=120)
@@ -348,7 +365,7 @@ def test_sigterm_to_torchrun_stops_both_translation_processes_and_resumes_to_the
     resumed = start([*launch, *argv])
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err[-3000:]
-    assert output.read_bytes() == expected
+    assert output.read_bytes() == expected and not Path(f"{output}.parts").exists()
 
 
 @pytest.mark.slow
@@ -360,7 +377,7 @@ def test_a_translation_process_killed_ends_the_other_in_one_line_and_resumes_to_
     within seconds with one line of ours, before the launcher's report, naming the process that died and what the
     output holds; the output holds its recorded lines (and, where process 0 died while writing a chunk, perhaps
     part of the next, which a resume cuts off), the lock is released, and `--resume` finishes it to the bytes of
-    one run."""
+    one run: its two processes, under either launcher, write the one file, with no part file left."""
     from test_training_interruptions import ours, rank_process
 
     launch, argv, output, process = slowed_torchrun_translation(checkpoint, tmp_path, launcher)
@@ -382,7 +399,7 @@ def test_a_translation_process_killed_ends_the_other_in_one_line_and_resumes_to_
     resumed = start([*launch, *argv])
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err[-3000:]
-    assert output.read_bytes() == expected
+    assert output.read_bytes() == expected and not Path(f"{output}.parts").exists()
 
 
 # Counts checked when the arguments are parsed ------------------------------------------------------------------------
@@ -417,36 +434,36 @@ def test_a_count_out_of_range_is_refused_when_parsed_and_nothing_is_written(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-STOP_SIGNAL_HANDLER = """
-import os, signal, sys, time
-from vaswani.preemption import catching_stop_signals
-# What a process has before the block, whatever it inherited (a shell's background job starts with SIGINT ignored).
-signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
-print("set", flush=True)
-taken, take = [], sys.argv[1] == "take"
-with catching_stop_signals(lambda signum: taken.append(signum) or take):  # take: None (taken); decline: False
-    for name in sys.argv[2:]:
-        os.kill(os.getpid(), getattr(signal, name))
-        time.sleep(0.1)
-        print("after", name, flush=True)
-print("taken", taken, flush=True)
-"""
+def stop_signal_handler(take: bool, *names: str) -> None:
+    """Send itself the signals `names` inside `catching_stop_signals`, whose handler takes them or declines."""
+    from vaswani.preemption import catching_stop_signals
+
+    # What a process has before the block, whatever it inherited (a shell's background job starts with SIGINT
+    # ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print("set", flush=True)
+    taken = []
+    with catching_stop_signals(lambda signum: taken.append(signum) or take):  # take: None (taken); decline: False
+        for name in names:
+            os.kill(os.getpid(), getattr(signal, name))
+            time.sleep(0.1)
+            print("after", name, flush=True)
+    print("taken", taken, flush=True)
 
 
-def test_a_declined_stop_signal_acts_as_without_the_handler(tmp_path):
+def test_a_declined_stop_signal_acts_as_without_the_handler():
     """A stop-signal handler that declines (returns False: training's before it begins) leaves SIGINT to Python's
-    KeyboardInterrupt and SIGTERM to its default action, which ends the process; one that takes it only records."""
-    script = tmp_path / "handler.py"
-    script.write_text(STOP_SIGNAL_HANDLER)
+    KeyboardInterrupt and SIGTERM to its default action, which ends the process; one that takes it only records.
+    Each in a forked process (`Forked`), which the signals end."""
 
     def run(*argv):
-        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
+        done = Forked(lambda: stop_signal_handler(*argv))
+        return done, *done.communicate(timeout=60)
 
-    done = run("take", "SIGINT", "SIGTERM")
-    assert done.returncode == 0 and done.stdout.split("\n") == ["set", "after SIGINT", "after SIGTERM", "taken [2, 15]",
-                                                                ""], done.stderr
-    done = run("decline", "SIGINT")
-    assert "KeyboardInterrupt" in done.stderr and done.stdout == "set\n", (done.stdout, done.stderr)
-    done = run("decline", "SIGTERM")
-    assert done.returncode == -signal.SIGTERM and done.stdout == "set\n", (done.stdout, done.stderr)
+    done, out, err = run(True, "SIGINT", "SIGTERM")
+    assert done.returncode == 0 and out.split("\n") == ["set", "after SIGINT", "after SIGTERM", "taken [2, 15]", ""], err
+    done, out, err = run(False, "SIGINT")
+    assert "KeyboardInterrupt" in err and out == "set\n", (out, err)
+    done, out, err = run(False, "SIGTERM")
+    assert done.returncode == -signal.SIGTERM and out == "set\n", (out, err)

@@ -96,24 +96,6 @@ def test_evaluate_bleu_script_on_files(trained, tmp_path, capsys):
     assert scores["sentences"] == 2 and {"bleu", "chrf", "ter"} <= scores.keys()
 
 
-@pytest.mark.slow
-def test_ddp_with_two_cpu_processes(tmp_path):
-    """torchrun runs the unchanged script with DDP over gloo: both ranks train, one checkpoint is written, it loads."""
-    corpus = synthetic_corpus(tmp_path / "corpus.tsv")
-    output_dir = tmp_path / "ddp"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(SCRIPTS / "train_translation.py"),
-               *train_args(corpus, output_dir, "--max_steps", "10", "--ddp_backend", "gloo", "--logging_steps", "5")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    state = json.loads((output_dir / "metrics.json").read_text())
-    assert state["train_world_size"] == 2
-    assert (output_dir / "model.safetensors").is_file()
-    model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
-    assert torch.isfinite(next(model.parameters())).all()
-
-
 def test_training_on_a_cpu_reuses_freed_memory_of_any_size(tmp_path, monkeypatch):
     """train_translation.py sets up glibc to reuse freed memory of any size before it trains on a CPU (the logits of
     a step are hundreds of MiB, and page-faulting them fresh each step cost about a fifth of the step's time)."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fails_with_one_line, free_port, script_main, snapshot, subprocess_env
+from conftest import fails_with_one_line, forked_script, free_port, script_main, snapshot, subprocess_env
 from test_interruptions import last_line, small_tmpfs
 from training_script import SCRIPTS, synthetic_corpus, train_args
 
@@ -86,6 +86,26 @@ def start(command, tmp_path, slow: float | None = None, launcher=(), **environme
                             stderr=subprocess.PIPE, text=True)
 
 
+def forked_training(argv, tmp_path, slow: float | None = None):
+    """train_translation.py (`argv`: the script and its arguments) as one process of its own, forked from this one
+    (`forked_script`: the same `main`, without a fresh interpreter's imports), each step `slow` seconds longer if
+    given, touching the marker `wait_for_training` waits for as it begins (as SLOW_STEPS does under a launcher)."""
+
+    def slowed():
+        from vaswani.trainer import VaswaniSeq2SeqTrainer
+
+        step, marker = VaswaniSeq2SeqTrainer.training_step, tmp_path / "training-began"
+
+        def slow_step(self, *args, **kwargs):
+            marker.touch()
+            time.sleep(slow)
+            return step(self, *args, **kwargs)
+
+        VaswaniSeq2SeqTrainer.training_step = slow_step
+
+    return forked_script("train_translation", argv[1:], slowed if slow is not None else None)
+
+
 def wait_for_training(process, tmp_path) -> None:
     deadline = time.monotonic() + 300
     while not (tmp_path / "training-began").exists():
@@ -135,7 +155,7 @@ def test_a_second_run_is_refused_and_a_signalled_run_checkpoints_and_resumes_to_
     output_dir = tmp_path / "out"
     argv = [str(SCRIPTS / "train_translation.py"),
             *train_args(corpus, output_dir, "--max_steps", "20", "--data_cache_dir", str(tmp_path / "cache"))]
-    first = start(argv, tmp_path, slow=1.0)
+    first = forked_training(argv, tmp_path, slow=1.0)
     wait_for_training(first, tmp_path)
 
     # The second run through the script's `main` in this process: refused before it reads anything.
@@ -154,7 +174,7 @@ def test_a_second_run_is_refused_and_a_signalled_run_checkpoints_and_resumes_to_
     assert last_line(err) == (f"Training stopped by {signal.Signals(signum).name} after step {step}; its checkpoint "
                               f"is {output_dir}/checkpoint-{step}. Resume it with: {resume}")
 
-    resumed = start([*argv, "--resume"], tmp_path)
+    resumed = forked_training([*argv, "--resume"], tmp_path)
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
     assert json.loads((output_dir / "checkpoint-" f"{step}" / "trainer_state.json").read_text())["global_step"] == step
@@ -216,16 +236,20 @@ def assert_every_process_random_state(output_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_two_processes(tmp_path_factory):
+def two_process_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The 2-process run never interrupted, once for every test that compares with it (on the same corpus as theirs:
-    `synthetic_corpus` is the same text wherever it is written)."""
+    `synthetic_corpus` is the same text wherever it is written): its output directory and its launch (through
+    SLOW_STEPS with no delay, each process saying at its exit what it left for the exit to free)."""
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     corpus = synthetic_corpus(tmp_path / "corpus.tsv", pairs=300)
     output_dir = tmp_path / "uninterrupted"
-    run_to_the_end(two_process_argv(corpus, output_dir, tmp_path), tmp_path)
-    assert checkpoint_steps(output_dir) == [4, 8, 12]
-    assert_every_process_random_state(output_dir)
-    return output_dir
+    ended = run_to_the_end(two_process_argv(corpus, output_dir, tmp_path), tmp_path, slow=0, LEFT_FOR_THE_EXIT="1")
+    return output_dir, ended
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_processes(two_process_run) -> Path:
+    return two_process_run[0]
 
 
 @pytest.mark.slow
@@ -257,18 +281,23 @@ def test_two_processes_stopped_by_sigterm_resume_to_the_uninterrupted_losses_and
 
 
 @pytest.mark.slow
-def test_a_two_process_run_ends_cleanly_and_leaves_nothing_holding_its_group_for_the_exit(corpus, tmp_path):
-    """A short run ends with status 0 in both processes (no abort as the process group ends), its final model saved,
-    every checkpoint holding both processes' random state; and nothing that holds the process group is left for the
-    interpreter's exit to free (gloo's threads ending there is the abort, rare but seen in CI). That last check, not
-    repeated runs, is what fails where the group's end leaves a holder behind: the abort itself shows in few runs."""
-    output_dir = tmp_path / "run"
-    ended = run_to_the_end(two_process_argv(corpus, output_dir, tmp_path, "--max_steps", "8"), tmp_path, slow=0,
-                           LEFT_FOR_THE_EXIT="1")
+def test_a_two_process_run_ends_cleanly_and_leaves_nothing_holding_its_group_for_the_exit(two_process_run):
+    """torchrun runs the unchanged script with DDP over gloo (the run the interrupted ones compare with): it ends
+    with status 0 in both processes (no abort as the process group ends), both ranks trained, its final model saved
+    and loading, every checkpoint holding both processes' random state; and nothing that holds the process group is
+    left for the interpreter's exit to free (gloo's threads ending there is the abort, rare but seen in CI). That
+    last check, not repeated runs, is what fails where the group's end leaves a holder behind: the abort itself
+    shows in few runs."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    output_dir, ended = two_process_run
     assert [line for line in ended.stderr.splitlines() if "left for the interpreter's exit" in line] == [
         "DDP wrappers left for the interpreter's exit: 0"] * 2, ended.stderr[-3000:]
-    assert checkpoint_steps(output_dir) == [4, 8] and (output_dir / "model.safetensors").is_file()
+    assert checkpoint_steps(output_dir) == [4, 8, 12] and (output_dir / "model.safetensors").is_file()
     assert_every_process_random_state(output_dir)
+    assert json.loads((output_dir / "metrics.json").read_text())["train_world_size"] == 2
+    model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
 @pytest.mark.slow
@@ -321,7 +350,7 @@ def test_a_real_full_disk_while_a_checkpoint_is_written_then_resume_after_freein
         argv = [str(SCRIPTS / "train_translation.py"),
                 *train_args(corpus, output_dir, "--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10",
                             "--data_cache_dir", str(tmp_path / "cache"))]
-        process = start(argv, tmp_path)
+        process = forked_training(argv, tmp_path)
         _, err = process.communicate(timeout=300)
         assert process.returncode == 2, err[-3000:]
         assert last_line(err) == (f"error: No space left on the device to write {output_dir}/checkpoint-20; its "
@@ -329,7 +358,7 @@ def test_a_real_full_disk_while_a_checkpoint_is_written_then_resume_after_freein
                                   "space, then run the same command with --resume.")
         assert checkpoint_steps(output_dir) == [10]
         subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
-        process = start([*argv, "--resume"], tmp_path)
+        process = forked_training([*argv, "--resume"], tmp_path)
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-3000:]
         assert_same_weights(output_dir, uninterrupted)

@@ -7,8 +7,6 @@ import inspect
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import BertConfig, HfArgumentParser, Trainer
 
-from conftest import fails_with_one_line, script_main, snapshot, subprocess_env, tiny_config
+from conftest import fails_with_one_line, forked_script, script_main, snapshot, tiny_config
 from training_script import SCRIPTS, synthetic_corpus, train_args, train_in_this_process
 
 import vaswani.inference
@@ -385,15 +383,13 @@ def kill_and_resume_args(corpus: Path, output_dir: Path, *extra: str) -> list[st
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
-    """Three runs of 24 steps and their test evaluations, about 30 s: the uninterrupted one, one killed in the middle
-    of epoch 2 (the only process of its own: a SIGKILL) and its resume (both in this process), which must match."""
+    """Three runs of 24 steps and their test evaluations: the uninterrupted one, one killed in the middle of epoch 2
+    (the only process of its own, forked: a SIGKILL) and its resume (both in this process), which must match."""
     corpus = synthetic_corpus(tmp_path / "corpus.tsv")
-    env = subprocess_env()
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     train_in_this_process(*kill_and_resume_args(corpus, reference)[1:])
 
-    process = subprocess.Popen([sys.executable, *kill_and_resume_args(corpus, killed)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=env)
+    process = forked_script("train_translation", kill_and_resume_args(corpus, killed)[1:])
     deadline = time.monotonic() + 240
     while process.poll() is None and time.monotonic() < deadline:
         if killed.is_dir():
@@ -426,18 +422,15 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5)
 
 
-# Runs scripts/train_translation.py and SIGKILLs it at the start of training: output_dir created, no checkpoint yet.
-KILLED_AS_TRAINING_STARTS = """
-import os, runpy, signal, sys
-import vaswani.training
-vaswani.training.VaswaniSeq2SeqTrainer.train = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python scripts/train_translation.py` has it
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+def killed_as_training_starts():
+    """Makes train_translation.py's process, forked (`forked_script`), SIGKILL itself at the start of training:
+    output_dir created, no checkpoint yet."""
+    import vaswani.training
+
+    vaswani.training.VaswaniSeq2SeqTrainer.train = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.slow  # three runs of the training script (the last two in this process), about 10 s
+@pytest.mark.slow  # three runs of the training script (the last two in this process)
 def test_sigkill_before_the_first_checkpoint_then_resume_trains_from_the_start_and_only_once(tmp_path, capsys,
                                                                                             caplog):
     """The same command line, `--resume` included, as a scheduler requeues it: after a kill before any checkpoint it
@@ -449,10 +442,8 @@ def test_sigkill_before_the_first_checkpoint_then_resume_trains_from_the_start_a
             *train_args(corpus, output_dir, "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
                         "--max_test_samples", "4", "--generation_num_beams", "1", "--generation_max_length", "8",
                         "--disable_tqdm", "true", "--resume")]
-    env = subprocess_env()
-    killed = subprocess.run([sys.executable, "-c", KILLED_AS_TRAINING_STARTS, *argv], capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    killed = forked_script("train_translation", argv[1:], killed_as_training_starts)
+    assert killed.wait(timeout=300) == -signal.SIGKILL, killed.communicate()[1][-3000:]
     assert output_dir.is_dir() and not any(path.name.startswith("checkpoint-") for path in output_dir.iterdir())
 
     with caplog.at_level("WARNING", logger="vaswani"):
