@@ -5,12 +5,12 @@ new one, never a mix of the two."""
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
-from conftest import snapshot
+from conftest import Forked, snapshot
 
 from vaswani import files
 from vaswani.files import STAGING_PREFIX, staged_directory
@@ -104,28 +104,25 @@ def test_a_kill_while_publishing_leaves_the_old_final_model_whole(tmp_path):
     directory holds the old final model whole; the staging directory left beside it is removed by the next publish."""
     run = run_directory(tmp_path)
     before = snapshot(run)
-    script = textwrap.dedent(f"""
-        import os, sys, time
-        sys.path[:0] = [{os.path.dirname(__file__)!r}]
-        from pathlib import Path
-        from vaswani import files
-        import test_final_model_publishing as publishing
-        link, calls = os.link, []
+    linking, link, calls = Path(tempfile.mkdtemp()) / "linking", os.link, []  # not in tmp_path, which is checked
 
-        def slow_link(*args, **kwargs):
-            calls.append(args)
-            link(*args, **kwargs)
-            if len(calls) == 2:
-                print("linking", flush=True)
-                time.sleep(60)
+    def slow_link(*args, **kwargs):
+        calls.append(args)
+        link(*args, **kwargs)
+        if len(calls) == 2:
+            linking.touch()
+            time.sleep(60)
 
+    def publish_slowly():
         files.os.link = slow_link
-        publishing.publish(Path({str(run)!r}))
-    """)
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        publish(run)
+
+    process = Forked(publish_slowly)  # a process of its own, forked from this one
     try:
-        assert process.stdout.readline().strip() == "linking"
+        deadline = time.monotonic() + 60
+        while not linking.exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.01)
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
