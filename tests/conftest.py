@@ -11,8 +11,11 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 # Inductor compiles its CPU kernels for the vector ISA that ATEN_CPU_CAPABILITY names, but its on-disk cache (torch
@@ -76,11 +79,8 @@ class Forked:
     traceback, or 1 after any other's; and it runs none of this process' exit handlers."""
 
     def __init__(self, target):
-        import subprocess
-        import traceback
-
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-        self.returncode, self._timeout = None, subprocess.TimeoutExpired
+        self.returncode = None
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
@@ -122,12 +122,10 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout=None):
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise self._timeout("forked process", timeout)
+                raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout)
             time.sleep(0.01)
         return self.returncode
 
@@ -201,6 +199,18 @@ def interrupted_after(chunks: int, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(file_translation, "translate_chunk", stop)
+
+
+def slowed_chunks(seconds: float):
+    """Make translate_chunk take `seconds` longer, so that a signal, a kill or a second run lands mid-file: a
+    `forked_script` preparation (it patches the process it runs in)."""
+    from vaswani import file_translation
+
+    def prepare():
+        chunk = file_translation.translate_chunk
+        file_translation.translate_chunk = lambda *args, **kwargs: (time.sleep(seconds), chunk(*args, **kwargs))[1]
+
+    return prepare
 
 
 def snapshot(directory: Path) -> dict:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import SCRIPTS, fails_with_one_line, forked_script, interrupted_after, other_names, script_main
+from conftest import (SCRIPTS, fails_with_one_line, forked_script, interrupted_after, other_names, script_main,
+                      slowed_chunks)
 from tiny_translation_model import SOURCES, build_model_and_tokenizer
 
 from vaswani import VaswaniConfig, VaswaniForConditionalGeneration
@@ -431,8 +432,7 @@ def killable(mode: str):
 
     def prepare():
         if mode == "slow":
-            chunk = ft.translate_chunk
-            ft.translate_chunk = lambda *a, **k: (time.sleep(0.3), chunk(*a, **k))[1]
+            slowed_chunks(0.3)()
         elif mode == "after_write":  # the state is written at the start, then after each chunk: killed at the third
             calls, save = iter(range(10**6)), ft.write_atomically
             ft.write_atomically = lambda *a: save(*a) if next(calls) < 3 else kill()

@@ -5,9 +5,7 @@ new one, never a mix of the two."""
 
 import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 from conftest import Forked, snapshot
@@ -99,12 +97,12 @@ def test_a_failure_anywhere_in_publishing_leaves_the_old_final_model_whole(tmp_p
     assert (run / "config.json").read_text() == "new config"
 
 
-def test_a_kill_while_publishing_leaves_the_old_final_model_whole(tmp_path):
+def test_a_kill_while_publishing_leaves_the_old_final_model_whole(tmp_path, tmp_path_factory):
     """SIGKILL of a real process in the middle of publishing (while the checkpoints are being linked): the run
     directory holds the old final model whole; the staging directory left beside it is removed by the next publish."""
     run = run_directory(tmp_path)
     before = snapshot(run)
-    linking, link, calls = Path(tempfile.mkdtemp()) / "linking", os.link, []  # not in tmp_path, which is checked
+    linking, link, calls = tmp_path_factory.mktemp("marker") / "linking", os.link, []  # tmp_path's entries are checked
 
     def slow_link(*args, **kwargs):
         calls.append(args)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, Forked, forked_script, script_main
+from conftest import SCRIPTS, Forked, forked_script, script_main, slowed_chunks
 from tiny_translation_model import SOURCES
 
 import vaswani.file_translation
@@ -73,12 +73,7 @@ def translation(argv, slow: float | None = None) -> Forked:
     """translate.py (`argv`: the script and its arguments) as one process of its own, forked from this one
     (`forked_script`: the same `main`, without a fresh interpreter's imports), each chunk `slow` seconds longer if
     given, as SLOW does under a launcher."""
-
-    def slowed():
-        chunk = vaswani.file_translation.translate_chunk
-        vaswani.file_translation.translate_chunk = lambda *a, **k: (time.sleep(slow), chunk(*a, **k))[1]
-
-    return forked_script("translate", argv[1:], slowed if slow is not None else None)
+    return forked_script("translate", argv[1:], slowed_chunks(slow) if slow is not None else None)
 
 
 def recorded(output: Path) -> dict:
@@ -462,7 +457,8 @@ def test_a_declined_stop_signal_acts_as_without_the_handler():
         return done, *done.communicate(timeout=60)
 
     done, out, err = run(True, "SIGINT", "SIGTERM")
-    assert done.returncode == 0 and out.split("\n") == ["set", "after SIGINT", "after SIGTERM", "taken [2, 15]", ""], err
+    assert done.returncode == 0, err
+    assert out.split("\n") == ["set", "after SIGINT", "after SIGTERM", "taken [2, 15]", ""], err
     done, out, err = run(False, "SIGINT")
     assert "KeyboardInterrupt" in err and out == "set\n", (out, err)
     done, out, err = run(False, "SIGTERM")
