@@ -102,6 +102,9 @@ class Trainee:
         static = bucketed or batching.startswith("packed")
         self.forward = (torch.compile(self.model, mode="reduce-overhead" if "graphs" in options else None,
                                       dynamic=False if static else None) if "compiled" in options else self.model)
+        # Otherwise the batch and length dimensions are marked dynamic, as VaswaniTrainer marks them before its first
+        # step: one graph for every shape, compiled once, not a static graph for the first shape and then another.
+        self.dynamic = "compiled" in options and not static
         # The paper's Adam (§5.3), fused as the Trainer's default (adamw_torch_fused); the schedule costs nothing.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=True)
         pad_values = {"input_ids": self.model.config.pad_token_id, "attention_mask": 0, "labels": -100}
@@ -124,6 +127,9 @@ class Trainee:
 
     def step(self, index: int) -> None:
         batch = {k: v.to(self.device.device, non_blocking=True) for k, v in self.batches[index].items()}
+        for tensor in batch.values() if self.dynamic else ():
+            for dim in range(min(tensor.dim(), 2)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
         with self.autocast, sdpa_backend(self.attention_kernel):
             loss = self.forward(**batch).loss
         loss.backward()
@@ -201,7 +207,7 @@ def measure(args, device, engines, prepared: dict[str, Batches], batch_tokens, v
         memory, ran = {}, {}
         for trainee in list(trainees):
             try:
-                # Warm-up first: a compiled engine compiles there (once per new shape until shapes turn dynamic).
+                # Warm-up first: a compiled engine compiles there (a graph per shape if static, else one).
                 warmup = prepared[trainee.batching].warmup
                 for i in range(1, 1 + warmup):
                     trainee.step(i)

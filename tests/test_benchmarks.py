@@ -205,8 +205,9 @@ def test_training_benchmark(corpus, tmp_path, monkeypatch):
     assert sorted(row["engine"] for row in report["results"]) == ["marian", "vaswani", "vaswani-compiled"]
     assert all(row["vs_marian"] > 0 for row in report["results"] if row["engine"] != "marian")
     assert all(row["mfu"] is None for row in report["results"])  # no MFU without a GPU peak
-    # Without warm-up the compiled engine compiles inside the first timed step, and the report says so.
-    assert {row["compilations_while_timed"] for row in report["results"]} == {1}
+    # Without warm-up the compiled engine compiles in its memory step, before the clock: its batch dimensions marked
+    # dynamic there, that one graph serves the timed step's other shape (a graph per shape would compile on the clock).
+    assert {row["compilations_while_timed"] for row in report["results"]} == {0}
     assert kept == [None] and any("keep_freed_cpu_memory(None)" in note for note in report["notes"])
     # Every engine at every budget (eager ones here: a compiled engine's second budget is a second minute of C++
     # compilation on a CPU, and its rows are built as the first budget's).

@@ -300,27 +300,20 @@ def assert_training_figures(row: dict) -> None:
     assert row["train_compile_seconds"] is not None and row["train_slow_steps"] is not None
 
 
-def test_quality_dry_run_trains_then_scores_the_saved_model_in_its_own_process(tmp_path, monkeypatch):
-    status, report, logs = quality_dry_run(tmp_path, monkeypatch)
-    assert status == 0, logs
-    [row] = report["results"]
-    assert_training_figures(row)
-    assert (row["test_score"], row["test_decoding"], row["test_failures"]) == ("scored", "auto", {})
-    assert row["test_bleu"] is not None and report["notes"][0].startswith("Result: test BLEU ")
-    assert (tmp_path / "results" / "gpu-quality-cpu-test-translations.txt").exists()
-
-
 def test_quality_run_scores_with_transformers_loop_where_the_default_loop_fails(tmp_path, monkeypatch):
-    """About half a minute: the quality run trains in a process of its own, then scores in others (as on the GPU):
-    the default loop, which the injected fault breaks, then transformers' loop."""
+    """About half a minute: the quality run trains in a process of its own, then scores the saved model in others
+    (as on the GPU): the default loop, which the injected fault breaks, then transformers' loop, whose score is the
+    result, its translations kept beside the report."""
     status, report, logs = quality_dry_run(tmp_path, monkeypatch, broken=("auto",))
     assert status == 0, logs
     [row] = report["results"]
     assert_training_figures(row)
     assert (row["test_score"], row["test_decoding"]) == ("scored", "transformers") and row["test_bleu"] is not None
     assert row["test_failures"] == {"auto": "TypeError: an injected fault in the auto loop"}
+    assert report["notes"][0].startswith("Result: test BLEU ")
     assert ("Scored with --decoding transformers after the default failed (--decoding auto failed: "
             "TypeError: an injected fault in the auto loop).") in report["notes"]
+    assert (tmp_path / "results" / "gpu-quality-cpu-test-translations.txt").exists()
 
 
 def test_quality_run_keeps_the_training_figures_where_every_loop_fails_to_score(tmp_path, monkeypatch):
