@@ -314,10 +314,10 @@ def notes(args, device, budgets, steps, peak_tflops, corpus, pairs, tokenizer, r
         (f"bf16 autocast with fp32 weights; MFU against a dense bf16 peak of {peak_tflops} TFLOP/s." if device.as_cuda
          else "fp32 (-bf16 engines: bf16 autocast with fp32 weights, as `--bf16 --use_cpu` trains); MFU only on GPU."),
         "Memory: peak = weights + Adam state + the peak one extra untimed step adds (on CPU, a process RSS increment).",
-        "Compiled engines: torch.compile(model) (-graphs: mode=\"reduce-overhead\"), compiled in the warm-up, batch and "
-        "length dimensions marked dynamic as VaswaniTrainer marks them (static: a graph per shape, for -graphs with "
-        "--shape_buckets and for packed batches); graphs built during the timed steps are counted (column "
-        "`recompiles`).",
+        "Compiled engines: torch.compile(model) (-graphs: mode=\"reduce-overhead\"), compiled in the warm-up, "
+        "batch and length dimensions marked dynamic as VaswaniTrainer marks them (static: a graph per shape, for "
+        "-graphs with --shape_buckets and for packed batches); graphs built during the timed steps are counted "
+        "(column `recompiles`).",
         f"Dropout {'the preset’s' if args.dropout is None else args.dropout}; attention: sdpa (-eager: eager). "
         "Columns `attention` and `dtype`: what one uncompiled forward of each engine ran (common.attention_ran).",
     ]

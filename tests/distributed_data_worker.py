@@ -1,5 +1,6 @@
 """One process of test_data's two-process run: prepares the data as `train_translation.py` does, then writes
-what this process did (the data module's log), its tokenizer files and the batches it gets in two epochs."""
+what this process did (the data module's log), its tokenizer files and the batches it gets in two epochs, bucketed
+and packed."""
 
 import json
 import logging
@@ -25,15 +26,17 @@ def main() -> None:
     data = training.prepare_data(model_args, data_args, args)
     model, tokenizer = training.build_model_and_tokenizer(model_args, data.tokenizer)
     train_features, _ = training.tokenize_splits(data, tokenizer, data_args, args)
-    trainer = training.VaswaniSeq2SeqTrainer(
-        model=model, args=args, train_dataset=train_features, processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model), max_tokens_per_batch=args.max_tokens_per_batch,
-        packing=args.packing)
-    loader = trainer.get_train_dataloader()
-    epochs = []
-    for epoch in range(2):
-        loader.set_epoch(epoch)
-        epochs.append(list(loader.batch_sampler))
+    epochs = {}  # the batches of two epochs, by batching: the data once, then a trainer for each
+    for batching, packing in (("bucketed", False), ("packed", True)):
+        trainer = training.VaswaniSeq2SeqTrainer(
+            model=model, args=args, train_dataset=train_features, processing_class=tokenizer,
+            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+            max_tokens_per_batch=args.max_tokens_per_batch, packing=packing)
+        loader = trainer.get_train_dataloader()
+        epochs[batching] = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            epochs[batching].append(list(loader.batch_sampler))
 
     rank = args.process_index
     tokenizer.save_pretrained(output / f"tokenizer-{rank}")

@@ -206,18 +206,18 @@ def test_a_bad_line_in_a_long_file_is_named_counted_and_skipped(tmp_path, caplog
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batches", [(), ("--packing",)], ids=["bucketed", "packed"])
-def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_epoch(tmp_path, batches):
+def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_epoch(tmp_path):
     """Under torchrun with two CPU processes: the corpus is read, the tokenizer trained and the train split tokenized
     by one process only (the other loads the results), both hold byte-identical tokenizer files, and their
-    batches are disjoint and together hold every example once, in each epoch (packed ones too)."""
+    batches are disjoint and together hold every example once, in each epoch, bucketed and packed (one launch: the
+    batching is the trainer's, after the data)."""
     corpus = write_tsv(tmp_path / "pairs.tsv.gz", made_up_pairs(500), compress=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(REPO / "tests" / "distributed_data_worker.py"), str(tmp_path),
                "--corpus", str(corpus), "--preset", "tiny", "--vocab_size", "400", "--tokenizer_train_pairs", "300",
                "--output_dir", str(tmp_path / "out"), "--max_tokens_per_batch", "200", "--ddp_backend", "gloo",
-               "--use_cpu", "--report_to", "none", "--preprocessing_num_workers", "2", *batches]
+               "--use_cpu", "--report_to", "none", "--preprocessing_num_workers", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
@@ -233,12 +233,15 @@ def test_two_processes_prepare_the_data_once_share_the_tokenizer_and_split_the_e
     for name in files:
         assert (tmp_path / "tokenizer-0" / name).read_bytes() == (tmp_path / "tokenizer-1" / name).read_bytes(), name
     examples = ranks[0]["train_examples"]
-    for epoch in range(2):
-        first, second = ([i for batch in rank["epochs"][epoch] for i in batch] for rank in ranks)
-        assert not set(first) & set(second)
-        assert sorted(first + second) == list(range(examples))
-        assert len(ranks[0]["epochs"][epoch]) == len(ranks[1]["epochs"][epoch])
-    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
+    assert sorted(ranks[0]["epochs"]) == ["bucketed", "packed"]
+    assert ranks[0]["epochs"]["bucketed"] != ranks[0]["epochs"]["packed"]  # the packed run's own batches
+    for batching in ("bucketed", "packed"):
+        for epoch in range(2):
+            first, second = ([i for batch in rank["epochs"][batching][epoch] for i in batch] for rank in ranks)
+            assert not set(first) & set(second), batching
+            assert sorted(first + second) == list(range(examples)), batching
+            assert len(ranks[0]["epochs"][batching][epoch]) == len(ranks[1]["epochs"][batching][epoch]), batching
+        assert ranks[0]["epochs"][batching][0] != ranks[0]["epochs"][batching][1], batching
 
 
 ARROW_RETAINED = """

@@ -481,14 +481,15 @@ def test_a_killed_run_resumes_to_the_same_bytes(checkpoint, expected, tmp_path, 
 # (torchrun) and a SIGKILL (torchrun and accelerate launch) finish the file to the bytes of one run.
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_process_count_and_chunk_count_ends_complete_with_status_0(checkpoint, expected, tmp_path, world_size):
-    """One launch translates the file six times, at 1, 4 and 9 chunks (each divides among 2 or 3 processes or does
-    not), twice each, with process 0 slowed so that the others finish their share first: every run must end with
-    the file one process writes and its record marked complete, and the launch with status 0. Before, a process
-    left once its last chunk was done, and process 0 took it for a lost one ("process 1 of 2 … ended (killed or
-    crashed)") and exited 1 with the record not complete. About 30 s a launch on 2 cores (each process imports torch
-    and loads the model; process 0 waits up to 5 s, once, for a process that left): one launch covers six runs."""
+def test_every_process_count_and_chunk_count_ends_complete_with_status_0(checkpoint, expected, tmp_path):
+    """One launch of three processes translates the file six times, at 1, 4 and 9 chunks (processes left without a
+    chunk, an uneven share, an even one; a first, a middle and a last process), twice each, with process 0 slowed so
+    that the others finish their share first: every run must end with the file one process writes and its record
+    marked complete, and the launch with status 0. Before, a process left once its last chunk was done, and process
+    0 took it for a lost one ("process 1 of 2 … ended (killed or crashed)") and exited 1 with the record not
+    complete. About 30 s on 2 cores (each process imports torch and loads the model; process 0 waits up to 5 s, once,
+    for a process that left): one launch covers six runs. Two processes writing one file: test_interruptions.py."""
+    world_size = 3
     input_file = write_input(tmp_path)
     plan = [(input_file, str(tmp_path / f"out-{chunk_lines}-{run}.fr"), chunk_lines)
             for run in range(2) for chunk_lines in (100, 12, 5)]
