@@ -263,6 +263,22 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
 
 
+# The test files that take longest, longest first: their seconds in the suite on the Zen 4 EPYC with a cold inductor
+# cache, as CI runs it (docs/benchmarks.md). scripts/run_tests.sh hands whole files to its test processes in
+# collection order (--dist loadfile --no-loadscope-reorder; xdist's own order is by test count, which put the long
+# files of few tests last), so the files that start last are short ones and no process idles at the end while
+# another runs a long file. The files not named follow in their usual order. A rough order is enough.
+LONGEST_FIRST = ("test_benchmarks", "test_gpu_session", "test_fast_paths", "test_training_interruptions",
+                 "test_decoding", "test_toy_task", "test_interruptions", "test_modeling", "test_decoding_static",
+                 "test_compile_cache", "test_file_translation", "test_training", "test_trainer", "test_data",
+                 "test_convert", "test_decoding_contract", "test_loading", "test_cpu_packing")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file keeps its own order
+
+
 # `scripts/run_tests.sh --quick` sets this: the edit loop's tier, every test that starts no process.
 QUICK_TIER = os.environ.get("VASWANI_QUICK_TESTS") == "1"
 
