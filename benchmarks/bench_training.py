@@ -29,6 +29,7 @@ from vaswani.batching import ShapeBuckets, TokenBatchSampler, pad_to_shape
 from vaswani.files import write_atomically
 from vaswani.inference import keep_freed_cpu_memory
 from vaswani.packing import PackedBatchSampler, PackedSeq2SeqCollator
+from vaswani.trainer import mark_sizes_dynamic
 from vaswani.training import MAX_SHAPE_BUCKETS
 from vaswani.training_clock import compile_cache_hits, compiled_graphs
 
@@ -127,9 +128,8 @@ class Trainee:
 
     def step(self, index: int) -> None:
         batch = {k: v.to(self.device.device, non_blocking=True) for k, v in self.batches[index].items()}
-        for tensor in batch.values() if self.dynamic else ():
-            for dim in range(min(tensor.dim(), 2)):
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if self.dynamic:
+            mark_sizes_dynamic(batch)
         with self.autocast, sdpa_backend(self.attention_kernel):
             loss = self.forward(**batch).loss
         loss.backward()

@@ -21,6 +21,7 @@ import torch
 
 from vaswani import VaswaniConfig, VaswaniForCausalLM, VaswaniForConditionalGeneration
 from vaswani.inference import compile_for_generation
+from vaswani.trainer import mark_sizes_dynamic
 from vaswani.modeling_vaswani import check_ids
 
 from conftest import padded_batch
@@ -72,9 +73,7 @@ def test_compiled_training_step_matches_eager(device, variant, exact_matmuls, si
     for step, (sources, targets) in enumerate([([7, 5, 3], [6, 4, 2]), ([9, 8, 2, 4], [5, 7, 3, 3]), ([4, 11], [9, 2])]):
         batch = _translation_batch(config, sources, targets, seed=10 * step, device=device)
         if step == 0:
-            for tensor in batch.values():
-                for dim in range(tensor.dim()):
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            mark_sizes_dynamic(batch)
         expected = eager(**batch).loss
         actual = compiled(**batch).loss
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

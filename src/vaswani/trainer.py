@@ -34,6 +34,15 @@ from .training_clock import (
 logger = logging.getLogger(__name__)
 
 
+def mark_sizes_dynamic(batch: dict) -> None:
+    """Mark the batch and length dimensions of a batch's tensors dynamic, so that the step torch.compile builds on
+    it is one graph for every batch shape, not a static graph for this shape and then another. The marks stay on
+    these tensors only: mark them where they are on the device the step runs on."""
+    for tensor in batch.values():
+        for dim in range(min(tensor.dim(), 2)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 class ShapePaddedCollator:
     """A data collator whose batches are padded up to their declared shape (`batching.ShapeBuckets`, by the width
     of their longer side, `batching.pad_to_shape`), with `pad_values` per input. A class rather than a closure, so
@@ -253,9 +262,8 @@ class VaswaniSeq2SeqTrainer(StagedCheckpoints, Seq2SeqTrainer):
                 collated = self._train_collate([self._train_features[i] for i in indices])
                 # On the device already, where the marks stay (a copy made later would not carry them).
                 batch = {name: tensor.to(self.args.device) for name, tensor in collated.items()}
-                for tensor in batch.values() if not bucketed else ():
-                    for dim in range(min(tensor.dim(), 2)):
-                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                if not bucketed:
+                    mark_sizes_dynamic(batch)
                 for _ in range(2 if graphed else 1):
                     samples, items = self.get_batch_samples(iter([batch]), 1, self.args.device)
                     self.training_step(model, samples[0], items)
